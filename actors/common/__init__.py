@@ -1,0 +1,1 @@
+"""Pieces shared by several actors: model file resolution and the per-process actor runtime."""

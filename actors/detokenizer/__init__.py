@@ -1,0 +1,1 @@
+"""The detokenizer actor: token ids per scheduler step -> text deltas per request."""

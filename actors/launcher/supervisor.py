@@ -1,0 +1,136 @@
+"""Starts the actor processes, waits until each announces itself ready, and fail-stops the whole ring if
+any of them dies (SGLang's answer to zombie servers: never keep serving with a dead part)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from bus.connection import BusConnection, Delivery
+from bus.embedded_server import die_with_parent
+from bus.messages import ActorReady
+from bus.subjects import Subjects
+from observability.logging import log_event
+
+log = logging.getLogger("launcher")
+STOP_GRACE_SECONDS = 10.0
+
+
+@dataclass
+class ActorSpec:
+    """One actor process to run: `python -m <module> <args>`."""
+
+    role: str
+    rank: int
+    module: str
+    args: list[str]
+    stage: int = 0  # later stages start once every earlier actor is ready (the entry opens its port last)
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}{self.rank}"
+
+
+class Supervisor:
+    """Owns the actor processes of one deployment."""
+
+    def __init__(self, specs: list[ActorSpec], nats_url: str, subjects: Subjects) -> None:
+        self._specs = specs
+        self._nats_url = nats_url
+        self._subjects = subjects
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._stop = asyncio.Event()
+
+    async def run(self, startup_timeout: float, on_ready: Callable[[], None]) -> int:
+        """Run until a signal (exit 0) or an actor's death or a failed start (exit 1)."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._stop.set)
+        bus = await BusConnection.connect(self._nats_url, "launcher")
+        ready: set[tuple[str, int]] = set()
+
+        async def on_actor_ready(msg: ActorReady, delivery: Delivery) -> None:
+            ready.add((msg.role, msg.rank))
+            log_event(log, logging.INFO, "actor ready", actor=f"{msg.role}{msg.rank}", pid=msg.pid)
+
+        await bus.subscribe(self._subjects.ready, ActorReady, on_actor_ready)
+        await bus.flush()
+        try:
+            deadline = time.monotonic() + startup_timeout
+            code = None
+            for stage in sorted({spec.stage for spec in self._specs}):
+                stage_specs = [spec for spec in self._specs if spec.stage == stage]
+                for spec in stage_specs:
+                    self._spawn(spec)
+                code = await self._wait_ready(ready, {(s.role, s.rank) for s in stage_specs}, deadline)
+                if code is not None:
+                    break
+            if code is None:
+                on_ready()
+                code = await self._watch()
+            return code
+        finally:
+            self._terminate_all()
+            await bus.close()
+
+    def _spawn(self, spec: ActorSpec) -> None:
+        argv = [sys.executable, "-m", spec.module, "--nats-url", self._nats_url,
+                "--namespace", self._subjects.namespace, *spec.args]
+        # own session: a terminal's Ctrl-C reaches only the launcher, which then stops actors in order
+        self._procs[spec.name] = subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent,
+                                                  start_new_session=True)
+        log_event(log, logging.INFO, "started actor", actor=spec.name, pid=self._procs[spec.name].pid)
+
+    def _dead_actor(self) -> str | None:
+        for name, proc in self._procs.items():
+            if proc.poll() is not None:
+                return f"actor {name} (pid {proc.pid}) exited with code {proc.returncode}"
+        return None
+
+    async def _wait_ready(self, ready: set[tuple[str, int]], wanted: set[tuple[str, int]],
+                          deadline: float) -> int | None:
+        while not wanted <= ready:
+            if self._stop.is_set():
+                return 0
+            dead = self._dead_actor()
+            if dead is not None:
+                log_event(log, logging.ERROR, f"{dead} during startup; stopping ringserve")
+                return 1
+            if time.monotonic() > deadline:
+                missing = ", ".join(f"{r}{k}" for r, k in sorted(wanted - ready))
+                log_event(log, logging.ERROR, f"not ready in time: {missing}; stopping ringserve")
+                return 1
+            await asyncio.sleep(0.1)
+        return None
+
+    async def _watch(self) -> int:
+        while not self._stop.is_set():
+            dead = self._dead_actor()
+            if dead is not None:
+                log_event(log, logging.ERROR, f"{dead}; stopping every actor (fail-stop)")
+                return 1
+            try:
+                await asyncio.wait_for(self._stop.wait(), timeout=0.2)
+            except asyncio.TimeoutError:
+                pass
+        log_event(log, logging.INFO, "shutting down")
+        return 0
+
+    def _terminate_all(self) -> None:
+        for proc in reversed(self._procs.values()):  # the entry first: stop taking requests
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
+        for name, proc in self._procs.items():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log_event(log, logging.WARNING, "actor did not stop in time; killing it", actor=name)
+                proc.kill()
+                proc.wait()

@@ -1,0 +1,1 @@
+"""The tokenizer actor: chat template, tokenization and sampling-parameter validation."""

@@ -1,0 +1,68 @@
+"""Tokenizer actor: `{ns}.req.submit` -> validate + tokenize -> `{ns}.req.tokenized`, errors to `{ns}.out.{rid}`.
+
+Several tokenizer processes may serve one deployment: they share the submit subject through a queue group.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from actors.common.model_source import load_config, load_tokenizer, resolve_model
+from actors.common.runtime import ActorContext
+from actors.tokenizer.prompt import PromptEncoder
+from actors.tokenizer.validation import ParamError, validate_sampling
+from bus.connection import Delivery
+from bus.messages import ErrorInfo, GenerateRequest, RequestOutput, TokenizedRequest
+from bus.subjects import TOKENIZER_QUEUE, InvalidRidError, validate_rid
+from observability.logging import log_event
+
+log = logging.getLogger("tokenizer")
+
+
+def eos_token_ids(config: Any, tokenizer: Any) -> list[int]:
+    """Every id that ends generation: the config's eos_token_id (int or list) and the tokenizer's."""
+    ids = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+    ids = [*ids, tokenizer.eos_token_id]
+    return sorted({i for i in ids if isinstance(i, int)})
+
+
+class TokenizerActor:
+    """Owns the prompt encoder and the validation rules; keeps no per-request state."""
+
+    def __init__(self, ctx: ActorContext, model: str) -> None:
+        self._ctx = ctx
+        source = resolve_model(model)
+        tokenizer = load_tokenizer(source)
+        config = load_config(source)
+        self._encoder = PromptEncoder(tokenizer)
+        self._context_length = int(config.max_position_embeddings)
+        self._eos_ids = eos_token_ids(config, tokenizer)
+
+    async def start(self) -> dict[str, Any]:
+        await self._ctx.bus.subscribe(self._ctx.subjects.submit, GenerateRequest, self._on_submit, queue=TOKENIZER_QUEUE)
+        return {"context_length": self._context_length, "eos_token_ids": self._eos_ids}
+
+    async def _on_submit(self, req: GenerateRequest, delivery: Delivery) -> None:
+        try:
+            validate_rid(req.rid)
+        except InvalidRidError as exc:
+            log_event(log, logging.WARNING, "dropped request with invalid rid", error=str(exc))
+            return
+        try:
+            input_ids = self._encoder.encode(req)
+            sampling = validate_sampling(
+                req.sampling, len(input_ids), self._context_length, self._encoder.vocab_size, self._eos_ids
+            )
+        except ParamError as exc:
+            error = ErrorInfo(message=str(exc), param=exc.param)
+            await self._ctx.bus.publish(self._ctx.subjects.output(req.rid), RequestOutput(rid=req.rid, error=error),
+                                        delivery.traceparent)
+            return
+        tokenized = TokenizedRequest(rid=req.rid, input_ids=input_ids, sampling=sampling)
+        await self._ctx.bus.publish(self._ctx.subjects.tokenized, tokenized, delivery.traceparent)
+
+
+async def tokenizer_main(ctx: ActorContext, model: str) -> dict[str, Any]:
+    """Entry point for the runtime: build the actor and subscribe."""
+    return await TokenizerActor(ctx, model).start()

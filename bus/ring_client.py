@@ -1,0 +1,82 @@
+"""Submit a request to the ring and stream its outputs: what the HTTP entry (or any Python client) uses.
+
+The protocol, for clients in any language: subscribe to `{ns}.out.{rid}`, publish a GenerateRequest on
+`{ns}.req.submit`, read RequestOutput deltas until one has `finish` or `error`; publish an AbortRequest on
+`{ns}.abort.{rid}` to stop early.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+from nats.aio.subscription import Subscription
+
+from bus.connection import BusConnection, Delivery
+from bus.messages import AbortRequest, ErrorInfo, GenerateRequest, RequestOutput
+from bus.subjects import Subjects, validate_rid
+
+
+class RequestStream:
+    """The outputs of one submitted request, in order; closing it early aborts the request."""
+
+    def __init__(self, bus: BusConnection, subjects: Subjects, rid: str, traceparent: str | None) -> None:
+        self.rid = rid
+        self.finished = False
+        self._bus = bus
+        self._subjects = subjects
+        self._traceparent = traceparent
+        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._sub: Subscription | None = None
+
+    async def _open(self, request: GenerateRequest) -> None:
+        async def on_output(out: RequestOutput, delivery: Delivery) -> None:
+            self._queue.put_nowait(out)
+
+        self._sub = await self._bus.subscribe(self._subjects.output(self.rid), RequestOutput, on_output)
+        await self._bus.publish(self._subjects.submit, request, self._traceparent)
+
+    async def next(self) -> RequestOutput:
+        """The next output delta; after the last one (finish or error) the stream is finished."""
+        out = await self._queue.get()
+        if out.is_last:
+            self.finished = True
+            await self._unsubscribe()
+        return out
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while not self.finished:
+            yield await self.next()
+
+    def fail(self, error: ErrorInfo) -> None:
+        """End the stream locally with `error` (the reader's next output), e.g. when this process shuts down."""
+        if not self.finished:
+            self._queue.put_nowait(RequestOutput(rid=self.rid, error=error))
+
+    async def abort(self, reason: str = "client") -> None:
+        """Ask the scheduler to stop this request and free its KV cache now."""
+        if not self.finished:
+            self.finished = True
+            await self._unsubscribe()
+            await self._bus.publish(self._subjects.abort(self.rid), AbortRequest(rid=self.rid, reason=reason),
+                                    self._traceparent)
+
+    async def _unsubscribe(self) -> None:
+        if self._sub is not None:
+            sub, self._sub = self._sub, None
+            await sub.unsubscribe()
+
+
+class RingClient:
+    """Submits GenerateRequests over one bus connection."""
+
+    def __init__(self, bus: BusConnection, subjects: Subjects) -> None:
+        self.bus = bus
+        self.subjects = subjects
+
+    async def submit(self, request: GenerateRequest, traceparent: str | None = None) -> RequestStream:
+        """Subscribe to the request's output subject, then publish it; returns the stream of outputs."""
+        validate_rid(request.rid)
+        stream = RequestStream(self.bus, self.subjects, request.rid, traceparent)
+        await stream._open(request)
+        return stream

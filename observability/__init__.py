@@ -1,0 +1,1 @@
+"""Observability: structured logging and W3C trace context. Imports nothing else of ringserve."""

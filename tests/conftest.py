@@ -1,0 +1,27 @@
+"""Shared fixtures: a real NATS server and a real ringserve serving SmolLM2-135M-Instruct."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+
+from bus.embedded_server import EmbeddedNatsServer
+from tests.server_helpers import ServerHandle, start_server
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="session")
+def nats_server() -> Iterator[EmbeddedNatsServer]:
+    with EmbeddedNatsServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def smollm_server(nats_server: EmbeddedNatsServer) -> Iterator[ServerHandle]:
+    """The real model behind the whole ring, on a NATS server the tests can also talk to directly."""
+    handle = start_server(DEFAULT_MODEL, nats_url=nats_server.url)
+    yield handle
+    code = handle.stop()
+    assert code == 0, f"ringserve exited with {code} on Ctrl-C:\n{handle.log()[-3000:]}"

@@ -1,0 +1,92 @@
+"""Start and stop a real `ringserve serve` process for tests, and small HTTP/SSE helpers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+
+from bus.embedded_server import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class ServerHandle:
+    """A running ringserve launcher."""
+
+    proc: subprocess.Popen[bytes]
+    base_url: str
+    nats_url: str | None
+    namespace: str
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_server(model: str, nats_url: str | None = None, extra: list[str] | None = None,
+                 timeout: float = 300.0) -> ServerHandle:
+    """Launch `ringserve serve` and wait for its ready line; raises with the log if it does not come."""
+    port = free_port()
+    namespace = f"t{uuid.uuid4().hex[:10]}"
+    log_path = Path(tempfile.mkstemp(prefix="ringserve-test-", suffix=".log")[1])
+    argv = [sys.executable, "-m", "actors.launcher.cli", "serve", "--model", model, "--port", str(port),
+            "--namespace", namespace, *(["--nats-url", nats_url] if nats_url else []), *(extra or [])]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, env=env)
+    handle = ServerHandle(proc, f"http://127.0.0.1:{port}", nats_url, namespace, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if "ringserve is ready" in handle.log():
+            return handle
+        if proc.poll() is not None:
+            raise RuntimeError(f"ringserve exited with {proc.returncode} during startup:\n{handle.log()[-4000:]}")
+        time.sleep(0.2)
+    handle.stop()
+    raise TimeoutError(f"ringserve not ready after {timeout}s:\n{handle.log()[-4000:]}")
+
+
+def sse_events(response: httpx.Response) -> Iterator[Any]:
+    """Decoded `data:` payloads of an SSE response, ending with the string "[DONE]"."""
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            yield payload if payload == "[DONE]" else json.loads(payload)
+
+
+def server_info(base_url: str) -> dict[str, Any]:
+    return httpx.get(f"{base_url}/get_server_info", timeout=10).json()
+
+
+def wait_until_idle(base_url: str, timeout: float = 20.0) -> dict[str, Any]:
+    """Poll /get_server_info until no request runs or waits and no KV is held; returns the last info."""
+    deadline = time.monotonic() + timeout
+    info = server_info(base_url)
+    while time.monotonic() < deadline:
+        info = server_info(base_url)
+        if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0 and info["kv_used_tokens"] == 0:
+            return info
+        time.sleep(0.1)
+    return info

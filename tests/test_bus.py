@@ -1,0 +1,101 @@
+"""The bus layer: subject scheme, rid validation, typed msgpack codec, and a real NATS round trip."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+
+import msgpack
+import pytest
+
+from bus.codec import DecodeError, decode, encode
+from bus.connection import BusConnection
+from bus.embedded_server import EmbeddedNatsServer
+from bus.messages import (
+    BatchTokenOutput, ChatMessage, FinishReason, GenerateRequest, InfoQuery, RequestOutput, SamplingParams,
+    SchedulerInfo, TokenRow,
+)
+from bus.subjects import InvalidRidError, Subjects, detokenizer_shard, new_rid, validate_rid
+from observability.traceparent import is_valid_traceparent
+
+
+@pytest.mark.parametrize("rid", ["a.b", "*", ">", "a b", "a\tb", "", "x" * 65, "é", None, 5])
+def test_rids_that_would_break_routing_are_rejected(rid: object) -> None:
+    with pytest.raises(InvalidRidError):
+        validate_rid(rid)
+    with pytest.raises(InvalidRidError):
+        Subjects().output(rid)  # type: ignore[arg-type]
+
+
+def test_generated_rids_are_valid_and_distinct() -> None:
+    rids = {new_rid() for _ in range(1000)}
+    assert len(rids) == 1000 and all(validate_rid(r) for r in rids)
+    assert Subjects("ns").output("abc_-1") == "ns.out.abc_-1"
+    assert Subjects("ns").rid_of("ns.abort.abc") == "abc"
+
+
+def test_shard_is_stable_and_in_range() -> None:
+    assert detokenizer_shard("abc", 4) == detokenizer_shard("abc", 4)
+    assert {detokenizer_shard(new_rid(), 3) for _ in range(200)} == {0, 1, 2}
+
+
+def test_round_trip_of_nested_messages() -> None:
+    batch = BatchTokenOutput(step=3, rows=[
+        TokenRow("r1", [1, 2, 3], 5, 3, FinishReason("stop", "</s>"), SamplingParams(max_new_tokens=4, stop=["x"])),
+        TokenRow("r2", [9], 2, 1, FinishReason("stop", 2)),
+        TokenRow("r3", [], 2, 0),
+    ])
+    assert decode(encode(batch), BatchTokenOutput) == batch
+    req = GenerateRequest(rid="r", messages=[ChatMessage("user", "你好 😀")], sampling={"temperature": 0.5})
+    assert decode(encode(req), GenerateRequest) == req
+
+
+@pytest.mark.parametrize("payload", [
+    b"\xc1garbage",
+    msgpack.packb([1, 2, 3]),
+    msgpack.packb({"type": "RequestOutput", "body": {"rid": 5}}),
+    msgpack.packb({"type": "RequestOutput", "body": {"text": "no rid"}}),
+    msgpack.packb({"type": "BatchTokenOutput", "body": {"step": 1, "rows": [{"rid": "a", "token_ids": ["x"],
+                                                                             "prompt_tokens": 1, "completion_tokens": 1}]}}),
+    msgpack.packb({"type": "TokenRow", "body": {}}),
+    pickle.dumps(RequestOutput("a")),
+])
+def test_malformed_payloads_raise_decode_error(payload: bytes) -> None:
+    expected = BatchTokenOutput if b"BatchTokenOutput" in payload else RequestOutput
+    with pytest.raises(DecodeError):
+        decode(payload, expected)
+
+
+def test_unknown_fields_are_ignored_for_forward_compatibility() -> None:
+    payload = msgpack.packb({"type": "RequestOutput", "body": {"rid": "a", "text": "hi", "future_field": [1]}})
+    assert decode(payload, RequestOutput) == RequestOutput(rid="a", text="hi")
+
+
+def test_publish_subscribe_and_request_over_a_real_nats_server() -> None:
+    async def scenario() -> None:
+        with EmbeddedNatsServer() as server:
+            bus = await BusConnection.connect(server.url, "test")
+            subjects = Subjects("unit")
+            received: asyncio.Queue = asyncio.Queue()
+
+            async def on_output(msg: RequestOutput, delivery) -> None:
+                await received.put((msg, delivery))
+
+            async def on_info(query: InfoQuery, delivery) -> SchedulerInfo:
+                return SchedulerInfo(0, 1, 2, 3, 4, 5, 6, "m")
+
+            await bus.subscribe(subjects.output("r1"), RequestOutput, on_output)
+            await bus.subscribe(subjects.scheduler_info, InfoQuery, on_info)
+            parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+            await bus.publish(subjects.output("r1"), RequestOutput("r1", text="a"), traceparent=parent)
+            await bus.client.publish(subjects.output("r1"), b"not msgpack")  # dropped, not fatal
+            await bus.publish(subjects.output("r1"), RequestOutput("r1", text="b"))
+            first, d1 = await asyncio.wait_for(received.get(), 5)
+            second, d2 = await asyncio.wait_for(received.get(), 5)
+            assert (first.text, second.text) == ("a", "b")
+            assert d1.traceparent == parent and is_valid_traceparent(d2.traceparent)
+            info = await bus.request(subjects.scheduler_info, InfoQuery(), SchedulerInfo, timeout=5)
+            assert info.kv_total_tokens == 4
+            await bus.close()
+
+    asyncio.run(scenario())

@@ -1,0 +1,76 @@
+"""`ringserve serve` as a whole: a safetensors model directory, embedded NATS, fail-stop when an actor dies."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server_helpers import REPO, start_server
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight Llama saved as safetensors, with the real SmolLM2 tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from actors.common.model_source import load_tokenizer, resolve_model
+
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    load_tokenizer(resolve_model("SmolLM2-135M-Instruct")).save_pretrained(directory)
+    assert list(directory.glob("*.safetensors"))
+    return directory
+
+
+def test_bad_model_fails_fast_with_a_message() -> None:
+    result = subprocess.run([sys.executable, "-m", "actors.launcher.cli", "serve", "--model", "/no/such/model"],
+                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "/no/such/model" in result.stderr
+
+
+def test_serves_a_safetensors_directory_then_fail_stops_when_an_actor_dies(tiny_model_dir: Path) -> None:
+    server = start_server(str(tiny_model_dir))  # no --nats-url: the launcher embeds its own NATS server
+    try:
+        reply = httpx.post(server.base_url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4,
+                                                                     "temperature": 0}, timeout=60)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
+        assert httpx.get(server.base_url + "/v1/models", timeout=10).json()["data"][0]["max_model_len"] == 512
+
+        outcome: dict[str, object] = {}
+
+        def long_stream() -> None:
+            body = {"prompt": "Hello", "max_tokens": 400, "ignore_eos": True, "stream": True}
+            try:
+                with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=60) as response:
+                    for _ in response.iter_lines():
+                        pass
+                outcome["ended"] = "closed"
+            except httpx.HTTPError as exc:
+                outcome["ended"] = repr(exc)
+
+        client = threading.Thread(target=long_stream)
+        client.start()
+        time.sleep(1.0)
+        pid = int(re.search(r"started actor actor=scheduler0 pid=(\d+)", server.log()).group(1))
+        os.kill(pid, signal.SIGKILL)
+        server.proc.wait(timeout=30)
+        assert server.proc.returncode == 1
+        assert re.search(r"actor scheduler0 \(pid \d+\) exited with code -9", server.log())
+        client.join(timeout=30)
+        assert not client.is_alive() and "ended" in outcome, "an in-flight request hung after the scheduler died"
+    finally:
+        server.stop()

@@ -1,0 +1,78 @@
+"""Sampling-parameter validation and prompt encoding, as the tokenizer actor runs them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from actors.tokenizer.validation import ParamError, validate_sampling
+from bus.messages import SamplingParams
+
+CTX, VOCAB, EOS = 100, 1000, [2]
+
+
+def check(raw: dict, prompt_tokens: int = 10) -> SamplingParams:
+    return validate_sampling(raw, prompt_tokens, CTX, VOCAB, EOS)
+
+
+@pytest.mark.parametrize("raw, param", [
+    ({"temperature": math.nan}, "temperature"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"temperature": True}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": 2.5}, "top_k"),
+    ({"top_k": -5}, "top_k"),
+    ({"top_k": "3"}, "top_k"),
+    ({"max_new_tokens": 0}, "max_tokens"),
+    ({"max_new_tokens": 5.0}, "max_tokens"),
+    ({"max_new_tokens": 91}, "max_tokens"),
+    ({"seed": -1}, "seed"),
+    ({"seed": 1.5}, "seed"),
+    ({"stop": ""}, "stop"),
+    ({"stop": [1, 2]}, "stop"),
+    ({"stop": ["x"] * 33}, "stop"),
+    ({"stop_token_ids": [VOCAB]}, "stop_token_ids"),
+    ({"ignore_eos": "yes"}, "ignore_eos"),
+    ({"frobnicate": 1}, "frobnicate"),
+])
+def test_invalid_parameters_name_the_parameter(raw: dict, param: str) -> None:
+    with pytest.raises(ParamError) as err:
+        check(raw)
+    assert err.value.param == param
+
+
+def test_prompt_that_fills_the_context_is_rejected_without_max_tokens() -> None:
+    with pytest.raises(ParamError):
+        check({}, prompt_tokens=CTX)
+
+
+def test_defaults_and_normalisation() -> None:
+    params = check({"top_k": 0, "stop": "END", "stop_token_ids": [7]})
+    assert params.max_new_tokens == CTX - 10
+    assert (params.temperature, params.top_p, params.top_k) == (1.0, 1.0, -1)
+    assert params.stop == ["END"] and params.stop_token_ids == [7, 2]
+    assert check({"ignore_eos": True}).stop_token_ids == []
+    assert check({"max_new_tokens": 90, "temperature": 0}).max_new_tokens == 90
+
+
+def test_chat_template_and_prompt_forms() -> None:
+    from actors.common.model_source import load_tokenizer, resolve_model
+    from actors.tokenizer.prompt import PromptEncoder
+    from bus.messages import ChatMessage, GenerateRequest
+
+    tokenizer = load_tokenizer(resolve_model("SmolLM2-135M-Instruct"))
+    encoder = PromptEncoder(tokenizer)
+    chat = GenerateRequest(rid="r", messages=[ChatMessage("user", "你好 😀")])
+    expected = tokenizer.apply_chat_template([{"role": "user", "content": "你好 😀"}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=False)
+    assert encoder.encode(chat) == list(expected)
+    assert encoder.encode(GenerateRequest(rid="r", input_ids=[5, 6])) == [5, 6]
+    assert encoder.encode(GenerateRequest(rid="r", text="Hello")) == tokenizer.encode("Hello")
+    for bad in (GenerateRequest(rid="r"), GenerateRequest(rid="r", text="a", input_ids=[1]),
+                GenerateRequest(rid="r", messages=[]), GenerateRequest(rid="r", messages=[ChatMessage("robot", "x")]),
+                GenerateRequest(rid="r", input_ids=[encoder.vocab_size]), GenerateRequest(rid="r", text="")):
+        with pytest.raises(ParamError):
+            encoder.encode(bad)
