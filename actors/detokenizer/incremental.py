@@ -1,0 +1,140 @@
+"""Incremental detokenization of one request's output, with SGLang's offsets and stop-string hold-back.
+
+`IncrementalDecoder.feed` turns newly generated token ids into a text delta that is safe to send: never a
+partial UTF-8 character and never any part of a stop string that is (or may still become) trimmed. The
+concatenated deltas equal a one-shot `tokenizer.decode` of the same ids with the same trimming, for any split
+of the ids into feeds.
+
+Token coordinates follow SGLang's DecodeStatus. `read_offset` ends the committed tokens; `surr_offset` starts
+the "surrounding" tokens of the previous commit, kept only as decode context (tokenizers that drop a leading
+space need it). Each step decodes `ids[surr:read]` and `ids[surr:]`; the difference is the new text. Ids
+before `surr_offset` are dropped, so the cost of a step depends on the chunk size, never on the output
+length. Committed text stays in a small unsent buffer only while it could be the start of a stop string;
+because such text is always held back, a stop string can only begin inside that buffer, so the search for
+stop strings looks at a bounded tail too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bus.messages import FinishReason, SamplingParams
+
+REPLACEMENT_CHAR = "\ufffd"  # what decode yields for an incomplete or invalid UTF-8 sequence
+MAX_PENDING_TOKENS = 4  # a valid character's bytes span at most 4 tokens; past that the bytes are invalid
+
+
+class IncrementalDecoder:
+    """One request's decode state: feed token ids, get sendable text deltas back.
+
+    `ids` holds only `ids[surr_offset:]` of the request's output; `surr_offset` and `read_offset` are
+    token indices into the whole output.
+    """
+
+    def __init__(self, tokenizer: Any, params: SamplingParams) -> None:
+        self._tokenizer = tokenizer
+        self._params = params
+        self._stops = [s for s in params.stop if s]
+        self.ids: list[int] = []
+        self.surr_offset = 0
+        self.read_offset = 0
+        self._stable = 0  # chars of the pending text (after read_offset) already moved to _unsent
+        self._stall = 0  # token index where the pending text last completed a character
+        self._unsent = ""  # committed text not yet sent: a possible stop-string start
+        self._stop_hit: str | None = None
+        self._done = False
+
+    @property
+    def stop_hit(self) -> str | None:
+        """The stop string found in the decoded text, if any; nothing from its start on is ever sent."""
+        return self._stop_hit
+
+    def feed(self, token_ids: list[int], finish: FinishReason | None = None) -> str:
+        """Add newly generated ids; return the text now safe to send (the final delta when `finish` is given).
+
+        After a stop string was found, further ids are ignored. Raises RuntimeError once finished.
+        """
+        if self._done:
+            raise RuntimeError("IncrementalDecoder.feed after finish")
+        self._done = finish is not None
+        if self._stop_hit is not None:
+            return ""
+        ids = list(token_ids)
+        matched = finish.matched if finish is not None and finish.type == "stop" else None
+        if isinstance(matched, int) and not isinstance(matched, bool) and ids and ids[-1] == matched:
+            ids.pop()  # the stop token (EOS or a stop_token_id) is never part of the text
+        if not ids and finish is None:
+            return ""
+        self.ids.extend(ids)
+        text = self._pending_text(self._end())
+        if finish is None and text.endswith(REPLACEMENT_CHAR):
+            stable = len(text.rstrip(REPLACEMENT_CHAR))
+            if stable > self._stable:  # characters before the incomplete tail are final: release them
+                self._unsent += text[self._stable : stable]
+                self._stable, self._stall = stable, self._end()
+            elif self._end() - self._stall > MAX_PENDING_TOKENS:
+                # No character completed in that many tokens: the bytes are invalid. Commit all but the last
+                # 3 tokens, which may hold the start of a valid character (SGLang #34740: never committing).
+                cut = self._end() - MAX_PENDING_TOKENS + 1
+                self._commit(cut, self._pending_text(cut))
+        else:
+            self._commit(self._end(), text)
+        return self._release(finish, matched if isinstance(matched, str) else None)
+
+    def _end(self) -> int:
+        """Token index just past the last fed id."""
+        return self.surr_offset + len(self.ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        if not ids:
+            return ""
+        return self._tokenizer.decode(
+            ids, skip_special_tokens=self._params.skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+    def _pending_text(self, end: int) -> str:
+        """Text of the ids in [read_offset, end): decode(ids[surr:end]) minus decode(ids[surr:read])."""
+        prefix = self._decode(self.ids[: self.read_offset - self.surr_offset])
+        return self._decode(self.ids[: end - self.surr_offset])[len(prefix) :]
+
+    def _commit(self, end: int, text: str) -> None:
+        """Move the rest of `text` (the ids up to `end`) to `_unsent`, advance the offsets, drop old ids."""
+        self._unsent += text[self._stable :]
+        del self.ids[: self.read_offset - self.surr_offset]
+        self.surr_offset = self.read_offset
+        self.read_offset = self._stall = end
+        self._stable = 0
+
+    def _release(self, finish: FinishReason | None, matched: str | None) -> str:
+        """Return the sendable part of `_unsent`: cut at a stop string, else keep a possible stop prefix."""
+        text = self._unsent
+        stops = self._stops + [matched] if matched else self._stops
+        hit = first_stop(text, stops)
+        if hit is not None:
+            start, stop = hit
+            self._stop_hit = stop
+            self._unsent, self.ids = "", []
+            return text[: start + len(stop)] if self._params.no_stop_trim else text[:start]
+        keep = 0 if finish is not None else held_suffix(text, stops)
+        self._unsent = text[len(text) - keep :]
+        return text[: len(text) - keep]
+
+
+def first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    """The stop string that completes first in `text` (earliest end, then earliest start), with its start."""
+    best: tuple[int, int, str] | None = None
+    for stop in stops:
+        start = text.find(stop)
+        if start >= 0 and (best is None or (start + len(stop), start) < best[:2]):
+            best = (start + len(stop), start, stop)
+    return None if best is None else (best[1], best[2])
+
+
+def held_suffix(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+    longest = max((len(s) for s in stops), default=1) - 1
+    for k in range(min(len(text), longest), 0, -1):
+        tail = text[-k:]
+        if any(s.startswith(tail) for s in stops):
+            return k
+    return 0
