@@ -161,7 +161,18 @@ def test_invalid_bytes_eventually_commit(tok: Any) -> None:
     # once more than 4 tokens are pending, all but the last 3 commit; then every 2 tokens
     assert deltas[:7] == ["", "", "", "", "\ufffd" * 2, "", "\ufffd" * 2]
     assert len(dec.ids) <= 2 * MAX_PENDING_TOKENS  # the window stays bounded
-    assert "".join(deltas) + dec.feed([], FinishReason("length")) == tok.decode([lone] * 40)
+    text = "".join(deltas) + dec.feed([], FinishReason("length"))
+    # committed invalid bytes stay visible; the still-pending tail at the end is dropped like a cut character
+    assert tok.decode([lone] * 40).startswith(text) and len(text) >= 40 - MAX_PENDING_TOKENS
+
+
+def test_character_cut_off_by_the_end_of_generation_is_dropped(tok: Any) -> None:
+    ids = tok.encode("ok 😀")
+    cut = ids[:-1]  # generation stopped (max_tokens) inside the emoji's bytes
+    assert tok.decode(cut).endswith("\ufffd")
+    for sizes in ([1], [len(cut)]):
+        deltas = stream(tok, cut, sizes, params(), FinishReason("length"))
+        assert "".join(deltas) == "ok " and all("\ufffd" not in d for d in deltas)
 
 
 def test_forced_commit_never_splits_a_valid_character(tok: Any) -> None:

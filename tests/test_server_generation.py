@@ -77,7 +77,9 @@ def test_chat_text_equals_transformers_text(smollm_server: ServerHandle, hf_refe
     for prompt, expected in list(zip(PROMPTS, hf_reference["outputs"]))[:2]:
         body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": MAX_NEW, "temperature": 0}
         reply = httpx.post(smollm_server.base_url + "/v1/chat/completions", json=body, timeout=120).json()
-        assert reply["choices"][0]["message"]["content"] == tokenizer.decode(expected, skip_special_tokens=True)
+        # a character whose bytes max_tokens cut off is dropped, not sent as U+FFFD (the CJK prompt hits this)
+        hf_text = tokenizer.decode(expected, skip_special_tokens=True).rstrip("\ufffd")
+        assert reply["choices"][0]["message"]["content"] == hf_text
 
 
 @pytest.mark.parametrize("prompt", [PROMPTS[1], PROMPTS[3], PROMPTS[4]])

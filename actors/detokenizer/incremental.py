@@ -67,6 +67,9 @@ class IncrementalDecoder:
             return ""
         self.ids.extend(ids)
         text = self._pending_text(self._end())
+        if finish is not None:
+            # bytes of a character cut off by the end of generation will never complete: drop them
+            text = text.rstrip(REPLACEMENT_CHAR)
         if finish is None and text.endswith(REPLACEMENT_CHAR):
             stable = len(text.rstrip(REPLACEMENT_CHAR))
             if stable > self._stable:  # characters before the incomplete tail are final: release them

@@ -1,0 +1,80 @@
+"""The attention backend contract: how one forward step's attention reads and writes the paged KV pool.
+
+A step is a flat batch of `T` new tokens belonging to `B` requests. Request `b` brings `q_len[b]` new tokens
+whose keys and values are appended after its `kv_len[b] - q_len[b]` cached ones, and each new token attends
+causally to everything before it in its own request. Prefill (no prefix), decode (`q_len == 1`) and mixed
+batches are all this one "extend" shape.
+
+The KV pool holds token slots with page size 1: `k_pool[layer, slot]` is one token's keys `[n_kv_heads,
+head_dim]`. A request's page table is the list of its slots in token order; `kv_slots` carries those rows,
+padded to the longest `kv_len` of the step.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step inputs shared by every layer, built once per step by `AttentionBackend.prepare`.
+
+    `*_cpu` fields are host lists (used for shapes without a device sync); tensors live on the pool's device.
+    Backends subclass this to add what their kernels need (masks, index maps, plan handles).
+    """
+
+    q_lens_cpu: list[int]  # [B] new tokens per request
+    kv_lens_cpu: list[int]  # [B] cached + new tokens per request
+    kv_slots: torch.Tensor  # [B, max_kv] int64 page-table rows; entries past kv_len are padding
+    out_slots: torch.Tensor  # [T] int64 slot where each new token's K/V is written
+    last_index: torch.Tensor  # [B] int64 position in the flat batch of each request's last new token
+
+
+class AttentionBackend(ABC):
+    """Writes new K/V into the paged pool and computes attention for one layer at a time.
+
+    Call `prepare` once per step (all index and mask tensors are built there, never per layer), then
+    `forward` once per layer with that metadata.
+
+    Plugging in other implementations: a FlashInfer backend does its planning (`plan()` of the prefill and
+    decode wrappers over `kv_slots` as a page-size-1 paged layout) in `prepare` and calls `run()` in `forward`;
+    a Triton backend builds its extend/decode index buffers in `prepare`. CUDA-graph support extends this
+    contract with three hooks, added together with the graph runner that calls them: allocate static
+    metadata buffers sized for the largest captured batch, fill them with dummy values before capture, and
+    copy a real step's metadata into them before replay; `forward` must then read only those static buffers,
+    so the graph runner stays backend-agnostic.
+    """
+
+    def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, num_heads: int) -> None:
+        """`k_pool`/`v_pool`: `[num_layers, num_slots, n_kv_heads, head_dim]`, owned by the KV cache."""
+        self.k_pool = k_pool
+        self.v_pool = v_pool
+        self.num_heads = num_heads
+        self.num_kv_heads = k_pool.shape[2]
+        self.head_dim = k_pool.shape[3]
+
+    @abstractmethod
+    def prepare(
+        self, q_lens_cpu: list[int], kv_lens_cpu: list[int], kv_slots: torch.Tensor, out_slots: torch.Tensor
+    ) -> AttentionMetadata:
+        """Build the step's metadata. `kv_slots` `[B, >= max kv_len]` already contains the new tokens' slots."""
+
+    @abstractmethod
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Store `k`, `v` `[T, n_kv_heads, head_dim]` at `meta.out_slots` and attend with `q` `[T, n_heads,
+        head_dim]`; returns `[T, n_heads, head_dim]`."""
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer: int, meta: AttentionMetadata) -> None:
+        """Write the step's new keys and values into their slots of `layer`."""
+        self.k_pool[layer].index_copy_(0, meta.out_slots, k)
+        self.v_pool[layer].index_copy_(0, meta.out_slots, v)
+
+
+def last_token_index(q_lens_cpu: list[int], device: torch.device) -> torch.Tensor:
+    """`[B]` index of each request's last new token in the flat batch."""
+    return torch.tensor(q_lens_cpu, dtype=torch.int64, device=device).cumsum(0) - 1

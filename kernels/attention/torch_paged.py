@@ -1,0 +1,120 @@
+"""Plain-torch paged attention: the reference backend, and the one that runs on CPU.
+
+Every step is an "extend": each request's new queries attend to its gathered (prefix + new) keys under a
+causal mask shifted by the prefix length, through `scaled_dot_product_attention` with a boolean mask.
+Requests are padded to the longest query and key length of their group. Decode rows (one query) and
+extend rows form separate groups, so a long prefill does not pad every decode row of a mixed batch to its
+length; both groups go through the same code.
+
+GQA without copying K/V: the `rep = n_heads / n_kv_heads` query heads sharing one KV head are folded into
+the query-length axis, `[Bg, n_kv_heads, rep * max_q, head_dim]`, and the mask is repeated to match.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from kernels.attention.backend import AttentionBackend, AttentionMetadata, last_token_index
+
+
+@dataclass
+class PaddedGroup:
+    """A sub-batch of requests padded to common query and key lengths."""
+
+    q_index: torch.Tensor  # [Bg, max_q] flat token index per padded query row (padding repeats the last one)
+    kv_slots: torch.Tensor  # [Bg, max_kv] pool slots to gather keys/values from
+    mask: torch.Tensor  # [Bg, 1, rep * max_q, max_kv] bool, True = may attend
+    src: torch.Tensor  # [Tg] padded output rows (of Bg * max_q) that hold real tokens
+    dst: torch.Tensor  # [Tg] flat token index of each of those rows
+
+
+@dataclass
+class TorchPagedMetadata(AttentionMetadata):
+    """Metadata plus the padded groups the torch backend runs."""
+
+    groups: list[PaddedGroup] = field(default_factory=list)
+
+
+class TorchPagedBackend(AttentionBackend):
+    """Reference paged attention in plain torch (gather + masked SDPA)."""
+
+    def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, num_heads: int) -> None:
+        super().__init__(k_pool, v_pool, num_heads)
+        self.rep = num_heads // self.num_kv_heads
+        self.scale = self.head_dim**-0.5
+
+    def prepare(
+        self, q_lens_cpu: list[int], kv_lens_cpu: list[int], kv_slots: torch.Tensor, out_slots: torch.Tensor
+    ) -> TorchPagedMetadata:
+        device = out_slots.device
+        starts: list[int] = []
+        total = 0
+        for q_len in q_lens_cpu:
+            starts.append(total)
+            total += q_len
+        decode = [b for b, q_len in enumerate(q_lens_cpu) if q_len == 1]
+        extend = [b for b, q_len in enumerate(q_lens_cpu) if q_len > 1]
+        groups = [
+            self._group(members, q_lens_cpu, kv_lens_cpu, starts, kv_slots)
+            for members in (decode, extend)
+            if members
+        ]
+        return TorchPagedMetadata(
+            q_lens_cpu=q_lens_cpu,
+            kv_lens_cpu=kv_lens_cpu,
+            kv_slots=kv_slots,
+            out_slots=out_slots,
+            last_index=last_token_index(q_lens_cpu, device),
+            groups=groups,
+        )
+
+    def _group(
+        self,
+        members: list[int],
+        q_lens_cpu: list[int],
+        kv_lens_cpu: list[int],
+        starts: list[int],
+        kv_slots: torch.Tensor,
+    ) -> PaddedGroup:
+        # Index math runs on the host (nonzero() would sync a GPU), then moves to the pool's device once.
+        q_len = torch.tensor([q_lens_cpu[b] for b in members])
+        kv_len = torch.tensor([kv_lens_cpu[b] for b in members])
+        start = torch.tensor([starts[b] for b in members])
+        max_q, max_kv = int(q_len.max()), int(kv_len.max())
+        i = torch.arange(max_q)
+        j = torch.arange(max_kv)
+        q_index = start[:, None] + torch.minimum(i[None, :], q_len[:, None] - 1)  # [Bg, max_q]
+        src = (i[None, :] < q_len[:, None]).flatten().nonzero().squeeze(1)  # [Tg]
+        dst = q_index.flatten()[src]
+        prefix = (kv_len - q_len)[:, None, None]
+        mask = (j[None, None, :] <= prefix + i[None, :, None]) & (j[None, None, :] < kv_len[:, None, None])
+        device = kv_slots.device
+        rows = torch.tensor(members, device=device)
+        return PaddedGroup(
+            q_index=q_index.to(device),
+            kv_slots=kv_slots[rows, :max_kv],
+            mask=mask.repeat(1, self.rep, 1).unsqueeze(1).to(device),
+            src=src.to(device),
+            dst=dst.to(device),
+        )
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        assert isinstance(meta, TorchPagedMetadata)
+        self.store_kv(k, v, layer, meta)
+        out = torch.empty_like(q)  # [T, H, D]
+        k_layer, v_layer = self.k_pool[layer], self.v_pool[layer]
+        for g in meta.groups:
+            bg, max_q = g.q_index.shape
+            qg = q[g.q_index].permute(0, 2, 1, 3)  # [Bg, H, max_q, D]
+            qg = qg.reshape(bg, self.num_kv_heads, self.rep * max_q, self.head_dim)
+            kg = k_layer[g.kv_slots].transpose(1, 2)  # [Bg, Hkv, max_kv, D]
+            vg = v_layer[g.kv_slots].transpose(1, 2)
+            og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=self.scale)
+            og = og.reshape(bg, self.num_heads, max_q, self.head_dim).transpose(1, 2)  # [Bg, max_q, H, D]
+            out.index_copy_(0, g.dst, og.reshape(bg * max_q, self.num_heads, self.head_dim)[g.src])
+        return out

@@ -1,0 +1,120 @@
+"""Shared helpers for engine tests: a tiny random Llama, HF greedy references, and a near-tie-aware comparison.
+
+Importing the `torch_single_thread` fixture into a test module activates it there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from actors.engine.engine import Engine, EngineConfig
+from actors.engine.weights import model_from_hf
+from bus.messages import SamplingParams, TokenizedRequest, TokenRow
+
+
+def tiny_hf_llama(vocab_size: int = 512, seed: int = 0, **overrides: Any) -> Any:
+    """A 2-layer random HF `LlamaForCausalLM` (GQA 4/2 heads) with logits spread wide enough to avoid ties."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    settings: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+        tie_word_embeddings=False,
+        eos_token_id=2,
+        bos_token_id=1,
+        pad_token_id=0,
+    )
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(**settings)).eval()
+
+
+def engine_for(hf_model: Any, tokenizer: Any | None = None, **config: Any) -> Engine:
+    """An Engine sharing `hf_model`'s weights."""
+    return Engine(model_from_hf(hf_model.config, hf_model.state_dict()), EngineConfig(**config), tokenizer)
+
+
+def greedy(max_new_tokens: int, **kwargs: Any) -> SamplingParams:
+    """Greedy sampling parameters."""
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, **kwargs)
+
+
+def run_to_completion(engine: Engine, requests: Sequence[TokenizedRequest]) -> dict[str, list[TokenRow]]:
+    """Submit all `requests` at once and step until the engine is idle; returns each rid's rows in order."""
+    for req in requests:
+        assert engine.add_request(req) is None, req.rid
+    rows: dict[str, list[TokenRow]] = {req.rid: [] for req in requests}
+    while engine.has_work():
+        for row in engine.step():
+            rows[row.rid].append(row)
+    return rows
+
+
+def tokens_of(rows: Sequence[TokenRow]) -> list[int]:
+    """All token ids of one request's rows, concatenated."""
+    return [t for row in rows for t in row.token_ids]
+
+
+@torch.no_grad()
+def hf_greedy(hf_model: Any, prompt_ids: Sequence[int], max_new_tokens: int, eos_token_id: int | None) -> list[int]:
+    """HF `generate(do_sample=False)` continuation of `prompt_ids` (stopping at `eos_token_id` if given)."""
+    out = hf_model.generate(
+        torch.tensor([list(prompt_ids)]),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos_token_id,
+        pad_token_id=eos_token_id if eos_token_id is not None else 0,
+    )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+@torch.no_grad()
+def assert_greedy_matches(
+    hf_model: Any,
+    prompt_ids: Sequence[int],
+    expected_ids: Sequence[int],
+    got_ids: Sequence[int],
+    tol: float = 1e-3,
+) -> None:
+    """Assert `got_ids` equals HF's greedy `expected_ids`, except after a genuine near-tie.
+
+    At the first position where the two differ, HF's logits (prompt + agreed prefix) must have their top-2
+    within `tol` of each other and the two tokens must be exactly that top-2; anything after a tolerated
+    divergence is not compared, since the sequences have forked.
+    """
+    expected, got = list(expected_ids), list(got_ids)
+    if expected == got:
+        return
+    i = next((k for k, (a, b) in enumerate(zip(expected, got)) if a != b), None)
+    assert i is not None, f"one output is a strict prefix of the other:\nexpected {expected}\ngot      {got}"
+    logits = hf_model(torch.tensor([list(prompt_ids) + expected[:i]])).logits[0, -1].float()
+    top = logits.topk(2)
+    gap = float(top.values[0] - top.values[1])
+    assert {expected[i], got[i]} == set(top.indices.tolist()) and gap < tol, (
+        f"greedy mismatch at output position {i}: expected {expected[i]}, got {got[i]}; "
+        f"HF top-2 {top.indices.tolist()} with logit gap {gap:.3g} (tolerated only below {tol})\n"
+        f"expected {expected}\ngot      {got}"
+    )
+
+
+@pytest.fixture(autouse=True, scope="module")
+def torch_single_thread() -> Iterator[None]:
+    """Run a test module's torch work on one thread.
+
+    On a small shared machine two OpenMP threads competing with other processes spin at barriers and run
+    tiny matmuls tens of times slower; one thread keeps these tests fast and their timing stable.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

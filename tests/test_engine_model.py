@@ -1,0 +1,78 @@
+"""Our Llama forward against transformers' on a tiny random model: prefill, extend over a cached prefix, decode."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from actors.engine.kv_cache import KVCache
+from actors.engine.llama import LlamaForCausalLM, head_dim_of, rope_theta_of
+from actors.engine.weights import model_from_hf
+from kernels.attention import TorchPagedBackend
+from tests.engine_helpers import tiny_hf_llama, torch_single_thread  # noqa: F401  (autouse fixture)
+
+
+class PagedRunner:
+    """Feeds chunks of several sequences through our model with a real paged KV cache, returning raw logits."""
+
+    def __init__(self, model: LlamaForCausalLM, num_seqs: int) -> None:
+        config = model.config
+        self.model = model
+        self.cache = KVCache(config.num_hidden_layers, 256, config.num_key_value_heads, head_dim_of(config),
+                             max_requests=num_seqs, max_len=128, dtype=torch.float32, device="cpu")
+        self.backend = TorchPagedBackend(self.cache.k, self.cache.v, config.num_attention_heads)
+        self.rows = [self.cache.assign_row() for _ in range(num_seqs)]
+        self.lengths = [0] * num_seqs
+
+    def feed(self, chunks: list[list[int]]) -> torch.Tensor:
+        """Append `chunks[b]` to sequence `b` (all sequences, in one batch); logits `[B, V]` of each last token."""
+        starts = list(self.lengths)
+        q_lens = [len(c) for c in chunks]
+        kv_lens = [s + n for s, n in zip(starts, q_lens)]
+        out_slots = self.cache.append(self.rows, starts, q_lens)
+        meta = self.backend.prepare(q_lens, kv_lens, self.cache.page_rows(self.rows, max(kv_lens)), out_slots)
+        input_ids = torch.tensor([t for c in chunks for t in c])
+        positions = torch.tensor([p for s, n in zip(starts, q_lens) for p in range(s, s + n)])
+        self.lengths = kv_lens
+        return self.model(input_ids, positions, self.backend, meta)
+
+
+@torch.no_grad()
+def hf_last_logits(hf: Any, ids: list[int]) -> torch.Tensor:
+    return hf(torch.tensor([ids])).logits[0, -1]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_logits_match_transformers_through_prefill_extend_and_decode(tied: bool) -> None:
+    hf = tiny_hf_llama(tie_word_embeddings=tied)
+    model = model_from_hf(hf.config, hf.state_dict())
+    if tied:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (4, 7, 12)]
+    runner = PagedRunner(model, len(seqs))
+    plan = [[s[:2] for s in seqs], [s[2:-1] for s in seqs], [s[-1:] for s in seqs]]  # prefill, extend, decode
+    # The extend chunk of the first sequence is a single token: one step mixes decode and extend rows.
+    done = [0] * len(seqs)
+    for chunks in plan:
+        logits = runner.feed(chunks)
+        for b, chunk in enumerate(chunks):
+            done[b] += len(chunk)
+            torch.testing.assert_close(logits[b], hf_last_logits(hf, seqs[b][: done[b]]), atol=1e-4, rtol=1e-4)
+
+
+def test_rope_theta_and_rejected_configs() -> None:
+    hf = tiny_hf_llama()
+    config = hf.config
+    assert rope_theta_of(config) == config.rope_parameters["rope_theta"]
+    config.rope_parameters = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}
+    with pytest.raises(ValueError, match="unsupported rope_type 'llama3'"):
+        LlamaForCausalLM(config)
+    config.rope_parameters = None
+    config.rope_theta = 1234.0
+    assert rope_theta_of(config) == 1234.0
+    config.model_type = "mistral"
+    with pytest.raises(ValueError, match="unsupported model_type 'mistral'"):
+        model_from_hf(config, hf.state_dict())
