@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.engine_helpers import assert_greedy_matches
+from tests.engine_helpers import assert_greedy_matches, hf_greedy
 from tests.server_helpers import ServerHandle, sse_events, wait_until_idle
 
 PROMPTS = [
@@ -38,14 +38,9 @@ def hf_reference() -> dict[str, Any]:
     tokenizer = load_tokenizer(source)
     model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=torch.float32, **source.hf_kwargs())
     model.eval()
-    prompts, outputs = [], []
-    for prompt in PROMPTS:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False)
-        prompts.append(list(ids))
-        outputs.append(out[0, len(ids):].tolist())
+    prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False)) for p in PROMPTS]
+    outputs = [hf_greedy(model, ids, MAX_NEW, tokenizer.eos_token_id) for ids in prompts]
     return {"model": model, "tokenizer": tokenizer, "prompts": prompts, "outputs": outputs}
 
 
