@@ -23,5 +23,7 @@ def smollm_server(nats_server: EmbeddedNatsServer) -> Iterator[ServerHandle]:
     """The real model behind the whole ring, on a NATS server the tests can also talk to directly."""
     handle = start_server(DEFAULT_MODEL, nats_url=nats_server.url)
     yield handle
-    code = handle.stop()
+    assert len(handle.actor_pids()) == 4  # scheduler, tokenizer, detokenizer, entry: separate processes
+    code = handle.stop()  # Ctrl-C
     assert code == 0, f"ringserve exited with {code} on Ctrl-C:\n{handle.log()[-3000:]}"
+    assert handle.live_actors() == [], "Ctrl-C left actor processes running"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -33,6 +34,21 @@ class ServerHandle:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def actor_pids(self) -> dict[str, int]:
+        """Actor name -> pid, as the launcher logged them."""
+        return {name: int(pid) for name, pid in re.findall(r"started actor actor=(\w+) pid=(\d+)", self.log())}
+
+    def live_actors(self) -> list[str]:
+        """Actors whose process still exists."""
+        alive = []
+        for name, pid in self.actor_pids().items():
+            try:
+                os.kill(pid, 0)
+                alive.append(name)
+            except ProcessLookupError:
+                pass
+        return alive
 
     def stop(self) -> int:
         if self.proc.poll() is None:

@@ -65,11 +65,11 @@ def test_serves_a_safetensors_directory_then_fail_stops_when_an_actor_dies(tiny_
         client = threading.Thread(target=long_stream)
         client.start()
         time.sleep(1.0)
-        pid = int(re.search(r"started actor actor=scheduler0 pid=(\d+)", server.log()).group(1))
-        os.kill(pid, signal.SIGKILL)
+        os.kill(server.actor_pids()["scheduler0"], signal.SIGKILL)
         server.proc.wait(timeout=30)
         assert server.proc.returncode == 1
         assert re.search(r"actor scheduler0 \(pid \d+\) exited with code -9", server.log())
+        assert server.live_actors() == [], "fail-stop left actor processes running"
         client.join(timeout=30)
         assert not client.is_alive() and "ended" in outcome, "an in-flight request hung after the scheduler died"
     finally:

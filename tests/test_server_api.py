@@ -55,6 +55,17 @@ def test_completions(client: openai.OpenAI) -> None:
     assert streamed == reply.choices[0].text
 
 
+def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
+    def sample(seed: int) -> str:
+        reply = client.completions.create(model=MODEL, prompt="My favourite animal is", max_tokens=16,
+                                          temperature=1.0, top_p=0.95, seed=seed, extra_body={"top_k": 50})
+        return reply.choices[0].text
+
+    first = sample(1234)
+    assert sample(1234) == first
+    assert any(sample(seed) != first for seed in (1, 2, 3))
+
+
 def test_openai_client_sees_a_400(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], top_p=1.5)

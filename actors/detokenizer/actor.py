@@ -39,10 +39,6 @@ class DetokenizerActor:
         await self._ctx.bus.subscribe(subject, BatchTokenOutput, self._on_batch, queue=f"detokenizer-{self._shard}")
         return {"shard": self._shard}
 
-    @property
-    def live_requests(self) -> int:
-        return len(self._decoders)
-
     async def _on_batch(self, batch: BatchTokenOutput, delivery: Delivery) -> None:
         for row in batch.rows:
             output = self._decode_row(row)
