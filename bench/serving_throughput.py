@@ -23,12 +23,15 @@ PROMPTS = ["Tell me about the ocean.", "Explain photosynthesis.", "Write a short
 
 @dataclass
 class Sample:
+    """Timings of one streamed request."""
+
     ttft: float
     e2e: float
     tokens: int
 
 
 def one_request(url: str, prompt: str, max_tokens: int) -> Sample:
+    """Stream one chat completion and time it."""
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
@@ -47,6 +50,7 @@ def one_request(url: str, prompt: str, max_tokens: int) -> Sample:
 
 
 def run(url: str, requests: int, concurrency: int, max_tokens: int) -> tuple[float, list[Sample]]:
+    """Send `requests` requests, `concurrency` at a time; wall time and samples."""
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
         samples = list(pool.map(lambda i: one_request(url, PROMPTS[i % len(PROMPTS)], max_tokens), range(requests)))
@@ -54,6 +58,7 @@ def run(url: str, requests: int, concurrency: int, max_tokens: int) -> tuple[flo
 
 
 def report(name: str, wall: float, samples: list[Sample]) -> float:
+    """Print one run's figures; returns its output tokens/s."""
     tokens = sum(s.tokens for s in samples)
     tpot = statistics.mean((s.e2e - s.ttft) / max(1, s.tokens - 1) for s in samples)
     print(f"{name:<14} {tokens / wall:8.1f} tok/s   TTFT {statistics.mean(s.ttft for s in samples) * 1e3:7.0f} ms"
@@ -62,6 +67,7 @@ def report(name: str, wall: float, samples: list[Sample]) -> float:
 
 
 def main() -> None:
+    """Run the baseline and the batched run against --url and print the ratio."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="http://127.0.0.1:8000")
     parser.add_argument("--requests", type=int, default=16)

@@ -9,6 +9,7 @@ from actors.common.torch_threads import limit_torch_threads
 
 
 def main() -> None:
+    """Parse flags and run the detokenizer actor until stopped."""
     parser = argparse.ArgumentParser(prog="ringserve-detokenizer", description="ringserve detokenizer actor")
     add_bus_arguments(parser)
     parser.add_argument("--model", required=True, help="model name, .gguf file or model directory")

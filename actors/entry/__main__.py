@@ -8,6 +8,7 @@ from actors.common.runtime import add_bus_arguments, run_actor
 
 
 def main() -> None:
+    """Parse flags and run the HTTP entry actor until stopped."""
     parser = argparse.ArgumentParser(prog="ringserve-entry", description="ringserve HTTP entry actor")
     add_bus_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")

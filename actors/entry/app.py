@@ -27,6 +27,7 @@ def sse(data: Any) -> str:
 
 
 async def read_json(request: Request) -> dict[str, Any]:
+    """The request body as a JSON object, or ApiError 400 saying why not."""
     body = await request.body()
     try:
         data = json.loads(body)
@@ -38,6 +39,7 @@ async def read_json(request: Request) -> dict[str, Any]:
 
 
 def handles_errors(endpoint: Callable[[Request], Any]) -> Callable[[Request], Any]:
+    """Turn ApiError into its OpenAI error response and a vanished client into status 499."""
     async def wrapped(request: Request) -> Response:
         try:
             return await endpoint(request)

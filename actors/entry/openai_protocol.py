@@ -108,6 +108,7 @@ def finish_reason_name(finish: FinishReason | None) -> str | None:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """OpenAI's usage object."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 
@@ -127,6 +128,7 @@ def full_response(rid: str, options: ApiOptions, text: str, finish: FinishReason
 
 
 def response_id(rid: str, options: ApiOptions) -> str:
+    """The response id OpenAI clients see, derived from the rid."""
     return f"{'chatcmpl' if options.kind == 'chat' else 'cmpl'}-{rid}"
 
 

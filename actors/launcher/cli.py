@@ -15,6 +15,7 @@ from observability.logging import setup_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `ringserve` and its subcommands."""
     parser = argparse.ArgumentParser(prog="ringserve", description="ringserve: an LLM server whose actors talk over NATS")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible API and /generate)",
@@ -55,6 +56,7 @@ def actor_specs(args: argparse.Namespace, served_name: str) -> list[ActorSpec]:
 
 
 def serve(args: argparse.Namespace) -> int:
+    """`ringserve serve`: NATS (unless given), every actor, until Ctrl-C or an actor dies; the exit code."""
     setup_logging("launcher", args.log_level)
     try:
         source = resolve_model(args.model)
@@ -81,6 +83,7 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Console entry point."""
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         sys.exit(serve(args))

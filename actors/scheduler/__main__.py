@@ -20,6 +20,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main() -> None:
+    """Parse flags, set torch threads and run the scheduler actor until stopped."""
     parser = argparse.ArgumentParser(prog="ringserve-scheduler", description="ringserve scheduler actor")
     add_bus_arguments(parser)
     parser.add_argument("--model", required=True, help="model name, .gguf file or model directory")

@@ -9,6 +9,7 @@ from actors.common.torch_threads import limit_torch_threads
 
 
 def main() -> None:
+    """Parse flags and run a tokenizer worker until stopped."""
     parser = argparse.ArgumentParser(prog="ringserve-tokenizer", description="ringserve tokenizer actor")
     add_bus_arguments(parser)
     parser.add_argument("--model", required=True, help="model name, .gguf file or model directory")
