@@ -150,6 +150,17 @@ class SchedulerInfo:
 
 
 @dataclass
+class Accepted:
+    """Reply to a submission sent as a NATS request: the next actor has taken the request.
+
+    The entry submits with request/reply, so a ring with no tokenizer or scheduler answers at once
+    ("no responders") or not at all (a timeout) instead of leaving the client waiting for outputs forever.
+    """
+
+    rid: str
+
+
+@dataclass
 class ActorReady:
     """An actor announces it is serving, on `{ns}.control.ready`."""
 

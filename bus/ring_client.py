@@ -1,7 +1,8 @@
 """Submit a request to the ring and stream its outputs: what the HTTP entry (or any Python client) uses.
 
 The protocol, for clients in any language: subscribe to `{ns}.out.{rid}`, publish a GenerateRequest on
-`{ns}.req.submit`, read RequestOutput deltas until one has `finish` or `error`; publish an AbortRequest on
+`{ns}.req.submit` (as a NATS request, to get an `Accepted` reply once a tokenizer has it; a plain
+publish works too), read RequestOutput deltas until one has `finish` or `error`; publish an AbortRequest on
 `{ns}.abort.{rid}` to stop early.
 """
 
@@ -13,8 +14,12 @@ from typing import AsyncIterator
 from nats.aio.subscription import Subscription
 
 from bus.connection import BusConnection, Delivery
-from bus.messages import AbortRequest, ErrorInfo, GenerateRequest, RequestOutput
+from bus.messages import AbortRequest, Accepted, ErrorInfo, GenerateRequest, RequestOutput
 from bus.subjects import Subjects, validate_rid
+
+
+class RingUnavailable(Exception):
+    """No tokenizer took the submission: nothing is serving this namespace, or it is stuck."""
 
 
 class RequestStream:
@@ -29,12 +34,17 @@ class RequestStream:
         self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._sub: Subscription | None = None
 
-    async def _open(self, request: GenerateRequest) -> None:
+    async def _open(self, request: GenerateRequest, timeout: float) -> None:
         async def on_output(out: RequestOutput, delivery: Delivery) -> None:
             self._queue.put_nowait(out)
 
         self._sub = await self._bus.subscribe(self._subjects.output(self.rid), RequestOutput, on_output)
-        await self._bus.publish(self._subjects.submit, request, self._traceparent)
+        try:
+            await self._bus.request(self._subjects.submit, request, Accepted, timeout, self._traceparent)
+        except asyncio.TimeoutError as exc:
+            self.finished = True
+            await self._unsubscribe()
+            raise RingUnavailable(f"no tokenizer accepted the request: {exc}") from exc
 
     async def next(self) -> RequestOutput:
         """The next output delta; after the last one (finish or error) the stream is finished."""
@@ -70,13 +80,17 @@ class RequestStream:
 class RingClient:
     """Submits GenerateRequests over one bus connection."""
 
-    def __init__(self, bus: BusConnection, subjects: Subjects) -> None:
+    def __init__(self, bus: BusConnection, subjects: Subjects, submit_timeout: float = 30.0) -> None:
         self.bus = bus
         self.subjects = subjects
+        self.submit_timeout = submit_timeout
 
     async def submit(self, request: GenerateRequest, traceparent: str | None = None) -> RequestStream:
-        """Subscribe to the request's output subject, then publish it; returns the stream of outputs."""
+        """Subscribe to the request's output subject, then submit it and wait for a tokenizer to accept it.
+
+        Raises RingUnavailable if no tokenizer accepts it within `submit_timeout` seconds.
+        """
         validate_rid(request.rid)
         stream = RequestStream(self.bus, self.subjects, request.rid, traceparent)
-        await stream._open(request)
+        await stream._open(request, self.submit_timeout)
         return stream

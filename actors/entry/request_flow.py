@@ -10,7 +10,7 @@ from starlette.requests import Request
 
 from actors.entry.errors import ApiError
 from bus.messages import ErrorInfo, GenerateRequest, InfoQuery, RequestOutput, SchedulerInfo
-from bus.ring_client import RequestStream, RingClient
+from bus.ring_client import RequestStream, RingClient, RingUnavailable
 from observability.traceparent import TRACEPARENT_HEADER, child_traceparent
 
 
@@ -60,7 +60,10 @@ class EntryService:
         if gen_req.rid in self.live:
             raise ApiError(f"request id {gen_req.rid!r} is already in use", param="rid")
         traceparent = child_traceparent(request.headers.get(TRACEPARENT_HEADER))
-        stream = await self.client.submit(gen_req, traceparent)
+        try:
+            stream = await self.client.submit(gen_req, traceparent)
+        except RingUnavailable as exc:
+            raise ApiError(str(exc), 503, type="server_error") from exc
         self.live[gen_req.rid] = stream
         watch = DisconnectWatch(request)
         try:

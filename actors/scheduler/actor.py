@@ -19,7 +19,8 @@ from actors.common.runtime import ActorContext
 from actors.engine.engine import Engine, EngineConfig
 from bus.connection import Delivery
 from bus.messages import (
-    AbortRequest, BatchTokenOutput, FinishReason, InfoQuery, RequestOutput, SchedulerInfo, TokenizedRequest, TokenRow,
+    AbortRequest, Accepted, BatchTokenOutput, FinishReason, InfoQuery, RequestOutput, SchedulerInfo, TokenizedRequest,
+    TokenRow,
 )
 from bus.subjects import SCHEDULER_QUEUE, detokenizer_shard
 from observability.logging import log_event
@@ -52,9 +53,10 @@ class SchedulerActor:
         self._loop_task = asyncio.get_running_loop().create_task(self._run())
         return {"kv_total_tokens": self._info.kv_total_tokens, "context_length": self._info.context_length}
 
-    async def _on_request(self, req: TokenizedRequest, delivery: Delivery) -> None:
+    async def _on_request(self, req: TokenizedRequest, delivery: Delivery) -> Accepted:
         self._inbox.append(("add", req))
         self._wake.set()
+        return Accepted(rid=req.rid)
 
     async def _on_abort(self, msg: AbortRequest, delivery: Delivery) -> None:
         self._inbox.append(("abort", self._ctx.subjects.rid_of(delivery.subject)))

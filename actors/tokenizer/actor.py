@@ -5,6 +5,7 @@ Several tokenizer processes may serve one deployment: they share the submit subj
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -13,11 +14,12 @@ from actors.common.runtime import ActorContext
 from actors.tokenizer.prompt import PromptEncoder
 from actors.tokenizer.validation import ParamError, validate_sampling
 from bus.connection import Delivery
-from bus.messages import ErrorInfo, GenerateRequest, RequestOutput, TokenizedRequest
+from bus.messages import Accepted, ErrorInfo, GenerateRequest, RequestOutput, TokenizedRequest
 from bus.subjects import TOKENIZER_QUEUE, InvalidRidError, validate_rid
 from observability.logging import log_event
 
 log = logging.getLogger("tokenizer")
+SCHEDULER_ACCEPT_TIMEOUT = 10.0
 
 
 def eos_token_ids(config: Any, tokenizer: Any) -> list[int]:
@@ -43,24 +45,34 @@ class TokenizerActor:
         await self._ctx.bus.subscribe(self._ctx.subjects.submit, GenerateRequest, self._on_submit, queue=TOKENIZER_QUEUE)
         return {"context_length": self._context_length, "eos_token_ids": self._eos_ids}
 
-    async def _on_submit(self, req: GenerateRequest, delivery: Delivery) -> None:
+    async def _on_submit(self, req: GenerateRequest, delivery: Delivery) -> Accepted | None:
+        """Validate, tokenize and hand over to a scheduler; errors go to the request's output subject."""
         try:
             validate_rid(req.rid)
         except InvalidRidError as exc:
             log_event(log, logging.WARNING, "dropped request with invalid rid", error=str(exc))
-            return
+            return None
+        error = await self._forward(req, delivery.traceparent)
+        if error is not None:
+            await self._ctx.bus.publish(self._ctx.subjects.output(req.rid), RequestOutput(rid=req.rid, error=error),
+                                        delivery.traceparent)
+        return Accepted(rid=req.rid)
+
+    async def _forward(self, req: GenerateRequest, traceparent: str) -> ErrorInfo | None:
         try:
             input_ids = self._encoder.encode(req)
             sampling = validate_sampling(
                 req.sampling, len(input_ids), self._context_length, self._encoder.vocab_size, self._eos_ids
             )
         except ParamError as exc:
-            error = ErrorInfo(message=str(exc), param=exc.param)
-            await self._ctx.bus.publish(self._ctx.subjects.output(req.rid), RequestOutput(rid=req.rid, error=error),
-                                        delivery.traceparent)
-            return
+            return ErrorInfo(message=str(exc), param=exc.param)
         tokenized = TokenizedRequest(rid=req.rid, input_ids=input_ids, sampling=sampling)
-        await self._ctx.bus.publish(self._ctx.subjects.tokenized, tokenized, delivery.traceparent)
+        try:
+            await self._ctx.bus.request(self._ctx.subjects.tokenized, tokenized, Accepted,
+                                        SCHEDULER_ACCEPT_TIMEOUT, traceparent)
+        except asyncio.TimeoutError as exc:
+            return ErrorInfo(message=f"no scheduler accepted the request: {exc}", type="server_error", code=503)
+        return None
 
 
 async def tokenizer_main(ctx: ActorContext, model: str) -> dict[str, Any]:
