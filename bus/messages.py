@@ -24,8 +24,8 @@ class GenerateRequest:
     """A client's request, as submitted on `{ns}.req.submit` (HTTP entry or any NATS client).
 
     Exactly one of `text`, `messages` (chat template applied) or `input_ids` is set. `sampling` holds the
-    raw parameters as the client sent them (SGLang names: max_new_tokens, temperature, top_p, top_k, seed,
-    stop, stop_token_ids, ignore_eos, skip_special_tokens, no_stop_trim); the tokenizer validates them.
+    raw parameters as the client sent them, under SGLang's names (see `SamplingParams`, plus `ignore_eos`);
+    the tokenizer validates them.
     Subscribe to `{ns}.out.{rid}` before publishing, or the first outputs may be missed.
     """
 
@@ -41,12 +41,34 @@ class SamplingParams:
     """Validated sampling parameters; everything that affects the model is fixed here."""
 
     max_new_tokens: int
+    min_new_tokens: int = 0  # no stop (token or string) before this many tokens
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 = off
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)  # EOS ids included unless ignore_eos
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    return_logprob: bool = False  # the chosen token's logprob with every token
+    top_logprobs_num: int = 0  # and this many most likely alternatives
+
+    def decode_params(self) -> DecodeParams:
+        """What the detokenizer needs of these parameters."""
+        return DecodeParams(stop=self.stop, skip_special_tokens=self.skip_special_tokens,
+                            no_stop_trim=self.no_stop_trim)
+
+
+@dataclass
+class DecodeParams:
+    """The detokenizer's part of a request's parameters: hold back possible stop strings, trim the matched one."""
+
+    stop: list[str] = field(default_factory=list)
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
 
@@ -71,14 +93,22 @@ class FinishReason:
 
 @dataclass
 class TokenRow:
-    """One request's new tokens in one scheduler step."""
+    """One request's new tokens in one scheduler step.
+
+    `logprobs[i]` is the logprob of `token_ids[i]`; `top_ids[i]`/`top_logprobs[i]` its most likely
+    alternatives (empty unless the request asked for logprobs).
+    """
 
     rid: str
     token_ids: list[int]
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
     finish: FinishReason | None = None
-    sampling: SamplingParams | None = None  # set on the request's first row only, for the detokenizer
+    decode: DecodeParams | None = None  # set on the request's first row only, for the detokenizer
+    logprobs: list[float] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
 
 
 @dataclass
@@ -100,11 +130,30 @@ class ErrorInfo:
 
 
 @dataclass
+class TopLogprob:
+    """One candidate token and its logprob."""
+
+    token_id: int
+    token: str
+    logprob: float
+
+
+@dataclass
+class TokenLogprob:
+    """A generated token's logprob and, if asked for, the most likely alternatives at its position."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: list[TopLogprob] = field(default_factory=list)
+
+
+@dataclass
 class RequestOutput:
     """A delta of one request's output on `{ns}.out.{rid}`.
 
-    `text` and `token_ids` are new since the previous message (never repeated, never a partial UTF-8
-    character, never part of a stop string). The last message has `finish` or `error` set.
+    `text`, `token_ids` and `logprobs` are new since the previous message (never repeated, never a partial
+    UTF-8 character, never part of a trimmed stop string). The last message has `finish` or `error` set.
     """
 
     rid: str
@@ -112,8 +161,10 @@ class RequestOutput:
     token_ids: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
     finish: FinishReason | None = None
     error: ErrorInfo | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def is_last(self) -> bool:
@@ -137,7 +188,11 @@ class InfoQuery:
 
 @dataclass
 class SchedulerInfo:
-    """Scheduler load as reported on `{ns}.control.scheduler.info`."""
+    """Scheduler load as reported on `{ns}.control.scheduler.info`.
+
+    KV tokens: `kv_running_tokens` are held by running requests (their own plus shared cached prefixes they
+    use), `kv_cached_tokens` are held only by the prefix cache (evictable); the rest of `kv_total_tokens` is free.
+    """
 
     rank: int
     num_running_reqs: int
@@ -147,6 +202,33 @@ class SchedulerInfo:
     context_length: int
     step: int
     model: str
+    kv_running_tokens: int = 0
+    kv_cached_tokens: int = 0
+    cache_hit_rate: float = 0.0  # cached / total prompt tokens of admitted requests since start
+    num_retractions: int = 0
+    paused: bool = False
+    radix_cache: bool = True
+    chunked_prefill_size: int = 0
+
+
+@dataclass
+class ControlCommand:
+    """An operator command on `{ns}.control.scheduler.command` (request/reply, answered by `ControlReply`).
+
+    `action`: "flush_cache" (drop every cached prefix no running request uses), "abort_all", "pause"
+    (stop stepping; running requests keep their KV, new ones queue), "continue".
+    """
+
+    action: str
+
+
+@dataclass
+class ControlReply:
+    """The scheduler's answer to a ControlCommand."""
+
+    ok: bool
+    message: str = ""
+    detail: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -11,6 +11,7 @@ Layout (namespace `ns`, default "ringserve"):
 | `{ns}.abort.{rid}`           | AbortRequest       | requester -> scheduler                            |
 | `{ns}.control.ready`         | ActorReady         | every actor -> launcher                           |
 | `{ns}.control.scheduler.info`| (request/reply)    | anyone -> scheduler rank 0, replies SchedulerInfo |
+| `{ns}.control.scheduler.command`| ControlCommand  | operator -> scheduler rank 0, replies ControlReply |
 
 Rids become subject tokens, so they are validated: `.`, `*`, `>` or whitespace in a rid would route a
 stream to the wrong subscriber or let a wildcard subscriber read every stream.
@@ -23,8 +24,8 @@ import uuid
 import zlib
 from dataclasses import dataclass
 
+# One pattern for every client-chosen subject token: request ids and namespaces.
 RID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-_TOKEN_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 TOKENIZER_QUEUE = "tokenizer"
 SCHEDULER_QUEUE = "scheduler"
@@ -58,7 +59,7 @@ class Subjects:
     namespace: str = "ringserve"
 
     def __post_init__(self) -> None:
-        if not _TOKEN_PATTERN.match(self.namespace):
+        if not RID_PATTERN.match(self.namespace):
             raise ValueError(f"invalid namespace {self.namespace!r}: use 1-64 characters from A-Z a-z 0-9 _ -")
 
     @property
@@ -90,6 +91,10 @@ class Subjects:
     @property
     def scheduler_info(self) -> str:
         return f"{self.namespace}.control.scheduler.info"
+
+    @property
+    def scheduler_command(self) -> str:
+        return f"{self.namespace}.control.scheduler.command"
 
     def rid_of(self, subject: str) -> str:
         """The rid at the end of a per-request subject such as `{ns}.abort.{rid}`."""

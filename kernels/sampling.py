@@ -1,8 +1,14 @@
-"""Next-token sampling with per-row temperature, top-k, top-p and per-request random generators.
+"""Vectorised next-token sampling: penalties, logit bias, temperature, top-k, top-p, min-p and seeded draws.
 
-Greedy rows (temperature 0) are exactly `argmax` of the logits. Sampled rows are filtered on one descending
-sort shared by top-k and top-p, then drawn with the row's own `torch.Generator`, so a request seeded the same
-way draws the same tokens whatever else shares its batch.
+Per step, logits are processed as: float32 -> repetition penalty -> frequency/presence penalties -> logit bias
+-> banned ids (-inf). Greedy rows take the argmax of those processed logits (so with default settings exactly
+`logits.argmax(-1)`); sampled rows divide by temperature, filter with top-k, top-p and min-p, then draw with
+the exponential race `argmax(log p + Gumbel)`. The Gumbel noise is a counter-based hash of
+(seed, position, token id) computed on the device, so a draw is a pure function of (seed, position, logits):
+it does not depend on what else shares the batch, and no per-row generator or host sync is needed.
+
+Logprobs are `log_softmax` of the raw logits (before penalties, bias and temperature), as vLLM reports them
+by default.
 """
 
 from __future__ import annotations
@@ -12,43 +18,185 @@ from dataclasses import dataclass
 
 import torch
 
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy (dividing by tiny temperatures gives inf/NaN)
+
+_M32 = 0xFFFFFFFF
+
 
 @dataclass
 class SamplingRow:
     """One request's sampling settings for this step."""
 
-    temperature: float  # 0 = greedy
+    temperature: float  # < GREEDY_BELOW = greedy: exact argmax of the processed logits
     top_p: float = 1.0
-    top_k: int = -1  # -1 = off
-    generator: torch.Generator | None = None  # None = torch's global generator
+    top_k: int = -1  # -1 = off; values >= vocab mean off
+    min_p: float = 0.0  # drop tokens whose prob < min_p * max prob (after temperature)
+    frequency_penalty: float = 0.0  # OpenAI: logit -= f * count(token in output so far)
+    presence_penalty: float = 0.0  # logit -= p * (count > 0)
+    repetition_penalty: float = 1.0  # tokens seen in prompt or output: logit / r if logit > 0 else logit * r
+    logit_bias: dict[int, float] | None = None  # added to logits
+    banned_ids: list[int] | None = None  # set to -inf
+    penalties: PenaltyState | None = None  # required when any of the three penalties is non-default
+    seed: int = 0  # draws are a pure function of (seed, position, logits)
+    position: int = 0  # index of the token being drawn in this request's output
+    num_top_logprobs: int = -1  # -1: no logprobs; 0: the chosen token's only; k > 0: also the top k
+
+    @property
+    def penalised(self) -> bool:
+        """Whether any of the three penalties changes the logits."""
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
-    """Pick one token per row of `logits` `[B, V]`; returns the `B` token ids."""
-    tokens = logits.argmax(dim=-1)
-    sampled = [b for b, row in enumerate(rows) if row.temperature > 0]
-    if sampled:
-        picked = [rows[b] for b in sampled]
-        index = torch.tensor(sampled, device=logits.device)
-        drawn = _draw(logits[index].float(), picked)
-        tokens[index] = drawn
-    return tokens.tolist()
+class PenaltyState:
+    """Per-request token statistics for penalties, on the logits' device."""
+
+    def __init__(self, prompt_ids: Sequence[int], vocab_size: int, device: torch.device) -> None:
+        self.counts = torch.zeros(vocab_size, dtype=torch.int32, device=device)  # [V] output occurrences
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)  # [V] in prompt or output
+        if len(prompt_ids):
+            self.seen[torch.tensor(list(prompt_ids), dtype=torch.long, device=device)] = True
+        self._one = torch.ones(1, dtype=torch.int32, device=device)
+
+    def record(self, token: torch.Tensor) -> None:
+        """Count `token` (`[1]` int64, on the device) as one more output token; no host sync."""
+        self.counts.index_put_((token,), self._one, accumulate=True)
+        self.seen.index_fill_(0, token, True)
 
 
-def _draw(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Temperature, top-k, top-p, then one multinomial draw per row; returns `[B]` token ids."""
-    device = logits.device
+@dataclass
+class SampleOutput:
+    """The picked tokens and, when any row asked, raw-logit logprobs."""
+
+    tokens: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None  # [B] float32 logprob of each chosen token; None when no row asked
+    top_ids: torch.Tensor | None  # [B, K] int64 sorted by logprob descending, K = max num_top_logprobs (<= V)
+    top_logprobs: torch.Tensor | None  # [B, K] float32
+
+
+def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleOutput:
+    """Pick one token per row of `logits` `[B, V]`; also records each chosen token in its row's PenaltyState.
+
+    Rows that did not ask for logprobs still get values in the returned tensors; callers read the rows
+    (and the first `num_top_logprobs` columns) they asked for.
+    """
+    if logits.dim() != 2 or logits.shape[0] != len(rows):
+        raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
+    if not rows:
+        return SampleOutput(torch.zeros(0, dtype=torch.long, device=logits.device), None, None, None)
+    x = _process(logits.float(), rows)  # [B, V], a new tensor whenever anything was changed
+    sampled = [b for b, r in enumerate(rows) if r.temperature >= GREEDY_BELOW]
+    if len(sampled) == len(rows):
+        tokens = _draw(x, rows)
+    else:
+        tokens = x.argmax(dim=-1)
+        if sampled:
+            index = torch.tensor(sampled, device=x.device)
+            tokens[index] = _draw(x[index], [rows[b] for b in sampled])
+    for b, row in enumerate(rows):
+        if row.penalties is not None:
+            row.penalties.record(tokens[b : b + 1])
+
+    k = max(r.num_top_logprobs for r in rows)
+    if k < 0:
+        return SampleOutput(tokens, None, None, None)
+    raw = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
+    chosen = raw.gather(1, tokens[:, None]).squeeze(1)
+    if k == 0:
+        return SampleOutput(tokens, chosen, None, None)
+    top_logprobs, top_ids = raw.topk(min(k, raw.shape[-1]), dim=-1)
+    return SampleOutput(tokens, chosen, top_ids, top_logprobs)
+
+
+def _process(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Penalties, logit bias and bans on `x` `[B, V]`, out of place (`x` may be the caller's logits)."""
+    device = x.device
+    pen = [b for b, r in enumerate(rows) if r.penalised]
+    if pen:
+        if any(rows[b].penalties is None for b in pen):
+            raise ValueError("a row with a non-default penalty needs a PenaltyState")
+        states = [rows[b].penalties for b in pen]
+        counts = torch.stack([s.counts for s in states]).float()  # [P, V]
+        seen = torch.stack([s.seen for s in states])  # [P, V]
+        rep, freq, pres = (
+            torch.tensor([getattr(rows[b], name) for b in pen], device=device)[:, None]
+            for name in ("repetition_penalty", "frequency_penalty", "presence_penalty")
+        )
+        index = torch.tensor(pen, device=device)
+        sub = x[index]
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        sub = sub - freq * counts - pres * (counts > 0)
+        x = x.index_copy(0, index, sub)
+
+    # One flat (row, token, value) list for all biases, then one for all bans.
+    bias = [(b, t, v) for b, r in enumerate(rows) if r.logit_bias for t, v in r.logit_bias.items()]
+    if bias:
+        b_rows, b_ids, b_vals = zip(*bias)
+        where = (torch.tensor(b_rows, device=device), torch.tensor(b_ids, device=device))
+        x = x.index_put(where, torch.tensor(b_vals, dtype=x.dtype, device=device), accumulate=True)
+    bans = [(b, t) for b, r in enumerate(rows) if r.banned_ids for t in r.banned_ids]
+    if bans:
+        n_rows, n_ids = zip(*bans)
+        where = (torch.tensor(n_rows, device=device), torch.tensor(n_ids, device=device))
+        x = x.index_put(where, torch.tensor(float("-inf"), device=device))
+    return x
+
+
+def _draw(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p, then the seeded exponential race; `x` `[S, V]` -> `[S]` token ids."""
+    device, (s, vocab) = x.device, x.shape
     temperature = torch.tensor([r.temperature for r in rows], device=device)
-    top_p = torch.tensor([r.top_p for r in rows], device=device)
-    top_k = torch.tensor([r.top_k if r.top_k > 0 else logits.shape[-1] for r in rows], device=device)
-    sorted_logits, order = (logits / temperature[:, None]).sort(dim=-1, descending=True, stable=True)
-    rank = torch.arange(logits.shape[-1], device=device)
-    sorted_logits = sorted_logits.masked_fill(rank[None, :] >= top_k[:, None], float("-inf"))
-    probs = sorted_logits.softmax(dim=-1)
-    # Drop a token once the mass strictly before it already reaches top_p; the top token always stays.
-    # Rows with top_p = 1 skip the filter, so float rounding of the cumsum cannot cut their tail.
-    outside = ((probs.cumsum(dim=-1) - probs) >= top_p[:, None]) & (top_p[:, None] < 1.0)
-    outside[:, 0] = False
-    probs = probs.masked_fill(outside, 0.0)
-    picks = [torch.multinomial(probs[b], 1, generator=r.generator) for b, r in enumerate(rows)]
-    return order.gather(1, torch.stack(picks)).squeeze(1)
+    scaled = x / temperature[:, None]  # [S, V]
+    top_k = [r.top_k if 0 < r.top_k < vocab else vocab for r in rows]
+    top_p = [r.top_p for r in rows]
+    ids: torch.Tensor | None = None  # [S, V] token id at each column once sorted
+    if min(top_k) < vocab or min(top_p) < 1.0:
+        scaled, ids = scaled.sort(dim=-1, descending=True, stable=True)
+        rank = torch.arange(vocab, device=device)
+        scaled = scaled.masked_fill(rank >= torch.tensor(top_k, device=device)[:, None], float("-inf"))
+        probs = scaled.softmax(dim=-1)
+        # Drop a token once the mass strictly before it already reaches top_p; the top token always stays.
+        # Rows with top_p = 1 skip the filter, so float rounding of the cumsum cannot cut their tail.
+        p = torch.tensor(top_p, device=device)[:, None]
+        outside = ((probs.cumsum(dim=-1) - probs) >= p) & (p < 1.0)
+        outside[:, 0] = False
+        scaled = scaled.masked_fill(outside, float("-inf"))
+    if any(r.min_p > 0.0 for r in rows):
+        # p / p_max >= min_p  <=>  scaled >= max + log(min_p); the top token always passes.
+        log_min_p = torch.tensor([r.min_p for r in rows], device=device).log()[:, None]
+        scaled = scaled.masked_fill(scaled < scaled.amax(dim=-1, keepdim=True) + log_min_p, float("-inf"))
+
+    token_ids = ids if ids is not None else torch.arange(vocab, device=device)[None, :]
+    keys = torch.tensor([_row_keys(r.seed, r.position) for r in rows], dtype=torch.long, device=device)  # [S, 2]
+    pick = (scaled + _gumbel(keys, token_ids)).argmax(dim=-1)  # [S]; -inf + finite noise stays -inf, no NaN
+    return pick if ids is None else ids.gather(1, pick[:, None]).squeeze(1)
+
+
+def _mul32(x, c: int):  # works on Python ints and int64 tensors alike
+    """`(x * c) mod 2**32` for `0 <= x, c < 2**32` without overflowing int64 (16-bit halves of x)."""
+    return ((x & 0xFFFF) * c + ((((x >> 16) * c) & 0xFFFF) << 16)) & _M32
+
+
+def _fmix32(h):
+    """MurmurHash3's 32-bit finaliser: a bijection on [0, 2**32) with full avalanche."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _row_keys(seed: int, position: int) -> tuple[int, int]:
+    """Two 32-bit keys from a 64-bit seed and a position, hashed on the host (plain Python ints)."""
+    h = _fmix32(((seed >> 32) & _M32) ^ 0x9E3779B9)
+    h = _fmix32(h ^ (seed & _M32))
+    k1 = _fmix32(h ^ (position & _M32))
+    return k1, _fmix32(k1 ^ 0x5BD1E995)
+
+
+def _gumbel(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Gumbel noise `[S, V]` hashed from per-row `keys` `[S, 2]` and `token_ids` (`[S, V]` or `[1, V]`)."""
+    h = _fmix32(token_ids ^ keys[:, :1])
+    h = _fmix32((h + keys[:, 1:]) & _M32)
+    # 23 bits as an odd multiple of 2**-24: exact in float32 and strictly inside (0, 1), so both logs are finite.
+    u = ((h >> 9) * 2 + 1).float() * 2.0**-24
+    return -torch.log(-torch.log(u))

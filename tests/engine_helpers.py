@@ -11,9 +11,10 @@ from typing import Any
 import pytest
 import torch
 
-from actors.engine.engine import Engine, EngineConfig
+from actors.engine.config import EngineConfig
+from actors.engine.engine import Engine
 from actors.engine.weights import model_from_hf
-from bus.messages import SamplingParams, TokenizedRequest, TokenRow
+from actors.engine.types import EngineRequest, GenerationParams, TokenOutput
 
 
 def tiny_hf_llama(vocab_size: int = 512, seed: int = 0, **overrides: Any) -> Any:
@@ -44,23 +45,27 @@ def engine_for(hf_model: Any, tokenizer: Any | None = None, **config: Any) -> En
     return Engine(model_from_hf(hf_model.config, hf_model.state_dict()), EngineConfig(**config), tokenizer)
 
 
-def greedy(max_new_tokens: int, **kwargs: Any) -> SamplingParams:
+def greedy(max_new_tokens: int, **kwargs: Any) -> GenerationParams:
     """Greedy sampling parameters."""
-    return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, **kwargs)
+    return GenerationParams(max_new_tokens=max_new_tokens, temperature=0.0, **kwargs)
 
 
-def run_to_completion(engine: Engine, requests: Sequence[TokenizedRequest]) -> dict[str, list[TokenRow]]:
-    """Submit all `requests` at once and step until the engine is idle; returns each rid's rows in order."""
+def run_to_completion(engine: Engine, requests: Sequence[EngineRequest]) -> dict[str, list[TokenOutput]]:
+    """Submit all `requests` at once and step until the engine is idle; returns each rid's rows in order.
+
+    The KV pool's integrity is checked after every step.
+    """
     for req in requests:
         assert engine.add_request(req) is None, req.rid
-    rows: dict[str, list[TokenRow]] = {req.rid: [] for req in requests}
+    rows: dict[str, list[TokenOutput]] = {req.rid: [] for req in requests}
     while engine.has_work():
         for row in engine.step():
-            rows[row.rid].append(row)
+            rows.setdefault(row.rid, []).append(row)
+        engine.check_integrity()
     return rows
 
 
-def tokens_of(rows: Sequence[TokenRow]) -> list[int]:
+def tokens_of(rows: Sequence[TokenOutput]) -> list[int]:
     """All token ids of one request's rows, concatenated."""
     return [t for row in rows for t in row.token_ids]
 

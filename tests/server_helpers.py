@@ -102,7 +102,7 @@ def wait_until_idle(base_url: str, timeout: float = 20.0) -> dict[str, Any]:
     info = server_info(base_url)
     while time.monotonic() < deadline:
         info = server_info(base_url)
-        if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0 and info["kv_used_tokens"] == 0:
+        if info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0 and info["kv_running_tokens"] == 0:
             return info
         time.sleep(0.1)
     return info

@@ -12,7 +12,7 @@ from bus.codec import DecodeError, decode, encode
 from bus.connection import BusConnection
 from bus.embedded_server import EmbeddedNatsServer
 from bus.messages import (
-    BatchTokenOutput, ChatMessage, FinishReason, GenerateRequest, InfoQuery, RequestOutput, SamplingParams,
+    BatchTokenOutput, ChatMessage, DecodeParams, FinishReason, GenerateRequest, InfoQuery, RequestOutput,
     SchedulerInfo, TokenRow,
 )
 from bus.subjects import InvalidRidError, Subjects, detokenizer_shard, new_rid, validate_rid
@@ -41,8 +41,9 @@ def test_shard_is_stable_and_in_range() -> None:
 
 def test_round_trip_of_nested_messages() -> None:
     batch = BatchTokenOutput(step=3, rows=[
-        TokenRow("r1", [1, 2, 3], 5, 3, FinishReason("stop", "</s>"), SamplingParams(max_new_tokens=4, stop=["x"])),
-        TokenRow("r2", [9], 2, 1, FinishReason("stop", 2)),
+        TokenRow("r1", [1, 2, 3], 5, 3, 2, FinishReason("stop", "</s>"), DecodeParams(stop=["x"]), logprobs=[-0.5, -1.0, -2.0],
+                 top_ids=[[1], [2], [3]], top_logprobs=[[-0.5], [-1.0], [-2.0]]),
+        TokenRow("r2", [9], 2, 1, 0, FinishReason("stop", 2)),
         TokenRow("r3", [], 2, 0),
     ])
     assert decode(encode(batch), BatchTokenOutput) == batch

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from bus.messages import FinishReason, TokenizedRequest
+from actors.engine.types import Finish, EngineRequest
 from tests.engine_helpers import (
     assert_greedy_matches,
     engine_for,
@@ -33,8 +33,8 @@ def reference() -> dict[str, Any]:
     return {"hf": hf, "prompts": prompts, "expected": [hf_greedy(hf, p, MAX_NEW, EOS) for p in prompts]}
 
 
-def requests(prompts: list[list[int]]) -> list[TokenizedRequest]:
-    return [TokenizedRequest(f"r{i}", p, greedy(MAX_NEW, stop_token_ids=[EOS])) for i, p in enumerate(prompts)]
+def requests(prompts: list[list[int]]) -> list[EngineRequest]:
+    return [EngineRequest(f"r{i}", p, greedy(MAX_NEW, stop_token_ids=[EOS])) for i, p in enumerate(prompts)]
 
 
 def check_all(reference: dict[str, Any], outputs: dict[str, list[int]]) -> None:
@@ -48,7 +48,7 @@ def test_greedy_alone_matches_transformers(reference: dict[str, Any]) -> None:
     for req in requests(reference["prompts"]):
         outputs[req.rid] = tokens_of(run_to_completion(engine, [req])[req.rid])
     check_all(reference, outputs)
-    assert engine.stats().kv_used_tokens == 0
+    assert engine.stats().kv_running_tokens == 0
 
 
 def test_greedy_together_matches_transformers(reference: dict[str, Any]) -> None:
@@ -56,16 +56,17 @@ def test_greedy_together_matches_transformers(reference: dict[str, Any]) -> None
     rows = run_to_completion(engine, requests(reference["prompts"]))
     check_all(reference, {rid: tokens_of(r) for rid, r in rows.items()})
     for rid, req_rows in rows.items():
-        assert req_rows[0].sampling is not None and all(r.sampling is None for r in req_rows[1:])
+        assert req_rows[0].first and not any(r.first for r in req_rows[1:])
         assert [r.completion_tokens for r in req_rows] == list(range(1, len(req_rows) + 1))
         assert all(r.finish is None for r in req_rows[:-1]) and req_rows[-1].finish is not None
     stats = engine.stats()
-    assert (stats.kv_used_tokens, stats.num_running_reqs, stats.num_waiting_reqs) == (0, 0, 0)
+    assert (stats.kv_running_tokens, stats.num_running_reqs, stats.num_waiting_reqs) == (0, 0, 0)
 
 
 def test_mixed_prefill_and_decode_steps(reference: dict[str, Any]) -> None:
-    # A 20-token prefill budget admits the prompts over several steps while earlier ones decode.
-    engine = engine_for(reference["hf"], max_prefill_tokens=20)
+    # Without chunking, a 20-token prefill budget admits whole prompts over several steps while earlier ones
+    # decode.
+    engine = engine_for(reference["hf"], max_prefill_tokens=20, chunked_prefill_size=0)
     for req in requests(reference["prompts"]):
         assert engine.add_request(req) is None
     outputs: dict[str, list[int]] = {}
@@ -79,7 +80,7 @@ def test_mixed_prefill_and_decode_steps(reference: dict[str, Any]) -> None:
     assert step_rids[0] == {"r0", "r1", "r2"}  # 1 + 5 + 9 fit the budget; 17 more would not
     assert step_rids[1] == {"r0", "r1", "r2", "r3"}  # r3's prefill runs alongside three decodes
     assert "r4" in step_rids[2]  # 30 tokens exceed the budget but are admitted as the step's only prefill
-    assert engine.stats().kv_used_tokens == 0
+    assert engine.stats().kv_running_tokens == 0
 
 
 def test_preemption_under_a_tiny_pool_keeps_greedy_output(reference: dict[str, Any]) -> None:
@@ -87,8 +88,8 @@ def test_preemption_under_a_tiny_pool_keeps_greedy_output(reference: dict[str, A
     rows = run_to_completion(engine, requests(reference["prompts"]))
     check_all(reference, {rid: tokens_of(r) for rid, r in rows.items()})
     stats = engine.stats()
-    assert stats.num_preemptions > 0
-    assert stats.kv_used_tokens == 0
+    assert stats.num_retractions > 0
+    assert stats.kv_running_tokens == 0
     for req_rows in rows.values():  # a resumed request neither repeats nor skips output
         assert [r.completion_tokens for r in req_rows] == list(range(1, len(req_rows) + 1))
 
@@ -99,18 +100,18 @@ def test_abort_frees_kv_of_running_and_waiting_requests(reference: dict[str, Any
         assert engine.add_request(req) is None
     first = engine.step()
     assert {row.rid for row in first} == {"r0", "r1"}
-    assert engine.stats().kv_used_tokens > 0
+    assert engine.stats().kv_running_tokens > 0
 
     running = engine.abort("r1")
-    assert running is not None and running.finish == FinishReason("abort")
-    assert (running.token_ids, running.completion_tokens, running.sampling) == ([], 1, None)
+    assert running is not None and running.finish == Finish("abort")
+    assert (running.token_ids, running.completion_tokens, running.first) == ([], 1, False)
     waiting = engine.abort("r2")
-    assert waiting is not None and waiting.finish == FinishReason("abort")
-    assert waiting.sampling is not None  # r2 never produced a row, so this first row carries its sampling
+    assert waiting is not None and waiting.finish == Finish("abort")
+    assert waiting.first  # r2 never produced a row, so this is its first
     assert engine.abort("r2") is None and engine.abort("nope") is None
 
     stats = engine.stats()
-    assert (stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_used_tokens) == (1, 0, 1)
+    assert (stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_running_tokens) == (1, 0, 1)
     assert engine.abort("r0") is not None
-    assert engine.stats().kv_used_tokens == 0 and not engine.has_work()
+    assert engine.stats().kv_running_tokens == 0 and not engine.has_work()
     assert engine.add_request(requests(reference["prompts"][:1])[0]) is None, "an aborted rid may be reused"

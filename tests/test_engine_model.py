@@ -7,36 +7,44 @@ from typing import Any
 import pytest
 import torch
 
-from actors.engine.kv_cache import KVCache
+from actors.engine.kv_pool import KVPool
 from actors.engine.llama import LlamaForCausalLM, head_dim_of, rope_theta_of
+from actors.engine.token_table import TokenTable
 from actors.engine.weights import model_from_hf
-from kernels.attention import TorchPagedBackend
+from kernels.attention import ForwardInfo, TorchPagedBackend
 from tests.engine_helpers import tiny_hf_llama, torch_single_thread  # noqa: F401  (autouse fixture)
 
 
 class PagedRunner:
-    """Feeds chunks of several sequences through our model with a real paged KV cache, returning raw logits."""
+    """Feeds chunks of several sequences through our model with a real paged KV pool, returning raw logits."""
 
     def __init__(self, model: LlamaForCausalLM, num_seqs: int) -> None:
         config = model.config
         self.model = model
-        self.cache = KVCache(config.num_hidden_layers, 256, config.num_key_value_heads, head_dim_of(config),
-                             max_requests=num_seqs, max_len=128, dtype=torch.float32, device="cpu")
-        self.backend = TorchPagedBackend(self.cache.k, self.cache.v, config.num_attention_heads)
-        self.rows = [self.cache.assign_row() for _ in range(num_seqs)]
+        pool = KVPool(config.num_hidden_layers, 256, config.num_key_value_heads, head_dim_of(config),
+                      dtype=torch.float32, device=torch.device("cpu"))
+        self.table = TokenTable(num_seqs, 128, torch.device("cpu"))
+        self.backend = TorchPagedBackend(pool.k, pool.v, config.num_attention_heads)
+        self.rows = [self.table.assign() for _ in range(num_seqs)]
         self.lengths = [0] * num_seqs
+        self.free = torch.randperm(256)  # scattered slots
 
     def feed(self, chunks: list[list[int]]) -> torch.Tensor:
         """Append `chunks[b]` to sequence `b` (all sequences, in one batch); logits `[B, V]` of each last token."""
         starts = list(self.lengths)
         q_lens = [len(c) for c in chunks]
         kv_lens = [s + n for s, n in zip(starts, q_lens)]
-        out_slots = self.cache.append(self.rows, starts, q_lens)
-        meta = self.backend.prepare(q_lens, kv_lens, self.cache.page_rows(self.rows, max(kv_lens)), out_slots)
+        out_slots = []
+        for row, start, n in zip(self.rows, starts, q_lens):
+            slots, self.free = self.free[:n], self.free[n:]
+            self.table.write(row, start, slots)
+            out_slots.append(slots)
+        info = ForwardInfo(q_lens, kv_lens, torch.tensor(self.rows), self.table.table, torch.cat(out_slots))
         input_ids = torch.tensor([t for c in chunks for t in c])
         positions = torch.tensor([p for s, n in zip(starts, q_lens) for p in range(s, s + n)])
         self.lengths = kv_lens
-        return self.model(input_ids, positions, self.backend, meta)
+        last = torch.tensor(q_lens).cumsum(0) - 1
+        return self.model(input_ids, positions, self.backend, self.backend.prepare(info), last)
 
 
 @torch.no_grad()

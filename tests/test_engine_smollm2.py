@@ -12,7 +12,7 @@ import pytest
 
 from actors.common.model_source import resolve_model
 from actors.engine.engine import Engine, EngineConfig
-from bus.messages import TokenizedRequest
+from actors.engine.types import EngineRequest
 from tests.engine_helpers import (
     assert_greedy_matches,
     greedy,
@@ -52,8 +52,8 @@ def smollm() -> dict[str, Any]:
     return {"engine": engine, "hf": hf, "prompts": prompts, "expected": expected, "eos": eos}
 
 
-def request(smollm: dict[str, Any], rid: str, index: int) -> TokenizedRequest:
-    return TokenizedRequest(rid, smollm["prompts"][index], greedy(MAX_NEW, stop_token_ids=[smollm["eos"]]))
+def request(smollm: dict[str, Any], rid: str, index: int) -> EngineRequest:
+    return EngineRequest(rid, smollm["prompts"][index], greedy(MAX_NEW, stop_token_ids=[smollm["eos"]]))
 
 
 def test_greedy_alone_matches_transformers(smollm: dict[str, Any]) -> None:
@@ -61,7 +61,7 @@ def test_greedy_alone_matches_transformers(smollm: dict[str, Any]) -> None:
     for i in range(3):
         rows = run_to_completion(engine, [request(smollm, f"alone{i}", i)])
         assert_greedy_matches(smollm["hf"], smollm["prompts"][i], smollm["expected"][i], tokens_of(rows[f"alone{i}"]))
-    assert engine.stats().kv_used_tokens == 0
+    assert engine.stats().kv_running_tokens == 0
 
 
 def test_greedy_eight_together_matches_transformers(smollm: dict[str, Any]) -> None:
@@ -72,5 +72,17 @@ def test_greedy_eight_together_matches_transformers(smollm: dict[str, Any]) -> N
         got = tokens_of(rows[f"batch{i}"])
         assert_greedy_matches(smollm["hf"], smollm["prompts"][i % n], smollm["expected"][i % n], got)
     stats = engine.stats()
-    assert (stats.kv_used_tokens, stats.num_running_reqs, stats.context_length) == (0, 0, 8192)
+    assert (stats.kv_running_tokens, stats.num_running_reqs, stats.context_length) == (0, 0, 8192)
+    # prompts 0-2 ran alone before (and 4-7 repeat 0-3): their prefixes came from the radix cache
+    assert all(rows[f"batch{i}"][0].cached_tokens > 0 for i in range(3))
+
+
+def test_greedy_with_small_chunks_and_no_cache_matches_transformers(smollm: dict[str, Any]) -> None:
+    engine = Engine(smollm["engine"].runner.model, EngineConfig(chunked_prefill_size=8, disable_radix_cache=True,
+                                                                max_total_tokens=4096), smollm["engine"].tokenizer)
+    rows = run_to_completion(engine, [request(smollm, f"chunk{i}", i) for i in range(len(PROMPTS))])
+    for i in range(len(PROMPTS)):
+        got = tokens_of(rows[f"chunk{i}"])
+        assert_greedy_matches(smollm["hf"], smollm["prompts"][i], smollm["expected"][i], got)
+        assert rows[f"chunk{i}"][0].cached_tokens == 0
 

@@ -2,6 +2,8 @@
 
 The core property: for any split of a token stream into feeds, the concatenated deltas equal a one-shot
 `tokenizer.decode` of the same ids (with the same stop trimming), and no delta holds a partial character.
+Stop strings are decided by the scheduler: `stop_run` plays its part, finishing at the token whose arrival
+first makes a stop string appear, with that string as `matched`.
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from actors.detokenizer.incremental import MAX_PENDING_TOKENS, IncrementalDecoder, first_stop
-from bus.messages import FinishReason, SamplingParams
+from actors.detokenizer.incremental import MAX_PENDING_TOKENS, IncrementalDecoder
+from bus.messages import DecodeParams, FinishReason
 
 IM_END = "<|im_end|>"
 TEXTS = [
@@ -32,11 +34,23 @@ def tok() -> Any:
     return load_tokenizer(resolve_model("SmolLM2-135M-Instruct"))
 
 
-def params(**kw: Any) -> SamplingParams:
-    return SamplingParams(max_new_tokens=4096, **kw)
+def params(**kw: Any) -> DecodeParams:
+    return DecodeParams(**kw)
 
 
-def stream(tok: Any, ids: list[int], sizes: list[int], p: SamplingParams, finish: FinishReason) -> list[str]:
+def stop_run(tok: Any, ids: list[int], stops: list[str]) -> tuple[list[int], FinishReason, str]:
+    """What the scheduler would send: the ids up to the first stop-string match, the finish reason, and the
+    text a client must see (decoded text cut where the matched string starts)."""
+    for k in range(len(ids)):
+        text = tok.decode(ids[: k + 1], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        matched = next((s for s in stops if s in text), None)
+        if matched is not None:
+            return ids[: k + 1], FinishReason("stop", matched), text[: text.find(matched)]
+    text = tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    return ids, FinishReason("length"), text
+
+
+def stream(tok: Any, ids: list[int], sizes: list[int], p: DecodeParams, finish: FinishReason) -> list[str]:
     """Feed `ids` in chunks of `sizes` (cycled), the last chunk with `finish`; return every delta."""
     dec, deltas, i, k = IncrementalDecoder(tok, p), [], 0, 0
     while True:
@@ -77,19 +91,20 @@ def test_random_stop_strings_never_leak(tok: Any, text: str) -> None:
     for _ in range(6):
         a = rng.randrange(len(text) - 4)
         stops = [text[a : a + rng.randint(1, 4)], "zz~never~zz"]
-        expected = text[: first_stop(text, stops)[0]]  # type: ignore[index]
-        ids = tok.encode(text)
+        ids, finish, expected = stop_run(tok, tok.encode(text), stops)
+        assert finish.type == "stop"
         for sizes in splits(len(ids), seed=a):
-            deltas = stream(tok, ids, sizes, params(stop=stops), FinishReason("length"))
+            deltas = stream(tok, ids, sizes, params(stop=stops), finish)
             assert "".join(deltas) == expected
             assert not any("\ufffd" in d for d in deltas)
 
 
 def test_overlapping_stops_cut_where_generation_would_stop(tok: Any) -> None:
-    ids = tok.encode("say hello world and more")
-    p = params(stop=["hello world", "lo"])  # "lo" completes first, though "hello world" starts earlier
+    stops = ["hello world", "lo"]  # "lo" completes first, though "hello world" starts earlier
+    ids, finish, expected = stop_run(tok, tok.encode("say hello world and more"), stops)
+    assert finish.matched == "lo" and expected == "say hel"
     for sizes in ([1], [len(ids)], [2]):
-        assert "".join(stream(tok, ids, sizes, p, FinishReason("length"))) == "say hel"
+        assert "".join(stream(tok, ids, sizes, params(stop=stops), finish)) == "say hel"
 
 
 def test_printable_prefix_is_sent_before_incomplete_character(tok: Any) -> None:
@@ -104,10 +119,9 @@ def test_split_stop_string_is_held_then_cut(tok: Any) -> None:
     ids = tok.encode("a <END> b")
     assert len(ids) == 5  # "a", " <", "END", ">", " b": the stop string spans three tokens
     dec = IncrementalDecoder(tok, params(stop=["<END>"]))
-    deltas = [dec.feed([i]) for i in ids]
-    assert deltas == ["a", " ", "", "", ""]  # "<" and "<END" are held back; then the hit cuts at "<"
-    assert dec.stop_hit == "<END>"
-    assert dec.feed([], FinishReason("stop", "<END>")) == ""
+    deltas = [dec.feed([i]) for i in ids[:3]]
+    assert deltas == ["a", " ", ""]  # "<" and "<END" are held back
+    assert dec.feed(ids[3:4], FinishReason("stop", "<END>")) == ""  # the scheduler's hit cuts at "<"
 
 
 def test_held_prefix_is_released_when_text_diverges(tok: Any) -> None:
@@ -115,7 +129,7 @@ def test_held_prefix_is_released_when_text_diverges(tok: Any) -> None:
     dec = IncrementalDecoder(tok, params(stop=["<END>"]))
     deltas = [dec.feed([i]) for i in ids]
     assert deltas[1] == " " and deltas[2].startswith("<")  # "<" held back, released once "b" diverges
-    assert "".join(deltas) == "a <b> c" and dec.stop_hit is None
+    assert "".join(deltas) == "a <b> c"
 
 
 def test_stop_trim_on_finish(tok: Any) -> None:
@@ -212,11 +226,9 @@ def test_cost_per_token_is_constant(tok: Any, stops: list[str]) -> None:
     assert "".join(out) == tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
-def test_feed_after_finish_raises_and_stop_hit_ignores_more_ids(tok: Any) -> None:
+def test_feed_after_finish_raises(tok: Any) -> None:
     dec = IncrementalDecoder(tok, params(stop=["STOP"]))
-    assert dec.feed(tok.encode("go STOP now")) == "go "
-    assert dec.stop_hit == "STOP"
-    assert dec.feed(tok.encode(" more")) == ""
-    assert dec.feed([], FinishReason("length")) == ""
+    assert dec.feed(tok.encode("go ST")) == "go "
+    assert dec.feed(tok.encode("OP"), FinishReason("stop", "STOP")) == ""
     with pytest.raises(RuntimeError):
         dec.feed([1])

@@ -8,7 +8,7 @@ import pytest
 import torch
 from tests.engine_helpers import torch_single_thread  # noqa: F401  (autouse fixture)
 
-from kernels.attention import TorchPagedBackend
+from kernels.attention import ForwardInfo, TorchPagedBackend
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_SLOTS, NUM_LAYERS = 6, 2, 8, 128, 2
 
@@ -54,17 +54,18 @@ def test_extend_matches_dense_attention(shape: list[tuple[int, int]]) -> None:
         out_slots.append(page[prefix:])
     q_lens = [q_len for _, q_len in shape]
     kv_lens = [prefix + q_len for prefix, q_len in shape]
-    kv_slots = torch.zeros(len(shape), max(kv_lens), dtype=torch.int64)
+    # Table rows in reverse order, with a spare row, so row b of the table is not request b.
+    table = torch.zeros(len(shape) + 1, max(kv_lens) + 3, dtype=torch.int64)
+    rows = torch.arange(len(shape), 0, -1)
     for b, page in enumerate(pages):
-        kv_slots[b, : len(page)] = page
+        table[rows[b], : len(page)] = page
     q = torch.randn(sum(q_lens), NUM_HEADS, HEAD_DIM)
     new_k = torch.cat([k[-n:] for k, n in zip(keys, q_lens)])
     new_v = torch.cat([v[-n:] for v, n in zip(values, q_lens)])
 
-    meta = backend.prepare(q_lens, kv_lens, kv_slots, torch.cat(out_slots))
+    meta = backend.prepare(ForwardInfo(q_lens, kv_lens, rows, table, torch.cat(out_slots)))
     out = backend.forward(q, new_k, new_v, layer, meta)
 
-    assert meta.last_index.tolist() == [sum(q_lens[: b + 1]) - 1 for b in range(len(shape))]
     start = 0
     for b, n in enumerate(q_lens):
         expected = dense_reference(q[start : start + n], keys[b], values[b])

@@ -64,7 +64,7 @@ def test_greedy_matches_transformers_in_shared_batches(smollm_server: ServerHand
         results = list(pool.map(lambda ids: generate_ids(smollm_server.base_url, ids), prompts))
     for prompt_ids, expected, got in zip(prompts, hf_reference["outputs"], results):
         assert_greedy_matches(hf_reference["model"], prompt_ids, expected, got)
-    assert wait_until_idle(smollm_server.base_url)["kv_used_tokens"] == 0
+    assert wait_until_idle(smollm_server.base_url)["kv_running_tokens"] == 0
 
 
 def test_chat_text_equals_transformers_text(smollm_server: ServerHandle, hf_reference: dict[str, Any]) -> None:

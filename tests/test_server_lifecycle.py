@@ -21,7 +21,7 @@ def wait_for_kv_in_use(base_url: str, timeout: float = 30.0) -> dict:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         info = server_info(base_url)
-        if info["kv_used_tokens"] > 0:
+        if info["kv_running_tokens"] > 0:
             return info
         time.sleep(0.05)
     raise AssertionError("the request never started")
@@ -29,16 +29,16 @@ def wait_for_kv_in_use(base_url: str, timeout: float = 30.0) -> dict:
 
 def test_stream_disconnect_aborts_and_frees_kv(smollm_server: ServerHandle) -> None:
     base = smollm_server.base_url
-    assert wait_until_idle(base)["kv_used_tokens"] == 0
+    assert wait_until_idle(base)["kv_running_tokens"] == 0
     with httpx.stream("POST", base + "/v1/chat/completions", json={**LONG, "stream": True}, timeout=60) as response:
         events = sse_events(response)
         for _ in range(4):
             next(events)
         busy = server_info(base)
-        assert busy["num_running_reqs"] == 1 and busy["kv_used_tokens"] > 0
+        assert busy["num_running_reqs"] == 1 and busy["kv_running_tokens"] > 0
     # closing the stream disconnects the client; without the abort this request would decode 4000 tokens
     info = wait_until_idle(base, timeout=10)
-    assert info["num_running_reqs"] == 0 and info["kv_used_tokens"] == 0, info
+    assert info["num_running_reqs"] == 0 and info["kv_running_tokens"] == 0, info
 
 
 def test_non_stream_disconnect_aborts_and_frees_kv(smollm_server: ServerHandle) -> None:
@@ -50,7 +50,7 @@ def test_non_stream_disconnect_aborts_and_frees_kv(smollm_server: ServerHandle) 
                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
         wait_for_kv_in_use(base)
     info = wait_until_idle(base, timeout=10)
-    assert info["num_running_reqs"] == 0 and info["kv_used_tokens"] == 0, info
+    assert info["num_running_reqs"] == 0 and info["kv_running_tokens"] == 0, info
 
 
 def _pack(type_name: str, body: dict) -> bytes:
@@ -110,4 +110,4 @@ def test_plain_nats_client_gets_validation_errors_and_can_abort(smollm_server: S
     error, last = asyncio.run(scenario())
     assert error["error"]["param"] == "top_k" and error["error"]["code"] == 400
     assert last["finish"]["type"] == "abort" and last["completion_tokens"] < 4000
-    assert wait_until_idle(smollm_server.base_url)["kv_used_tokens"] == 0
+    assert wait_until_idle(smollm_server.base_url)["kv_running_tokens"] == 0

@@ -1,7 +1,9 @@
 """Incremental detokenization of one request's output, with SGLang's offsets and stop-string hold-back.
 
 `IncrementalDecoder.feed` turns newly generated token ids into a text delta that is safe to send: never a
-partial UTF-8 character and never any part of a stop string that is (or may still become) trimmed. The
+partial UTF-8 character and never any part of a stop string that may still be trimmed. The scheduler alone
+decides that a stop string matched (it reports it in the finish reason of the token that completes it); the
+decoder only holds back text that could be the start of one, and on finish cuts at the matched string. The
 concatenated deltas equal a one-shot `tokenizer.decode` of the same ids with the same trimming, for any split
 of the ids into feeds.
 
@@ -10,15 +12,14 @@ the "surrounding" tokens of the previous commit, kept only as decode context (to
 space need it). Each step decodes `ids[surr:read]` and `ids[surr:]`; the difference is the new text. Ids
 before `surr_offset` are dropped, so the cost of a step depends on the chunk size, never on the output
 length. Committed text stays in a small unsent buffer only while it could be the start of a stop string;
-because such text is always held back, a stop string can only begin inside that buffer, so the search for
-stop strings looks at a bounded tail too.
+because such text is always held back, a matched stop string begins inside that buffer.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from bus.messages import FinishReason, SamplingParams
+from bus.messages import DecodeParams, FinishReason
 
 REPLACEMENT_CHAR = "\ufffd"  # what decode yields for an incomplete or invalid UTF-8 sequence
 MAX_PENDING_TOKENS = 4  # a valid character's bytes span at most 4 tokens; past that the bytes are invalid
@@ -31,7 +32,7 @@ class IncrementalDecoder:
     token indices into the whole output.
     """
 
-    def __init__(self, tokenizer: Any, params: SamplingParams) -> None:
+    def __init__(self, tokenizer: Any, params: DecodeParams) -> None:
         self._tokenizer = tokenizer
         self._params = params
         self._stops = [s for s in params.stop if s]
@@ -41,24 +42,16 @@ class IncrementalDecoder:
         self._stable = 0  # chars of the pending text (after read_offset) already moved to _unsent
         self._stall = 0  # token index where the pending text last completed a character
         self._unsent = ""  # committed text not yet sent: a possible stop-string start
-        self._stop_hit: str | None = None
         self._done = False
-
-    @property
-    def stop_hit(self) -> str | None:
-        """The stop string found in the decoded text, if any; nothing from its start on is ever sent."""
-        return self._stop_hit
 
     def feed(self, token_ids: list[int], finish: FinishReason | None = None) -> str:
         """Add newly generated ids; return the text now safe to send (the final delta when `finish` is given).
 
-        After a stop string was found, further ids are ignored. Raises RuntimeError once finished.
+        Raises RuntimeError once finished.
         """
         if self._done:
             raise RuntimeError("IncrementalDecoder.feed after finish")
         self._done = finish is not None
-        if self._stop_hit is not None:
-            return ""
         ids = list(token_ids)
         matched = finish.matched if finish is not None and finish.type == "stop" else None
         if isinstance(matched, int) and not isinstance(matched, bool) and ids and ids[-1] == matched:
@@ -109,28 +102,20 @@ class IncrementalDecoder:
         self._stable = 0
 
     def _release(self, finish: FinishReason | None, matched: str | None) -> str:
-        """Return the sendable part of `_unsent`: cut at a stop string, else keep a possible stop prefix."""
+        """Return the sendable part of `_unsent`: on finish all of it, cut at the matched stop string; before
+        that, all but a suffix that may be the start of a stop string."""
         text = self._unsent
-        stops = self._stops + [matched] if matched else self._stops
-        hit = first_stop(text, stops)
-        if hit is not None:
-            start, stop = hit
-            self._stop_hit = stop
-            self._unsent, self.ids = "", []
-            return text[: start + len(stop)] if self._params.no_stop_trim else text[:start]
-        keep = 0 if finish is not None else held_suffix(text, stops)
-        self._unsent = text[len(text) - keep :]
-        return text[: len(text) - keep]
-
-
-def first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
-    """The stop string that completes first in `text` (earliest end, then earliest start), with its start."""
-    best: tuple[int, int, str] | None = None
-    for stop in stops:
-        start = text.find(stop)
-        if start >= 0 and (best is None or (start + len(stop), start) < best[:2]):
-            best = (start + len(stop), start, stop)
-    return None if best is None else (best[1], best[2])
+        if finish is None:
+            # Hold back a possible stop-string start, and a whole one too: its finish is on its way.
+            starts = [i for i in (text.find(s) for s in self._stops) if i >= 0]
+            cut = min(starts) if starts else len(text) - held_suffix(text, self._stops)
+            self._unsent = text[cut:]
+            return text[:cut]
+        self._unsent = ""
+        start = text.find(matched) if matched else -1
+        if start < 0:
+            return text
+        return text[: start + len(matched)] if self._params.no_stop_trim else text[:start]
 
 
 def held_suffix(text: str, stops: list[str]) -> int:

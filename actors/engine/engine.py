@@ -1,49 +1,36 @@
-"""The engine the scheduler actor drives: request intake, continuous batching, and one forward per `step`.
+"""The engine the scheduler actor drives: request intake, continuous batching, one forward per step.
 
-Single-threaded by contract: `add_request` and `abort` are called only between steps. Each step decodes one
-token for every running request and, in the same forward, prefills the waiting requests that the batch
-policy admits. Finished, aborted and preempted requests give their KV slots back at once.
+A step has three parts, so an overlap loop (plan step N+1 while step N runs) is a second loop over the same
+parts: `schedule()` decides the batch and does all allocation (retraction, admission, prefix locks, KV slots),
+`launch(batch)` runs the forward and samples, `finish(batch, out)` applies the tokens (stop checks, caching,
+freeing) and returns one output row per sampled request. Single-threaded by contract: `add_request`, `abort`
+and the control methods are called only between steps.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import random
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from actors.common.model_source import ModelSource
-from actors.engine.batch_policy import BatchPolicy
-from actors.engine.llama import LlamaForCausalLM
+from actors.engine.batch import Batch, ForwardOutput
+from actors.engine.cache_manager import CacheManager
+from actors.engine.config import EngineConfig
+from actors.engine.decode import DecodeManager
+from actors.engine.kv_pool import KVPool
+from actors.engine.llama import LlamaForCausalLM, head_dim_of
 from actors.engine.model_runner import ModelRunner
-from actors.engine.request import Request
+from actors.engine.prefill import PrefillManager
+from actors.engine.prefix_cache import create_prefix_cache
+from actors.engine.request import Req
 from actors.engine.stop_checker import StopChecker
-from bus.messages import ErrorInfo, FinishReason, TokenizedRequest, TokenRow
+from actors.engine.token_table import TokenTable
+from actors.engine.types import EngineRequest, Finish, Rejection, TokenOutput
+from kernels.sampling import PenaltyState
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass
-class EngineConfig:
-    """Capacity and placement of the engine."""
-
-    max_total_tokens: int = 32768  # KV pool size in token slots
-    max_prefill_tokens: int = 8192  # prefill tokens admitted per step
-    max_running_requests: int = 256
-    dtype: str = "float32"  # one of DTYPES; used when loading weights (an in-memory model keeps its own)
-    device: str = "cpu"
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        for name in ("max_total_tokens", "max_prefill_tokens", "max_running_requests"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
 
 
 @dataclass
@@ -52,165 +39,207 @@ class EngineStats:
 
     num_running_reqs: int
     num_waiting_reqs: int
-    kv_used_tokens: int
+    kv_used_tokens: int  # kv_running_tokens + kv_cached_tokens
+    kv_running_tokens: int  # held by live requests (their own and the cached prefixes they lock)
+    kv_cached_tokens: int  # held only by the prefix cache, evictable
     kv_total_tokens: int
     context_length: int
-    num_preemptions: int  # since start
+    num_retractions: int  # since start
+    cache_hit_rate: float  # cached / all prompt tokens of admitted requests since start
 
 
 class Engine:
-    """Continuous-batching inference over our Llama with a paged KV cache."""
+    """Continuous batching with chunked prefill and a prefix cache over our Llama and a paged KV pool."""
 
     def __init__(self, model: LlamaForCausalLM, config: EngineConfig, tokenizer: Any | None = None) -> None:
-        """`model` already on `config.device`; `tokenizer` is needed only by requests with stop strings."""
+        """`model` already on `config`'s device; `tokenizer` is needed only by requests with stop strings."""
         self.config = config
-        self.device = torch.device(config.device)
-        self.vocab_size: int = model.config.vocab_size
-        self.context_length: int = model.config.max_position_embeddings
+        self.device = torch.device(config.resolved_device())
+        mc = model.config
+        self.vocab_size: int = mc.vocab_size
+        self.context_length: int = mc.max_position_embeddings
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(
-            model,
-            num_slots=config.max_total_tokens,
-            max_requests=config.max_running_requests,
-            max_len=min(self.context_length, config.max_total_tokens),
-            device=self.device,
-        )
-        self.policy = BatchPolicy(config.max_prefill_tokens, config.max_running_requests)
+        dtype = model.lm_head.weight.dtype
+        head_dim = head_dim_of(mc)
+        per_token = KVPool.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, head_dim, dtype)
+        num_slots = config.kv_pool_tokens(per_token, self.context_length)
+        self.pool = KVPool(mc.num_hidden_layers, num_slots, mc.num_key_value_heads, head_dim, dtype, self.device)
+        self.table = TokenTable(config.max_running_requests, min(self.context_length, num_slots), self.device)
+        prefix_cache = create_prefix_cache(not config.disable_radix_cache, self.device)
+        self.cache = CacheManager(num_slots, prefix_cache, self.table, self.device)
+        chunk = config.chunked_prefill_size if config.chunking else 0
+        self.prefill = PrefillManager(self.cache, config.max_prefill_tokens, chunk, config.schedule_policy,
+                                      config.max_running_requests)
+        self.decode = DecodeManager(self.cache)
+        self.runner = ModelRunner(model, self.pool, self.table, config.attention_backend)
         self.stop_checker = StopChecker(tokenizer, self.context_length)
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order
-        self.live: dict[str, Request] = {}
-        self.num_preemptions = 0
+        self.live: dict[str, Req] = {}
+        self.num_retractions = 0
+        self._prompt_tokens = 0
+        self._cached_tokens = 0
 
     @classmethod
-    def from_source(cls, source: ModelSource, config: EngineConfig, tokenizer: Any | None = None) -> Engine:
-        """Load the model at `source` (GGUF or safetensors) and build an engine; loads the tokenizer if not given."""
+    def from_source(cls, source: Any, config: EngineConfig, tokenizer: Any | None = None) -> Engine:
+        """Load the model at `source` (a ModelSource: GGUF or safetensors) and build an engine."""
         from actors.common.model_source import load_tokenizer
         from actors.engine.weights import load_model
 
-        model = load_model(source, config.torch_dtype, config.device)
+        model = load_model(source, DTYPES[config.resolved_dtype()], config.resolved_device())
         return cls(model, config, tokenizer if tokenizer is not None else load_tokenizer(source))
 
-    def add_request(self, req: TokenizedRequest) -> ErrorInfo | None:
-        """Queue `req`, or say why it cannot run (an ErrorInfo with the numbers involved)."""
-        error = self._validate(req)
-        if error is not None:
-            return error
-        generator = None
-        if req.sampling.temperature > 0:
-            generator = torch.Generator(device=self.device)
-            if req.sampling.seed is None:
-                generator.seed()
-            else:
-                generator.manual_seed(req.sampling.seed)
-        request = Request(req.rid, list(req.input_ids), req.sampling, generator)
-        self.live[req.rid] = request
-        self.waiting.append(request)
+    @property
+    def num_slots(self) -> int:
+        return self.pool.num_slots
+
+    def add_request(self, request: EngineRequest) -> Rejection | None:
+        """Queue `request`, or say why it cannot run (with the numbers involved)."""
+        rejection = self._validate(request)
+        if rejection is not None:
+            return rejection
+        params = request.params
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        req = Req(request.rid, len(request.input_ids), list(request.input_ids), params, seed)
+        if params.uses_penalties:
+            req.penalties = PenaltyState(request.input_ids, self.vocab_size, self.device)
+        self.live[req.rid] = req
+        self.prefill.add(req)
         return None
 
-    def _validate(self, req: TokenizedRequest) -> ErrorInfo | None:
-        ids, sampling = req.input_ids, req.sampling
-        if req.rid in self.live:
-            return ErrorInfo(f"request id {req.rid!r} is already in use by a live request", param="rid")
+    def _validate(self, request: EngineRequest) -> Rejection | None:
+        ids, params = request.input_ids, request.params
+        if request.rid in self.live:
+            return Rejection(f"request id {request.rid!r} is already in use by a live request", "rid")
         if not ids:
-            return ErrorInfo("the prompt is empty", param="input_ids")
+            return Rejection("the prompt is empty", "input_ids")
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            return ErrorInfo(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="input_ids")
-        if sampling.max_new_tokens < 1:
-            return ErrorInfo(
-                f"max_new_tokens must be at least 1, got {sampling.max_new_tokens}", param="max_new_tokens"
-            )
-        total = len(ids) + sampling.max_new_tokens
-        for limit, what in ((self.context_length, "the context length"), (self.config.max_total_tokens, "the KV pool")):
+            return Rejection(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", "input_ids")
+        if params.max_new_tokens < 1:
+            return Rejection(f"max_new_tokens must be at least 1, got {params.max_new_tokens}", "max_new_tokens")
+        total = len(ids) + params.max_new_tokens
+        for limit, what in ((self.context_length, "the context length"), (self.num_slots, "the KV pool")):
             if total > limit:
-                return ErrorInfo(
-                    f"{len(ids)} prompt tokens + {sampling.max_new_tokens} max_new_tokens = {total} exceeds "
-                    f"{what} ({limit} tokens)",
-                    param="max_new_tokens",
-                )
-        if any(not s for s in sampling.stop):
-            return ErrorInfo("stop strings must not be empty", param="stop")
-        if sampling.stop and self.tokenizer is None:
-            return ErrorInfo("stop strings need a tokenizer, and this engine has none", type="server_error", code=500)
+                return Rejection(f"{len(ids)} prompt tokens + {params.max_new_tokens} max_new_tokens = {total} "
+                                 f"exceeds {what} ({limit} tokens)", "max_new_tokens")
+        if any(not s for s in params.stop):
+            return Rejection("stop strings must not be empty", "stop")
+        if params.stop and self.tokenizer is None:
+            return Rejection("stop strings need a tokenizer, and this engine has none", code=500, type="server_error")
         return None
 
-    def abort(self, rid: str) -> TokenRow | None:
+    def has_work(self) -> bool:
+        """True while any request is waiting or running."""
+        return bool(len(self.prefill) or len(self.decode))
+
+    def step(self) -> list[TokenOutput]:
+        """Schedule, run and finish one step; one output row per request that produced a token."""
+        batch = self.schedule()
+        if batch is None:
+            return []
+        return self.finish(batch, self.launch(batch))
+
+    def schedule(self) -> Batch | None:
+        """Plan the next forward and allocate everything it needs; None when there is nothing to run."""
+        for req in self.decode.retract_until_decodable():
+            self.prefill.add(req, front=True)
+            self.num_retractions += 1
+        decodes = self.decode.schedule()
+        prefills = self.prefill.schedule(len(decodes))
+        if not decodes and not prefills:
+            return None
+        reqs = decodes + [req for req, _ in prefills]
+        extend_lens = [1] * len(decodes) + [n for _, n in prefills]
+        starts = [req.cached_len - n for req, n in zip(reqs, extend_lens)]
+        input_ids = [t for req, s, n in zip(reqs, starts, extend_lens) for t in req.ids[s : s + n]]
+        samples = [req.cached_len == req.seq_len for req in reqs]
+        return Batch(reqs, starts, extend_lens, samples, input_ids, num_decode=len(decodes))
+
+    def launch(self, batch: Batch) -> ForwardOutput:
+        """Run the batch's forward and sample (no request state changes)."""
+        return self.runner.forward(batch)
+
+    def finish(self, batch: Batch, out: ForwardOutput) -> list[TokenOutput]:
+        """Apply the sampled tokens: stop checks, prefix caching, freeing; the step's output rows."""
+        out.wait()
+        tokens = out.tokens_cpu.tolist()
+        logprobs = out.logprobs_cpu.tolist() if out.logprobs_cpu is not None else None
+        top_ids = out.top_ids_cpu.tolist() if out.top_ids_cpu is not None else None
+        top_lps = out.top_logprobs_cpu.tolist() if out.top_logprobs_cpu is not None else None
+        rows: list[TokenOutput] = []
+        k = 0
+        for i, (req, samples) in enumerate(zip(batch.reqs, batch.samples)):
+            is_prefill = i >= batch.num_decode
+            if not samples:
+                self.cache.cache_req(req, finished=False)  # this chunk's KV becomes shareable at once
+                continue
+            token = tokens[k]
+            req.ids.append(token)
+            finish = self.stop_checker.check(req)
+            if finish is not None:
+                self._release(req)
+            elif is_prefill:
+                self.cache.cache_req(req, finished=False)
+                self.decode.add(req)
+            row = self._output(req, [token], finish)
+            if logprobs is not None and req.params.return_logprob:
+                n = req.params.top_logprobs_num
+                row.logprobs = [logprobs[k]]
+                row.top_ids = [top_ids[k][:n] if top_ids and n else []]
+                row.top_logprobs = [top_lps[k][:n] if top_lps and n else []]
+            rows.append(row)
+            k += 1
+        return rows
+
+    def abort(self, rid: str) -> TokenOutput | None:
         """Drop a waiting or running request now and free its KV; its final row, or None if `rid` is not live."""
         req = self.live.get(rid)
         if req is None:
             return None
-        if req in self.running:
-            self.running.remove(req)
-        else:
-            self.waiting.remove(req)
         self._release(req)
-        return self._row(req, [], FinishReason("abort"))
+        return self._output(req, [], Finish("abort"))
 
-    def has_work(self) -> bool:
-        """True while any request is waiting or running."""
-        return bool(self.waiting or self.running)
+    def abort_all(self) -> list[TokenOutput]:
+        """Abort every live request; their final rows."""
+        return [row for rid in list(self.live) if (row := self.abort(rid)) is not None]
 
-    def step(self) -> list[TokenRow]:
-        """Run one forward over the running requests plus newly admitted prefills; one row per request in it."""
-        for _ in range(self.policy.preemptions(self.running, self.runner.kv_cache.num_free)):
-            self._preempt(self.running[-1])
-        admitted = self.policy.admissions(self.waiting, len(self.running), self.runner.kv_cache.num_free)
-        for _ in range(admitted):
-            req = self.waiting.popleft()
-            req.row = self.runner.kv_cache.assign_row()
-            self.running.append(req)
-        if not self.running:
-            return []
-        batch = list(self.running)
-        tokens = self.runner.step(batch)
-        rows = []
-        for req, token in zip(batch, tokens):
-            req.output_ids.append(token)
-            finish = self.stop_checker.check(req)
-            if finish is not None:
-                self.running.remove(req)
-                self._release(req)
-            rows.append(self._row(req, [token], finish))
-        return rows
+    def flush_cache(self) -> int:
+        """Drop every cached prefix no live request uses; returns the number of KV slots freed."""
+        return self.cache.flush()
+
+    def check_integrity(self) -> None:
+        """Assert that the pool is partitioned exactly among free slots, the prefix cache and live requests."""
+        self.cache.check_integrity(self.live.values())
 
     def stats(self) -> EngineStats:
-        """Current load: request counts and KV slot usage."""
-        kv = self.runner.kv_cache
+        """Current load: request counts and KV usage."""
+        free, cached = self.cache.num_free, self.cache.num_cached
+        used = self.num_slots - free
         return EngineStats(
-            num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
-            kv_used_tokens=kv.num_used,
-            kv_total_tokens=kv.num_slots,
+            num_running_reqs=len(self.decode),
+            num_waiting_reqs=len(self.prefill),
+            kv_used_tokens=used,
+            kv_running_tokens=used - cached,
+            kv_cached_tokens=cached,
+            kv_total_tokens=self.num_slots,
             context_length=self.context_length,
-            num_preemptions=self.num_preemptions,
+            num_retractions=self.num_retractions,
+            cache_hit_rate=self._cached_tokens / self._prompt_tokens if self._prompt_tokens else 0.0,
         )
 
-    def _preempt(self, req: Request) -> None:
-        """Recompute-style preemption: free the KV, keep the output, requeue at the front."""
-        self.running.remove(req)
-        self._free_kv(req)
-        self.waiting.appendleft(req)
-        self.num_preemptions += 1
-
-    def _free_kv(self, req: Request) -> None:
+    def _release(self, req: Req) -> None:
+        """Take `req` out of every queue, cache its KV and free the rest."""
+        if not self.decode.remove(req):
+            self.prefill.remove(req)
         if req.row is not None:
-            self.runner.kv_cache.release(req.row, req.num_cached)
-            req.row = None
-        req.num_cached = 0
-
-    def _release(self, req: Request) -> None:
-        self._free_kv(req)
+            self.cache.cache_req(req, finished=True)
         del self.live[req.rid]
 
-    def _row(self, req: Request, token_ids: list[int], finish: FinishReason | None) -> TokenRow:
-        row = TokenRow(
-            rid=req.rid,
-            token_ids=token_ids,
-            prompt_tokens=len(req.prompt_ids),
-            completion_tokens=len(req.output_ids),
-            finish=finish,
-            sampling=None if req.first_row_sent else req.sampling,
-        )
-        req.first_row_sent = True
-        return row
+    def _output(self, req: Req, token_ids: list[int], finish: Finish | None) -> TokenOutput:
+        first = not req.first_row_sent
+        if first:
+            req.first_row_sent = True
+            self._prompt_tokens += req.prompt_len
+            self._cached_tokens += req.cached_tokens
+        return TokenOutput(rid=req.rid, token_ids=token_ids, prompt_tokens=req.prompt_len,
+                           completion_tokens=req.output_len, cached_tokens=req.cached_tokens, finish=finish,
+                           first=first)

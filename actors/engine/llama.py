@@ -165,14 +165,15 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         backend: AttentionBackend,
         meta: AttentionMetadata,
+        logits_index: torch.Tensor,
     ) -> torch.Tensor:
-        """`input_ids`, `positions` `[T]` -> logits `[B, V]` at each request's last new token."""
+        """`input_ids`, `positions` `[T]` -> logits `[S, V]` at the `S` token indices in `logits_index`."""
         x = self.model.embed_tokens(input_ids)  # [T, C]
         cos, sin = self.model.rotary_emb(positions, x.dtype)  # [T, D] each
         for layer in self.model.layers:
             x = layer(x, cos, sin, backend, meta)
-        x = self.model.norm(x[meta.last_index])  # [B, C]; the norm is per row, so select first
-        return self.lm_head(x)  # [B, V]
+        x = self.model.norm(x[logits_index])  # [S, C]; the norm is per row, so select first
+        return self.lm_head(x)  # [S, V]
 
 
 def head_dim_of(config: Any) -> int:

@@ -1,67 +1,64 @@
-"""Run one forward step for a batch of requests: lay out the flat batch, take KV slots, forward, sample."""
+"""Run one planned batch: lay it out as flat tensors, run the model with the attention backend, sample.
+
+The runner reads the `Batch` and the token table and writes only the KV pool (through the backend); every
+decision and allocation was made before it is called.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from actors.engine.kv_cache import KVCache
-from actors.engine.llama import LlamaForCausalLM, head_dim_of
-from actors.engine.request import Request
-from kernels.attention import AttentionBackend, TorchPagedBackend
+from actors.engine.batch import Batch, ForwardOutput
+from actors.engine.kv_pool import KVPool
+from actors.engine.llama import LlamaForCausalLM
+from actors.engine.token_table import TokenTable
+from kernels.attention import AttentionBackend, ForwardInfo, create_backend
 from kernels.sampling import sample
 
 
 class ModelRunner:
-    """Owns the model, its KV cache and attention backend; turns a list of requests into one token each."""
+    """Owns the model and its attention backend over a KV pool."""
 
-    def __init__(
-        self, model: LlamaForCausalLM, num_slots: int, max_requests: int, max_len: int, device: torch.device
-    ) -> None:
-        config = model.config
+    def __init__(self, model: LlamaForCausalLM, pool: KVPool, table: TokenTable, backend: str) -> None:
         self.model = model
-        self.device = device
-        self.kv_cache = KVCache(
-            num_layers=config.num_hidden_layers,
-            num_slots=num_slots,
-            num_kv_heads=config.num_key_value_heads,
-            head_dim=head_dim_of(config),
-            max_requests=max_requests,
-            max_len=max_len,
-            dtype=model.lm_head.weight.dtype,
-            device=device,
-        )
-        self.backend: AttentionBackend = TorchPagedBackend(
-            self.kv_cache.k, self.kv_cache.v, config.num_attention_heads
-        )
+        self.table = table
+        self.device = table.table.device
+        self.backend: AttentionBackend = create_backend(backend, pool.k, pool.v, model.config.num_attention_heads)
 
-    def step(self, batch: list[Request]) -> list[int]:
-        """Feed each request's uncached tokens, store their K/V, and return each request's next token.
-
-        Every request in `batch` must hold a page-table row; its `num_cached` advances past the fed tokens.
-        """
-        rows: list[int] = []
-        starts: list[int] = []
-        q_lens: list[int] = []
-        input_ids: list[int] = []
-        positions: list[int] = []
-        for req in batch:
-            if req.row is None:
-                raise ValueError(f"request {req.rid} has no page-table row")
-            rows.append(req.row)
-            starts.append(req.num_cached)
-            q_lens.append(req.num_new)
-            input_ids.extend(req.new_ids())
-            positions.extend(range(req.num_cached, req.seq_len))
-        kv_lens = [start + n for start, n in zip(starts, q_lens)]
-        out_slots = self.kv_cache.append(rows, starts, q_lens)
-        kv_slots = self.kv_cache.page_rows(rows, max(kv_lens))
-        meta = self.backend.prepare(q_lens, kv_lens, kv_slots, out_slots)
-        logits = self.model(
-            torch.tensor(input_ids, device=self.device),
-            torch.tensor(positions, device=self.device),
-            self.backend,
-            meta,
+    def forward(self, batch: Batch) -> ForwardOutput:
+        """Compute the batch's tokens and sample the next token of each sampling row."""
+        table_rows = [req.row for req in batch.reqs]
+        positions = [p for start, n in zip(batch.starts, batch.extend_lens) for p in range(start, start + n)]
+        row_of_token = [row for row, n in zip(table_rows, batch.extend_lens) for _ in range(n)]
+        device = self.device
+        positions_t = torch.tensor(positions, dtype=torch.int64, device=device)
+        req_rows = torch.tensor(table_rows, dtype=torch.int64, device=device)
+        info = ForwardInfo(
+            q_lens_cpu=batch.extend_lens,
+            kv_lens_cpu=[start + n for start, n in zip(batch.starts, batch.extend_lens)],
+            req_rows=req_rows,
+            token_table=self.table.table,
+            out_slots=self.table.table[torch.tensor(row_of_token, device=device), positions_t],
         )
-        for req, kv_len in zip(batch, kv_lens):
-            req.num_cached = kv_len
-        return sample(logits, [req.sampling_row() for req in batch])
+        ends = torch.tensor(batch.extend_lens, dtype=torch.int64).cumsum(0) - 1
+        logits_index = ends[torch.tensor(batch.samples, dtype=torch.bool)].to(device)
+        meta = self.backend.prepare(info)
+        logits = self.model(torch.tensor(batch.input_ids, device=device), positions_t, self.backend, meta,
+                            logits_index)
+        rows = [req.sampling_row() for req in batch.sampling_reqs]
+        if not rows:  # a step of prefill chunks only
+            empty = torch.empty(0, dtype=torch.int64)
+            return ForwardOutput(tokens=empty.to(device), tokens_cpu=empty)
+        out = sample(logits, rows)
+        non_blocking = device.type == "cuda"
+        result = ForwardOutput(
+            tokens=out.tokens,
+            tokens_cpu=out.tokens.to("cpu", non_blocking=non_blocking),
+            logprobs_cpu=None if out.logprobs is None else out.logprobs.to("cpu", non_blocking=non_blocking),
+            top_ids_cpu=None if out.top_ids is None else out.top_ids.to("cpu", non_blocking=non_blocking),
+            top_logprobs_cpu=None if out.top_logprobs is None else out.top_logprobs.to("cpu", non_blocking=non_blocking),
+        )
+        if non_blocking:
+            result.copy_done = torch.cuda.Event()
+            result.copy_done.record()
+        return result

@@ -1,53 +1,68 @@
-"""The engine's per-request state: tokens so far, how many of them have K/V in the pool, and its generator."""
+"""The engine's per-request state: its tokens, how many have KV in the pool, and its place in the cache."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
-import torch
-
-from bus.messages import SamplingParams
-from kernels.sampling import SamplingRow
+from actors.engine.types import GenerationParams
+from kernels.sampling import PenaltyState, SamplingRow
 
 
 @dataclass(eq=False)
-class Request:
+class Req:
     """One live request.
 
-    The tokens to run next are always `all_ids[num_cached:]`: the whole sequence after admission or
-    preemption (prompt plus any kept output), a single token while decoding. Either way the step yields
-    exactly one new token, so a preempted request resumes without repeating output.
+    `ids` is the prompt followed by the output so far. Its first `cached_len` tokens have slots on table row
+    `row`; of those, the first `prefix_len` belong to the prefix cache (locked through `prefix_handle`) and the
+    rest are the request's own. The tokens to compute next are `ids[cached_len:]`: the whole uncached
+    sequence (in chunks) after admission or retraction, a single token while decoding.
     """
 
     rid: str
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    generator: torch.Generator | None
-    output_ids: list[int] = field(default_factory=list)
-    num_cached: int = 0  # tokens whose K/V sit in the pool (the first `num_cached` of the page-table row)
-    row: int | None = None  # page-table row while running
+    prompt_len: int
+    ids: list[int]
+    params: GenerationParams
+    seed: int
+    cached_len: int = 0
+    row: int | None = None
+    prefix_handle: Any = None  # a PrefixHandle while the request holds a row
+    prefix_len: int = 0
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission (for usage)
+    admitted: bool = False  # has been admitted at least once
     first_row_sent: bool = False
-
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    penalties: PenaltyState | None = None
 
     @property
     def seq_len(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.ids)
 
     @property
-    def num_new(self) -> int:
-        """Tokens this request feeds into the next forward."""
-        return self.seq_len - self.num_cached
+    def output_len(self) -> int:
+        return len(self.ids) - self.prompt_len
 
-    def new_ids(self) -> list[int]:
-        """The tokens this request feeds into the next forward."""
-        if self.num_cached >= len(self.prompt_ids):
-            return self.output_ids[self.num_cached - len(self.prompt_ids) :]
-        return self.all_ids[self.num_cached :]
+    @property
+    def output_ids(self) -> list[int]:
+        return self.ids[self.prompt_len :]
+
+    @property
+    def uncached_len(self) -> int:
+        """Tokens still to compute before this request can sample again."""
+        return len(self.ids) - self.cached_len
+
+    @property
+    def own_kv(self) -> int:
+        """Slots this request holds privately (not shared through the prefix cache)."""
+        return self.cached_len - self.prefix_len
 
     def sampling_row(self) -> SamplingRow:
-        """This request's settings in the shape `kernels.sampling` takes."""
-        s = self.sampling
-        return SamplingRow(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, generator=self.generator)
+        """This request's settings for drawing its next token, in the shape `kernels.sampling` takes."""
+        p = self.params
+        banned = p.stop_token_ids if self.output_len < p.min_new_tokens and p.stop_token_ids else None
+        return SamplingRow(
+            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
+            frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
+            repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias or None, banned_ids=banned,
+            penalties=self.penalties, seed=self.seed, position=self.output_len,
+            num_top_logprobs=p.top_logprobs_num if p.return_logprob else -1,
+        )

@@ -8,7 +8,7 @@ import sys
 
 from actors.common.model_source import DEFAULT_MODEL, resolve_model
 from actors.launcher.supervisor import ActorSpec, Supervisor
-from actors.scheduler.__main__ import add_engine_arguments
+from actors.engine.config import EngineConfig
 from bus.embedded_server import EmbeddedNatsServer
 from bus.subjects import Subjects
 from observability.logging import setup_logging
@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="subject prefix; deployments with different namespaces can share one NATS")
     serve.add_argument("--tokenizer-workers", type=int, default=1, help="tokenizer processes (a NATS queue group)")
     serve.add_argument("--detokenizer-shards", type=int, default=1, help="detokenizer processes (rids are sharded)")
-    add_engine_arguments(serve)
+    EngineConfig.add_arguments(serve)
     serve.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for every actor")
     serve.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     return parser
@@ -41,8 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
 def actor_specs(args: argparse.Namespace, served_name: str) -> list[ActorSpec]:
     """The processes of one deployment: scheduler rank 0, tokenizers, detokenizer shards, the entry."""
     common = ["--log-level", args.log_level]
-    engine = ["--max-total-tokens", str(args.max_total_tokens), "--max-prefill-tokens", str(args.max_prefill_tokens),
-              "--max-running-requests", str(args.max_running_requests), "--torch-threads", str(args.torch_threads)]
+    engine = EngineConfig.from_args(args).to_argv()
     specs = [ActorSpec("scheduler", 0, "actors.scheduler", [*common, "--model", args.model, "--rank", "0",
                                                             "--detokenizer-shards", str(args.detokenizer_shards),
                                                             *engine])]
@@ -62,6 +61,11 @@ def serve(args: argparse.Namespace) -> int:
         source = resolve_model(args.model)
         subjects = Subjects(args.namespace)
     except (FileNotFoundError, ValueError) as exc:
+        print(f"ringserve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        EngineConfig.from_args(args)
+    except ValueError as exc:
         print(f"ringserve: {exc}", file=sys.stderr)
         return 2
     if args.tokenizer_workers < 1 or args.detokenizer_shards < 1:

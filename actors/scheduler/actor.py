@@ -1,8 +1,10 @@
 """Scheduler actor (one per tensor-parallel rank; rank 0 reads the bus).
 
-Loop: apply what arrived (new requests, aborts) -> one engine step in a worker thread, so the bus stays
-responsive during the forward pass -> publish that step's token rows, one message per detokenizer shard.
-The engine is touched only between steps, from this loop, so it needs no locks.
+Loop: apply what arrived (new requests, aborts, control commands) -> one engine step in a worker thread, so
+the bus stays responsive during the forward pass -> publish that step's token rows, one message per
+detokenizer shard. The engine is touched only between steps, from this loop, so it needs no locks. While
+paused, the loop applies arrivals but runs no step. When the engine falls idle it checks the KV cache's
+integrity once.
 """
 
 from __future__ import annotations
@@ -16,17 +18,21 @@ from typing import Any
 
 from actors.common.model_source import resolve_model
 from actors.common.runtime import ActorContext
-from actors.engine.engine import Engine, EngineConfig
+from actors.engine.config import EngineConfig
+from actors.engine.engine import Engine
+from actors.engine.types import TokenOutput
+from actors.scheduler.convert import engine_request, error_info, token_row
 from bus.connection import Delivery
 from bus.messages import (
-    AbortRequest, Accepted, BatchTokenOutput, FinishReason, InfoQuery, RequestOutput, SchedulerInfo, TokenizedRequest,
-    TokenRow,
+    AbortRequest, Accepted, BatchTokenOutput, ControlCommand, ControlReply, DecodeParams, FinishReason, InfoQuery,
+    RequestOutput, SchedulerInfo, TokenizedRequest, TokenRow,
 )
-from bus.subjects import SCHEDULER_QUEUE, detokenizer_shard
+from bus.subjects import SCHEDULER_QUEUE, InvalidRidError, detokenizer_shard, validate_rid
 from observability.logging import log_event
 
 log = logging.getLogger("scheduler")
 ABORT_MEMORY_SECONDS = 60.0
+CONTROL_ACTIONS = ("flush_cache", "abort_all", "pause", "continue")
 
 
 class SchedulerActor:
@@ -42,35 +48,61 @@ class SchedulerActor:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         # aborts that arrived before their request (the two travel on different subjects)
         self._early_aborts: OrderedDict[str, float] = OrderedDict()
+        self._decode_params: dict[str, DecodeParams] = {}  # until the request's first row is sent
+        self._paused = False
+        self._checked_idle = True
         self._step = 0
         self._info = self._snapshot()
 
     async def start(self) -> dict[str, Any]:
-        subjects = self._ctx.subjects
-        await self._ctx.bus.subscribe(subjects.tokenized, TokenizedRequest, self._on_request, queue=SCHEDULER_QUEUE)
-        await self._ctx.bus.subscribe(subjects.abort_any, AbortRequest, self._on_abort)
-        await self._ctx.bus.subscribe(subjects.scheduler_info, InfoQuery, self._on_info)
+        subjects, bus = self._ctx.subjects, self._ctx.bus
+        await bus.subscribe(subjects.tokenized, TokenizedRequest, self._on_request, queue=SCHEDULER_QUEUE)
+        await bus.subscribe(subjects.abort_any, AbortRequest, self._on_abort)
+        await bus.subscribe(subjects.scheduler_info, InfoQuery, self._on_info)
+        await bus.subscribe(subjects.scheduler_command, ControlCommand, self._on_command)
         self._loop_task = asyncio.get_running_loop().create_task(self._run())
         return {"kv_total_tokens": self._info.kv_total_tokens, "context_length": self._info.context_length}
 
-    async def _on_request(self, req: TokenizedRequest, delivery: Delivery) -> Accepted:
+    async def _on_request(self, req: TokenizedRequest, delivery: Delivery) -> Accepted | None:
+        try:
+            validate_rid(req.rid)
+        except InvalidRidError as exc:
+            log_event(log, logging.WARNING, "dropped request with invalid rid", error=str(exc))
+            return None
         self._inbox.append(("add", req))
         self._wake.set()
         return Accepted(rid=req.rid)
 
     async def _on_abort(self, msg: AbortRequest, delivery: Delivery) -> None:
-        self._inbox.append(("abort", self._ctx.subjects.rid_of(delivery.subject)))
+        try:
+            rid = self._ctx.subjects.rid_of(delivery.subject)
+        except InvalidRidError:
+            return
+        self._inbox.append(("abort", rid))
         self._wake.set()
 
     async def _on_info(self, query: InfoQuery, delivery: Delivery) -> SchedulerInfo:
         return self._info
 
+    async def _on_command(self, command: ControlCommand, delivery: Delivery) -> ControlReply:
+        if command.action not in CONTROL_ACTIONS:
+            return ControlReply(ok=False, message=f"unknown action {command.action!r}; one of {list(CONTROL_ACTIONS)}")
+        done: asyncio.Future[ControlReply] = asyncio.get_running_loop().create_future()
+        self._inbox.append(("control", (command.action, done)))
+        self._wake.set()
+        return await done
+
     def _snapshot(self) -> SchedulerInfo:
         stats = self._engine.stats()
+        config = self._engine.config
         return SchedulerInfo(
             rank=self._ctx.rank, num_running_reqs=stats.num_running_reqs, num_waiting_reqs=stats.num_waiting_reqs,
             kv_used_tokens=stats.kv_used_tokens, kv_total_tokens=stats.kv_total_tokens,
-            context_length=stats.context_length, step=self._step, model=self._source.name)
+            context_length=stats.context_length, step=self._step, model=self._source.name,
+            kv_running_tokens=stats.kv_running_tokens, kv_cached_tokens=stats.kv_cached_tokens,
+            cache_hit_rate=stats.cache_hit_rate, num_retractions=stats.num_retractions, paused=self._paused,
+            radix_cache=not config.disable_radix_cache,
+            chunked_prefill_size=config.chunked_prefill_size if config.chunking else 0)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -78,11 +110,13 @@ class SchedulerActor:
             while not self._ctx.stopping.is_set():
                 await self._publish(await self._apply_inbox())
                 self._info = self._snapshot()
-                if not self._engine.has_work():
+                if self._paused or not self._engine.has_work():
+                    self._check_when_idle()
                     self._wake.clear()
                     if not self._inbox:
                         await self._wake.wait()
                     continue
+                self._checked_idle = False
                 rows = await loop.run_in_executor(self._executor, self._engine.step)
                 self._step += 1
                 await self._publish(rows)
@@ -90,9 +124,14 @@ class SchedulerActor:
             log.exception("engine loop crashed")
             self._ctx.fail(f"engine loop crashed: {exc!r}")
 
-    async def _apply_inbox(self) -> list[TokenRow]:
+    def _check_when_idle(self) -> None:
+        if not self._checked_idle and not self._engine.has_work():
+            self._engine.check_integrity()
+            self._checked_idle = True
+
+    async def _apply_inbox(self) -> list[TokenOutput | TokenRow]:
         inbox, self._inbox = self._inbox, []
-        rows: list[TokenRow] = []
+        rows: list[TokenOutput | TokenRow] = []
         now = time.monotonic()
         while self._early_aborts and next(iter(self._early_aborts.values())) < now - ABORT_MEMORY_SECONDS:
             self._early_aborts.popitem(last=False)
@@ -103,27 +142,51 @@ class SchedulerActor:
                     self._early_aborts[item] = now
                 else:
                     rows.append(row)
+            elif kind == "control":
+                action, done = item
+                reply = self._control(action, rows)
+                if not done.done():
+                    done.set_result(reply)
             elif item.rid in self._early_aborts:
                 del self._early_aborts[item.rid]
                 rows.append(TokenRow(rid=item.rid, token_ids=[], prompt_tokens=len(item.input_ids),
                                      completion_tokens=0, finish=FinishReason(type="abort")))
             else:
-                error = self._engine.add_request(item)
-                if error is not None:
+                rejection = self._engine.add_request(engine_request(item))
+                if rejection is None:
+                    self._decode_params[item.rid] = item.sampling.decode_params()
+                else:
                     await self._ctx.bus.publish(self._ctx.subjects.output(item.rid),
-                                                RequestOutput(rid=item.rid, error=error))
+                                                RequestOutput(rid=item.rid, error=error_info(rejection)))
         return rows
 
-    async def _publish(self, rows: list[TokenRow]) -> None:
-        if not rows:
+    def _control(self, action: str, rows: list[TokenOutput | TokenRow]) -> ControlReply:
+        if action == "flush_cache":
+            return ControlReply(ok=True, message="flushed the prefix cache",
+                                detail={"freed_tokens": self._engine.flush_cache()})
+        if action == "abort_all":
+            aborted = self._engine.abort_all()
+            rows.extend(aborted)
+            return ControlReply(ok=True, message=f"aborted {len(aborted)} requests", detail={"aborted": len(aborted)})
+        self._paused = action == "pause"
+        return ControlReply(ok=True, message="paused" if self._paused else "continued")
+
+    async def _publish(self, outputs: list[TokenOutput | TokenRow]) -> None:
+        if not outputs:
             return
         by_shard: dict[int, list[TokenRow]] = defaultdict(list)
-        for row in rows:
-            by_shard[detokenizer_shard(row.rid, self._shards)].append(row)
+        for out in outputs:
+            if isinstance(out, TokenOutput):
+                decode = self._decode_params.pop(out.rid, None) if out.first else None
+                if out.finish is not None:
+                    self._decode_params.pop(out.rid, None)
+                out = token_row(out, decode)
+            by_shard[detokenizer_shard(out.rid, self._shards)].append(out)
         for shard, shard_rows in by_shard.items():
             await self._ctx.bus.publish(self._ctx.subjects.tokens(shard), BatchTokenOutput(self._step, shard_rows))
-        if any(row.finish is not None for row in rows):
-            log_event(log, logging.DEBUG, "finished", rids=",".join(r.rid for r in rows if r.finish is not None))
+        finished = [r.rid for r in outputs if r.finish is not None]
+        if finished:
+            log_event(log, logging.DEBUG, "finished", rids=",".join(finished))
 
 
 async def scheduler_main(ctx: ActorContext, model: str, config: EngineConfig, shards: int) -> dict[str, Any]:

@@ -6,8 +6,8 @@ causally to everything before it in its own request. Prefill (no prefix), decode
 batches are all this one "extend" shape.
 
 The KV pool holds token slots with page size 1: `k_pool[layer, slot]` is one token's keys `[n_kv_heads,
-head_dim]`. A request's page table is the list of its slots in token order; `kv_slots` carries those rows,
-padded to the longest `kv_len` of the step.
+head_dim]`. A request's page table is the list of its slots in token order: one row of the engine's
+request-to-token table, which `ForwardInfo` hands to the backend as it is.
 """
 
 from __future__ import annotations
@@ -19,18 +19,29 @@ import torch
 
 
 @dataclass
-class AttentionMetadata:
-    """Per-step inputs shared by every layer, built once per step by `AttentionBackend.prepare`.
+class ForwardInfo:
+    """One step's batch as every backend sees it; each backend builds its own metadata from this.
 
-    `*_cpu` fields are host lists (used for shapes without a device sync); tensors live on the pool's device.
-    Backends subclass this to add what their kernels need (masks, index maps, plan handles).
+    `*_cpu` fields are host lists (shapes without a device sync); tensors live on the pool's device. The
+    request-to-token table maps `(row, position)` to a pool slot; `req_rows[b]` is request `b`'s row, and
+    its first `kv_lens_cpu[b]` entries (new tokens included) are valid.
     """
 
     q_lens_cpu: list[int]  # [B] new tokens per request
     kv_lens_cpu: list[int]  # [B] cached + new tokens per request
-    kv_slots: torch.Tensor  # [B, max_kv] int64 page-table rows; entries past kv_len are padding
+    req_rows: torch.Tensor  # [B] int64 rows of `token_table`
+    token_table: torch.Tensor  # [R, max_len] int64 pool slot of each request's tokens
     out_slots: torch.Tensor  # [T] int64 slot where each new token's K/V is written
-    last_index: torch.Tensor  # [B] int64 position in the flat batch of each request's last new token
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step inputs shared by every layer, built once per step by `AttentionBackend.prepare`.
+
+    Backends subclass this to add what their kernels need (masks, index maps, plan handles).
+    """
+
+    out_slots: torch.Tensor  # [T] int64 slot where each new token's K/V is written
 
 
 class AttentionBackend(ABC):
@@ -39,17 +50,17 @@ class AttentionBackend(ABC):
     Call `prepare` once per step (all index and mask tensors are built there, never per layer), then
     `forward` once per layer with that metadata.
 
-    Plugging in other implementations: a FlashInfer backend does its planning (`plan()` of the prefill and
-    decode wrappers over `kv_slots` as a page-size-1 paged layout) in `prepare` and calls `run()` in `forward`;
-    a Triton backend builds its extend/decode index buffers in `prepare`. CUDA-graph support extends this
-    contract with three hooks, added together with the graph runner that calls them: allocate static
-    metadata buffers sized for the largest captured batch, fill them with dummy values before capture, and
-    copy a real step's metadata into them before replay; `forward` must then read only those static buffers,
-    so the graph runner stays backend-agnostic.
+    Plugging in other implementations: a FlashInfer backend plans its prefill and decode wrappers over the
+    table rows as a page-size-1 paged layout in `prepare` and calls `run()` in `forward`; a Triton backend
+    builds its extend/decode index buffers in `prepare`. CUDA-graph support extends this contract with three
+    hooks, added together with the graph runner that calls them: allocate static metadata buffers sized for
+    the largest captured batch, fill them with dummy values before capture, and copy a real step's metadata
+    into them before replay; `forward` must then read only those static buffers, so the graph runner stays
+    backend-agnostic.
     """
 
     def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, num_heads: int) -> None:
-        """`k_pool`/`v_pool`: `[num_layers, num_slots, n_kv_heads, head_dim]`, owned by the KV cache."""
+        """`k_pool`/`v_pool`: `[num_layers, num_slots, n_kv_heads, head_dim]`, owned by the KV pool."""
         self.k_pool = k_pool
         self.v_pool = v_pool
         self.num_heads = num_heads
@@ -57,10 +68,8 @@ class AttentionBackend(ABC):
         self.head_dim = k_pool.shape[3]
 
     @abstractmethod
-    def prepare(
-        self, q_lens_cpu: list[int], kv_lens_cpu: list[int], kv_slots: torch.Tensor, out_slots: torch.Tensor
-    ) -> AttentionMetadata:
-        """Build the step's metadata. `kv_slots` `[B, >= max kv_len]` already contains the new tokens' slots."""
+    def prepare(self, info: ForwardInfo) -> AttentionMetadata:
+        """Build the step's metadata; the table already holds the new tokens' slots."""
 
     @abstractmethod
     def forward(
@@ -73,8 +82,3 @@ class AttentionBackend(ABC):
         """Write the step's new keys and values into their slots of `layer`."""
         self.k_pool[layer].index_copy_(0, meta.out_slots, k)
         self.v_pool[layer].index_copy_(0, meta.out_slots, v)
-
-
-def last_token_index(q_lens_cpu: list[int], device: torch.device) -> torch.Tensor:
-    """`[B]` index of each request's last new token in the flat batch."""
-    return torch.tensor(q_lens_cpu, dtype=torch.int64, device=device).cumsum(0) - 1

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels.attention.backend import AttentionBackend, AttentionMetadata, last_token_index
+from kernels.attention.backend import AttentionBackend, AttentionMetadata, ForwardInfo
 
 
 @dataclass
@@ -46,10 +46,8 @@ class TorchPagedBackend(AttentionBackend):
         self.rep = num_heads // self.num_kv_heads
         self.scale = self.head_dim**-0.5
 
-    def prepare(
-        self, q_lens_cpu: list[int], kv_lens_cpu: list[int], kv_slots: torch.Tensor, out_slots: torch.Tensor
-    ) -> TorchPagedMetadata:
-        device = out_slots.device
+    def prepare(self, info: ForwardInfo) -> TorchPagedMetadata:
+        q_lens_cpu, kv_lens_cpu = info.q_lens_cpu, info.kv_lens_cpu
         starts: list[int] = []
         total = 0
         for q_len in q_lens_cpu:
@@ -57,31 +55,13 @@ class TorchPagedBackend(AttentionBackend):
             total += q_len
         decode = [b for b, q_len in enumerate(q_lens_cpu) if q_len == 1]
         extend = [b for b, q_len in enumerate(q_lens_cpu) if q_len > 1]
-        groups = [
-            self._group(members, q_lens_cpu, kv_lens_cpu, starts, kv_slots)
-            for members in (decode, extend)
-            if members
-        ]
-        return TorchPagedMetadata(
-            q_lens_cpu=q_lens_cpu,
-            kv_lens_cpu=kv_lens_cpu,
-            kv_slots=kv_slots,
-            out_slots=out_slots,
-            last_index=last_token_index(q_lens_cpu, device),
-            groups=groups,
-        )
+        groups = [self._group(members, info, starts) for members in (decode, extend) if members]
+        return TorchPagedMetadata(out_slots=info.out_slots, groups=groups)
 
-    def _group(
-        self,
-        members: list[int],
-        q_lens_cpu: list[int],
-        kv_lens_cpu: list[int],
-        starts: list[int],
-        kv_slots: torch.Tensor,
-    ) -> PaddedGroup:
+    def _group(self, members: list[int], info: ForwardInfo, starts: list[int]) -> PaddedGroup:
         # Index math runs on the host (nonzero() would sync a GPU), then moves to the pool's device once.
-        q_len = torch.tensor([q_lens_cpu[b] for b in members])
-        kv_len = torch.tensor([kv_lens_cpu[b] for b in members])
+        q_len = torch.tensor([info.q_lens_cpu[b] for b in members])
+        kv_len = torch.tensor([info.kv_lens_cpu[b] for b in members])
         start = torch.tensor([starts[b] for b in members])
         max_q, max_kv = int(q_len.max()), int(kv_len.max())
         i = torch.arange(max_q)
@@ -91,11 +71,11 @@ class TorchPagedBackend(AttentionBackend):
         dst = q_index.flatten()[src]
         prefix = (kv_len - q_len)[:, None, None]
         mask = (j[None, None, :] <= prefix + i[None, :, None]) & (j[None, None, :] < kv_len[:, None, None])
-        device = kv_slots.device
-        rows = torch.tensor(members, device=device)
+        device = info.out_slots.device
+        rows = info.req_rows[torch.tensor(members, device=device)]
         return PaddedGroup(
             q_index=q_index.to(device),
-            kv_slots=kv_slots[rows, :max_kv],
+            kv_slots=info.token_table[rows, :max_kv],
             mask=mask.repeat(1, self.rep, 1).unsqueeze(1).to(device),
             src=src.to(device),
             dst=dst.to(device),

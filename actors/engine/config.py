@@ -1,0 +1,146 @@
+"""Engine configuration: one dataclass that is also the single definition of the engine's CLI flags.
+
+`EngineConfig.add_arguments(parser)` generates `--flag`s from the fields (help, choices and defaults live in
+each field's metadata), `from_args` reads them back, and `to_argv` turns a config into the flags that the
+launcher passes on to a scheduler process, so a new setting is added in exactly one place.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from kernels.attention import backend_names
+
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATION_CHOICES = ("none",)
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+CPU_MEM_FRACTION = 0.1  # of available host memory, when the KV pool lives on the CPU
+GPU_MEM_FRACTION = 0.85  # of free GPU memory after the weights are loaded
+
+
+def _flag(help: str, **argparse_kwargs: Any) -> dict[str, Any]:
+    return {"help": help, **argparse_kwargs}
+
+
+@dataclass
+class EngineConfig:
+    """Placement, capacity and scheduling of one engine (one scheduler rank)."""
+
+    device: str = field(default="auto", metadata=_flag(
+        "device for weights and KV cache: auto (cuda when available, else cpu), cpu, cuda or cuda:N"))
+    dtype: str = field(default="auto", metadata=_flag(
+        "weight and KV dtype: auto (float32 on cpu, bfloat16 on cuda)", choices=DTYPE_CHOICES))
+    attention_backend: str = field(default="torch", metadata=_flag(
+        "attention kernels over the paged KV cache", choices=backend_names()))
+    quantization: str = field(default="none", metadata=_flag(
+        "weight quantization", choices=QUANTIZATION_CHOICES))
+    max_total_tokens: int = field(default=0, metadata=_flag(
+        "KV cache size in tokens (0 = sized from free memory, see --mem-fraction-static)"))
+    mem_fraction_static: float = field(default=0.0, metadata=_flag(
+        f"fraction of free memory for the KV cache when --max-total-tokens is 0 (0 = {CPU_MEM_FRACTION} of "
+        f"available RAM on cpu, {GPU_MEM_FRACTION} of free GPU memory on cuda)"))
+    max_prefill_tokens: int = field(default=8192, metadata=_flag(
+        "prompt tokens prefilled per step at most (without chunking, one longer prompt still runs alone)"))
+    chunked_prefill_size: int = field(default=512, metadata=_flag(
+        "longest prefill chunk of one request per step; longer prompts prefill in chunks between decode "
+        "steps (0 or -1 = off)"))
+    max_running_requests: int = field(default=256, metadata=_flag("requests decoding at once at most"))
+    disable_radix_cache: bool = field(default=False, metadata=_flag(
+        "do not keep finished requests' KV for reuse by later requests with the same prefix"))
+    schedule_policy: str = field(default="fcfs", metadata=_flag(
+        "order of admission: fcfs (arrival) or lpm (longest cached prefix first)", choices=SCHEDULE_POLICIES))
+    torch_threads: int = field(default=0, metadata=_flag(
+        "threads for the scheduler's torch compute (0 = one per CPU core)"))
+
+    def __post_init__(self) -> None:
+        for name in ("max_prefill_tokens", "max_running_requests"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("max_total_tokens", "torch_threads"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.mem_fraction_static < 1:
+            raise ValueError(f"mem_fraction_static must be in [0, 1), got {self.mem_fraction_static}")
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
+
+    @property
+    def chunking(self) -> bool:
+        return self.chunked_prefill_size > 0
+
+    def resolved_device(self) -> str:
+        """The concrete device: `auto` becomes cuda when torch sees a GPU, else cpu."""
+        if self.device != "auto":
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def resolved_dtype(self) -> str:
+        """The concrete dtype name: `auto` is float32 on cpu and bfloat16 on a GPU."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "float32" if self.resolved_device() == "cpu" else "bfloat16"
+
+    def kv_pool_tokens(self, bytes_per_token: int, context_length: int) -> int:
+        """KV slots to allocate: `max_total_tokens`, else a fraction of free memory.
+
+        The automatic size is capped at what `max_running_requests` full-context requests could use.
+        """
+        if self.max_total_tokens:
+            return self.max_total_tokens
+        device = self.resolved_device()
+        if device.startswith("cuda"):
+            import torch
+
+            free, _ = torch.cuda.mem_get_info(torch.device(device))
+            budget = free * (self.mem_fraction_static or GPU_MEM_FRACTION)
+        else:
+            budget = available_host_memory() * (self.mem_fraction_static or CPU_MEM_FRACTION)
+        return max(1, min(int(budget // bytes_per_token), self.max_running_requests * context_length))
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+        """Add one `--flag` per field to `parser`."""
+        group = parser.add_argument_group("engine")
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            kwargs = dict(f.metadata)
+            if f.type in (bool, "bool"):
+                group.add_argument(flag, action="store_true", **kwargs)
+            else:
+                group.add_argument(flag, type=type(f.default), default=f.default, **kwargs)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EngineConfig:
+        """The config the flags of `add_arguments` describe."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    def to_argv(self) -> list[str]:
+        """Flags that reproduce this config (only the fields that differ from the defaults)."""
+        argv: list[str] = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value == f.default:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            argv += [flag] if isinstance(value, bool) else [flag, str(value)]
+        return argv
+
+
+def available_host_memory() -> int:
+    """Bytes of memory available to new allocations (Linux MemAvailable; total RAM elsewhere)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

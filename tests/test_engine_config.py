@@ -1,0 +1,56 @@
+"""EngineConfig is the single definition of the engine's flags: parse, validate, pass on to a scheduler."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from actors.engine.config import EngineConfig
+
+
+def parse(argv: list[str]) -> EngineConfig:
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_arguments(parser)
+    return EngineConfig.from_args(parser.parse_args(argv))
+
+
+def test_flags_round_trip_through_the_launcher_argv() -> None:
+    config = parse(["--chunked-prefill-size", "64", "--disable-radix-cache", "--schedule-policy", "lpm",
+                    "--max-total-tokens", "4096", "--dtype", "float32", "--mem-fraction-static", "0.2"])
+    assert (config.chunked_prefill_size, config.disable_radix_cache, config.schedule_policy) == (64, True, "lpm")
+    assert parse(config.to_argv()) == config
+    assert EngineConfig().to_argv() == []
+
+
+@pytest.mark.parametrize("argv", [["--attention-backend", "nope"], ["--dtype", "int3"], ["--quantization", "int8"],
+                                  ["--schedule-policy", "random"]])
+def test_unknown_choices_are_refused_by_the_parser(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse(argv)
+
+
+@pytest.mark.parametrize("field, value", [("max_running_requests", 0), ("max_total_tokens", -1),
+                                          ("mem_fraction_static", 1.5), ("attention_backend", "nope")])
+def test_bad_values_are_refused(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**{field: value})
+
+
+def test_auto_device_and_dtype_and_pool_size() -> None:
+    config = EngineConfig(device="cpu")
+    assert config.resolved_dtype() == "float32"
+    assert EngineConfig(max_total_tokens=1000).kv_pool_tokens(bytes_per_token=10**6, context_length=100) == 1000
+    # automatic sizing is capped by what max_running_requests full-context requests could use
+    assert EngineConfig(max_running_requests=2).kv_pool_tokens(bytes_per_token=1, context_length=100) == 200
+
+
+def test_scheduler_and_serve_help_list_the_engine_flags() -> None:
+    for module in ("actors.scheduler", "actors.launcher.cli"):
+        argv = [sys.executable, "-m", module] + (["serve", "--help"] if module.endswith("cli") else ["--help"])
+        out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+        for flag in ("--attention-backend", "--chunked-prefill-size", "--disable-radix-cache", "--schedule-policy",
+                     "--device", "--dtype", "--quantization", "--mem-fraction-static"):
+            assert flag in out, (module, flag)
