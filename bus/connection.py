@@ -31,6 +31,10 @@ class Delivery:
 Handler = Callable[[Any, Delivery], Awaitable[Any]]
 
 
+class PayloadTooLarge(ValueError):
+    """The encoded message exceeds the server's max_payload; nothing was sent."""
+
+
 class BusConnection:
     """Typed publish/subscribe/request over one nats-py client."""
 
@@ -67,9 +71,33 @@ class BusConnection:
         return cls(client)
 
     async def publish(self, subject: str, msg: Any, traceparent: str | None = None) -> None:
-        """Encode and publish `msg` with a traceparent header (a fresh trace if none is given)."""
+        """Encode and publish `msg` with a traceparent header (a fresh trace if none is given).
+
+        Raises PayloadTooLarge when the encoded message exceeds the server's max_payload.
+        """
         headers = {TRACEPARENT_HEADER: traceparent if is_valid_traceparent(traceparent) else new_traceparent()}
-        await self.client.publish(subject, encode(msg), headers=headers)
+        data = encode(msg)
+        try:
+            await self.client.publish(subject, data, headers=headers)
+        except nats.errors.MaxPayloadError as exc:
+            raise PayloadTooLarge(f"{type(msg).__name__} of {len(data)} bytes exceeds max_payload "
+                                  f"{self.max_payload} on {subject}") from exc
+
+    async def publish_split(self, subject: str, items: list[T], build: Callable[[list[T]], Any],
+                            traceparent: str | None = None) -> list[T]:
+        """Publish `build(items)`, split into halves (recursively) while a message exceeds max_payload.
+
+        Returns the items that exceed the limit even alone; they were not sent.
+        """
+        try:
+            await self.publish(subject, build(items), traceparent)
+            return []
+        except PayloadTooLarge:
+            if len(items) <= 1:
+                return list(items)
+        half = len(items) // 2
+        return (await self.publish_split(subject, items[:half], build, traceparent)
+                + await self.publish_split(subject, items[half:], build, traceparent))
 
     async def subscribe(
         self, subject: str, msg_type: type[T], handler: Handler, queue: str = ""

@@ -48,8 +48,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 class EmbeddedNatsServer:
     """A private nats-server on loopback; use as a context manager or call start()/stop()."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int | None = None, log_file: str | None = None) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int | None = None, log_file: str | None = None,
+                 max_payload: int = MAX_PAYLOAD_BYTES) -> None:
         self.host = host
+        self.max_payload = max_payload
         self.port = port or free_port(host)
         self._log_file = log_file
         self._proc: subprocess.Popen[bytes] | None = None
@@ -67,7 +69,7 @@ class EmbeddedNatsServer:
         """Start the server and wait until it accepts connections."""
         self._dir = tempfile.TemporaryDirectory(prefix="ringserve-nats-")
         config = Path(self._dir.name) / "nats.conf"
-        config.write_text(f'listen: "{self.host}:{self.port}"\nmax_payload: {MAX_PAYLOAD_BYTES}\n')
+        config.write_text(f'listen: "{self.host}:{self.port}"\nmax_payload: {self.max_payload}\n')
         log_target = self._log_file or str(Path(self._dir.name) / "nats.log")
         self._proc = subprocess.Popen(
             [find_nats_server(), "-c", str(config), "-l", log_target],

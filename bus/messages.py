@@ -84,7 +84,8 @@ class TokenizedRequest:
 
 @dataclass
 class FinishReason:
-    """Why a request ended. `type` is "stop", "length" or "abort"; `matched` is the stop string or token id."""
+    """Why a request ended. `type` is "stop", "length", "abort" or "error"; `matched` is the stop string or
+    token id. The detokenizer turns an "error" finish into `RequestOutput.error`."""
 
     type: str
     matched: int | str | None = None

@@ -9,7 +9,7 @@ import msgpack
 import pytest
 
 from bus.codec import DecodeError, decode, encode
-from bus.connection import BusConnection
+from bus.connection import BusConnection, PayloadTooLarge
 from bus.embedded_server import EmbeddedNatsServer
 from bus.messages import (
     BatchTokenOutput, ChatMessage, DecodeParams, FinishReason, GenerateRequest, InfoQuery, RequestOutput,
@@ -97,6 +97,33 @@ def test_publish_subscribe_and_request_over_a_real_nats_server() -> None:
             assert d1.traceparent == parent and is_valid_traceparent(d2.traceparent)
             info = await bus.request(subjects.scheduler_info, InfoQuery(), SchedulerInfo, timeout=5)
             assert info.kv_total_tokens == 4
+            await bus.close()
+
+    asyncio.run(scenario())
+
+
+def test_step_messages_split_to_fit_max_payload() -> None:
+    async def scenario() -> None:
+        with EmbeddedNatsServer(max_payload=2048) as server:
+            bus = await BusConnection.connect(server.url, "test")
+            got: list[TokenRow] = []
+            done = asyncio.Event()
+
+            async def on_batch(batch: BatchTokenOutput, delivery) -> None:
+                got.extend(batch.rows)
+                if any(r.rid == "r99" for r in batch.rows):
+                    done.set()
+
+            await bus.subscribe("unit.tokens.0", BatchTokenOutput, on_batch)
+            rows = [TokenRow(f"r{i}", list(range(20)), 5, 20) for i in range(100)]  # ~10 KB together
+            huge = TokenRow("huge", list(range(5000)), 5, 5000)
+            with pytest.raises(PayloadTooLarge):
+                await bus.publish("unit.tokens.0", BatchTokenOutput(1, rows))
+            left = await bus.publish_split("unit.tokens.0", rows[:50] + [huge] + rows[50:],
+                                           lambda part: BatchTokenOutput(1, part))
+            await asyncio.wait_for(done.wait(), 5)
+            assert left == [huge]
+            assert [r.rid for r in got] == [r.rid for r in rows]  # every row once, in order
             await bus.close()
 
     asyncio.run(scenario())

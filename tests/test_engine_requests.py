@@ -88,3 +88,34 @@ def test_sampling_top_k_one_and_tiny_top_p_are_greedy_and_seeds_reproduce(hf: An
         EngineRequest("y", PROMPT, seeded),
     ])
     assert tokens_of(together["y"]) == first
+
+
+def test_a_failing_forward_or_stop_check_ends_only_its_requests(hf: Any) -> None:
+    engine = engine_for(hf)
+    assert engine.add_request(EngineRequest("a", PROMPT, greedy(5))) is None
+    assert engine.add_request(EngineRequest("b", [9, 8, 7], greedy(5))) is None
+    real_forward = engine.runner.forward
+
+    def broken(batch: Any) -> Any:
+        raise RuntimeError("device fell over")
+
+    engine.runner.forward = broken  # type: ignore[method-assign]
+    rows = engine.step()
+    assert {r.rid for r in rows} == {"a", "b"}
+    assert all(r.finish is not None and r.finish.type == "error" and "device fell over" in r.finish.message
+               for r in rows)
+    engine.check_integrity()
+    assert engine.stats().kv_used_tokens == 0, "KV computed by a failed forward is not cached"
+    engine.runner.forward = real_forward  # type: ignore[method-assign]
+
+    class ExplodingChecker:
+        def check(self, req: Any) -> Any:
+            if req.rid == "bad":
+                raise ValueError("cannot decode")
+            return real_checker.check(req)
+
+    real_checker = engine.stop_checker
+    engine.stop_checker = ExplodingChecker()  # type: ignore[assignment]
+    rows = run_to_completion(engine, [EngineRequest("bad", PROMPT, greedy(5)), EngineRequest("good", PROMPT, greedy(5))])
+    assert rows["bad"][-1].finish.type == "error" and len(rows["bad"]) == 1
+    assert rows["good"][-1].finish == Finish("length") and len(tokens_of(rows["good"])) == 5

@@ -14,7 +14,7 @@ from actors.common.model_source import load_tokenizer, resolve_model
 from actors.common.runtime import ActorContext
 from actors.detokenizer.incremental import IncrementalDecoder
 from bus.connection import Delivery
-from bus.messages import BatchTokenOutput, RequestOutput, TokenLogprob, TokenRow, TopLogprob
+from bus.messages import BatchTokenOutput, ErrorInfo, RequestOutput, TokenLogprob, TokenRow, TopLogprob
 from observability.logging import log_event
 
 log = logging.getLogger("detokenizer")
@@ -36,11 +36,22 @@ class DetokenizerActor:
 
     async def _on_batch(self, batch: BatchTokenOutput, delivery: Delivery) -> None:
         for row in batch.rows:
-            output = self._decode_row(row)
+            try:
+                output = self._decode_row(row)
+            except Exception as exc:  # one request's failure must not drop the other rows of the step
+                log.exception("detokenizing %s failed", row.rid)
+                self._decoders.pop(row.rid, None)
+                output = RequestOutput(rid=row.rid, error=ErrorInfo(
+                    message=f"detokenizing the output failed: {exc!r}", type="server_error", code=500))
             if output is not None:
                 await self._ctx.bus.publish(self._ctx.subjects.output(row.rid), output, delivery.traceparent)
 
     def _decode_row(self, row: TokenRow) -> RequestOutput | None:
+        if row.finish is not None and row.finish.type == "error":
+            self._decoders.pop(row.rid, None)
+            return RequestOutput(rid=row.rid, prompt_tokens=row.prompt_tokens, completion_tokens=row.completion_tokens,
+                                 error=ErrorInfo(message=row.finish.message or "generation failed",
+                                                 type="server_error", code=500))
         decoder = self._decoders.get(row.rid)
         if decoder is None:
             if row.decode is None:

@@ -107,6 +107,14 @@ class CacheManager:
         self.prefix_cache.unlock(old)
         req.prefix_handle, req.prefix_len = handle, handle.cached_len
 
+    def drop_req(self, req: Req) -> None:
+        """Free a request's own slots without caching them (its KV may be incomplete), unlock, free its row."""
+        assert req.row is not None
+        self.free(self.table.slots(req.row, req.cached_len, req.prefix_len).clone())
+        self.prefix_cache.unlock(req.prefix_handle)
+        self.table.release(req.row)
+        req.row, req.prefix_handle, req.prefix_len, req.cached_len = None, None, 0, 0
+
     def flush(self) -> int:
         """Evict every cached prefix that no running request uses; returns the number of slots freed."""
         freed = self.prefix_cache.evict(self.prefix_cache.evictable_size)

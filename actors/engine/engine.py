@@ -9,6 +9,7 @@ and the control methods are called only between steps.
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ from actors.engine.types import EngineRequest, Finish, Rejection, TokenOutput
 from kernels.sampling import PenaltyState
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+log = logging.getLogger("engine")
 
 
 @dataclass
@@ -132,11 +134,19 @@ class Engine:
         return bool(len(self.prefill) or len(self.decode))
 
     def step(self) -> list[TokenOutput]:
-        """Schedule, run and finish one step; one output row per request that produced a token."""
+        """Schedule, run and finish one step; one output row per request that produced a token.
+
+        If the forward fails, every request of the batch ends with an "error" finish and the engine goes on.
+        """
         batch = self.schedule()
         if batch is None:
             return []
-        return self.finish(batch, self.launch(batch))
+        try:
+            out = self.launch(batch)
+        except Exception as exc:
+            log.exception("forward pass failed; ending the %d requests of its batch", len(batch.reqs))
+            return [self._fail(req, f"the forward pass failed: {exc!r}") for req in batch.reqs]
+        return self.finish(batch, out)
 
     def schedule(self) -> Batch | None:
         """Plan the next forward and allocate everything it needs; None when there is nothing to run."""
@@ -174,7 +184,11 @@ class Engine:
                 continue
             token = tokens[k]
             req.ids.append(token)
-            finish = self.stop_checker.check(req)
+            try:
+                finish = self.stop_checker.check(req)
+            except Exception as exc:  # one request's bad stop check must not end the others
+                log.exception("stop check failed for %s", req.rid)
+                finish = Finish("error", message=f"checking the stop conditions failed: {exc!r}")
             if finish is not None:
                 self._release(req)
             elif is_prefill:
@@ -226,13 +240,21 @@ class Engine:
             cache_hit_rate=self._cached_tokens / self._prompt_tokens if self._prompt_tokens else 0.0,
         )
 
-    def _release(self, req: Req) -> None:
-        """Take `req` out of every queue, cache its KV and free the rest."""
+    def _release(self, req: Req, keep_kv: bool = True) -> None:
+        """Take `req` out of every queue; cache its KV (unless it may be garbage) and free the rest."""
         if not self.decode.remove(req):
             self.prefill.remove(req)
         if req.row is not None:
-            self.cache.cache_req(req, finished=True)
+            if keep_kv:
+                self.cache.cache_req(req, finished=True)
+            else:
+                self.cache.drop_req(req)
         del self.live[req.rid]
+
+    def _fail(self, req: Req, message: str) -> TokenOutput:
+        """End `req` with an error finish; its KV from the failed step is not kept."""
+        self._release(req, keep_kv=False)
+        return self._output(req, [], Finish("error", message=message))
 
     def _output(self, req: Req, token_ids: list[int], finish: Finish | None) -> TokenOutput:
         first = not req.first_row_sent

@@ -42,7 +42,8 @@ class EngineRequest:
 
 @dataclass
 class Finish:
-    """Why a request ended: "stop" (`matched` is the stop token id or string), "length" or "abort"."""
+    """Why a request ended: "stop" (`matched` is the stop token id or string), "length", "abort", or "error"
+    (`message` says what failed; the request's own failure, the engine goes on)."""
 
     type: str
     matched: int | str | None = None

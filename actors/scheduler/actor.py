@@ -183,10 +183,22 @@ class SchedulerActor:
                 out = token_row(out, decode)
             by_shard[detokenizer_shard(out.rid, self._shards)].append(out)
         for shard, shard_rows in by_shard.items():
-            await self._ctx.bus.publish(self._ctx.subjects.tokens(shard), BatchTokenOutput(self._step, shard_rows))
+            await self._publish_rows(self._ctx.subjects.tokens(shard), shard_rows)
         finished = [r.rid for r in outputs if r.finish is not None]
         if finished:
             log_event(log, logging.DEBUG, "finished", rids=",".join(finished))
+
+
+    async def _publish_rows(self, subject: str, rows: list[TokenRow]) -> None:
+        """One step message (split while it exceeds max_payload); a row too large alone ends its request."""
+        too_large = await self._ctx.bus.publish_split(subject, rows, lambda part: BatchTokenOutput(self._step, part))
+        for row in too_large:
+            log_event(log, logging.ERROR, "a token row exceeds max_payload; ending its request", rid=row.rid)
+            self._engine.abort(row.rid)
+            error = FinishReason(type="error", message="the request's output exceeds the bus payload limit")
+            final = TokenRow(rid=row.rid, token_ids=[], prompt_tokens=row.prompt_tokens,
+                             completion_tokens=row.completion_tokens, finish=error)
+            await self._ctx.bus.publish(subject, BatchTokenOutput(self._step, [final]))
 
 
 async def scheduler_main(ctx: ActorContext, model: str, config: EngineConfig, shards: int) -> dict[str, Any]:
