@@ -155,9 +155,11 @@ class RequestOutput:
 
     `text`, `token_ids` and `logprobs` are new since the previous message (never repeated, never a partial
     UTF-8 character, never part of a trimmed stop string). The last message has `finish` or `error` set.
+    `seq` numbers a request's outputs 0, 1, 2, ...: a reader that sees a gap knows an output was lost.
     """
 
     rid: str
+    seq: int = 0
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
@@ -230,6 +232,16 @@ class ControlReply:
     ok: bool
     message: str = ""
     detail: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Heartbeat:
+    """Every actor's sign of life, on `{ns}.control.heartbeat` every `interval` seconds."""
+
+    role: str
+    rank: int
+    pid: int
+    interval: float
 
 
 @dataclass

@@ -10,6 +10,7 @@ Layout (namespace `ns`, default "ringserve"):
 | `{ns}.out.{rid}`             | RequestOutput      | detokenizer/tokenizer/scheduler -> the requester  |
 | `{ns}.abort.{rid}`           | AbortRequest       | requester -> scheduler                            |
 | `{ns}.control.ready`         | ActorReady         | every actor -> launcher                           |
+| `{ns}.control.heartbeat`     | Heartbeat          | every actor -> entry, launcher (liveness)         |
 | `{ns}.control.scheduler.info`| (request/reply)    | anyone -> scheduler rank 0, replies SchedulerInfo |
 | `{ns}.control.scheduler.command`| ControlCommand  | operator -> scheduler rank 0, replies ControlReply |
 
@@ -87,6 +88,10 @@ class Subjects:
     @property
     def ready(self) -> str:
         return f"{self.namespace}.control.ready"
+
+    @property
+    def heartbeat(self) -> str:
+        return f"{self.namespace}.control.heartbeat"
 
     @property
     def scheduler_info(self) -> str:

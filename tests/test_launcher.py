@@ -74,3 +74,17 @@ def test_serves_a_safetensors_directory_then_fail_stops_when_an_actor_dies(tiny_
         assert not client.is_alive() and "ended" in outcome, "an in-flight request hung after the scheduler died"
     finally:
         server.stop()
+
+
+def test_the_launcher_fail_stops_when_its_embedded_nats_server_dies(tiny_model_dir: Path) -> None:
+    server = start_server(str(tiny_model_dir))
+    try:
+        found = re.search(r"started nats-server pid=(\d+)", server.log())
+        assert found, server.log()[-2000:]
+        os.kill(int(found.group(1)), signal.SIGKILL)
+        server.proc.wait(timeout=30)
+        assert server.proc.returncode == 1
+        assert "nats-server" in server.log() and "fail-stop" in server.log()
+        assert server.live_actors() == [], "fail-stop left actor processes running"
+    finally:
+        server.stop()

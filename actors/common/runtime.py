@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from bus.connection import BusConnection
-from bus.messages import ActorReady
+from bus.messages import ActorReady, Heartbeat
 from bus.subjects import Subjects
 from observability.logging import log_event, setup_logging
 
 log = logging.getLogger("actor")
+HEARTBEAT_SECONDS = 0.5
 
 
 @dataclass
@@ -70,7 +71,9 @@ async def _serve(role: str, rank: int, args: argparse.Namespace, main: ActorMain
     await bus.publish(ctx.subjects.ready, ActorReady(role=role, rank=rank, pid=os.getpid(), detail=detail))
     await bus.flush()
     log_event(log, logging.INFO, "ready", role=role, rank=rank, pid=os.getpid())
+    beating = asyncio.get_running_loop().create_task(_heartbeat(ctx))
     await ctx.stopping.wait()
+    beating.cancel()
     for cleanup in ctx.on_stop:
         try:
             await asyncio.wait_for(cleanup(), timeout=10)
@@ -81,6 +84,17 @@ async def _serve(role: str, rank: int, args: argparse.Namespace, main: ActorMain
     except Exception:  # closing is best effort on the way out
         pass
     return ctx.exit_code
+
+
+async def _heartbeat(ctx: ActorContext) -> None:
+    """Publish a Heartbeat every HEARTBEAT_SECONDS from the event loop: a stalled loop or process goes silent."""
+    beat = Heartbeat(role=ctx.role, rank=ctx.rank, pid=os.getpid(), interval=HEARTBEAT_SECONDS)
+    while True:
+        try:
+            await ctx.bus.publish(ctx.subjects.heartbeat, beat)
+        except Exception as exc:  # disconnected: the reconnect logic reports it; keep beating
+            log_event(log, logging.DEBUG, "heartbeat not sent", error=repr(exc))
+        await asyncio.sleep(HEARTBEAT_SECONDS)
 
 
 def run_actor(role: str, args: argparse.Namespace, main: ActorMain, rank: int = 0) -> None:

@@ -28,6 +28,7 @@ class DetokenizerActor:
         self._shard = shard
         self._tokenizer = load_tokenizer(resolve_model(model))
         self._decoders: dict[str, IncrementalDecoder] = {}
+        self._next_seq: dict[str, int] = {}  # per live rid: the seq of its next output
 
     async def start(self) -> dict[str, Any]:
         subject = self._ctx.subjects.tokens(self._shard)
@@ -44,6 +45,9 @@ class DetokenizerActor:
                 output = RequestOutput(rid=row.rid, error=ErrorInfo(
                     message=f"detokenizing the output failed: {exc!r}", type="server_error", code=500))
             if output is not None:
+                output.seq = self._next_seq.pop(row.rid, 0)
+                if not output.is_last:
+                    self._next_seq[row.rid] = output.seq + 1
                 await self._ctx.bus.publish(self._ctx.subjects.output(row.rid), output, delivery.traceparent)
 
     def _decode_row(self, row: TokenRow) -> RequestOutput | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import sys
 
 from actors.common.model_source import DEFAULT_MODEL, resolve_model
@@ -11,7 +12,9 @@ from actors.launcher.supervisor import ActorSpec, Supervisor
 from actors.engine.config import EngineConfig
 from bus.embedded_server import EmbeddedNatsServer
 from bus.subjects import Subjects
-from observability.logging import setup_logging
+from observability.logging import log_event, setup_logging
+
+log = logging.getLogger("launcher")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,12 +77,15 @@ def serve(args: argparse.Namespace) -> int:
     served_name = args.served_model_name or source.name
     nats = None if args.nats_url else EmbeddedNatsServer().start()
     url = args.nats_url or nats.url  # type: ignore[union-attr]
+    if nats is not None and nats.process is not None:
+        log_event(log, logging.INFO, "started nats-server", pid=nats.process.pid, url=url)
 
     def on_ready() -> None:
         print(f"ringserve is ready: http://{args.host}:{args.port} (model {served_name}, NATS {url})", flush=True)
 
     try:
-        supervisor = Supervisor(actor_specs(args, served_name), url, subjects)
+        watched = {"nats-server": nats.process} if nats is not None and nats.process is not None else {}
+        supervisor = Supervisor(actor_specs(args, served_name), url, subjects, watched)
         return asyncio.run(supervisor.run(args.startup_timeout, on_ready))
     finally:
         if nats is not None:

@@ -40,11 +40,14 @@ class ActorSpec:
 class Supervisor:
     """Owns the actor processes of one deployment."""
 
-    def __init__(self, specs: list[ActorSpec], nats_url: str, subjects: Subjects) -> None:
+    def __init__(self, specs: list[ActorSpec], nats_url: str, subjects: Subjects,
+                 watched: dict[str, subprocess.Popen[bytes]] | None = None) -> None:
+        """`watched`: processes started elsewhere (the embedded nats-server) whose death also fail-stops."""
         self._specs = specs
         self._nats_url = nats_url
         self._subjects = subjects
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._watched = dict(watched or {})
         self._stop = asyncio.Event()
 
     async def run(self, startup_timeout: float, on_ready: Callable[[], None]) -> int:
@@ -88,7 +91,7 @@ class Supervisor:
         log_event(log, logging.INFO, "started actor", actor=spec.name, pid=self._procs[spec.name].pid)
 
     def _dead_actor(self) -> str | None:
-        for name, proc in self._procs.items():
+        for name, proc in {**self._watched, **self._procs}.items():
             if proc.poll() is not None:
                 return f"actor {name} (pid {proc.pid}) exited with code {proc.returncode}"
         return None
