@@ -42,7 +42,7 @@ def encode(msg: Any) -> bytes:
 def decode(data: bytes, expected: type[T]) -> T:
     """Decode bytes produced by `encode` into an `expected` instance, validating every field."""
     try:
-        envelope = msgpack.unpackb(data, raw=False, strict_map_key=True)
+        envelope = msgpack.unpackb(data, raw=False, strict_map_key=False)  # key types are checked by from_wire
     except Exception as exc:  # msgpack raises several unrelated exception types
         raise DecodeError(f"not msgpack: {exc}") from exc
     if not isinstance(envelope, dict) or envelope.get("type") != expected.__name__:

@@ -3,7 +3,8 @@
 The protocol, for clients in any language: subscribe to `{ns}.out.{rid}`, publish a GenerateRequest on
 `{ns}.req.submit` (as a NATS request, to get an `Accepted` reply once a tokenizer has it; a plain
 publish works too), read RequestOutput deltas until one has `finish` or `error`; publish an AbortRequest on
-`{ns}.abort.{rid}` to stop early.
+`{ns}.abort.{rid}` to stop early. Operator commands (pause, flush the prefix cache, abort everything) are
+NATS requests on `{ns}.control.scheduler.command`, answered by the scheduler.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from typing import AsyncIterator
 from nats.aio.subscription import Subscription
 
 from bus.connection import BusConnection, Delivery
-from bus.messages import AbortRequest, Accepted, ErrorInfo, GenerateRequest, RequestOutput
+from bus.messages import (
+    AbortRequest, Accepted, ControlCommand, ControlReply, ErrorInfo, GenerateRequest, RequestOutput,
+)
 from bus.subjects import Subjects, validate_rid
 
 
@@ -45,6 +48,10 @@ class RequestStream:
             self.finished = True
             await self._unsubscribe()
             raise RingUnavailable(f"no tokenizer accepted the request: {exc}") from exc
+        except BaseException:  # cancelled while waiting: do not leave the subscription behind
+            self.finished = True
+            await self._unsubscribe()
+            raise
 
     async def next(self) -> RequestOutput:
         """The next output delta; after the last one (finish or error) the stream is finished."""
@@ -94,3 +101,12 @@ class RingClient:
         stream = RequestStream(self.bus, self.subjects, request.rid, traceparent)
         await stream._open(request, self.submit_timeout)
         return stream
+
+    async def abort(self, rid: str, reason: str = "client", traceparent: str | None = None) -> None:
+        """Ask the scheduler to stop request `rid` (any client's); raises InvalidRidError for a bad rid."""
+        await self.bus.publish(self.subjects.abort(rid), AbortRequest(rid=rid, reason=reason), traceparent)
+
+    async def command(self, action: str, timeout: float = 5.0, traceparent: str | None = None) -> ControlReply:
+        """Send a ControlCommand to the scheduler and return its reply (raises asyncio.TimeoutError)."""
+        return await self.bus.request(self.subjects.scheduler_command, ControlCommand(action=action), ControlReply,
+                                      timeout, traceparent)

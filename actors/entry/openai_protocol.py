@@ -1,7 +1,7 @@
 """OpenAI request bodies -> GenerateRequest, and ring outputs -> OpenAI response bodies and stream chunks.
 
-Only shapes are checked here (what must be an object, a list, a string); the tokenizer actor validates
-every sampling value, so the rules live in one place.
+Only shapes are checked here (what must be an object, a list, a string), plus what the entry itself acts on
+(`n`, the logprobs switches); the tokenizer actor validates every sampling value, so the rules live in one place.
 """
 
 from __future__ import annotations
@@ -11,16 +11,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from actors.entry.errors import ApiError
-from bus.messages import ChatMessage, FinishReason, GenerateRequest
+from actors.entry.openai_logprobs import LogprobFormatter
+from actors.tokenizer.validation import MAX_TOP_LOGPROBS
+from bus.messages import ChatMessage, FinishReason, GenerateRequest, RequestOutput, TokenLogprob
 
 # OpenAI name -> ringserve (SGLang) sampling name; extensions pass through under their own names
 _SAMPLING_FIELDS = {
-    "max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "temperature": "temperature",
-    "top_p": "top_p", "top_k": "top_k", "seed": "seed", "stop": "stop", "stop_token_ids": "stop_token_ids",
-    "ignore_eos": "ignore_eos", "skip_special_tokens": "skip_special_tokens", "no_stop_trim": "no_stop_trim",
+    "max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "min_tokens": "min_new_tokens",
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+    "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty", "logit_bias": "logit_bias", "seed": "seed", "stop": "stop",
+    "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "skip_special_tokens": "skip_special_tokens",
+    "no_stop_trim": "no_stop_trim",
 }
-_UNSUPPORTED_UNLESS_DEFAULT = {"n": 1, "logprobs": False, "echo": False, "best_of": 1,
-                               "presence_penalty": 0, "frequency_penalty": 0}
+_UNSUPPORTED_UNLESS_DEFAULT = {"echo": False, "best_of": 1}
+MAX_N = 16
 
 
 @dataclass
@@ -32,19 +37,65 @@ class ApiOptions:
     include_usage: bool
     model: str
     created: int
+    n: int = 1  # choices per prompt
+    logprobs: bool = False  # the client asked for logprobs
+    top_logprobs: int = 0  # and this many alternatives per token
 
     @property
     def object_name(self) -> str:
         return "chat.completion" if self.kind == "chat" else "text_completion"
+
+    def logprob_formatter(self) -> LogprobFormatter:
+        """A fresh formatter for one choice's logprobs."""
+        return LogprobFormatter(self.kind, self.logprobs, self.top_logprobs > 0)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     for name, default in _UNSUPPORTED_UNLESS_DEFAULT.items():
         value = body.get(name)
         if value is not None and value != default:
-            raise ApiError(f"{name}={value!r} is not supported yet", param=name)
+            raise ApiError(f"{name}={value!r} is not supported", param=name)
     sampling = {ours: body[theirs] for theirs, ours in _SAMPLING_FIELDS.items() if body.get(theirs) is not None}
     return sampling
+
+
+def _n(body: dict[str, Any]) -> int:
+    n = body.get("n")
+    if n is None:
+        return 1
+    if not _is_int(n) or not 1 <= n <= MAX_N:
+        raise ApiError(f"n must be an integer in [1, {MAX_N}], got {n!r}", param="n")
+    return n
+
+
+def _chat_logprobs(body: dict[str, Any], sampling: dict[str, Any]) -> tuple[bool, int]:
+    """Chat's `logprobs` (bool) and `top_logprobs` (int, needs logprobs) -> return_logprob, top_logprobs_num."""
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise ApiError(f"logprobs must be a boolean, got {logprobs!r}", param="logprobs")
+    if top is not None and logprobs is not True:
+        raise ApiError("top_logprobs requires logprobs to be true", param="top_logprobs")
+    if logprobs:
+        sampling["return_logprob"] = True
+        if top is not None:
+            sampling["top_logprobs_num"] = top  # the tokenizer checks the range
+    return bool(logprobs), top if _is_int(top) else 0
+
+
+def _completion_logprobs(body: dict[str, Any], sampling: dict[str, Any]) -> tuple[bool, int]:
+    """Completions' `logprobs: k` -> return_logprob with k alternatives per token."""
+    k = body.get("logprobs")
+    if k is None or k is False:
+        return False, 0
+    if not _is_int(k) or not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise ApiError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {k!r}", param="logprobs")
+    sampling["return_logprob"] = True
+    sampling["top_logprobs_num"] = k
+    return True, k
 
 
 def _options(body: dict[str, Any], kind: str, served_model: str) -> ApiOptions:
@@ -58,7 +109,8 @@ def _options(body: dict[str, Any], kind: str, served_model: str) -> ApiOptions:
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise ApiError("stream_options must be an object", param="stream_options")
-    return ApiOptions(kind, stream, bool(stream_options.get("include_usage")), served_model, int(time.time()))
+    return ApiOptions(kind, stream, bool(stream_options.get("include_usage")), served_model, int(time.time()),
+                      n=_n(body))
 
 
 def _content_text(content: Any, index: int) -> str:
@@ -85,7 +137,9 @@ def parse_chat(body: dict[str, Any], rid: str, served_model: str) -> tuple[Gener
             raise ApiError(f"messages[{i}] must be an object with a string role", param="messages")
         turns.append(ChatMessage(role=message["role"], content=_content_text(message.get("content"), i)))
     options = _options(body, "chat", served_model)
-    return GenerateRequest(rid=rid, messages=turns, sampling=_sampling(body)), options
+    sampling = _sampling(body)
+    options.logprobs, options.top_logprobs = _chat_logprobs(body, sampling)
+    return GenerateRequest(rid=rid, messages=turns, sampling=sampling), options
 
 
 def parse_completion(body: dict[str, Any], rid: str, served_model: str) -> tuple[GenerateRequest, ApiOptions]:
@@ -95,6 +149,7 @@ def parse_completion(body: dict[str, Any], rid: str, served_model: str) -> tuple
         prompt = prompt[0]
     options = _options(body, "completion", served_model)
     sampling = _sampling(body)
+    options.logprobs, options.top_logprobs = _completion_logprobs(body, sampling)
     if isinstance(prompt, str):
         return GenerateRequest(rid=rid, text=prompt, sampling=sampling), options
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -107,24 +162,40 @@ def finish_reason_name(finish: FinishReason | None) -> str | None:
     return None if finish is None else finish.type
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    """OpenAI's usage object."""
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens` are prompt tokens served from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def full_response(rid: str, options: ApiOptions, text: str, finish: FinishReason | None,
-                  prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    """The non-streamed response body."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason_name(finish),
-                              "matched_stop": finish.matched if finish else None}
-    if options.kind == "chat":
-        choice["message"] = {"role": "assistant", "content": text}
-    else:
-        choice["text"] = text
-        choice["logprobs"] = None
+def choices_usage(lasts: list[RequestOutput]) -> dict[str, Any]:
+    """Usage of the n choices of one prompt, given each choice's last output.
+
+    Completion tokens add up; the prompt is counted once, and so are its cached tokens (the least any choice
+    found cached: choices that reused a sibling's just-computed prefix do not make the prompt cheaper).
+    """
+    return usage(lasts[0].prompt_tokens, sum(out.completion_tokens for out in lasts),
+                 min(out.cached_tokens for out in lasts))
+
+
+def full_response(rid: str, options: ApiOptions, choices: list[list[RequestOutput]]) -> dict[str, Any]:
+    """The non-streamed response body; `choices[i]` holds every output of choice i, in order."""
+    body_choices = []
+    for index, outputs in enumerate(choices):
+        finish = outputs[-1].finish
+        entries: list[TokenLogprob] = [e for out in outputs for e in out.logprobs]
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason_name(finish),
+                                  "matched_stop": finish.matched if finish else None,
+                                  "logprobs": options.logprob_formatter().format(entries)}
+        text = "".join(out.text for out in outputs)
+        if options.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        body_choices.append(choice)
     return {"id": response_id(rid, options), "object": options.object_name, "created": options.created,
-            "model": options.model, "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+            "model": options.model, "choices": body_choices, "usage": choices_usage([c[-1] for c in choices])}
 
 
 def response_id(rid: str, options: ApiOptions) -> str:
@@ -133,9 +204,9 @@ def response_id(rid: str, options: ApiOptions) -> str:
 
 
 def stream_chunk(rid: str, options: ApiOptions, text: str | None, finish: FinishReason | None,
-                 first: bool = False) -> dict[str, Any]:
-    """One streamed chunk; the first chat chunk carries the assistant role."""
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason_name(finish)}
+                 first: bool = False, index: int = 0, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One streamed chunk of choice `index`; a choice's first chat chunk carries the assistant role."""
+    choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason_name(finish)}
     if options.kind == "chat":
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text is not None:
@@ -143,7 +214,7 @@ def stream_chunk(rid: str, options: ApiOptions, text: str | None, finish: Finish
         choice["delta"] = delta
     else:
         choice["text"] = text or ""
-        choice["logprobs"] = None
+    choice["logprobs"] = logprobs
     if finish is not None:
         choice["matched_stop"] = finish.matched
     chunk: dict[str, Any] = {"id": response_id(rid, options), "object": f"{options.object_name}.chunk"
@@ -154,9 +225,9 @@ def stream_chunk(rid: str, options: ApiOptions, text: str | None, finish: Finish
     return chunk
 
 
-def usage_chunk(rid: str, options: ApiOptions, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def usage_chunk(rid: str, options: ApiOptions, lasts: list[RequestOutput]) -> dict[str, Any]:
     """The last streamed chunk when stream_options.include_usage is set: no choices, only usage."""
     chunk = stream_chunk(rid, options, None, None)
     chunk["choices"] = []
-    chunk["usage"] = usage(prompt_tokens, completion_tokens)
+    chunk["usage"] = choices_usage(lasts)
     return chunk

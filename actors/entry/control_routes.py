@@ -1,0 +1,66 @@
+"""Operator routes under SGLang's names, each a bus conversation any NATS client can have as well.
+
+`/flush_cache`, `/pause_generation`, `/continue_generation` and `/abort_request` with `abort_all` send a
+`ControlCommand` to the scheduler (`{ns}.control.scheduler.command`); `/abort_request` with a `rid` publishes
+an `AbortRequest` on `{ns}.abort.{rid}`; `/health_generate` generates one token through the whole ring.
+Replies are `{"success", "message", **detail}`; a scheduler that does not answer gives 503.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from actors.entry.errors import ApiError
+from actors.entry.http_common import handles_errors, read_json
+from actors.entry.request_flow import EntryService
+
+
+def control_routes(service: EntryService) -> list[Route]:
+    """The operator routes over `service`."""
+
+    async def command(action: str) -> Response:
+        reply = await service.command(action)
+        body: dict[str, Any] = {"success": reply.ok, "message": reply.message, **reply.detail}
+        return JSONResponse(body, status_code=200 if reply.ok else 500)
+
+    @handles_errors
+    async def flush_cache(request: Request) -> Response:
+        return await command("flush_cache")
+
+    @handles_errors
+    async def pause_generation(request: Request) -> Response:
+        return await command("pause")
+
+    @handles_errors
+    async def continue_generation(request: Request) -> Response:
+        return await command("continue")
+
+    @handles_errors
+    async def abort_request(request: Request) -> Response:
+        body = await read_json(request)
+        abort_all = body.get("abort_all", False)
+        if not isinstance(abort_all, bool):
+            raise ApiError(f"abort_all must be a boolean, got {abort_all!r}", param="abort_all")
+        if abort_all:
+            return await command("abort_all")
+        if body.get("rid") is None:
+            raise ApiError('give the "rid" of the request to abort, or "abort_all": true', param="rid")
+        rids = await service.abort(body["rid"])
+        return JSONResponse({"success": True, "message": f"abort sent for {', '.join(rids)}", "rids": rids})
+
+    @handles_errors
+    async def health_generate(request: Request) -> Response:
+        await service.health_generate()
+        return JSONResponse({"status": "ok"})
+
+    return [
+        Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
+        Route("/pause_generation", pause_generation, methods=["POST"]),
+        Route("/continue_generation", continue_generation, methods=["POST"]),
+        Route("/abort_request", abort_request, methods=["POST"]),
+        Route("/health_generate", health_generate, methods=["GET"]),
+    ]

@@ -1,0 +1,63 @@
+"""Ring logprobs (`TokenLogprob` entries, parallel to a delta's token ids) in OpenAI's two response shapes.
+
+Chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}`.
+Completions: `{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}] or null, "text_offset"}`.
+Every generated token has an entry, the stop token (EOS) too, although its text is empty.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from bus.messages import TokenLogprob
+
+# what OpenAI reports for a token the sampler could never pick (JSON has no -Infinity)
+FLOOR_LOGPROB = -9999.0
+
+
+def finite(logprob: float) -> float:
+    """`logprob` as a JSON-safe number: -inf (and NaN) become FLOOR_LOGPROB."""
+    return logprob if math.isfinite(logprob) else FLOOR_LOGPROB
+
+
+def token_bytes(token: str) -> list[int]:
+    """The UTF-8 byte values of a token's text, as OpenAI's `bytes` field."""
+    return list(token.encode("utf-8", errors="replace"))
+
+
+def _chat_entry(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": finite(logprob), "bytes": token_bytes(token)}
+
+
+class LogprobFormatter:
+    """Formats one choice's logprob entries, delta by delta; keeps the completion text offset between deltas.
+
+    `requested`: the client asked for logprobs (else `format` returns None, OpenAI's `logprobs: null`);
+    `top`: it asked for alternatives (completions' `top_logprobs` is null without them).
+    """
+
+    def __init__(self, kind: str, requested: bool, top: bool) -> None:
+        self.kind = kind
+        self.requested = requested
+        self.top = top
+        self.text_offset = 0
+
+    def format(self, entries: list[TokenLogprob]) -> dict[str, Any] | None:
+        """The `logprobs` object of a choice (or of a stream chunk) holding `entries`."""
+        if not self.requested:
+            return None
+        if self.kind == "chat":
+            return {"content": [{**_chat_entry(e.token, e.logprob),
+                                 "top_logprobs": [_chat_entry(t.token, t.logprob) for t in e.top]}
+                                for e in entries]}
+        offsets = []
+        for entry in entries:
+            offsets.append(self.text_offset)
+            self.text_offset += len(entry.token)
+        return {
+            "tokens": [e.token for e in entries],
+            "token_logprobs": [finite(e.logprob) for e in entries],
+            "top_logprobs": [{t.token: finite(t.logprob) for t in e.top} for e in entries] if self.top else None,
+            "text_offset": offsets,
+        }

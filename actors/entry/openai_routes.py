@@ -1,0 +1,80 @@
+"""The OpenAI-compatible routes: `/v1/chat/completions`, `/v1/completions`, `/v1/models`."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, AsyncIterator, Callable
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from actors.entry import openai_protocol as oai
+from actors.entry.choices import ChoiceGroup
+from actors.entry.errors import ApiError
+from actors.entry.http_common import handles_errors, read_json, sse
+from actors.entry.request_flow import EntryService
+from bus.messages import GenerateRequest, RequestOutput
+from bus.subjects import new_rid
+
+Parser = Callable[[dict[str, Any], str, str], tuple[GenerateRequest, oai.ApiOptions]]
+
+
+async def stream_events(group: ChoiceGroup, options: oai.ApiOptions) -> AsyncIterator[str]:
+    """The SSE stream of a response: every choice's chunks merged, usage (if asked) once all finished, [DONE].
+
+    An error in any choice is sent as an error event and ends the stream (aborting the other choices).
+    """
+    rid = group.rid
+    formatters = [options.logprob_formatter() for _ in group.choices]
+    started: set[int] = set()
+    lasts: dict[int, RequestOutput] = {}
+    failed = False
+    async with contextlib.aclosing(group.merged()) as outputs:
+        async for index, out in outputs:
+            if out.error is not None:
+                yield sse(ApiError.from_info(out.error).body())
+                failed = True
+                break
+            has_logprobs = options.logprobs and bool(out.logprobs)
+            if index not in started or out.text or out.finish is not None or has_logprobs:
+                yield sse(oai.stream_chunk(rid, options, out.text, out.finish, first=index not in started,
+                                           index=index, logprobs=formatters[index].format(out.logprobs)))
+                started.add(index)
+            if out.is_last:
+                lasts[index] = out
+    if not failed and options.include_usage:
+        yield sse(oai.usage_chunk(rid, options, [lasts[i] for i in sorted(lasts)]))
+    yield sse("[DONE]")
+
+
+def openai_routes(service: EntryService) -> list[Route]:
+    """The OpenAI routes over `service`."""
+
+    async def openai_endpoint(request: Request, parse: Parser) -> Response:
+        gen_req, options = parse(await read_json(request), new_rid(), service.served_model)
+        group = await ChoiceGroup.start(service, request, gen_req, options.n)
+        if not options.stream:
+            return JSONResponse(oai.full_response(gen_req.rid, options, await group.collect(request)))
+        return StreamingResponse(stream_events(group, options), media_type="text/event-stream")
+
+    @handles_errors
+    async def chat_completions(request: Request) -> Response:
+        return await openai_endpoint(request, oai.parse_chat)
+
+    @handles_errors
+    async def completions(request: Request) -> Response:
+        return await openai_endpoint(request, oai.parse_completion)
+
+    @handles_errors
+    async def models(request: Request) -> Response:
+        info = await service.scheduler_info()
+        card = {"id": service.served_model, "object": "model", "created": 0, "owned_by": "ringserve",
+                "max_model_len": info.context_length}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    return [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+    ]
