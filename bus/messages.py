@@ -236,12 +236,16 @@ class ControlReply:
 
 @dataclass
 class Heartbeat:
-    """Every actor's sign of life, on `{ns}.control.heartbeat` every `interval` seconds."""
+    """Every actor's sign of life, on `{ns}.control.heartbeat` every `interval` seconds.
+
+    `live_rids` counts the requests the actor holds per-request state for (0 when none is left behind).
+    """
 
     role: str
     rank: int
     pid: int
     interval: float
+    live_rids: int = 0
 
 
 @dataclass

@@ -36,6 +36,8 @@ class ActorContext:
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
     exit_code: int = 0
     on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    # how many requests this actor holds state for; reported in every heartbeat (0 for stateless actors)
+    live_rids: Callable[[], int] = lambda: 0
 
     def fail(self, reason: str) -> None:
         """Fail-stop: log why and end the process with exit code 1."""
@@ -88,8 +90,9 @@ async def _serve(role: str, rank: int, args: argparse.Namespace, main: ActorMain
 
 async def _heartbeat(ctx: ActorContext) -> None:
     """Publish a Heartbeat every HEARTBEAT_SECONDS from the event loop: a stalled loop or process goes silent."""
-    beat = Heartbeat(role=ctx.role, rank=ctx.rank, pid=os.getpid(), interval=HEARTBEAT_SECONDS)
     while True:
+        beat = Heartbeat(role=ctx.role, rank=ctx.rank, pid=os.getpid(), interval=HEARTBEAT_SECONDS,
+                         live_rids=ctx.live_rids())
         try:
             await ctx.bus.publish(ctx.subjects.heartbeat, beat)
         except Exception as exc:  # disconnected: the reconnect logic reports it; keep beating
