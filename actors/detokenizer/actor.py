@@ -31,7 +31,7 @@ class DetokenizerActor:
         self._next_seq: dict[str, int] = {}  # per live rid: the seq of its next output
 
     async def start(self) -> dict[str, Any]:
-        self._ctx.live_rids = lambda: len(self._decoders) + len(self._next_seq)
+        self._ctx.live_rids = lambda: len(self._decoders.keys() | self._next_seq.keys())
         subject = self._ctx.subjects.tokens(self._shard)
         await self._ctx.bus.subscribe(subject, BatchTokenOutput, self._on_batch, queue=f"detokenizer-{self._shard}")
         return {"shard": self._shard}

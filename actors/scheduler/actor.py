@@ -56,7 +56,7 @@ class SchedulerActor:
 
     async def start(self) -> dict[str, Any]:
         subjects, bus = self._ctx.subjects, self._ctx.bus
-        self._ctx.live_rids = lambda: len(self._engine.live) + len(self._decode_params)
+        self._ctx.live_rids = lambda: len(self._engine.live.keys() | self._decode_params.keys())
         await bus.subscribe(subjects.tokenized, TokenizedRequest, self._on_request, queue=SCHEDULER_QUEUE)
         await bus.subscribe(subjects.abort_any, AbortRequest, self._on_abort)
         await bus.subscribe(subjects.scheduler_info, InfoQuery, self._on_info)
