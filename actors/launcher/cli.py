@@ -8,7 +8,7 @@ import logging
 import sys
 
 from actors.common.model_source import DEFAULT_MODEL, resolve_model
-from actors.launcher.supervisor import ActorSpec, Supervisor
+from actors.launcher.supervisor import DEFAULT_WATCHDOG_SECONDS, ActorSpec, Supervisor
 from actors.engine.config import EngineConfig
 from bus.embedded_server import EmbeddedNatsServer
 from bus.subjects import Subjects
@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--detokenizer-shards", type=int, default=1, help="detokenizer processes (rids are sharded)")
     EngineConfig.add_arguments(serve)
     serve.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for every actor")
+    serve.add_argument("--watchdog-timeout", type=float, default=DEFAULT_WATCHDOG_SECONDS,
+                       help="fail-stop when a running actor sends no heartbeat for this many seconds")
     serve.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     return parser
 
@@ -85,7 +87,7 @@ def serve(args: argparse.Namespace) -> int:
 
     try:
         watched = {"nats-server": nats.process} if nats is not None and nats.process is not None else {}
-        supervisor = Supervisor(actor_specs(args, served_name), url, subjects, watched)
+        supervisor = Supervisor(actor_specs(args, served_name), url, subjects, watched, args.watchdog_timeout)
         return asyncio.run(supervisor.run(args.startup_timeout, on_ready))
     finally:
         if nats is not None:

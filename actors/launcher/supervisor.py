@@ -1,5 +1,9 @@
 """Starts the actor processes, waits until each announces itself ready, and fail-stops the whole ring if
-any of them dies (SGLang's answer to zombie servers: never keep serving with a dead part)."""
+any of them dies or stalls (SGLang's answer to zombie servers: never keep serving with a dead part).
+
+A stall is an actor whose heartbeats stop for `watchdog_timeout` seconds while its process still exists
+(stopped, deadlocked, or cut off from NATS).
+"""
 
 from __future__ import annotations
 
@@ -14,12 +18,13 @@ from typing import Callable
 
 from bus.connection import BusConnection, Delivery
 from bus.embedded_server import die_with_parent
-from bus.messages import ActorReady
+from bus.messages import ActorReady, Heartbeat
 from bus.subjects import Subjects
 from observability.logging import log_event
 
 log = logging.getLogger("launcher")
 STOP_GRACE_SECONDS = 10.0
+DEFAULT_WATCHDOG_SECONDS = 30.0
 
 
 @dataclass
@@ -41,8 +46,11 @@ class Supervisor:
     """Owns the actor processes of one deployment."""
 
     def __init__(self, specs: list[ActorSpec], nats_url: str, subjects: Subjects,
-                 watched: dict[str, subprocess.Popen[bytes]] | None = None) -> None:
+                 watched: dict[str, subprocess.Popen[bytes]] | None = None,
+                 watchdog_timeout: float = DEFAULT_WATCHDOG_SECONDS) -> None:
         """`watched`: processes started elsewhere (the embedded nats-server) whose death also fail-stops."""
+        self._watchdog_timeout = watchdog_timeout
+        self._last_beat: dict[str, float] = {}
         self._specs = specs
         self._nats_url = nats_url
         self._subjects = subjects
@@ -62,7 +70,11 @@ class Supervisor:
             ready.add((msg.role, msg.rank))
             log_event(log, logging.INFO, "actor ready", actor=f"{msg.role}{msg.rank}", pid=msg.pid)
 
+        async def on_heartbeat(beat: Heartbeat, delivery: Delivery) -> None:
+            self._last_beat[f"{beat.role}{beat.rank}"] = time.monotonic()
+
         await bus.subscribe(self._subjects.ready, ActorReady, on_actor_ready)
+        await bus.subscribe(self._subjects.heartbeat, Heartbeat, on_heartbeat)
         await bus.flush()
         try:
             deadline = time.monotonic() + startup_timeout
@@ -112,9 +124,16 @@ class Supervisor:
             await asyncio.sleep(0.1)
         return None
 
+    def _stalled_actor(self) -> str | None:
+        now = time.monotonic()
+        for name, seen in self._last_beat.items():
+            if now - seen > self._watchdog_timeout:
+                return f"actor {name} sent no heartbeat for {now - seen:.1f} s (stalled)"
+        return None
+
     async def _watch(self) -> int:
         while not self._stop.is_set():
-            dead = self._dead_actor()
+            dead = self._dead_actor() or self._stalled_actor()
             if dead is not None:
                 log_event(log, logging.ERROR, f"{dead}; stopping every actor (fail-stop)")
                 return 1
