@@ -123,3 +123,21 @@ def torch_single_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+def hf_state_dict(model: Any) -> dict[str, torch.Tensor]:
+    """Our model's weights under HF's names: the fused q/k/v and gate/up projections split again."""
+    out = {}
+    for name, tensor in model.state_dict().items():
+        attn, mlp = "self_attn.qkv_proj.", "mlp.gate_up_proj."
+        if attn in name:
+            layer = model.model.layers[int(name.split(".")[2])].self_attn
+            parts = tensor.split([layer.q_size, layer.kv_size, layer.kv_size])
+            for part, proj in zip(parts, ("q_proj", "k_proj", "v_proj")):
+                out[name.replace("qkv_proj", proj)] = part
+        elif mlp in name:
+            for part, proj in zip(tensor.chunk(2), ("gate_proj", "up_proj")):
+                out[name.replace("gate_up_proj", proj)] = part
+        else:
+            out[name] = tensor
+    return out

@@ -17,6 +17,7 @@ from tests.engine_helpers import (
     assert_greedy_matches,
     greedy,
     hf_greedy,
+    hf_state_dict,
     run_to_completion,
     tokens_of,
     torch_single_thread,  # noqa: F401  (autouse fixture)
@@ -38,7 +39,7 @@ def smollm() -> dict[str, Any]:
     engine = Engine.from_source(resolve_model("SmolLM2-135M-Instruct"), EngineConfig())
     ours = engine.runner.model
     hf = LlamaForCausalLM(ours.config)
-    hf.load_state_dict(ours.state_dict())
+    hf.load_state_dict(hf_state_dict(ours))
     hf.eval()
     tokenizer = engine.tokenizer
     prompts = [

@@ -55,8 +55,25 @@ def resolve_model(spec: str) -> ModelSource:
     raise FileNotFoundError(f"model {spec!r} is neither {DEFAULT_MODEL!r}, a .gguf file, nor a model directory")
 
 
-def _cache_root() -> Path:
+def cache_root() -> Path:
+    """Where converted model files are kept: `$RINGSERVE_CACHE`, else `~/.cache/ringserve`."""
     return Path(os.environ.get("RINGSERVE_CACHE", Path.home() / ".cache" / "ringserve"))
+
+
+def gguf_cache_key(source: ModelSource) -> str:
+    """A key that changes whenever the GGUF file does (its path, size and mtime)."""
+    assert source.gguf_file is not None
+    gguf = Path(source.directory) / source.gguf_file
+    stat = gguf.stat()
+    return hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:24]
+
+
+def publish_directory(staging: Path, final: Path) -> None:
+    """Move a fully written `staging` directory to `final` (another process may have won the race)."""
+    try:
+        staging.rename(final)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def metadata_directory(source: ModelSource) -> str:
@@ -67,10 +84,7 @@ def metadata_directory(source: ModelSource) -> str:
     """
     if source.gguf_file is None:
         return source.directory
-    gguf = Path(source.directory) / source.gguf_file
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:24]
-    cached = _cache_root() / "gguf-metadata" / key
+    cached = cache_root() / "gguf-metadata" / gguf_cache_key(source)
     if (cached / "config.json").is_file():
         return str(cached)
     from transformers import AutoConfig, AutoTokenizer
@@ -79,10 +93,7 @@ def metadata_directory(source: ModelSource) -> str:
     staging = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".staging-"))
     AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file).save_pretrained(staging)
     AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file).save_pretrained(staging)
-    try:
-        staging.rename(cached)
-    except OSError:  # another actor finished the same conversion first
-        shutil.rmtree(staging, ignore_errors=True)
+    publish_directory(staging, cached)
     return str(cached)
 
 

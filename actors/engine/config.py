@@ -16,7 +16,7 @@ from typing import Any
 from kernels.attention import backend_names
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATION_CHOICES = ("none",)
+QUANTIZATION_CHOICES = ("none", "int8", "auto")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 CPU_MEM_FRACTION = 0.1  # of available host memory, when the KV pool lives on the CPU
 GPU_MEM_FRACTION = 0.85  # of free GPU memory after the weights are loaded
@@ -37,7 +37,8 @@ class EngineConfig:
     attention_backend: str = field(default="torch", metadata=_flag(
         "attention kernels over the paged KV cache", choices=backend_names()))
     quantization: str = field(default="none", metadata=_flag(
-        "weight quantization", choices=QUANTIZATION_CHOICES))
+        "weight quantization: none (exact), int8 (per-channel int8 weights, CPU), auto (int8 when a start-up "
+        "micro-benchmark finds it faster on this CPU)", choices=QUANTIZATION_CHOICES))
     max_total_tokens: int = field(default=0, metadata=_flag(
         "KV cache size in tokens (0 = sized from free memory, see --mem-fraction-static)"))
     mem_fraction_static: float = field(default=0.0, metadata=_flag(

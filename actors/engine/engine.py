@@ -24,6 +24,7 @@ from actors.engine.kv_pool import KVPool
 from actors.engine.llama import LlamaForCausalLM, head_dim_of
 from actors.engine.model_runner import ModelRunner
 from actors.engine.prefill import PrefillManager
+from actors.engine.quantize import apply_quantization
 from actors.engine.prefix_cache import create_prefix_cache
 from actors.engine.request import Req
 from actors.engine.stop_checker import StopChecker
@@ -61,7 +62,7 @@ class Engine:
         self.vocab_size: int = mc.vocab_size
         self.context_length: int = mc.max_position_embeddings
         self.tokenizer = tokenizer
-        dtype = model.lm_head.weight.dtype
+        dtype = model.model.embed_tokens.weight.dtype
         head_dim = head_dim_of(mc)
         per_token = KVPool.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, head_dim, dtype)
         num_slots = config.kv_pool_tokens(per_token, self.context_length)
@@ -87,6 +88,7 @@ class Engine:
         from actors.engine.weights import load_model
 
         model = load_model(source, DTYPES[config.resolved_dtype()], config.resolved_device())
+        apply_quantization(model, config)
         return cls(model, config, tokenizer if tokenizer is not None else load_tokenizer(source))
 
     @property

@@ -1,9 +1,11 @@
 """A Llama forward pass in one file, over a flat batch of new tokens from many requests.
 
 Shapes: `T` new tokens in the step, `B` requests, `H`/`Hkv` query/KV heads, `D` head dim, `C` hidden size,
-`V` vocab. Parameter names mirror Hugging Face's `LlamaForCausalLM`, so its state dict loads as is. Op order
-follows HF's (RMSNorm in float32, rotary cos/sin from float32 frequencies) so greedy decoding matches it
-token for token. Attention goes through an `AttentionBackend`; the model itself holds no KV cache.
+`V` vocab. Parameter names mirror Hugging Face's `LlamaForCausalLM`, except that the q/k/v projections are
+fused into one `qkv_proj` and gate/up into one `gate_up_proj` (one GEMM each instead of three and two;
+`fuse_hf_state_dict` converts a HF state dict). Op order follows HF's (RMSNorm in float32, rotary cos/sin
+from float32 frequencies) so greedy decoding matches it token for token. Attention goes through an
+`AttentionBackend`; the model itself holds no KV cache.
 """
 
 from __future__ import annotations
@@ -72,10 +74,10 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim_of(config)
         hidden, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=bias)
 
     def forward(
         self,
@@ -86,9 +88,10 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, H, D]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = backend.forward(q, k, v, self.layer, meta)  # [T, H, D]
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))  # [T, C]
@@ -100,12 +103,12 @@ class MLP(nn.Module):
     def __init__(self, config: Any) -> None:
         super().__init__()
         hidden, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(hidden, inner, bias=bias)
-        self.up_proj = nn.Linear(hidden, inner, bias=bias)
+        self.gate_up_proj = nn.Linear(hidden, 2 * inner, bias=bias)
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -174,6 +177,22 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, cos, sin, backend, meta)
         x = self.model.norm(x[logits_index])  # [S, C]; the norm is per row, so select first
         return self.lm_head(x)  # [S, V]
+
+
+FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def fuse_hf_state_dict(tensors: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """A HF Llama state dict with each layer's q/k/v and gate/up weights (and biases) concatenated."""
+    out = dict(tensors)
+    for i in range(num_layers):
+        for fused, parts in FUSED.items():
+            for kind in ("weight", "bias"):
+                names = [f"model.layers.{i}.{part}.{kind}" for part in parts]
+                if names[0] in out:
+                    out[f"model.layers.{i}.{fused}.{kind}"] = torch.cat([out.pop(n) for n in names])
+    return out
 
 
 def head_dim_of(config: Any) -> int:

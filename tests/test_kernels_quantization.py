@@ -1,0 +1,55 @@
+"""Int8 weight quantization: close to float32, swapped in from outside the model, usable by the engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from actors.engine.types import EngineRequest
+from actors.engine.weights import model_from_hf
+from kernels.quantization import Int8DynamicLinear, quantize_linears
+from tests.engine_helpers import (
+    engine_for,
+    greedy,
+    run_to_completion,
+    tiny_hf_llama,
+    tokens_of,
+    torch_single_thread,  # noqa: F401  (autouse fixture)
+)
+
+
+def test_int8_linear_is_close_to_float() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96, bias=True)
+    x = torch.randn(5, 3, 64)
+    expected = linear(x)
+    got = Int8DynamicLinear(linear)(x)
+    assert got.shape == expected.shape
+    relative = (got - expected).norm() / expected.norm()
+    assert relative < 0.02, relative
+
+
+def test_quantize_linears_replaces_every_projection_and_the_head() -> None:
+    hf = tiny_hf_llama()
+    model = model_from_hf(hf.config, hf.state_dict())
+    quantize_linears(model, "int8")
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    assert isinstance(model.lm_head, Int8DynamicLinear)
+    with pytest.raises(ValueError, match="int3"):
+        quantize_linears(model, "int3")
+
+
+def test_the_engine_runs_int8_weights_with_logits_close_to_float32() -> None:
+    hf = tiny_hf_llama()
+    prompt = [5, 17, 42, 99, 7]
+    exact = engine_for(hf, device="cpu")
+    quantized = engine_for(hf, device="cpu")
+    quantize_linears(quantized.runner.model, "int8")
+    params = greedy(8, return_logprob=True, top_logprobs_num=5)
+    a = run_to_completion(exact, [EngineRequest("a", prompt, params)])["a"]
+    b = run_to_completion(quantized, [EngineRequest("b", prompt, params)])["b"]
+    assert len(tokens_of(b)) == 8
+    # the first token's distribution (same context for both) barely moves
+    assert a[0].top_ids[0][:2] == b[0].top_ids[0][:2]
+    assert a[0].top_logprobs[0][0] == pytest.approx(b[0].top_logprobs[0][0], abs=0.25)
