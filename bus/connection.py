@@ -1,4 +1,10 @@
-"""A NATS connection that speaks typed messages and always carries a W3C `traceparent` header."""
+"""A NATS connection that speaks typed messages and always carries a W3C `traceparent` header.
+
+With tracing on (observability/tracing.py), publishes and requests are `send <template>` spans and deliveries
+`process <template>` spans (observability/messaging.py) whose context the header carries, except on the
+high-rate subjects in UNTRACED (per-token outputs, heartbeats, span batches), which only carry the context.
+Off, the header is propagated as it is given (or a fresh trace), and no span code runs.
+"""
 
 from __future__ import annotations
 
@@ -13,11 +19,19 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from bus.codec import DecodeError, decode, encode
+from bus.credentials import NatsCredentials
+from bus.subjects import subject_template
+from observability import messaging, tracing
 from observability.logging import log_event
 from observability.traceparent import TRACEPARENT_HEADER, is_valid_traceparent, new_traceparent
 
 T = TypeVar("T")
 log = logging.getLogger("bus")
+# Subject templates whose messages get no span of their own (their header still carries the context): one
+# message per token per request, liveness chatter, and the spans themselves.
+_HEADER_BYTES = len("NATS/1.0\r\n\r\n") + len(TRACEPARENT_HEADER) + len(": \r\n") + len(new_traceparent())
+UNTRACED = frozenset({"out.{rid}", "client.{client}.out.{rid}", "control.heartbeat", "control.ready",
+                      "control.scheduler.info", "spans.{role}", "_INBOX", "$JS", "(other)"})
 
 
 @dataclass(frozen=True)
@@ -48,8 +62,14 @@ class BusConnection:
         name: str,
         on_closed: Callable[[], Awaitable[None]] | None = None,
         max_reconnect_attempts: int = 60,
+        credentials: NatsCredentials | None = None,
+        inbox_prefix: str | None = None,
     ) -> "BusConnection":
-        """Connect to `url`; `on_closed` runs if the connection is lost for good (the actor should exit)."""
+        """Connect to `url`; `on_closed` runs if the connection is lost for good (the actor should exit).
+
+        `credentials`: user/password, .creds file and TLS (None: unauthenticated). `inbox_prefix`: where this
+        connection's request replies arrive (bus/permissions.py gives each role its own; default `_INBOX`).
+        """
 
         async def error_cb(exc: Exception) -> None:
             log_event(log, logging.WARNING, "nats error", client=name, error=repr(exc))
@@ -67,6 +87,8 @@ class BusConnection:
             reconnect_time_wait=0.5,
             connect_timeout=5,
             allow_reconnect=True,
+            inbox_prefix=inbox_prefix or "_INBOX",
+            **(credentials.connect_options() if credentials is not None else {}),
         )
         return cls(client)
 
@@ -75,13 +97,17 @@ class BusConnection:
 
         Raises PayloadTooLarge when the encoded message exceeds the server's max_payload.
         """
-        headers = {TRACEPARENT_HEADER: traceparent if is_valid_traceparent(traceparent) else new_traceparent()}
         data = encode(msg)
-        try:
-            await self.client.publish(subject, data, headers=headers)
-        except nats.errors.MaxPayloadError as exc:
+        # the server counts the headers against max_payload too (and drops the connection), nats-py only the data
+        if len(data) + _HEADER_BYTES > self.max_payload:
             raise PayloadTooLarge(f"{type(msg).__name__} of {len(data)} bytes exceeds max_payload "
-                                  f"{self.max_payload} on {subject}") from exc
+                                  f"{self.max_payload} on {subject}")
+        template = subject_template(subject) if tracing.enabled() else ""
+        if template and template not in UNTRACED:
+            with messaging.send(subject, template, traceparent, len(data)) as headers:
+                await self.client.publish(subject, data, headers=headers)
+            return
+        await self.client.publish(subject, data, headers={TRACEPARENT_HEADER: _header(traceparent)})
 
     async def publish_split(self, subject: str, items: list[T], build: Callable[[list[T]], Any],
                             traceparent: str | None = None) -> list[T]:
@@ -108,21 +134,31 @@ class BusConnection:
         Undecodable payloads are logged and dropped; a failing handler is logged and does not stop delivery.
         """
 
-        async def on_msg(raw: Msg) -> None:
-            tp = (raw.headers or {}).get(TRACEPARENT_HEADER)
-            delivery = Delivery(raw.subject, tp if is_valid_traceparent(tp) else new_traceparent())
+        async def dispatch(raw: Msg, delivery: Delivery) -> None:
             try:
                 msg = decode(raw.data, msg_type)
             except DecodeError as exc:
                 log_event(log, logging.WARNING, "dropped undecodable message", subject=raw.subject, error=str(exc))
+                messaging.mark_failed(f"undecodable message: {exc}")
                 return
             try:
                 reply = await handler(msg, delivery)
-            except Exception:
+            except Exception as exc:
                 log.exception("handler failed for %s", raw.subject)
+                messaging.mark_failed(f"handler failed: {exc!r}", exc)
                 return
             if raw.reply and reply is not None:
                 await self.client.publish(raw.reply, encode(reply), headers={TRACEPARENT_HEADER: delivery.traceparent})
+
+        async def on_msg(raw: Msg) -> None:
+            tp = (raw.headers or {}).get(TRACEPARENT_HEADER)
+            template = subject_template(raw.subject) if tracing.enabled() else ""
+            if template and template not in UNTRACED:
+                sender = tp if is_valid_traceparent(tp) else None
+                with messaging.process(raw.subject, template, sender, len(raw.data), queue) as own:
+                    await dispatch(raw, Delivery(raw.subject, own))
+                return
+            await dispatch(raw, Delivery(raw.subject, tp if is_valid_traceparent(tp) else new_traceparent()))
 
         return await self.client.subscribe(
             subject, queue=queue, cb=on_msg, pending_msgs_limit=1_000_000, pending_bytes_limit=512 * 1024 * 1024
@@ -132,14 +168,22 @@ class BusConnection:
         self, subject: str, msg: Any, reply_type: type[T], timeout: float = 2.0, traceparent: str | None = None
     ) -> T:
         """Send `msg` as a request and decode the reply as `reply_type` (raises asyncio.TimeoutError)."""
-        headers = {TRACEPARENT_HEADER: traceparent if is_valid_traceparent(traceparent) else new_traceparent()}
+        data = encode(msg)
+        template = subject_template(subject) if tracing.enabled() else ""
+        if template and template not in UNTRACED:
+            with messaging.send(subject, template, traceparent, len(data), request=True) as headers:
+                return decode(await self._request(subject, data, timeout, headers), reply_type)
+        return decode(await self._request(subject, data, timeout, {TRACEPARENT_HEADER: _header(traceparent)}),
+                      reply_type)
+
+    async def _request(self, subject: str, data: bytes, timeout: float, headers: dict[str, str]) -> bytes:
         try:
-            raw = await self.client.request(subject, encode(msg), timeout=timeout, headers=headers)
+            raw = await self.client.request(subject, data, timeout=timeout, headers=headers)
         except nats.errors.TimeoutError as exc:
             raise asyncio.TimeoutError(f"no reply on {subject} within {timeout}s") from exc
         except nats.errors.NoRespondersError as exc:
             raise asyncio.TimeoutError(f"no responders on {subject}") from exc
-        return decode(raw.data, reply_type)
+        return raw.data
 
     @property
     def max_payload(self) -> int:
@@ -151,3 +195,11 @@ class BusConnection:
     async def close(self) -> None:
         if not self.client.is_closed:
             await self.client.drain()
+
+
+def _header(traceparent: str | None) -> str:
+    """The traceparent a message without a span of its own carries: the given one, else (tracing on) the active
+    span's, else a fresh trace."""
+    if is_valid_traceparent(traceparent):
+        return traceparent  # type: ignore[return-value]
+    return tracing.current_traceparent() if tracing.enabled() else new_traceparent()

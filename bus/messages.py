@@ -110,6 +110,8 @@ class TokenRow:
     logprobs: list[float] = field(default_factory=list)
     top_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
+    # first row only, with tracing on: the request's trace context, so the detokenizer's span joins its trace
+    traceparent: str | None = None
 
 
 @dataclass

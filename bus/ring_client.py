@@ -10,6 +10,9 @@ NATS requests on `{ns}.control.scheduler.command`, answered by the scheduler.
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
+from collections import deque
 from typing import AsyncIterator
 
 from nats.aio.subscription import Subscription
@@ -19,6 +22,9 @@ from bus.messages import (
     AbortRequest, Accepted, ControlCommand, ControlReply, ErrorInfo, GenerateRequest, RequestOutput,
 )
 from bus.subjects import Subjects, validate_rid
+from observability.logging import log_event
+
+log = logging.getLogger("bus")
 
 
 class RingUnavailable(Exception):
@@ -26,57 +32,140 @@ class RingUnavailable(Exception):
 
 
 class RequestStream:
-    """The outputs of one submitted request, in order; closing it early aborts the request."""
+    """The outputs of one submitted request, in order, ending in exactly one terminal output.
 
-    def __init__(self, bus: BusConnection, subjects: Subjects, rid: str, traceparent: str | None) -> None:
+    The terminal output is the ring's last one (`finish` or `error`) or a local error the ring did not send:
+    a gap in `seq` (an output was lost), no output for `stall_timeout` seconds, or `fail()` (this process
+    shuts down, or an actor the request depends on died). A local error also publishes an AbortRequest, so
+    the request never runs on without a reader. Closing the stream early (`abort`) aborts the request too.
+    """
+
+    def __init__(self, bus: BusConnection, subjects: Subjects, rid: str, traceparent: str | None,
+                 stall_timeout: float | None = None) -> None:
         self.rid = rid
-        self.finished = False
+        self.finished = False  # the reader has taken the terminal output, or the stream was aborted
+        self.terminal: RequestOutput | None = None  # the terminal output the reader took
+        self.stall_timeout = stall_timeout
         self._bus = bus
         self._subjects = subjects
         self._traceparent = traceparent
-        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._pending: deque[RequestOutput] = deque()
+        self._arrived = asyncio.Event()
         self._sub: Subscription | None = None
+        self._next_seq = 0
+        self._ended = False  # the terminal output is queued: later outputs are dropped
+        self._local_end: str | None = None  # why the stream ended locally (the request needs an abort)
+        self._abort_sent = False
+        self._last_progress = time.monotonic()
 
     async def _open(self, request: GenerateRequest, timeout: float) -> None:
         async def on_output(out: RequestOutput, delivery: Delivery) -> None:
-            self._queue.put_nowait(out)
+            self._deliver(out)
 
         self._sub = await self._bus.subscribe(self._subjects.output(self.rid), RequestOutput, on_output)
         try:
             await self._bus.request(self._subjects.submit, request, Accepted, timeout, self._traceparent)
         except asyncio.TimeoutError as exc:
-            self.finished = True
-            await self._unsubscribe()
+            # a late tokenizer may still take it: abort, or it would run with no one reading (a ghost request)
+            await self.abort("submission timed out")
             raise RingUnavailable(f"no tokenizer accepted the request: {exc}") from exc
-        except BaseException:  # cancelled while waiting: do not leave the subscription behind
-            self.finished = True
-            await self._unsubscribe()
+        except BaseException:  # cancelled or failed while waiting: leave neither subscription nor request
+            await self.abort("submission failed")
             raise
+        self._last_progress = time.monotonic()
+
+    def _deliver(self, out: RequestOutput) -> None:
+        """Queue an output from the ring, checking its sequence number."""
+        if self._ended or out.rid != self.rid:
+            return
+        if out.seq < self._next_seq:
+            log_event(log, logging.WARNING, "dropped duplicate output", rid=self.rid, seq=out.seq,
+                      expected=self._next_seq)
+            return
+        if out.seq > self._next_seq:
+            self._end_locally(f"lost output: expected seq {self._next_seq} of request {self.rid}, got {out.seq}",
+                              "lost output")
+            return
+        self._next_seq += 1
+        self._last_progress = time.monotonic()
+        self._ended = out.is_last
+        self._push(out)
+
+    def _end_locally(self, message: str, reason: str) -> None:
+        """Queue a terminal 503 error the ring did not send; the reader's `next` then aborts the request."""
+        if self._ended:
+            return
+        self._ended = True
+        self._local_end = reason
+        log_event(log, logging.WARNING, "request stream failed", rid=self.rid, error=message)
+        self._push(RequestOutput(rid=self.rid, seq=self._next_seq,
+                                 error=ErrorInfo(message=message, type="server_error", code=503)))
+
+    def _push(self, out: RequestOutput) -> None:
+        self._pending.append(out)
+        self._arrived.set()
 
     async def next(self) -> RequestOutput:
-        """The next output delta; after the last one (finish or error) the stream is finished."""
-        out = await self._queue.get()
+        """The next output delta; after the terminal one (finish or error) the stream is finished.
+
+        Waits at most until `stall_timeout` seconds after the last progress; then the terminal output is a
+        503 error and the request is aborted.
+        """
+        if self.finished:
+            raise RuntimeError(f"the stream of request {self.rid} is finished")
+        while not self._pending:
+            self._arrived.clear()
+            if self.stall_timeout is None:
+                await self._arrived.wait()
+                continue
+            remaining = self._last_progress + self.stall_timeout - time.monotonic()
+            if remaining <= 0:
+                self._end_locally(f"no output for request {self.rid} within {self.stall_timeout:g}s", "stalled")
+                break
+            try:
+                await asyncio.wait_for(self._arrived.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+        out = self._pending.popleft()
         if out.is_last:
             self.finished = True
+            self.terminal = out
             await self._unsubscribe()
+            if self._local_end is not None:
+                await self._send_abort(self._local_end)
         return out
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         while not self.finished:
             yield await self.next()
 
-    def fail(self, error: ErrorInfo) -> None:
-        """End the stream locally with `error` (the reader's next output), e.g. when this process shuts down."""
-        if not self.finished:
-            self._queue.put_nowait(RequestOutput(rid=self.rid, error=error))
+    async def fail(self, error: ErrorInfo, reason: str = "failed") -> None:
+        """End the stream locally with `error` (the reader's next output) and abort the request now.
+
+        For when this process shuts down or an actor the request depends on went silent: the abort is sent
+        here, not left to a reader that may never run again.
+        """
+        if self._ended:
+            return
+        self._ended = True
+        self._local_end = reason
+        self._push(RequestOutput(rid=self.rid, seq=self._next_seq, error=error))
+        await self._send_abort(reason)
 
     async def abort(self, reason: str = "client") -> None:
-        """Ask the scheduler to stop this request and free its KV cache now."""
+        """Ask the scheduler to stop this request and free its KV cache now (once; no-op after the end)."""
         if not self.finished:
             self.finished = True
+            self._ended = True
             await self._unsubscribe()
-            await self._bus.publish(self._subjects.abort(self.rid), AbortRequest(rid=self.rid, reason=reason),
-                                    self._traceparent)
+            await self._send_abort(reason)
+
+    async def _send_abort(self, reason: str) -> None:
+        if self._abort_sent:
+            return
+        self._abort_sent = True
+        await self._bus.publish(self._subjects.abort(self.rid), AbortRequest(rid=self.rid, reason=reason),
+                                self._traceparent)
 
     async def _unsubscribe(self) -> None:
         if self._sub is not None:
@@ -87,19 +176,31 @@ class RequestStream:
 class RingClient:
     """Submits GenerateRequests over one bus connection."""
 
-    def __init__(self, bus: BusConnection, subjects: Subjects, submit_timeout: float = 30.0) -> None:
+    def __init__(self, bus: BusConnection, subjects: Subjects, submit_timeout: float = 30.0,
+                 stall_timeout: float | None = None) -> None:
+        """`stall_timeout`: seconds a stream may go without output before it ends with an error (None: never)."""
         self.bus = bus
         self.subjects = subjects
         self.submit_timeout = submit_timeout
+        self.stall_timeout = stall_timeout
+
+    def stream(self, rid: str, traceparent: str | None = None) -> RequestStream:
+        """A not yet submitted stream for `rid` (no bus traffic); `open` submits it."""
+        return RequestStream(self.bus, self.subjects, validate_rid(rid), traceparent, self.stall_timeout)
+
+    async def open(self, stream: RequestStream, request: GenerateRequest) -> None:
+        """Subscribe to the stream's output subject, then submit `request` and wait for a tokenizer to take it.
+
+        Raises RingUnavailable (the request aborted) if no tokenizer accepts it within `submit_timeout` seconds.
+        """
+        if request.rid != stream.rid:
+            raise ValueError(f"request {request.rid!r} opened on the stream of {stream.rid!r}")
+        await stream._open(request, self.submit_timeout)
 
     async def submit(self, request: GenerateRequest, traceparent: str | None = None) -> RequestStream:
-        """Subscribe to the request's output subject, then submit it and wait for a tokenizer to accept it.
-
-        Raises RingUnavailable if no tokenizer accepts it within `submit_timeout` seconds.
-        """
-        validate_rid(request.rid)
-        stream = RequestStream(self.bus, self.subjects, request.rid, traceparent)
-        await stream._open(request, self.submit_timeout)
+        """`stream` and `open` in one: the request's stream once a tokenizer has accepted it."""
+        stream = self.stream(request.rid, traceparent)
+        await self.open(stream, request)
         return stream
 
     async def abort(self, rid: str, reason: str = "client", traceparent: str | None = None) -> None:

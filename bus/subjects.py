@@ -13,9 +13,21 @@ Layout (namespace `ns`, default "ringserve"):
 | `{ns}.control.heartbeat`     | Heartbeat          | every actor -> entry, launcher (liveness)         |
 | `{ns}.control.scheduler.info`| (request/reply)    | anyone -> scheduler rank 0, replies SchedulerInfo |
 | `{ns}.control.scheduler.command`| ControlCommand  | operator -> scheduler rank 0, replies ControlReply |
+| `{ns}.client.{c}.submit`     | GenerateRequest    | NATS client `c` -> tokenizers (queue group)       |
+| `{ns}.client.{c}.out.{rid}`  | RequestOutput      | detokenizer/tokenizer/scheduler -> client `c`     |
+| `{ns}.client.{c}.abort.{rid}`| AbortRequest       | client `c` -> scheduler                           |
+| `{ns}.spans.{role}`          | OTLP protobuf bytes| every traced actor -> JetStream stream `{ns}-spans` (with `--trace-buffer jetstream`) |
+
+Tracing names spans after subject templates (`subject_template`: `out.{rid}`, `tokens.{shard}`, ...), never
+after a concrete per-request subject.
 
 Rids become subject tokens, so they are validated: `.`, `*`, `>` or whitespace in a rid would route a
 stream to the wrong subscriber or let a wildcard subscriber read every stream.
+
+Client-scoped requests (`{ns}.client.{c}.*`, see bus/permissions.py) travel inside the ring under the scoped
+rid `{c}~{rid}`; `output()` and `abort()` map a scoped rid back to the client's subjects, so NATS permissions
+on `{ns}.client.{c}.>` decide who can read or abort them. `~` is not allowed in a client-chosen rid, so no
+unscoped rid (e.g. one from HTTP) can alias a client's request.
 """
 
 from __future__ import annotations
@@ -30,6 +42,7 @@ RID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 TOKENIZER_QUEUE = "tokenizer"
 SCHEDULER_QUEUE = "scheduler"
+SCOPE_SEPARATOR = "~"  # between the client and its rid in a scoped rid; never in a client-chosen token
 
 
 class InvalidRidError(ValueError):
@@ -46,6 +59,27 @@ def validate_rid(rid: object) -> str:
     if not isinstance(rid, str) or not RID_PATTERN.match(rid):
         raise InvalidRidError(f"invalid request id {rid!r}: use 1-64 characters from A-Z a-z 0-9 _ -")
     return rid
+
+
+def scoped_rid(client: str, rid: str) -> str:
+    """The ring-internal rid of client `client`'s request `rid` (both must be valid subject tokens)."""
+    return f"{validate_rid(client)}{SCOPE_SEPARATOR}{validate_rid(rid)}"
+
+
+def split_rid(rid: str) -> tuple[str | None, str]:
+    """`(client, rid)` of a ring rid: `(None, rid)` for an unscoped one; raises InvalidRidError if malformed."""
+    if not isinstance(rid, str):
+        raise InvalidRidError(f"invalid request id {rid!r}")
+    client, sep, local = rid.partition(SCOPE_SEPARATOR)
+    if not sep:
+        return None, validate_rid(rid)
+    return validate_rid(client), validate_rid(local)
+
+
+def validate_ring_rid(rid: object) -> str:
+    """Return `rid` if it is a valid rid inside the ring: a client-chosen rid or a scoped `{client}~{rid}`."""
+    split_rid(rid)  # type: ignore[arg-type]
+    return rid  # type: ignore[return-value]
 
 
 def detokenizer_shard(rid: str, num_shards: int) -> int:
@@ -75,10 +109,44 @@ class Subjects:
         return f"{self.namespace}.tokens.{int(shard)}"
 
     def output(self, rid: str) -> str:
-        return f"{self.namespace}.out.{validate_rid(rid)}"
+        """Where request `rid`'s outputs go: `{ns}.out.{rid}`, or `{ns}.client.{c}.out.{r}` for a scoped rid."""
+        client, local = split_rid(rid)
+        if client is not None:
+            return f"{self.namespace}.client.{client}.out.{local}"
+        return f"{self.namespace}.out.{local}"
 
     def abort(self, rid: str) -> str:
-        return f"{self.namespace}.abort.{validate_rid(rid)}"
+        """Where request `rid` is aborted: `{ns}.abort.{rid}`, or `{ns}.client.{c}.abort.{r}` for a scoped rid."""
+        client, local = split_rid(rid)
+        if client is not None:
+            return f"{self.namespace}.client.{client}.abort.{local}"
+        return f"{self.namespace}.abort.{local}"
+
+    def client_submit(self, client: str) -> str:
+        """Where NATS client `client` submits its GenerateRequests (rids are scoped to the client)."""
+        return f"{self.namespace}.client.{validate_rid(client)}.submit"
+
+    @property
+    def client_submit_any(self) -> str:
+        """Wildcard the tokenizers listen on for every client's submissions."""
+        return f"{self.namespace}.client.*.submit"
+
+    @property
+    def client_abort_any(self) -> str:
+        """Wildcard the scheduler listens on for every client's aborts."""
+        return f"{self.namespace}.client.*.abort.*"
+
+    @property
+    def client_output_any(self) -> str:
+        """Every client's output subjects (what the actors that publish outputs may publish to)."""
+        return f"{self.namespace}.client.*.out.*"
+
+    def client_of(self, subject: str) -> str:
+        """The client named in a client-scoped subject such as `{ns}.client.{c}.submit`."""
+        parts = subject.split(".")
+        if len(parts) < 3 or parts[0] != self.namespace or parts[1] != "client":
+            raise InvalidRidError(f"not a client subject: {subject!r}")
+        return validate_rid(parts[2])
 
     @property
     def abort_any(self) -> str:
@@ -101,6 +169,48 @@ class Subjects:
     def scheduler_command(self) -> str:
         return f"{self.namespace}.control.scheduler.command"
 
+    def spans(self, role: str) -> str:
+        """Where actors of `role` publish their finished spans (the JetStream span buffer's input)."""
+        return f"{self.namespace}.spans.{validate_rid(role)}"
+
+    def spans_filter(self) -> str:
+        """Every role's span subject: what the span stream captures."""
+        return f"{self.namespace}.spans.>"
+
+    def span_stream(self) -> str:
+        """The name of the JetStream stream buffering this deployment's spans (not a subject)."""
+        return f"{self.namespace}-spans"
+
     def rid_of(self, subject: str) -> str:
-        """The rid at the end of a per-request subject such as `{ns}.abort.{rid}`."""
-        return validate_rid(subject.rsplit(".", 1)[-1])
+        """The rid of a per-request subject: `{ns}.abort.{rid}` -> rid, `{ns}.client.{c}.abort.{r}` -> `c~r`."""
+        local = validate_rid(subject.rsplit(".", 1)[-1])
+        if subject.startswith(f"{self.namespace}.client."):
+            return scoped_rid(self.client_of(subject), local)
+        return local
+
+
+_TEMPLATES = {  # subject tokens after the namespace -> template, by (first token, token count)
+    ("tokens", 2): "tokens.{shard}", ("out", 2): "out.{rid}", ("abort", 2): "abort.{rid}",
+    ("spans", 2): "spans.{role}",
+}
+
+
+def subject_template(subject: str) -> str:
+    """The low-cardinality template of a concrete subject, without the namespace: what tracing names spans by.
+
+    `ns.out.abc` -> `out.{rid}`, `ns.tokens.0` -> `tokens.{shard}`, `ns.client.c.out.r` -> `client.{client}.out.{rid}`,
+    `ns.req.submit` -> `req.submit`, a reply inbox -> `_INBOX`; anything else -> `(other)`.
+    """
+    parts = subject.split(".")
+    if parts[0] in ("_INBOX", "$JS"):
+        return parts[0]
+    rest = parts[1:]
+    if not rest:
+        return "(other)"
+    if rest[0] in ("req", "control"):
+        return ".".join(rest)
+    if rest[0] == "client" and len(rest) == 4 and rest[2] in ("out", "abort"):
+        return f"client.{{client}}.{rest[2]}.{{rid}}"
+    if rest[0] == "client" and len(rest) == 3 and rest[2] == "submit":
+        return "client.{client}.submit"
+    return _TEMPLATES.get((rest[0], len(rest)), "(other)")

@@ -41,8 +41,10 @@ def tiny_hf_llama(vocab_size: int = 512, seed: int = 0, **overrides: Any) -> Any
 
 
 def engine_for(hf_model: Any, tokenizer: Any | None = None, **config: Any) -> Engine:
-    """An Engine sharing `hf_model`'s weights."""
-    return Engine(model_from_hf(hf_model.config, hf_model.state_dict()), EngineConfig(**config), tokenizer)
+    """An Engine sharing `hf_model`'s weights, on the CPU unless `device` says otherwise."""
+    config.setdefault("device", "cpu")
+    model = model_from_hf(hf_model.config, hf_model.state_dict(), config["device"])
+    return Engine(model, EngineConfig(**config), tokenizer)
 
 
 def greedy(max_new_tokens: int, **kwargs: Any) -> GenerationParams:

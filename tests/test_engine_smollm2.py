@@ -36,7 +36,7 @@ MAX_NEW = 20
 def smollm() -> dict[str, Any]:
     from transformers import LlamaForCausalLM
 
-    engine = Engine.from_source(resolve_model("SmolLM2-135M-Instruct"), EngineConfig())
+    engine = Engine.from_source(resolve_model("SmolLM2-135M-Instruct"), EngineConfig(device="cpu"))
     ours = engine.runner.model
     hf = LlamaForCausalLM(ours.config)
     hf.load_state_dict(hf_state_dict(ours))
@@ -79,8 +79,8 @@ def test_greedy_eight_together_matches_transformers(smollm: dict[str, Any]) -> N
 
 
 def test_greedy_with_small_chunks_and_no_cache_matches_transformers(smollm: dict[str, Any]) -> None:
-    engine = Engine(smollm["engine"].runner.model, EngineConfig(chunked_prefill_size=8, disable_radix_cache=True,
-                                                                max_total_tokens=4096), smollm["engine"].tokenizer)
+    config = EngineConfig(device="cpu", chunked_prefill_size=8, disable_radix_cache=True, max_total_tokens=4096)
+    engine = Engine(smollm["engine"].runner.model, config, smollm["engine"].tokenizer)
     rows = run_to_completion(engine, [request(smollm, f"chunk{i}", i) for i in range(len(PROMPTS))])
     for i in range(len(PROMPTS)):
         got = tokens_of(rows[f"chunk{i}"])

@@ -3,6 +3,9 @@
 An actor's `main(ctx)` subscribes what it needs and returns a dict describing itself; the runtime then
 announces `ActorReady` on `{ns}.control.ready` and waits until SIGTERM/SIGINT (exit 0) or until the bus
 connection is lost for good or the actor calls `ctx.fail()` (exit 1, so the launcher tears the ring down).
+
+The actor connects with the credentials its flags name (a file path or a user name; passwords only in files or
+the environment, never on the command line) and with its role's own reply-inbox prefix (bus/permissions.py).
 """
 
 from __future__ import annotations
@@ -16,10 +19,14 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
+from actors.common.tracing_setup import start_tracing, stop_tracing
 from bus.connection import BusConnection
+from bus.credentials import PASSWORD_ENV, NatsCredentials, credentials_from_options
 from bus.messages import ActorReady, Heartbeat
+from bus.permissions import inbox_prefix
 from bus.subjects import Subjects
 from observability.logging import log_event, setup_logging
+from observability.tracing_config import add_tracing_arguments
 
 log = logging.getLogger("actor")
 HEARTBEAT_SECONDS = 0.5
@@ -54,6 +61,25 @@ def add_bus_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nats-url", required=True, help="NATS server URL, e.g. nats://127.0.0.1:4222")
     parser.add_argument("--namespace", default="ringserve", help="subject prefix isolating this deployment")
     parser.add_argument("--log-level", default=os.environ.get("RINGSERVE_LOG_LEVEL", "INFO"))
+    add_nats_auth_arguments(parser)
+    add_tracing_arguments(parser)
+
+
+def add_nats_auth_arguments(parser: argparse.ArgumentParser) -> None:
+    """How to authenticate to NATS (none given: unauthenticated). Secrets come from files or the environment."""
+    parser.add_argument("--nats-creds", default=None, metavar="FILE",
+                        help='NATS credentials: a NATS .creds file or JSON {"user": ..., "password": ...}')
+    parser.add_argument("--nats-user", default=None,
+                        help=f"NATS user name; the password is read from ${PASSWORD_ENV}")
+    parser.add_argument("--nats-tls-ca", default=None, metavar="FILE", help="CA bundle that verifies the NATS server")
+    parser.add_argument("--nats-tls-cert", default=None, metavar="FILE", help="client certificate for mutual TLS")
+    parser.add_argument("--nats-tls-key", default=None, metavar="FILE", help="private key of --nats-tls-cert")
+
+
+def credentials_from_args(args: argparse.Namespace) -> NatsCredentials | None:
+    """The NATS credentials the auth flags describe (raises CredentialsError for unusable ones)."""
+    return credentials_from_options(args.nats_creds, args.nats_user, args.nats_tls_ca, args.nats_tls_cert,
+                                    args.nats_tls_key)
 
 
 async def _serve(role: str, rank: int, args: argparse.Namespace, main: ActorMain) -> int:
@@ -63,9 +89,12 @@ async def _serve(role: str, rank: int, args: argparse.Namespace, main: ActorMain
         if ctx_holder and not ctx_holder[0].stopping.is_set():
             ctx_holder[0].fail("lost the NATS connection for good")
 
-    bus = await BusConnection.connect(args.nats_url, f"{role}-{rank}-{os.getpid()}", on_closed=on_closed)
+    bus = await BusConnection.connect(args.nats_url, f"{role}-{rank}-{os.getpid()}", on_closed=on_closed,
+                                      credentials=credentials_from_args(args),
+                                      inbox_prefix=inbox_prefix(args.namespace, role))
     ctx = ActorContext(bus=bus, subjects=Subjects(args.namespace), role=role, rank=rank)
     ctx_holder.append(ctx)
+    await start_tracing(args, role, rank, bus, ctx.subjects)  # before main: actors look at tracing.enabled()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, ctx.stopping.set)
@@ -81,6 +110,10 @@ async def _serve(role: str, rank: int, args: argparse.Namespace, main: ActorMain
             await asyncio.wait_for(cleanup(), timeout=10)
         except Exception:
             log.exception("cleanup failed")
+    try:
+        await asyncio.wait_for(stop_tracing(), timeout=15)  # flush spans while the bus is still open
+    except Exception:
+        log.exception("flushing spans failed")
     try:
         await asyncio.wait_for(bus.close(), timeout=5)
     except Exception:  # closing is best effort on the way out

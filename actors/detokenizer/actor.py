@@ -12,6 +12,7 @@ from typing import Any
 
 from actors.common.model_source import load_tokenizer, resolve_model
 from actors.common.runtime import ActorContext
+from actors.detokenizer import spans as detokenize_spans
 from actors.detokenizer.incremental import IncrementalDecoder
 from bus.connection import Delivery
 from bus.messages import BatchTokenOutput, ErrorInfo, RequestOutput, TokenLogprob, TokenRow, TopLogprob
@@ -29,15 +30,21 @@ class DetokenizerActor:
         self._tokenizer = load_tokenizer(resolve_model(model))
         self._decoders: dict[str, IncrementalDecoder] = {}
         self._next_seq: dict[str, int] = {}  # per live rid: the seq of its next output
+        self._spans = detokenize_spans.create()  # no-ops unless tracing is on
 
     async def start(self) -> dict[str, Any]:
         self._ctx.live_rids = lambda: len(self._decoders.keys() | self._next_seq.keys())
         subject = self._ctx.subjects.tokens(self._shard)
         await self._ctx.bus.subscribe(subject, BatchTokenOutput, self._on_batch, queue=f"detokenizer-{self._shard}")
+        self._ctx.on_stop.append(self._close_spans)
         return {"shard": self._shard}
+
+    async def _close_spans(self) -> None:
+        self._spans.close_all("the detokenizer stopped")
 
     async def _on_batch(self, batch: BatchTokenOutput, delivery: Delivery) -> None:
         for row in batch.rows:
+            traceparent = self._spans.begin(row) or delivery.traceparent
             try:
                 output = self._decode_row(row)
             except Exception as exc:  # one request's failure must not drop the other rows of the step
@@ -49,7 +56,8 @@ class DetokenizerActor:
                 output.seq = self._next_seq.pop(row.rid, 0)
                 if not output.is_last:
                     self._next_seq[row.rid] = output.seq + 1
-                await self._ctx.bus.publish(self._ctx.subjects.output(row.rid), output, delivery.traceparent)
+                await self._ctx.bus.publish(self._ctx.subjects.output(row.rid), output, traceparent)
+            self._spans.after(row, output)
 
     def _decode_row(self, row: TokenRow) -> RequestOutput | None:
         if row.finish is not None and row.finish.type == "error":

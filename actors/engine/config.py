@@ -56,9 +56,14 @@ class EngineConfig:
         "order of admission: fcfs (arrival) or lpm (longest cached prefix first)", choices=SCHEDULE_POLICIES))
     torch_threads: int = field(default=0, metadata=_flag(
         "threads for the scheduler's torch compute (0 = one per CPU core)"))
+    cuda_graph_max_bs: int = field(default=160, metadata=_flag(
+        "largest decode batch replayed from a captured CUDA graph (sizes 1, 2, 4, 8, then steps of 8); larger "
+        "batches, prefill and mixed batches run eagerly; only on cuda"))
+    disable_cuda_graph: bool = field(default=False, metadata=_flag(
+        "run every decode step eagerly instead of replaying captured CUDA graphs"))
 
     def __post_init__(self) -> None:
-        for name in ("max_prefill_tokens", "max_running_requests"):
+        for name in ("max_prefill_tokens", "max_running_requests", "cuda_graph_max_bs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("max_total_tokens", "torch_threads"):
@@ -88,6 +93,13 @@ class EngineConfig:
         if self.dtype != "auto":
             return self.dtype
         return "float32" if self.resolved_device() == "cpu" else "bfloat16"
+
+    def graph_max_bs(self) -> int:
+        """Largest CUDA-graph decode batch to capture: 0 (none) off cuda or with --disable-cuda-graph, else
+        `cuda_graph_max_bs` capped at `max_running_requests`."""
+        if self.disable_cuda_graph or not self.resolved_device().startswith("cuda"):
+            return 0
+        return min(self.cuda_graph_max_bs, self.max_running_requests)
 
     def kv_pool_tokens(self, bytes_per_token: int, context_length: int) -> int:
         """KV slots to allocate: `max_total_tokens`, else a fraction of free memory.

@@ -29,7 +29,7 @@ from actors.engine.prefix_cache import create_prefix_cache
 from actors.engine.request import Req
 from actors.engine.stop_checker import StopChecker
 from actors.engine.token_table import TokenTable
-from actors.engine.types import EngineRequest, Finish, Rejection, TokenOutput
+from actors.engine.types import EngineRequest, Finish, Rejection, StepPlan, TokenOutput
 from kernels.sampling import PenaltyState
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -74,10 +74,11 @@ class Engine:
         self.prefill = PrefillManager(self.cache, config.max_prefill_tokens, chunk, config.schedule_policy,
                                       config.max_running_requests)
         self.decode = DecodeManager(self.cache)
-        self.runner = ModelRunner(model, self.pool, self.table, config.attention_backend)
+        self.runner = ModelRunner(model, self.pool, self.table, config.attention_backend, config.graph_max_bs())
         self.stop_checker = StopChecker(tokenizer, self.context_length)
         self.live: dict[str, Req] = {}
         self.num_retractions = 0
+        self.last_plan: StepPlan | None = None  # what the last `step` ran (for the scheduler's step spans)
         self._prompt_tokens = 0
         self._cached_tokens = 0
 
@@ -141,6 +142,12 @@ class Engine:
         If the forward fails, every request of the batch ends with an "error" finish and the engine goes on.
         """
         batch = self.schedule()
+        self.last_plan = None if batch is None else StepPlan(
+            [req.rid for req in batch.reqs[:batch.num_decode]],
+            [(req.rid, start, n) for req, start, n in zip(batch.reqs[batch.num_decode:],
+                                                          batch.starts[batch.num_decode:],
+                                                          batch.extend_lens[batch.num_decode:])],
+            batch.num_tokens)
         if batch is None:
             return []
         try:

@@ -1,7 +1,8 @@
 """Run one planned batch: lay it out as flat tensors, run the model with the attention backend, sample.
 
 The runner reads the `Batch` and the token table and writes only the KV pool (through the backend); every
-decision and allocation was made before it is called.
+decision and allocation was made before it is called. Decode-only batches go through the CUDA-graph runner
+(`cuda_graph.py`) when one is enabled; prefill, mixed and oversized batches run eagerly.
 """
 
 from __future__ import annotations
@@ -9,42 +10,68 @@ from __future__ import annotations
 import torch
 
 from actors.engine.batch import Batch, ForwardOutput
+from actors.engine.cuda_graph import CudaGraphRunner
 from actors.engine.kv_pool import KVPool
-from actors.engine.llama import LlamaForCausalLM
+from actors.engine.llama import LlamaForCausalLM, RMSNorm
 from actors.engine.token_table import TokenTable
 from kernels.attention import AttentionBackend, ForwardInfo, create_backend
+from kernels.host_copy import to_device
 from kernels.sampling import sample
 
 
 class ModelRunner:
     """Owns the model and its attention backend over a KV pool."""
 
-    def __init__(self, model: LlamaForCausalLM, pool: KVPool, table: TokenTable, backend: str) -> None:
+    def __init__(
+        self, model: LlamaForCausalLM, pool: KVPool, table: TokenTable, backend: str, cuda_graph_max_bs: int = 0,
+        capture: bool | None = None,
+    ) -> None:
+        """`cuda_graph_max_bs` > 0 runs decode batches up to that size through a `CudaGraphRunner` (captured
+        on CUDA; `capture=False` replays eagerly, for tests on any device); 0 runs everything eagerly."""
         self.model = model
         self.table = table
         self.device = table.table.device
         self.backend: AttentionBackend = create_backend(backend, pool.k, pool.v, model.config.num_attention_heads)
+        if backend == "triton" and self.device.type == "cuda":
+            use_triton_norms(model)
+        self.graphs: CudaGraphRunner | None = None
+        if cuda_graph_max_bs > 0:
+            self.graphs = CudaGraphRunner(model, self.backend, table.table, cuda_graph_max_bs, capture=capture)
 
     def forward(self, batch: Batch) -> ForwardOutput:
         """Compute the batch's tokens and sample the next token of each sampling row."""
+        # One new token per request, each sampling (a 1-token chunk that does not sample runs eagerly).
+        if self.graphs is not None and all(batch.samples) and self.graphs.can_run(batch.extend_lens):
+            logits = self.graphs.replay(batch.input_ids, batch.starts, [req.row for req in batch.reqs])
+        else:
+            logits = self._forward_eager(batch)
+        return self._sample(batch, logits)
+
+    def _forward_eager(self, batch: Batch) -> torch.Tensor:
+        """Logits `[S, V]` of the batch's sampling rows, through `backend.prepare` and the model."""
         table_rows = [req.row for req in batch.reqs]
         positions = [p for start, n in zip(batch.starts, batch.extend_lens) for p in range(start, start + n)]
         row_of_token = [row for row, n in zip(table_rows, batch.extend_lens) for _ in range(n)]
         device = self.device
-        positions_t = torch.tensor(positions, dtype=torch.int64, device=device)
-        req_rows = torch.tensor(table_rows, dtype=torch.int64, device=device)
+        # Host lists reach the device in non-blocking copies from pinned memory: no host sync on a GPU.
+        flat = to_device([batch.input_ids, positions, row_of_token], device)  # [3, T]
+        input_ids, positions_t = flat[0], flat[1]
+        req_rows = to_device(table_rows, device)
         info = ForwardInfo(
             q_lens_cpu=batch.extend_lens,
             kv_lens_cpu=[start + n for start, n in zip(batch.starts, batch.extend_lens)],
             req_rows=req_rows,
             token_table=self.table.table,
-            out_slots=self.table.table[torch.tensor(row_of_token, device=device), positions_t],
+            out_slots=self.table.table[flat[2], positions_t],
         )
         ends = torch.tensor(batch.extend_lens, dtype=torch.int64).cumsum(0) - 1
-        logits_index = ends[torch.tensor(batch.samples, dtype=torch.bool)].to(device)
+        logits_index = to_device(ends[torch.tensor(batch.samples, dtype=torch.bool)].tolist(), device)
         meta = self.backend.prepare(info)
-        logits = self.model(torch.tensor(batch.input_ids, device=device), positions_t, self.backend, meta,
-                            logits_index)
+        return self.model(input_ids, positions_t, self.backend, meta, logits_index)
+
+    def _sample(self, batch: Batch, logits: torch.Tensor) -> ForwardOutput:
+        """Sample the sampling rows' next tokens and start their copy to the host."""
+        device = self.device
         rows = [req.sampling_row() for req in batch.sampling_reqs]
         if not rows:  # a step of prefill chunks only
             empty = torch.empty(0, dtype=torch.int64)
@@ -62,3 +89,13 @@ class ModelRunner:
             result.copy_done = torch.cuda.Event()
             result.copy_done.record()
         return result
+
+
+def use_triton_norms(model: LlamaForCausalLM) -> None:
+    """Replace every RMSNorm of `model` by one computed with the fused Triton kernel (same weights)."""
+    from kernels.triton.rmsnorm import TritonRMSNorm
+
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, RMSNorm):
+                setattr(module, name, TritonRMSNorm(child.weight, child.eps))

@@ -78,3 +78,13 @@ class TokenOutput:
     logprobs: list[float] = field(default_factory=list)
     top_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
+
+
+@dataclass
+class StepPlan:
+    """What one step ran, as plain data for the scheduler's tracing: the decode rids, then each prefill row's
+    rid with the prompt positions `[start, start + length)` it computed (a chunk when it ends before the prompt)."""
+
+    decode_rids: list[str]
+    prefill: list[tuple[str, int, int]]  # (rid, start, length)
+    num_tokens: int

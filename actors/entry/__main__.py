@@ -1,10 +1,11 @@
-"""`python -m actors.entry`: run the HTTP entry."""
+"""`python -m actors.entry`: run the HTTP entry (API key from the environment: RINGSERVE_API_KEY)."""
 
 from __future__ import annotations
 
 import argparse
 
 from actors.common.runtime import add_bus_arguments, run_actor
+from actors.entry.settings import EntrySettings, add_entry_arguments
 
 
 def main() -> None:
@@ -14,10 +15,15 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument("--served-model-name", required=True, help="model id shown in /v1/models")
+    add_entry_arguments(parser)
     args = parser.parse_args()
+    try:
+        settings = EntrySettings.from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     from actors.entry.actor import entry_main
 
-    run_actor("entry", args, lambda ctx: entry_main(ctx, args.host, args.port, args.served_model_name))
+    run_actor("entry", args, lambda ctx: entry_main(ctx, settings))
 
 
 if __name__ == "__main__":

@@ -1,17 +1,32 @@
-"""Entry actor: serves the HTTP API with uvicorn inside the actor's event loop, next to its bus connection."""
+"""Entry actor: serves the HTTP API with uvicorn inside the actor's event loop, next to its bus connection.
+
+Besides HTTP it listens to every actor's heartbeat (liveness: `/health`, and open streams fail fast when the
+scheduler or a detokenizer goes silent) and logs its own NATS disconnects and reconnects.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
 from typing import Any, Iterator
 
 import uvicorn
 
 from actors.common.runtime import ActorContext
 from actors.entry.app import build_app
+from actors.entry.liveness import LivenessMonitor
 from actors.entry.request_flow import EntryService
+from actors.entry.request_trace import traced_app
+from actors.entry.settings import API_KEY_ENV, EntrySettings
+from bus.connection import BusConnection, Delivery
+from bus.messages import Heartbeat
 from bus.ring_client import RingClient
+from observability.logging import log_event
+
+log = logging.getLogger("entry")
+STARTUP_BEAT_WAIT_SECONDS = 1.5  # at start, wait this long at most to hear every role before serving
 
 
 class _EmbeddedUvicorn(uvicorn.Server):
@@ -22,16 +37,53 @@ class _EmbeddedUvicorn(uvicorn.Server):
         yield
 
 
-async def entry_main(ctx: ActorContext, host: str, port: int, served_model: str) -> dict[str, Any]:
+class NatsStateLog:
+    """Logs the entry's NATS connection going down and coming back (polled: BusConnection has no hook)."""
+
+    def __init__(self, bus: BusConnection) -> None:
+        self._bus = bus
+        self._connected = True
+
+    def __call__(self) -> None:
+        """Check the connection once; log a change since the last check."""
+        connected = self._bus.client.is_connected
+        if connected != self._connected:
+            self._connected = connected
+            reconnects = self._bus.client.stats.get("reconnects", 0)
+            log_event(log, logging.INFO if connected else logging.WARNING,
+                      "nats reconnected" if connected else "nats disconnected", reconnects=reconnects)
+
+
+async def entry_main(ctx: ActorContext, settings: EntrySettings) -> dict[str, Any]:
     """Start the HTTP server; the actor fails if it cannot listen or stops on its own."""
-    service = EntryService(RingClient(ctx.bus, ctx.subjects), served_model)
-    config = uvicorn.Config(build_app(service), host=host, port=port, log_level="warning", access_log=False,
-                            lifespan="off", timeout_graceful_shutdown=5)
+    os.environ.pop(API_KEY_ENV, None)  # read already; keep it out of anything this process might start
+    liveness = LivenessMonitor()
+    service = EntryService(RingClient(ctx.bus, ctx.subjects, stall_timeout=settings.stall_timeout),
+                           settings.served_model, max_queued_requests=settings.max_queued_requests,
+                           liveness=liveness)
+    ctx.live_rids = lambda: len(service.live)
+
+    async def on_heartbeat(beat: Heartbeat, delivery: Delivery) -> None:
+        liveness.record(beat)
+
+    await ctx.bus.subscribe(ctx.subjects.heartbeat, Heartbeat, on_heartbeat)
+    await liveness.wait_for_roles(STARTUP_BEAT_WAIT_SECONDS)
+
+    async def on_lost(names: list[str]) -> None:
+        await service.fail_all(f"the ring lost {', '.join(names)}: no heartbeat for {liveness.silence_s:g}s",
+                               reason="actor lost")
+
+    loop = asyncio.get_running_loop()
+    watcher = loop.create_task(liveness.watch(on_lost, on_tick=NatsStateLog(ctx.bus)))
+    config = uvicorn.Config(traced_app(build_app(service, settings)), host=settings.host, port=settings.port,
+                            log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5)
     server = _EmbeddedUvicorn(config)
-    task = asyncio.get_running_loop().create_task(server.serve())
+    task = loop.create_task(server.serve())
     while not server.started:
         if task.done():
-            raise RuntimeError(f"the HTTP server could not start on {host}:{port} (is the port in use?)")
+            watcher.cancel()
+            raise RuntimeError(f"the HTTP server could not start on {settings.host}:{settings.port} "
+                               "(is the port in use?)")
         await asyncio.sleep(0.05)
 
     def on_done(_: asyncio.Task[None]) -> None:
@@ -41,9 +93,11 @@ async def entry_main(ctx: ActorContext, host: str, port: int, served_model: str)
     task.add_done_callback(on_done)
 
     async def stop_server() -> None:
-        service.fail_all("the server is shutting down")
+        watcher.cancel()
+        await service.fail_all("the server is shutting down")
         server.should_exit = True
         await task
 
     ctx.on_stop.append(stop_server)
-    return {"url": f"http://{host}:{port}"}
+    return {"url": f"http://{settings.host}:{settings.port}", "auth": settings.api_key is not None,
+            "max_queued_requests": settings.max_queued_requests}

@@ -1,5 +1,6 @@
-"""The Starlette app: OpenAI-compatible `/v1/*`, native `/generate`, `/health`, `/get_server_info`, and the
-operator routes (`/flush_cache`, `/abort_request`, `/pause_generation`, ...)."""
+"""The Starlette app: OpenAI-compatible `/v1/*`, native `/generate`, `/health`, `/metrics`, `/get_server_info`,
+`/openapi.json`, and the operator routes (`/flush_cache`, `/abort_request`, `/pause_generation`, ...), behind
+the guard (API key, body limit) and, when origins are configured, CORS."""
 
 from __future__ import annotations
 
@@ -7,16 +8,22 @@ from dataclasses import asdict
 from typing import Any, AsyncIterator
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from actors.entry.control_routes import control_routes
 from actors.entry.errors import ApiError
+from actors.entry.guard import EntryGuard
 from actors.entry.http_common import handles_errors, read_json, sse
+from actors.entry.metrics_scrape import metrics_route
+from actors.entry.openapi_doc import openapi_document
 from actors.entry.openai_logprobs import finite
 from actors.entry.openai_routes import openai_routes
 from actors.entry.request_flow import DisconnectWatch, EntryService
+from actors.entry.settings import EntrySettings
 from bus.messages import GenerateRequest, RequestOutput, TokenLogprob
 from bus.subjects import InvalidRidError, new_rid, validate_rid
 
@@ -66,8 +73,9 @@ def _generate_request(body: dict[str, Any]) -> GenerateRequest:
     return gen_req
 
 
-def build_app(service: EntryService) -> Starlette:
-    """The HTTP application over `service`."""
+def build_app(service: EntryService, settings: EntrySettings | None = None) -> Starlette:
+    """The HTTP application over `service`, guarded as `settings` say (defaults: no key, no CORS)."""
+    settings = settings or EntrySettings(served_model=service.served_model)
 
     @handles_errors
     async def generate(request: Request) -> Response:
@@ -100,19 +108,34 @@ def build_app(service: EntryService) -> Starlette:
 
     @handles_errors
     async def health(request: Request) -> Response:
-        await service.scheduler_info()
-        return JSONResponse({"status": "ok"})
+        silent = service.liveness.silent_roles()
+        if silent:
+            raise ApiError(f"no heartbeat within {service.liveness.silence_s:g}s from: {', '.join(silent)}", 503,
+                           type="server_error")
+        if not service.client.bus.client.is_connected:
+            raise ApiError("the entry is not connected to NATS", 503, type="server_error")
+        return JSONResponse({"status": "ok", "roles": service.liveness.roles()})
 
     @handles_errors
     async def server_info(request: Request) -> Response:
         info = await service.scheduler_info()
-        return JSONResponse({**asdict(info), "served_model_name": service.served_model,
-                             "entry_live_requests": len(service.live)})
+        return JSONResponse({**asdict(info), "served_model_name": service.served_model, **service.counters(),
+                             "actors": service.liveness.actors()})
 
+    async def openapi(request: Request) -> Response:
+        return JSONResponse(openapi_document(service.served_model))
+
+    middleware = [Middleware(EntryGuard, api_key=settings.api_key, max_request_bytes=settings.max_request_bytes)]
+    if settings.cors_allow_origins:  # outermost, so preflight requests are answered without the API key
+        middleware.insert(0, Middleware(CORSMiddleware, allow_origins=settings.cors_allow_origins,
+                                        allow_methods=["GET", "POST", "OPTIONS"],
+                                        allow_headers=["Authorization", "Content-Type"]))
     return Starlette(routes=[
         *openai_routes(service),
         Route("/generate", generate, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
+        metrics_route(service),
         Route("/get_server_info", server_info, methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
         *control_routes(service),
-    ])
+    ], middleware=middleware)

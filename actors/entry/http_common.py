@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any, Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from actors.entry.errors import ApiError
+from actors.entry.json_input import check_content_type, parse_json_object
 from actors.entry.request_flow import ClientDisconnected
 
 CLIENT_CLOSED_REQUEST = 499
+log = logging.getLogger("entry")
 
 
 def sse(data: Any) -> str:
@@ -20,19 +23,16 @@ def sse(data: Any) -> str:
 
 
 async def read_json(request: Request) -> dict[str, Any]:
-    """The request body as a JSON object, or ApiError 400 saying why not."""
-    body = await request.body()
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(f"the request body is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise ApiError("the request body must be a JSON object")
-    return data
+    """The request body as a JSON object the ring can carry, or ApiError 415/413/400 saying why not."""
+    check_content_type(request.headers.get("content-type"))
+    return parse_json_object(await request.body())
 
 
 def handles_errors(endpoint: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
-    """Turn ApiError into its OpenAI error response and a vanished client into status 499."""
+    """Turn ApiError into its OpenAI error response and a vanished client into status 499.
+
+    Anything else is a bug: logged with its traceback, answered 500 in the OpenAI shape without details.
+    """
     async def wrapped(request: Request) -> Response:
         try:
             return await endpoint(request)
@@ -40,5 +40,8 @@ def handles_errors(endpoint: Callable[[Request], Awaitable[Response]]) -> Callab
             return exc.response()
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
+        except Exception:
+            log.exception("unhandled error in %s %s", request.method, request.url.path)
+            return ApiError("internal server error", 500, type="server_error").response()
 
     return wrapped

@@ -4,16 +4,27 @@ entry's other bus conversations: scheduler info, operator commands, aborts, a he
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+import logging
+from collections import Counter
+from typing import Any, AsyncIterator
 
 import anyio
 from starlette.requests import Request
 
-from actors.entry.errors import ApiError
+from actors.entry.errors import ApiError, server_busy
+from actors.entry.liveness import LivenessMonitor
+from actors.entry.metrics import RequestMetrics
+from actors.entry.settings import DEFAULT_MAX_QUEUED_REQUESTS
+from bus.codec import encode
 from bus.messages import ControlReply, ErrorInfo, GenerateRequest, InfoQuery, RequestOutput, SchedulerInfo
 from bus.ring_client import RequestStream, RingClient, RingUnavailable
 from bus.subjects import InvalidRidError, new_rid, validate_rid
-from observability.traceparent import TRACEPARENT_HEADER, child_traceparent
+from actors.entry import request_trace
+from observability import tracing
+from observability.traceparent import TRACEPARENT_HEADER
+
+log = logging.getLogger("entry")
+PAYLOAD_HEADROOM = 4096  # bytes of max_payload kept for NATS headers (traceparent) and the subject
 
 
 class ClientDisconnected(Exception):
@@ -50,17 +61,77 @@ class DisconnectWatch:
 
 
 class EntryService:
-    """The entry's view of the ring: live rids, request submission, scheduler queries and commands."""
+    """The entry's view of the ring: live rids, admission, request submission, scheduler queries and commands.
+
+    Every request is admitted (`admit`: capacity, duplicate rid, actor liveness; no await, so two requests
+    can never both take a rid) and then released exactly once (`release`), whatever ends it; the counters
+    `admitted_total` and `terminal_total` are equal whenever no request is live.
+    """
 
     def __init__(self, client: RingClient, served_model: str, info_timeout: float = 3.0,
-                 control_timeout: float = 5.0, health_timeout: float = 20.0) -> None:
+                 control_timeout: float = 5.0, health_timeout: float = 20.0,
+                 max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS,
+                 liveness: LivenessMonitor | None = None) -> None:
         self.client = client
         self.served_model = served_model
         self.info_timeout = info_timeout
         self.control_timeout = control_timeout
         self.health_timeout = health_timeout
+        self.max_queued_requests = max_queued_requests
+        self.liveness = liveness or LivenessMonitor()
         self.live: dict[str, RequestStream] = {}
         self.groups: dict[str, list[str]] = {}  # response rid -> the rids of its choices, while n > 1 run
+        self.admitted_total = 0
+        self.terminal_total = 0
+        self.terminal_by_kind: Counter[str] = Counter()  # "finish", "error", "aborted" (ended by the entry)
+        self.rejected_busy_total = 0
+        self.metrics = RequestMetrics(served_model)  # the requests' Prometheus series, for /metrics
+
+    def counters(self) -> dict[str, Any]:
+        """The entry's request counters, as shown in /get_server_info."""
+        return {"entry_admitted_total": self.admitted_total, "entry_terminal_total": self.terminal_total,
+                "entry_live_requests": len(self.live), "entry_terminal_by_kind": dict(self.terminal_by_kind),
+                "entry_rejected_busy_total": self.rejected_busy_total,
+                "entry_max_queued_requests": self.max_queued_requests}
+
+    def check_payload(self, gen_req: GenerateRequest) -> None:
+        """ApiError unless `gen_req` encodes for the bus: 400 if it cannot, 413 beyond NATS max_payload."""
+        try:
+            size = len(encode(gen_req))
+        except (OverflowError, UnicodeEncodeError, ValueError, TypeError) as exc:
+            raise ApiError(f"the request cannot be encoded: {exc}") from exc
+        limit = self.client.bus.max_payload - PAYLOAD_HEADROOM
+        if size > limit:
+            raise ApiError(f"the request is {size} bytes encoded; the ring carries at most {limit}", 413)
+
+    def admit(self, gen_reqs: list[GenerateRequest], traceparents: list[str | None],
+              limited: bool = True, metered: bool = True) -> list[RequestStream]:
+        """Take the rids of `gen_reqs` as live requests and return their (unopened) streams.
+
+        Atomic (no await): 503 with Retry-After beyond `max_queued_requests` live requests (unless not
+        `limited`) or while a critical actor is silent, 400 for a rid that is already live. `metered` streams
+        feed the /metrics series (health checks are not).
+        """
+        lost = self.liveness.lost()
+        if lost:
+            self.rejected_busy_total += 1
+            raise server_busy(f"the ring is not serving: no heartbeat from {', '.join(lost)} "
+                              f"for {self.liveness.silence_s:g}s")
+        if limited and len(self.live) + len(gen_reqs) > self.max_queued_requests:
+            self.rejected_busy_total += 1
+            raise server_busy(f"the server is at its limit of {self.max_queued_requests} queued requests; "
+                              "retry shortly")
+        rids = [gen_req.rid for gen_req in gen_reqs]
+        taken = next((rid for rid in rids if rid in self.live), None)
+        if taken is not None or len(set(rids)) != len(rids):
+            raise ApiError(f"request id {taken or rids[0]!r} is already in use", param="rid")
+        streams = [self.metrics.stream(self.client, rid, tp) if metered else self.client.stream(rid, tp)
+                   for rid, tp in zip(rids, traceparents)]
+        for stream in streams:
+            self.live[stream.rid] = stream
+        self.admitted_total += len(streams)
+        request_trace.admitted(streams, gen_reqs)  # no-op unless tracing is on
+        return streams
 
     async def start(self, request: Request, gen_req: GenerateRequest) -> tuple[RequestStream, RequestOutput]:
         """Submit and wait for the first output, so parameter errors become HTTP errors before any byte is sent.
@@ -77,38 +148,40 @@ class EntryService:
         If any of them fails to start (an error as its first output, no tokenizer, a client disconnect), all of
         them are released and the first failure is raised. The caller must release every stream returned.
         """
-        for gen_req in gen_reqs:
-            if gen_req.rid in self.live:
-                raise ApiError(f"request id {gen_req.rid!r} is already in use", param="rid")
-        streams = await self._submit_all(request, gen_reqs)
-        watch = DisconnectWatch(request)
+        self.check_payload(gen_reqs[0])  # the choices differ only in rid and seed
+        header = request.headers.get(TRACEPARENT_HEADER)
+        # tracing on: the HTTP request's span (a child of the header's); off: a child traceparent of the header
+        streams = self.admit(gen_reqs, [tracing.current_traceparent(header) for _ in gen_reqs])
+        watch: DisconnectWatch | None = None
         try:
+            await self._open_all(streams, gen_reqs)
+            watch = DisconnectWatch(request)
             firsts = await asyncio.gather(*(watch.next(stream) for stream in streams))
         except BaseException:
             await self.release_all(streams)
             raise
         finally:
-            watch.close()
+            if watch is not None:
+                watch.close()
+        request_trace.started(streams)
         error = next((first.error for first in firsts if first.error is not None), None)
         if error is not None:
             await self.release_all(streams)
             raise ApiError.from_info(error)
         return list(zip(streams, firsts))
 
-    async def _submit_all(self, request: Request, gen_reqs: list[GenerateRequest]) -> list[RequestStream]:
-        header = request.headers.get(TRACEPARENT_HEADER)
-        results = await asyncio.gather(*(self.client.submit(gen_req, child_traceparent(header))
-                                         for gen_req in gen_reqs), return_exceptions=True)
-        streams = [r for r in results if isinstance(r, RequestStream)]
-        for stream in streams:
-            self.live[stream.rid] = stream
+    async def _open_all(self, streams: list[RequestStream], gen_reqs: list[GenerateRequest]) -> None:
+        """Submit every request; the first failure as an ApiError 503 (each failed one is already aborted)."""
+        results = await asyncio.gather(*(self.client.open(stream, gen_req)
+                                         for stream, gen_req in zip(streams, gen_reqs)), return_exceptions=True)
         failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if isinstance(failure, RingUnavailable):
+            raise ApiError(str(failure), 503, type="server_error") from failure
+        if isinstance(failure, Exception):
+            log.warning("submission failed: %r", failure)
+            raise ApiError(f"the request could not be submitted: {failure!r}", 503, type="server_error") from failure
         if failure is not None:
-            await self.release_all(streams)
-            if isinstance(failure, RingUnavailable):
-                raise ApiError(str(failure), 503, type="server_error") from failure
             raise failure
-        return streams
 
     async def outputs(self, stream: RequestStream, first: RequestOutput,
                       watch: DisconnectWatch | None = None) -> AsyncIterator[RequestOutput]:
@@ -122,9 +195,17 @@ class EntryService:
                 await self.release(stream)
 
     async def release(self, stream: RequestStream) -> None:
-        """Forget the rid; abort the request if it is still running."""
-        self.live.pop(stream.rid, None)
-        await stream.abort("client disconnected")
+        """Forget the rid (counting its terminal event once); abort the request if it is still running."""
+        request_trace.released(stream)
+        if self.live.get(stream.rid) is stream:
+            del self.live[stream.rid]
+            self.terminal_total += 1
+            terminal = stream.terminal
+            self.terminal_by_kind["aborted" if terminal is None else "error" if terminal.error else "finish"] += 1
+        try:
+            await stream.abort("client disconnected")
+        except Exception as exc:  # the bus is gone: the rid is forgotten all the same
+            log.warning("could not abort %s: %r", stream.rid, exc)
 
     async def release_all(self, streams: list[RequestStream]) -> None:
         """`release` each stream, even while the caller is being cancelled."""
@@ -132,10 +213,14 @@ class EntryService:
             for stream in streams:
                 await self.release(stream)
 
-    def fail_all(self, message: str) -> None:
-        """End every in-flight request with a 503 error instead of leaving its client waiting."""
+    async def fail_all(self, message: str, reason: str = "entry shutdown") -> None:
+        """End every in-flight request with a 503 error instead of leaving its client waiting, and abort it."""
+        error = ErrorInfo(message=message, type="server_error", code=503)
         for stream in list(self.live.values()):
-            stream.fail(ErrorInfo(message=message, type="server_error", code=503))
+            try:
+                await stream.fail(error, reason)
+            except Exception:
+                log.exception("failing %s failed", stream.rid)
 
     async def scheduler_info(self) -> SchedulerInfo:
         """The scheduler's load report; ApiError 503 if it does not answer."""
@@ -173,24 +258,19 @@ class EntryService:
         """Generate one greedy token through the whole ring; ApiError 503 unless it arrives in `health_timeout` s."""
         gen_req = GenerateRequest(rid=f"health_generate-{new_rid()}", text="hi",
                                   sampling={"max_new_tokens": 1, "temperature": 0})
-        stream: RequestStream | None = None
+        [stream] = self.admit([gen_req], [None], limited=False, metered=False)
 
         async def first_output() -> RequestOutput:
-            nonlocal stream
-            stream = await self.client.submit(gen_req)
-            self.live[gen_req.rid] = stream
+            await self.client.open(stream, gen_req)
             return await stream.next()
 
         try:
             out = await asyncio.wait_for(first_output(), self.health_timeout)
         except asyncio.TimeoutError as exc:
-            if stream is None:  # the submission itself hung: abort in case it reaches the scheduler later
-                await self.client.abort(gen_req.rid, "health check timed out")
             raise ApiError(f"no generated token within {self.health_timeout:g}s", 503, type="server_error") from exc
         except RingUnavailable as exc:
             raise ApiError(str(exc), 503, type="server_error") from exc
         finally:
-            if stream is not None:
-                await self.release_all([stream])
+            await self.release_all([stream])
         if out.error is not None:
             raise ApiError(f"the health check generation failed: {out.error.message}", 503, type="server_error")

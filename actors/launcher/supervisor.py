@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -17,14 +18,17 @@ from dataclasses import dataclass
 from typing import Callable
 
 from bus.connection import BusConnection, Delivery
+from bus.credentials import NatsCredentials
 from bus.embedded_server import die_with_parent
 from bus.messages import ActorReady, Heartbeat
+from bus.permissions import inbox_prefix
 from bus.subjects import Subjects
 from observability.logging import log_event
 
 log = logging.getLogger("launcher")
 STOP_GRACE_SECONDS = 10.0
 DEFAULT_WATCHDOG_SECONDS = 30.0
+ROLE_SECRETS = {"RINGSERVE_API_KEY": ("entry",)}  # environment variable -> the roles that may see it
 
 
 @dataclass
@@ -47,8 +51,11 @@ class Supervisor:
 
     def __init__(self, specs: list[ActorSpec], nats_url: str, subjects: Subjects,
                  watched: dict[str, subprocess.Popen[bytes]] | None = None,
-                 watchdog_timeout: float = DEFAULT_WATCHDOG_SECONDS) -> None:
-        """`watched`: processes started elsewhere (the embedded nats-server) whose death also fail-stops."""
+                 watchdog_timeout: float = DEFAULT_WATCHDOG_SECONDS,
+                 credentials: NatsCredentials | None = None) -> None:
+        """`watched`: processes started elsewhere (the embedded nats-server) whose death also fail-stops.
+        `credentials`: the launcher role's own NATS credentials (the actors get theirs through their args)."""
+        self._credentials = credentials
         self._watchdog_timeout = watchdog_timeout
         self._last_beat: dict[str, float] = {}
         self._specs = specs
@@ -63,7 +70,8 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._stop.set)
-        bus = await BusConnection.connect(self._nats_url, "launcher")
+        bus = await BusConnection.connect(self._nats_url, "launcher", credentials=self._credentials,
+                                          inbox_prefix=inbox_prefix(self._subjects.namespace, "launcher"))
         ready: set[tuple[str, int]] = set()
 
         async def on_actor_ready(msg: ActorReady, delivery: Delivery) -> None:
@@ -97,9 +105,11 @@ class Supervisor:
     def _spawn(self, spec: ActorSpec) -> None:
         argv = [sys.executable, "-m", spec.module, "--nats-url", self._nats_url,
                 "--namespace", self._subjects.namespace, *spec.args]
+        # secrets meant for one role stay out of the others' environments
+        env = {k: v for k, v in os.environ.items() if k not in ROLE_SECRETS or spec.role in ROLE_SECRETS[k]}
         # own session: a terminal's Ctrl-C reaches only the launcher, which then stops actors in order
         self._procs[spec.name] = subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent,
-                                                  start_new_session=True)
+                                                  start_new_session=True, env=env)
         log_event(log, logging.INFO, "started actor", actor=spec.name, pid=self._procs[spec.name].pid)
 
     def _dead_actor(self) -> str | None:

@@ -21,13 +21,15 @@ from actors.common.runtime import ActorContext
 from actors.engine.config import EngineConfig
 from actors.engine.engine import Engine
 from actors.engine.types import TokenOutput
+from actors.scheduler import request_spans
 from actors.scheduler.convert import engine_request, error_info, token_row
 from bus.connection import Delivery
 from bus.messages import (
     AbortRequest, Accepted, BatchTokenOutput, ControlCommand, ControlReply, DecodeParams, FinishReason, InfoQuery,
     RequestOutput, SchedulerInfo, TokenizedRequest, TokenRow,
 )
-from bus.subjects import SCHEDULER_QUEUE, InvalidRidError, detokenizer_shard, validate_rid
+from bus.subjects import SCHEDULER_QUEUE, InvalidRidError, detokenizer_shard, validate_ring_rid
+from observability import tracing
 from observability.logging import log_event
 
 log = logging.getLogger("scheduler")
@@ -53,26 +55,33 @@ class SchedulerActor:
         self._checked_idle = True
         self._step = 0
         self._info = self._snapshot()
+        self._spans = request_spans.create()  # no-ops unless tracing is on
 
     async def start(self) -> dict[str, Any]:
         subjects, bus = self._ctx.subjects, self._ctx.bus
         self._ctx.live_rids = lambda: len(self._engine.live.keys() | self._decode_params.keys())
         await bus.subscribe(subjects.tokenized, TokenizedRequest, self._on_request, queue=SCHEDULER_QUEUE)
         await bus.subscribe(subjects.abort_any, AbortRequest, self._on_abort)
+        await bus.subscribe(subjects.client_abort_any, AbortRequest, self._on_abort)  # a client's own rids only
         await bus.subscribe(subjects.scheduler_info, InfoQuery, self._on_info)
         await bus.subscribe(subjects.scheduler_command, ControlCommand, self._on_command)
         self._loop_task = asyncio.get_running_loop().create_task(self._run())
+        self._ctx.on_stop.append(self._close_spans)
         return {"kv_total_tokens": self._info.kv_total_tokens, "context_length": self._info.context_length}
 
     async def _on_request(self, req: TokenizedRequest, delivery: Delivery) -> Accepted | None:
         try:
-            validate_rid(req.rid)
+            validate_ring_rid(req.rid)  # a client's requests arrive with the scoped rid `client~rid`
         except InvalidRidError as exc:
             log_event(log, logging.WARNING, "dropped request with invalid rid", error=str(exc))
             return None
+        self._spans.arrived(req.rid, delivery.traceparent)
         self._inbox.append(("add", req))
         self._wake.set()
         return Accepted(rid=req.rid)
+
+    async def _close_spans(self) -> None:
+        self._spans.close_all("the scheduler stopped")
 
     async def _on_abort(self, msg: AbortRequest, delivery: Delivery) -> None:
         try:
@@ -118,9 +127,11 @@ class SchedulerActor:
                         await self._wake.wait()
                     continue
                 self._checked_idle = False
+                started = tracing.now_ns()
                 rows = await loop.run_in_executor(self._executor, self._engine.step)
                 self._step += 1
-                await self._publish(rows)
+                step_tp = self._spans.step(self._engine.last_plan, self._step, started, tracing.now_ns())
+                await self._publish(rows, step_tp)
         except Exception as exc:
             log.exception("engine loop crashed")
             self._ctx.fail(f"engine loop crashed: {exc!r}")
@@ -149,14 +160,17 @@ class SchedulerActor:
                 if not done.done():
                     done.set_result(reply)
             elif item.rid in self._early_aborts:
+                self._spans.queued(item)
                 del self._early_aborts[item.rid]
                 rows.append(TokenRow(rid=item.rid, token_ids=[], prompt_tokens=len(item.input_ids),
                                      completion_tokens=0, finish=FinishReason(type="abort")))
             else:
+                self._spans.queued(item)
                 rejection = self._engine.add_request(engine_request(item))
                 if rejection is None:
                     self._decode_params[item.rid] = item.sampling.decode_params()
                 else:
+                    self._spans.rejected(item.rid, rejection.message)
                     await self._ctx.bus.publish(self._ctx.subjects.output(item.rid),
                                                 RequestOutput(rid=item.rid, error=error_info(rejection)))
         return rows
@@ -172,33 +186,41 @@ class SchedulerActor:
         self._paused = action == "pause"
         return ControlReply(ok=True, message="paused" if self._paused else "continued")
 
-    async def _publish(self, outputs: list[TokenOutput | TokenRow]) -> None:
+    async def _publish(self, outputs: list[TokenOutput | TokenRow], step_traceparent: str | None = None) -> None:
+        """Publish rows, one message per detokenizer shard (`step_traceparent`: the step span they came from)."""
         if not outputs:
             return
         by_shard: dict[int, list[TokenRow]] = defaultdict(list)
+        now = tracing.now_ns() if tracing.enabled() else 0
         for out in outputs:
             if isinstance(out, TokenOutput):
                 decode = self._decode_params.pop(out.rid, None) if out.first else None
                 if out.finish is not None:
                     self._decode_params.pop(out.rid, None)
+                first = out.first
                 out = token_row(out, decode)
+                if first:
+                    out.traceparent = self._spans.traceparent(out.rid)
+            self._spans.output(out, now)
             by_shard[detokenizer_shard(out.rid, self._shards)].append(out)
         for shard, shard_rows in by_shard.items():
-            await self._publish_rows(self._ctx.subjects.tokens(shard), shard_rows)
+            await self._publish_rows(self._ctx.subjects.tokens(shard), shard_rows, step_traceparent)
         finished = [r.rid for r in outputs if r.finish is not None]
         if finished:
             log_event(log, logging.DEBUG, "finished", rids=",".join(finished))
 
 
-    async def _publish_rows(self, subject: str, rows: list[TokenRow]) -> None:
+    async def _publish_rows(self, subject: str, rows: list[TokenRow], traceparent: str | None = None) -> None:
         """One step message (split while it exceeds max_payload); a row too large alone ends its request."""
-        too_large = await self._ctx.bus.publish_split(subject, rows, lambda part: BatchTokenOutput(self._step, part))
+        too_large = await self._ctx.bus.publish_split(subject, rows, lambda part: BatchTokenOutput(self._step, part),
+                                                      traceparent)
         for row in too_large:
             log_event(log, logging.ERROR, "a token row exceeds max_payload; ending its request", rid=row.rid)
             self._engine.abort(row.rid)
             error = FinishReason(type="error", message="the request's output exceeds the bus payload limit")
             final = TokenRow(rid=row.rid, token_ids=[], prompt_tokens=row.prompt_tokens,
                              completion_tokens=row.completion_tokens, finish=error)
+            self._spans.output(final, tracing.now_ns())
             await self._ctx.bus.publish(subject, BatchTokenOutput(self._step, [final]))
 
 

@@ -1,4 +1,5 @@
-"""Tokenizer actor: `{ns}.req.submit` -> validate + tokenize -> `{ns}.req.tokenized`, errors to `{ns}.out.{rid}`.
+"""Tokenizer actor: `{ns}.req.submit` and `{ns}.client.*.submit` -> validate + tokenize -> `{ns}.req.tokenized`,
+errors to the request's output subject.
 
 Several tokenizer processes may serve one deployment: they share the submit subject through a queue group.
 """
@@ -15,7 +16,8 @@ from actors.tokenizer.prompt import PromptEncoder
 from actors.tokenizer.validation import ParamError, validate_sampling
 from bus.connection import Delivery
 from bus.messages import Accepted, ErrorInfo, GenerateRequest, RequestOutput, TokenizedRequest
-from bus.subjects import TOKENIZER_QUEUE, InvalidRidError, validate_rid
+from bus.subjects import TOKENIZER_QUEUE, InvalidRidError, scoped_rid, validate_rid
+from observability import tracing
 from observability.logging import log_event
 
 log = logging.getLogger("tokenizer")
@@ -43,12 +45,20 @@ class TokenizerActor:
 
     async def start(self) -> dict[str, Any]:
         await self._ctx.bus.subscribe(self._ctx.subjects.submit, GenerateRequest, self._on_submit, queue=TOKENIZER_QUEUE)
+        await self._ctx.bus.subscribe(self._ctx.subjects.client_submit_any, GenerateRequest, self._on_submit,
+                                      queue=TOKENIZER_QUEUE)
         return {"context_length": self._context_length, "eos_token_ids": self._eos_ids}
 
     async def _on_submit(self, req: GenerateRequest, delivery: Delivery) -> Accepted | None:
-        """Validate, tokenize and hand over to a scheduler; errors go to the request's output subject."""
+        """Validate, tokenize and hand over to a scheduler; errors go to the request's output subject.
+
+        A submission on `{ns}.client.{c}.submit` is client c's: its rid becomes the scoped `c~rid`, so its
+        outputs go to `{ns}.client.{c}.out.{rid}` (bus/subjects.py), which only c may read.
+        """
         try:
             validate_rid(req.rid)
+            if delivery.subject != self._ctx.subjects.submit:
+                req.rid = scoped_rid(self._ctx.subjects.client_of(delivery.subject), req.rid)
         except InvalidRidError as exc:
             log_event(log, logging.WARNING, "dropped request with invalid rid", error=str(exc))
             return None
@@ -59,13 +69,17 @@ class TokenizerActor:
         return Accepted(rid=req.rid)
 
     async def _forward(self, req: GenerateRequest, traceparent: str) -> ErrorInfo | None:
-        try:
-            input_ids = self._encoder.encode(req)
-            sampling = validate_sampling(
-                req.sampling, len(input_ids), self._context_length, self._encoder.vocab_size, self._eos_ids
-            )
-        except ParamError as exc:
-            return ErrorInfo(message=str(exc), param=exc.param)
+        with tracing.span("tokenize", attributes={"ringserve.rid": req.rid}) as span:
+            try:
+                input_ids = self._encoder.encode(req)
+                sampling = validate_sampling(
+                    req.sampling, len(input_ids), self._context_length, self._encoder.vocab_size, self._eos_ids
+                )
+            except ParamError as exc:
+                tracing.set_error(span, f"invalid request: {exc}")
+                return ErrorInfo(message=str(exc), param=exc.param)
+            if span is not None:
+                span.set_attribute("gen_ai.usage.input_tokens", len(input_ids))
         tokenized = TokenizedRequest(rid=req.rid, input_ids=input_ids, sampling=sampling)
         try:
             await self._ctx.bus.request(self._ctx.subjects.tokenized, tokenized, Accepted,

@@ -1,26 +1,54 @@
-"""Attention backends over the paged KV pool, created by name (`--attention-backend`)."""
+"""Attention backends over the paged KV pool, created by name (`--attention-backend`).
+
+`torch` is always there. `triton` is registered when the `triton` package is installed and `flashinfer` when
+`flashinfer` is; their modules are imported only when such a backend is created, so importing ringserve never
+needs either package.
+"""
 
 from __future__ import annotations
+
+import importlib
+import importlib.util
 
 import torch
 
 from kernels.attention.backend import AttentionBackend, AttentionMetadata, ForwardInfo
 from kernels.attention.torch_paged import TorchPagedBackend
 
-_BACKENDS: dict[str, type[AttentionBackend]] = {"torch": TorchPagedBackend}
+# name -> (module, class), imported on first use; `requires` names the package that must be importable
+_LAZY: dict[str, tuple[str, str, str]] = {
+    "triton": ("kernels.attention.triton_backend", "TritonBackend", "triton"),
+    "flashinfer": ("kernels.attention.flashinfer_backend", "FlashInferBackend", "flashinfer"),
+}
+
+
+def _installed(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def backend_names() -> tuple[str, ...]:
-    """Names `create_backend` accepts."""
-    return tuple(_BACKENDS)
+    """Names `create_backend` accepts: `torch`, plus `triton`/`flashinfer` when their packages are installed."""
+    return ("torch",) + tuple(name for name, (_, _, package) in _LAZY.items() if _installed(package))
+
+
+def backend_class(name: str) -> type[AttentionBackend]:
+    """The class registered as `name`; ValueError names the choices otherwise."""
+    if name == "torch":
+        return TorchPagedBackend
+    if name not in backend_names():
+        hint = f" (the {name!r} backend needs the {_LAZY[name][2]!r} package)" if name in _LAZY else ""
+        raise ValueError(f"unknown attention backend {name!r}{hint}; choose one of {list(backend_names())}")
+    module, cls, _ = _LAZY[name]
+    return getattr(importlib.import_module(module), cls)
 
 
 def create_backend(name: str, k_pool: torch.Tensor, v_pool: torch.Tensor, num_heads: int) -> AttentionBackend:
     """The backend registered as `name`, over the given pools; ValueError names the choices otherwise."""
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of {list(_BACKENDS)}")
-    return _BACKENDS[name](k_pool, v_pool, num_heads)
+    return backend_class(name)(k_pool, v_pool, num_heads)
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "ForwardInfo", "TorchPagedBackend", "backend_names",
-           "create_backend"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "ForwardInfo", "TorchPagedBackend", "backend_class",
+           "backend_names", "create_backend"]

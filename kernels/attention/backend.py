@@ -32,6 +32,7 @@ class ForwardInfo:
     req_rows: torch.Tensor  # [B] int64 rows of `token_table`
     token_table: torch.Tensor  # [R, max_len] int64 pool slot of each request's tokens
     out_slots: torch.Tensor  # [T] int64 slot where each new token's K/V is written
+    kv_lens: torch.Tensor | None = None  # [B] int64 `kv_lens_cpu` on the device, when the caller has it
 
 
 @dataclass
@@ -50,14 +51,19 @@ class AttentionBackend(ABC):
     Call `prepare` once per step (all index and mask tensors are built there, never per layer), then
     `forward` once per layer with that metadata.
 
-    Plugging in other implementations: a FlashInfer backend plans its prefill and decode wrappers over the
-    table rows as a page-size-1 paged layout in `prepare` and calls `run()` in `forward`; a Triton backend
-    builds its extend/decode index buffers in `prepare`. CUDA-graph support extends this contract with three
-    hooks, added together with the graph runner that calls them: allocate static metadata buffers sized for
-    the largest captured batch, fill them with dummy values before capture, and copy a real step's metadata
-    into them before replay; `forward` must then read only those static buffers, so the graph runner stays
-    backend-agnostic.
+    Implementations: `torch` (reference, CPU), `triton` (its own decode/extend kernels, index buffers built
+    in `prepare`), `flashinfer` (prefill/decode wrappers planned over the table rows as a page-size-1 paged
+    layout in `prepare`, `run()` in `forward`).
+
+    CUDA graphs (decode only) use three more hooks, so the graph runner knows nothing of a backend:
+    `init_graph_buffers` allocates static metadata buffers for the largest captured batch,
+    `prepare_for_capture(bs)` returns metadata that reads only (views of) those buffers, filled with dummy
+    values, and `prepare_for_replay(bs, info)` copies a real step's metadata into them before each replay.
+    The runner pads a batch to a captured size by repeating its first request (same row, length and output
+    slot), so padded rows read real data and write the same K/V as that request.
     """
+
+    supports_cuda_graph: bool = False  # whether the three graph hooks are implemented
 
     def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, num_heads: int) -> None:
         """`k_pool`/`v_pool`: `[num_layers, num_slots, n_kv_heads, head_dim]`, owned by the KV pool."""
@@ -82,3 +88,16 @@ class AttentionBackend(ABC):
         """Write the step's new keys and values into their slots of `layer`."""
         self.k_pool[layer].index_copy_(0, meta.out_slots, k)
         self.v_pool[layer].index_copy_(0, meta.out_slots, v)
+
+    def init_graph_buffers(self, max_bs: int, token_table: torch.Tensor) -> None:
+        """Allocate static metadata buffers for decode batches of up to `max_bs` requests over `token_table`."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def prepare_for_capture(self, bs: int) -> AttentionMetadata:
+        """Metadata for a decode batch of `bs` dummy rows (request row 0, one key, output slot 0) that reads
+        only the static buffers; the same object serves every replay of size `bs`."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def prepare_for_replay(self, bs: int, info: ForwardInfo) -> None:
+        """Copy a decode step's metadata (`info`, already padded to `bs` rows) into the static buffers."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")

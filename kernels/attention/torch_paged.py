@@ -8,6 +8,10 @@ length; both groups go through the same code.
 
 GQA without copying K/V: the `rep = n_heads / n_kv_heads` query heads sharing one KV head are folded into
 the query-length axis, `[Bg, n_kv_heads, rep * max_q, head_dim]`, and the mask is repeated to match.
+
+CUDA-graph decode (`init_graph_buffers` and the two prepare hooks) uses static shapes instead: every row
+gathers the full width of the token table and masks keys past its length. That is slow for long contexts;
+it exists so the graph runner's logic can be checked against the eager path on any device.
 """
 
 from __future__ import annotations
@@ -38,13 +42,48 @@ class TorchPagedMetadata(AttentionMetadata):
     groups: list[PaddedGroup] = field(default_factory=list)
 
 
+@dataclass
+class TorchGraphMetadata(AttentionMetadata):
+    """Static decode metadata for CUDA graphs: views of the backend's graph buffers for `bs` rows."""
+
+    kv_slots: torch.Tensor = field(default=None)  # type: ignore[assignment]  # [bs, W] the rows' table entries
+    mask: torch.Tensor = field(default=None)  # type: ignore[assignment]  # [bs, 1, 1, W] bool, key j < kv_len
+
+
 class TorchPagedBackend(AttentionBackend):
     """Reference paged attention in plain torch (gather + masked SDPA)."""
+
+    supports_cuda_graph = True
 
     def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, num_heads: int) -> None:
         super().__init__(k_pool, v_pool, num_heads)
         self.rep = num_heads // self.num_kv_heads
         self.scale = self.head_dim**-0.5
+        self._graph: dict[str, torch.Tensor] = {}
+
+    def init_graph_buffers(self, max_bs: int, token_table: torch.Tensor) -> None:
+        device, width = self.k_pool.device, token_table.shape[1]
+        self._graph = {
+            "table": token_table,
+            "out_slots": torch.zeros(max_bs, dtype=torch.int64, device=device),
+            "kv_slots": torch.zeros(max_bs, width, dtype=torch.int64, device=device),
+            "mask": torch.zeros(max_bs, 1, 1, width, dtype=torch.bool, device=device),
+            "cols": torch.arange(width, device=device),
+        }
+        self._graph["mask"][:, :, :, 0] = True  # dummy rows see one key
+
+    def prepare_for_capture(self, bs: int) -> TorchGraphMetadata:
+        g = self._graph
+        return TorchGraphMetadata(out_slots=g["out_slots"][:bs], kv_slots=g["kv_slots"][:bs], mask=g["mask"][:bs])
+
+    def prepare_for_replay(self, bs: int, info: ForwardInfo) -> None:
+        g = self._graph
+        kv_lens = info.kv_lens
+        if kv_lens is None:
+            kv_lens = torch.tensor(info.kv_lens_cpu, device=self.k_pool.device)
+        g["out_slots"][:bs].copy_(info.out_slots)
+        g["kv_slots"][:bs].copy_(g["table"][info.req_rows])
+        g["mask"][:bs, 0, 0].copy_(g["cols"][None, :] < kv_lens[:, None])
 
     def prepare(self, info: ForwardInfo) -> TorchPagedMetadata:
         q_lens_cpu, kv_lens_cpu = info.q_lens_cpu, info.kv_lens_cpu
@@ -84,6 +123,8 @@ class TorchPagedBackend(AttentionBackend):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: AttentionMetadata
     ) -> torch.Tensor:
+        if isinstance(meta, TorchGraphMetadata):
+            return self._forward_graph(q, k, v, layer, meta)
         assert isinstance(meta, TorchPagedMetadata)
         self.store_kv(k, v, layer, meta)
         out = torch.empty_like(q)  # [T, H, D]
@@ -98,3 +139,15 @@ class TorchPagedBackend(AttentionBackend):
             og = og.reshape(bg, self.num_heads, max_q, self.head_dim).transpose(1, 2)  # [Bg, max_q, H, D]
             out.index_copy_(0, g.dst, og.reshape(bg * max_q, self.num_heads, self.head_dim)[g.src])
         return out
+
+    def _forward_graph(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: TorchGraphMetadata
+    ) -> torch.Tensor:
+        """Decode over static buffers: one query per row, keys gathered over the table's full width."""
+        self.store_kv(k, v, layer, meta)
+        bs = q.shape[0]
+        qg = q.reshape(bs, self.num_kv_heads, self.rep, self.head_dim)  # [bs, Hkv, rep, D]
+        kg = self.k_pool[layer][meta.kv_slots].transpose(1, 2)  # [bs, Hkv, W, D]
+        vg = self.v_pool[layer][meta.kv_slots].transpose(1, 2)
+        og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=meta.mask, scale=self.scale)
+        return og.reshape(bs, self.num_heads, self.head_dim)

@@ -1,0 +1,126 @@
+"""Which actors are alive, from their heartbeats on `{ns}.control.heartbeat` (every actor beats every 0.5 s).
+
+The entry keeps the last beat of every (role, rank). A role is healthy while at least one of its actors beat
+within `silence_s` seconds; `/health` needs every role in `REQUIRED_ROLES` healthy. An actor of a role in
+`CRITICAL_ROLES` that beat before and then falls silent is "lost": every open stream depends on it, so the
+entry ends them all with an error (and aborts them) and refuses new requests until it beats again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+from bus.messages import Heartbeat
+from observability.logging import log_event
+
+log = logging.getLogger("entry")
+REQUIRED_ROLES = ("scheduler", "tokenizer", "detokenizer")
+CRITICAL_ROLES = ("scheduler", "detokenizer")  # their silence strands every open stream
+DEFAULT_SILENCE_SECONDS = 2.0
+CHECK_SECONDS = 0.25
+
+
+@dataclass
+class ActorBeat:
+    """The last heartbeat of one actor."""
+
+    role: str
+    rank: int
+    pid: int
+    live_rids: int
+    seen_at: float  # time.monotonic() of the last beat
+
+    @property
+    def name(self) -> str:
+        """The actor's name, e.g. "scheduler0"."""
+        return f"{self.role}{self.rank}"
+
+
+class LivenessMonitor:
+    """Tracks heartbeats and notices critical actors going silent."""
+
+    def __init__(self, silence_s: float = DEFAULT_SILENCE_SECONDS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.silence_s = silence_s
+        self._clock = clock
+        self._beats: dict[str, ActorBeat] = {}
+        self._lost: set[str] = set()  # critical actors reported silent and not heard from since
+
+    def record(self, beat: Heartbeat) -> None:
+        """Note a heartbeat."""
+        name = f"{beat.role}{beat.rank}"
+        self._beats[name] = ActorBeat(beat.role, beat.rank, beat.pid, beat.live_rids, self._clock())
+        if name in self._lost:
+            self._lost.discard(name)
+            log_event(log, logging.INFO, "actor heartbeat back", actor=name, pid=beat.pid)
+
+    def _alive(self, beat: ActorBeat, now: float) -> bool:
+        return now - beat.seen_at <= self.silence_s
+
+    def silent_roles(self) -> list[str]:
+        """The roles of REQUIRED_ROLES with no actor that beat within `silence_s` seconds."""
+        now = self._clock()
+        alive = {b.role for b in self._beats.values() if self._alive(b, now)}
+        return [role for role in REQUIRED_ROLES if role not in alive]
+
+    def roles(self) -> dict[str, dict[str, Any]]:
+        """Per role: "ok" or "silent", and the names of its live and silent actors."""
+        now = self._clock()
+        out: dict[str, dict[str, Any]] = {}
+        for role in REQUIRED_ROLES:
+            beats = sorted((b for b in self._beats.values() if b.role == role), key=lambda b: b.rank)
+            live = [b.name for b in beats if self._alive(b, now)]
+            out[role] = {"status": "ok" if live else "silent", "live": live,
+                         "silent": [b.name for b in beats if not self._alive(b, now)]}
+        return out
+
+    def actors(self) -> dict[str, dict[str, Any]]:
+        """Every actor heard from: pid, seconds since its last beat, and its count of per-request state."""
+        now = self._clock()
+        return {name: {"pid": b.pid, "age_s": round(now - b.seen_at, 3), "live_rids": b.live_rids}
+                for name, b in sorted(self._beats.items())}
+
+    def lost(self) -> list[str]:
+        """Critical actors that beat before and are silent now."""
+        now = self._clock()
+        return sorted(name for name, b in self._beats.items()
+                      if b.role in CRITICAL_ROLES and not self._alive(b, now))
+
+    def newly_lost(self) -> list[str]:
+        """`lost()` minus those already returned by an earlier call (each loss is reported once)."""
+        lost = self.lost()
+        new = [name for name in lost if name not in self._lost]
+        self._lost.update(new)
+        return new
+
+    async def wait_for_roles(self, timeout: float) -> None:
+        """Return once every required role has beat, or after `timeout` seconds."""
+        deadline = self._clock() + timeout
+        while self.silent_roles() and self._clock() < deadline:
+            await asyncio.sleep(0.05)
+
+    async def watch(self, on_lost: Callable[[list[str]], Awaitable[None]],
+                    on_tick: Callable[[], None] | None = None) -> None:
+        """Forever: every CHECK_SECONDS call `on_tick`, and `on_lost(names)` when critical actors fall silent.
+
+        A tick that comes late (this event loop was busy) judges nothing: the beats may be waiting unread.
+        """
+        last = self._clock()
+        while True:
+            await asyncio.sleep(CHECK_SECONDS)
+            now = self._clock()
+            late = now - last > CHECK_SECONDS + 0.5
+            last = now
+            if on_tick is not None:
+                on_tick()
+            if late:
+                continue
+            names = self.newly_lost()
+            if names:
+                log_event(log, logging.ERROR, "actor heartbeat lost", actors=",".join(names),
+                          silence_s=self.silence_s)
+                await on_lost(names)

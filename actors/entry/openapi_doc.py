@@ -1,0 +1,160 @@
+"""The entry's OpenAPI 3 document (served at `/openapi.json`), written by hand: every route, its JSON body
+with realistic types and ranges, and its answers. Clients can generate code from it; the bad-input sweep
+(schemathesis) fuzzes the server from it.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from actors.entry.openai_protocol import MAX_N
+from actors.tokenizer.validation import MAX_SEED, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+
+JSON = "application/json"
+RID = {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}
+_INT = {"type": "integer"}
+_BOOL = {"type": "boolean"}
+_NUM = {"type": "number"}
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+
+# sampling parameters, by their OpenAI names (the /generate names differ for the token counts)
+_SAMPLING: dict[str, Any] = {
+    "temperature": {**_NUM, "minimum": 0, "maximum": 2},
+    "top_p": {**_NUM, "exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {**_INT, "minimum": -1},
+    "min_p": {**_NUM, "minimum": 0, "maximum": 1},
+    "frequency_penalty": {**_NUM, "minimum": -2, "maximum": 2},
+    "presence_penalty": {**_NUM, "minimum": -2, "maximum": 2},
+    "repetition_penalty": {**_NUM, "exclusiveMinimum": 0, "maximum": 2},
+    "logit_bias": {"type": "object", "additionalProperties": {**_NUM, "minimum": -100, "maximum": 100}},
+    "seed": {**_INT, "minimum": 0, "maximum": MAX_SEED},
+    "stop": {"oneOf": [{"type": "string", "minLength": 1},
+                       {"type": "array", "maxItems": MAX_STOP_STRINGS, "items": {"type": "string", "minLength": 1}}]},
+    "stop_token_ids": _TOKEN_IDS,
+    "ignore_eos": _BOOL,
+    "skip_special_tokens": _BOOL,
+    "no_stop_trim": _BOOL,
+}
+_OPENAI_COMMON: dict[str, Any] = {
+    "model": {"type": "string", "description": "must be the served model's id if given"},
+    "max_tokens": {**_INT, "minimum": 1, "description": "default: the rest of the context window"},
+    "min_tokens": {**_INT, "minimum": 0},
+    "n": {**_INT, "minimum": 1, "maximum": MAX_N},
+    "stream": _BOOL,
+    "stream_options": {"type": "object", "properties": {"include_usage": _BOOL}},
+    **_SAMPLING,
+}
+_TEXT_PART = {"type": "object", "required": ["type", "text"],
+              "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
+_MESSAGE = {"type": "object", "required": ["role"], "properties": {
+    "role": {"type": "string", "enum": ["system", "user", "assistant"]},
+    "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}, {"type": "null"}]}}}
+
+SCHEMAS: dict[str, Any] = {
+    "Error": {"type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["message", "type", "code"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}}},
+    "ChatCompletionRequest": {"type": "object", "required": ["messages"], "properties": {
+        "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
+        "max_completion_tokens": {**_INT, "minimum": 1},
+        "logprobs": _BOOL,
+        "top_logprobs": {**_INT, "minimum": 0, "maximum": MAX_TOP_LOGPROBS},
+        **_OPENAI_COMMON}},
+    "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": {
+        "prompt": {"oneOf": [{"type": "string"}, {**_TOKEN_IDS, "minItems": 1},
+                             {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string"}}]},
+        "logprobs": {**_INT, "minimum": 0, "maximum": MAX_TOP_LOGPROBS},
+        "echo": {"type": "boolean", "enum": [False]},
+        "best_of": {**_INT, "enum": [1]},
+        **_OPENAI_COMMON}},
+    "GenerateRequest": {"type": "object", "properties": {
+        "text": {"type": "string"},
+        "input_ids": {**_TOKEN_IDS, "minItems": 1},
+        "rid": RID,
+        "stream": _BOOL,
+        "return_logprob": _BOOL,
+        "top_logprobs_num": {**_INT, "minimum": 0, "maximum": MAX_TOP_LOGPROBS},
+        "sampling_params": {"type": "object", "properties": {
+            "max_new_tokens": {**_INT, "minimum": 1, "description": "default 128"},
+            "min_new_tokens": {**_INT, "minimum": 0}, **_SAMPLING}}},
+        "oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}]},
+    "AbortRequest": {"type": "object", "properties": {"rid": RID, "abort_all": _BOOL},
+                     "description": "give rid, or abort_all: true"},
+    "ControlReply": {"type": "object", "required": ["success", "message"],
+                     "properties": {"success": _BOOL, "message": {"type": "string"}}},
+    "Object": {"type": "object"},
+}
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _answers(ok: str, *errors: int, stream: bool = False) -> dict[str, Any]:
+    content: dict[str, Any] = {JSON: {"schema": _ref(ok)}}
+    if stream:
+        content["text/event-stream"] = {"schema": {"type": "string"}}
+    out: dict[str, Any] = {"200": {"description": "success", "content": content}}
+    for status in errors:
+        out[str(status)] = {"description": _ERROR_TEXT[status], "content": {JSON: {"schema": _ref("Error")}}}
+    return out
+
+
+_ERROR_TEXT = {400: "invalid request", 401: "missing or wrong API key", 404: "unknown model",
+               413: "request body too large", 415: "the body is not JSON", 499: "the client went away",
+               500: "the scheduler refused the command", 503: "busy (Retry-After) or the ring is not serving"}
+_BODY_ERRORS = (400, 401, 413, 415, 503)
+
+
+def _post(summary: str, body: str | None, ok: str, *errors: int, stream: bool = False) -> dict[str, Any]:
+    op: dict[str, Any] = {"summary": summary, "responses": _answers(ok, *errors, stream=stream)}
+    if body is not None:
+        op["requestBody"] = {"required": True, "content": {JSON: {"schema": _ref(body)}}}
+    return {"post": op}
+
+
+def _get(summary: str, ok: str, *errors: int, public: bool = False) -> dict[str, Any]:
+    op: dict[str, Any] = {"summary": summary, "responses": _answers(ok, *errors)}
+    if public:
+        op["security"] = []
+    return {"get": op}
+
+
+def openapi_document(served_model: str | None = None) -> dict[str, Any]:
+    """A fresh copy of the OpenAPI 3.1 document of the entry's HTTP API (`model` limited to `served_model`)."""
+    paths = {
+        "/v1/chat/completions": _post("OpenAI chat completion", "ChatCompletionRequest", "Object", *_BODY_ERRORS,
+                                      404, stream=True),
+        "/v1/completions": _post("OpenAI completion", "CompletionRequest", "Object", *_BODY_ERRORS, 404,
+                                 stream=True),
+        "/v1/models": _get("the served model", "Object", 401, 503),
+        "/generate": _post("native generation", "GenerateRequest", "Object", *_BODY_ERRORS, stream=True),
+        "/health": _get("200 while every role heartbeats", "Object", 503, public=True),
+        "/metrics": {"get": {"summary": "Prometheus metrics (text format)", "security": [], "responses": {"200": {
+            "description": "success", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+        "/health_generate": _get("one token through the whole ring", "Object", 401, 503),
+        "/get_server_info": _get("scheduler load, entry counters, actors", "Object", 401, 503),
+        "/flush_cache": _post("drop cached prefixes no request uses", None, "ControlReply", 401, 500, 503),
+        "/abort_request": _post("abort one request or all", "AbortRequest", "Object", *_BODY_ERRORS, 500),
+        "/pause_generation": _post("stop stepping", None, "ControlReply", 401, 500, 503),
+        "/continue_generation": _post("resume stepping", None, "ControlReply", 401, 500, 503),
+        "/openapi.json": _get("this document", "Object", public=True),
+        "/metrics": {"get": {"summary": "Prometheus metrics", "security": [], "responses": {"200": {
+            "description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+    }
+    doc = copy.deepcopy({
+        "openapi": "3.1.0",
+        "info": {"title": "ringserve", "version": "0.1.0",
+                 "description": "OpenAI-compatible and native LLM serving over a NATS request ring"},
+        "paths": paths,
+        "components": {"schemas": SCHEMAS,
+                       "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
+                                                      "description": "the key in RINGSERVE_API_KEY, if set"}}},
+        "security": [{"bearer": []}],
+    })
+    if served_model:
+        for name in ("ChatCompletionRequest", "CompletionRequest"):
+            doc["components"]["schemas"][name]["properties"]["model"]["enum"] = [served_model]
+    return doc

@@ -1,0 +1,1 @@
+"""The trace exporter actor: forwards the JetStream span buffer to an OTLP collector."""

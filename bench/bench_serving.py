@@ -1,0 +1,258 @@
+"""Serving benchmark for ringserve or any OpenAI-compatible server (like sglang.bench_serving / vllm bench serve).
+
+    .venv/bin/python bench/bench_serving.py --launch --hf-baseline --engine-baseline \\
+        --output-json /tmp/bench.json --plot /tmp/bench.png
+
+Streams a fixed, deterministic set of chat prompts (greedy, `ignore_eos`, exactly --max-tokens new tokens
+each) at fixed concurrency levels, or with Poisson arrivals at --request-rate, and prints per level: request
+and token throughput and mean/p50/p99 of TTFT, inter-token latency (per streamed chunk), TPOT and e2e.
+
+--launch starts `ringserve serve` itself (--server-args go to it) and stops it after the load runs, before
+the in-process baselines, so nothing competes for the cores:
+  --hf-baseline      transformers `generate` on the same prompts: static batches of N for level N
+                     (one prompt at a time for level 1); prints ringserve/transformers per level;
+  --engine-baseline  ringserve's engine in-process (no bus, no HTTP) at level 1 and the largest level; prints
+                     HTTP ITL at level 1 against the engine's own decode step time (the ring's overhead).
+With --system-prompt-tokens N every prompt shares a ~N-token system prompt, and a probe reports the TTFT of
+a request that reuses it from the prefix cache against the first one that had to prefill it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: make `bench.` importable
+os.environ.setdefault("TQDM_DISABLE", "1")  # no weight-loading progress bars in the report
+
+from bench import client, server  # noqa: E402
+from bench.metrics import LevelSummary, format_table, json_safe, render, summarise  # noqa: E402
+from bench.workload import conversation, level_conversations, requests_for_level, system_prompt  # noqa: E402
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    target = p.add_argument_group("server")
+    target.add_argument("--base-url", default="http://127.0.0.1:8000",
+                        help="OpenAI-compatible server to load (ignored with --launch) (default: %(default)s)")
+    target.add_argument("--launch", action="store_true",
+                        help="start `ringserve serve --model MODEL` on a free port, stop it when the load is done")
+    target.add_argument("--server-args", default="",
+                        help='extra flags for the launched server, one string, e.g. "--chunked-prefill-size 256"; '
+                             "the engine baseline reads its engine flags from here too")
+    target.add_argument("--model", default=DEFAULT_MODEL,
+                        help="model to launch and to load for the baselines: as ringserve's --model "
+                             "(default: %(default)s)")
+    target.add_argument("--launch-timeout", type=float, default=900.0,
+                        help="seconds to wait for the launched server (default: %(default)s)")
+    target.add_argument("--endpoint", choices=("chat", "completions"), default="chat",
+                        help="/v1/chat/completions, or /v1/completions with the messages joined as plain text "
+                             "(default: %(default)s)")
+    target.add_argument("--no-ignore-eos", action="store_true",
+                        help="do not send the non-OpenAI field ignore_eos (for servers that refuse it); "
+                             "requests may then stop before --max-tokens")
+
+    load = p.add_argument_group("workload")
+    load.add_argument("--concurrency", default="1,4,8,16,32",
+                      help="comma-separated concurrency levels (default: %(default)s)")
+    load.add_argument("--request-rate", default="",
+                      help="comma-separated Poisson request rates (req/s); when given, replaces --concurrency: "
+                           "each rate sends --num-prompts requests")
+    load.add_argument("--max-concurrency", type=int, default=0,
+                      help="with --request-rate: at most this many requests in flight (default: 0 = no limit)")
+    load.add_argument("--num-prompts", type=int, default=32,
+                      help="prompts in the set; level c sends min(num-prompts, rounds*c) of them, at least c "
+                           "(default: %(default)s)")
+    load.add_argument("--rounds", type=int, default=4,
+                      help="at concurrency c send up to rounds*c requests, so low levels stay short "
+                           "(default: %(default)s)")
+    load.add_argument("--max-tokens", type=int, default=64,
+                      help="new tokens per request, greedy (default: %(default)s)")
+    load.add_argument("--system-prompt-tokens", type=int, default=0,
+                      help="prepend a shared system prompt of about this many tokens, e.g. 1000 (default: 0 = none)")
+    load.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals (default: %(default)s)")
+
+    extra = p.add_argument_group("baselines and output")
+    extra.add_argument("--hf-baseline", action="store_true",
+                       help="run transformers generate on the same prompts after the server (concurrency mode)")
+    extra.add_argument("--engine-baseline", action="store_true",
+                       help="run ringserve's engine in-process at level 1 and the largest level (concurrency mode)")
+    extra.add_argument("--baseline-threads", type=int, default=0,
+                       help="torch threads for both baselines (default: 0 = one per core, like the scheduler)")
+    extra.add_argument("--output-json", default="", help="write every figure to this JSON file")
+    extra.add_argument("--plot", default="", help="write a PNG of throughput and latency per level (needs matplotlib)")
+    args = p.parse_args(argv)
+    args.rates = [float(r) for r in args.request_rate.split(",") if r.strip()]
+    args.levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    if not args.levels or min(args.levels) < 1 or any(r <= 0 for r in args.rates):
+        p.error("concurrency levels must be >= 1 and request rates > 0")
+    return args
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU model, core count and 1-minute load average of this machine."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "load_avg_1m": load}
+
+
+def warn_if_busy(when: str) -> float:
+    """Print a warning when other work keeps the cores busy (the figures are then noisy); the load average."""
+    load = machine_info()["load_avg_1m"]
+    if load > 0.5 * (os.cpu_count() or 1):
+        print(f"warning: load average {load:.1f} on {os.cpu_count()} cores {when}; other work is running and "
+              "the figures will be noisy (torch thread pools suffer most)", flush=True)
+    return load
+
+
+def run_load(args: argparse.Namespace, base_url: str, system: str) -> tuple[list[LevelSummary], dict[str, Any]]:
+    """Warm up, probe the shared prefix (if any), then run every level; summaries and the probe's figures."""
+    cfg = client.ClientConfig(base_url, server.served_model(base_url), args.max_tokens, args.endpoint,
+                              ignore_eos=not args.no_ignore_eos)
+    warm = asyncio.run(client.single(cfg, [{"role": "user", "content": "Say hello."}], 8))
+    if not warm.ok:
+        raise RuntimeError(f"warm-up request failed: {warm.error}")
+    probe: dict[str, Any] = {}
+    if system:
+        server.flush_cache(base_url)
+        cold = asyncio.run(client.single(cfg, conversation(0, system), 2))
+        hot = asyncio.run(client.single(cfg, conversation(1, system), 2))
+        probe = {"prompt_tokens": cold.prompt_tokens, "ttft_first_ms": cold.ttft * 1e3,
+                 "ttft_reuse_ms": hot.ttft * 1e3, "ratio": hot.ttft / cold.ttft if cold.ttft else math.nan}
+        print(f"shared system prompt ({cold.prompt_tokens} prompt tokens): TTFT first {cold.ttft * 1e3:.0f} ms, "
+              f"reusing it {hot.ttft * 1e3:.0f} ms ({probe['ratio']:.2f}x)", flush=True)
+    summaries = []
+    plan = [("rate", r, args.num_prompts) for r in args.rates] or [
+        ("concurrency", c, requests_for_level(c, args.num_prompts, args.rounds)) for c in args.levels]
+    for mode, level, n in plan:
+        server.flush_cache(base_url)  # every level starts with a cold prefix cache (ringserve/SGLang only)
+        convs = level_conversations(n, system)
+        if mode == "rate":
+            results, wall = asyncio.run(client.run_poisson(cfg, convs, level, args.max_concurrency, args.seed))
+        else:
+            results, wall = asyncio.run(client.run_concurrency(cfg, convs, int(level)))
+        summary = summarise(mode, level, results, wall)
+        summaries.append(summary)
+        print(f"  {mode} {level:g}: {summary.completed}/{n} ok, {summary.output_tok_s:.1f} out tok/s, "
+              f"ITL p50 {summary.itl_ms['p50']:.1f} ms, TTFT p50 {summary.ttft_ms['p50']:.0f} ms"
+              + (f"  errors: {summary.errors}" if summary.errors else ""), flush=True)
+    return summaries, probe
+
+
+def run_baselines(args: argparse.Namespace, system: str) -> tuple[dict[int, Any], dict[int, Any]]:
+    """The engine and transformers baselines, one after the other (each with every core)."""
+    engine: dict[int, Any] = {}
+    hf: dict[int, Any] = {}
+    if args.rates and (args.hf_baseline or args.engine_baseline):
+        print("baselines run in concurrency mode only; skipped with --request-rate")
+        return engine, hf
+    convs = {c: level_conversations(requests_for_level(c, args.num_prompts, args.rounds), system)
+             for c in args.levels}
+    if args.engine_baseline:
+        from bench.engine_baseline import engine_prompts, run_engine_baseline
+
+        print("engine baseline (in-process, no bus):", flush=True)
+        picked = {c: convs[c] for c in sorted({1, max(args.levels)})}
+        engine = run_engine_baseline(args.model, args.server_args, engine_prompts(args.model, picked),
+                                     args.max_tokens, args.baseline_threads)
+    if args.hf_baseline:
+        from bench.hf_baseline import run_hf_baseline
+
+        print("transformers baseline (static batches):", flush=True)
+        hf = run_hf_baseline(args.model, convs, args.max_tokens, args.baseline_threads)
+    return engine, hf
+
+
+def comparison(summaries: list[LevelSummary], engine: dict[int, Any], hf: dict[int, Any]) -> tuple[str, dict]:
+    """The ratio table (ringserve against the baselines) and the ring-overhead figures."""
+    rows = [["concurrency", "ringserve tok/s", "transformers tok/s", "ringserve/transformers", "engine tok/s",
+             "ringserve/engine"]]
+    for s in summaries:
+        c = int(s.level)
+        h, e = hf.get(c, {}).get("output_tok_s"), engine.get(c, {}).get("output_tok_s")
+        rows.append([str(c), f"{s.output_tok_s:.1f}", f"{h:.1f}" if h else "-",
+                     f"{s.output_tok_s / h:.2f}x" if h else "-", f"{e:.1f}" if e else "-",
+                     f"{s.output_tok_s / e:.2f}x" if e else "-"])
+    overhead: dict[str, Any] = {}
+    one = next((s for s in summaries if s.level == 1), None)
+    if one is not None and 1 in engine:
+        step = engine[1]["decode_step_ms_p50"]
+        overhead = {"http_itl_p50_ms": one.itl_ms["p50"], "engine_step_p50_ms": step,
+                    "overhead_ms": one.itl_ms["p50"] - step, "ratio": one.itl_ms["p50"] / step}
+    return render(rows), overhead
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; 0 when every request succeeded."""
+    args = parse_args(argv)
+    system = system_prompt(args.system_prompt_tokens)
+    loads = {"start": warn_if_busy("at the start")}
+    launched = None
+    try:
+        if args.launch:
+            print(f"launching ringserve serve --model {args.model} {args.server_args}".rstrip(), flush=True)
+            launched = server.launch(args.model, args.server_args, args.launch_timeout)
+            base_url = launched.base_url
+        else:
+            base_url = args.base_url
+            server.wait_ready(base_url, 60)
+        print(f"loading {base_url} with {args.max_tokens} new tokens per request", flush=True)
+        summaries, probe = run_load(args, base_url, system)
+    finally:
+        if launched is not None:
+            launched.stop()
+    print()
+    print(format_table(summaries))
+    print()
+    if args.hf_baseline or args.engine_baseline:
+        loads["baselines"] = warn_if_busy("before the baselines")
+    engine, hf = run_baselines(args, system)
+    loads["end"] = machine_info()["load_avg_1m"]
+    table, overhead = comparison(summaries, engine, hf) if (engine or hf) else ("", {})
+    if table:
+        print()
+        print(table)
+    if overhead:
+        print(f"ring overhead at batch 1: HTTP ITL p50 {overhead['http_itl_p50_ms']:.1f} ms vs engine decode step "
+              f"p50 {overhead['engine_step_p50_ms']:.1f} ms ({overhead['overhead_ms']:+.1f} ms, "
+              f"{overhead['ratio']:.2f}x)")
+    report = {
+        "date": datetime.date.today().isoformat(), "machine": machine_info(),
+        "config": {k: v for k, v in vars(args).items() if k not in ("levels", "rates")},
+        "levels": [s.to_dict() for s in summaries], "shared_prefix": probe,
+        "hf_baseline": {str(k): v for k, v in hf.items()}, "engine_baseline": {str(k): v for k, v in engine.items()},
+        "ring_overhead": overhead, "load_avg_1m": loads,
+    }
+    report = json_safe(report)
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.output_json}")
+    if args.plot:
+        from bench.plot import plot
+
+        try:
+            plot(report, args.plot)
+            print(f"wrote {args.plot}")
+        except ImportError:
+            print('no plot: matplotlib is missing (.venv/bin/pip install -e ".[bench]")', file=sys.stderr)
+    return 0 if all(s.failed == 0 for s in summaries) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

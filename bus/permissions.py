@@ -1,0 +1,130 @@
+"""Least-privilege NATS permissions of each ringserve role, derived from the subject table in bus/subjects.py.
+
+One deployment (namespace `ns`) has five internal roles and any number of outside NATS clients:
+
+| role        | may publish                                          | may subscribe                               |
+|-------------|------------------------------------------------------|---------------------------------------------|
+| launcher    | nothing                                              | ready, heartbeat                            |
+| entry       | submit, `abort.*`, info, command, ANN                | `out.*`, heartbeat                          |
+| tokenizer   | tokenized, OUT, ANN, replies                         | submit, `client.*.submit`                   |
+| scheduler   | `tokens.*`, OUT, ANN, replies                        | tokenized, `abort.*`, `client.*.abort.*`, info, command |
+| detokenizer | OUT, ANN                                             | `tokens.*`                                  |
+| trace_exporter | ANN, the span stream's JetStream API (JS)         | `spans.>`                                   |
+| client `c`  | `client.c.submit`, `client.c.abort.*`                | `client.c.out.*`                            |
+
+(all subjects under `{ns}.`; OUT = `out.*` and `client.*.out.*`; ANN = ready and heartbeat; info, command =
+`control.scheduler.*`; "replies" = `allow_responses`, the right to answer requests it received). Entry,
+tokenizer, scheduler and detokenizer may also publish their own `spans.{role}` (finished spans, stored by the
+JetStream span stream `{ns}-spans` when `--trace-buffer jetstream` is on); JS = creating that stream and its
+consumers, fetching and acking its messages (`$JS.API.*.{ns}-spans...`, `$JS.ACK.{ns}-spans.>`), which
+`ringserve trace` also uses with the trace_exporter's credentials. Every role
+also subscribes its own reply inbox, `inbox_prefix(ns, role)` + `.>`, and must connect with that inbox prefix
+(nats-py's `inbox_prefix`), so no role can read another's replies. A client sees only subjects with its own
+name in them: it cannot read, abort or submit as another client, nor touch an HTTP request's stream.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from bus.subjects import Subjects, validate_rid
+
+ROLES = ("launcher", "entry", "tokenizer", "scheduler", "detokenizer", "trace_exporter")
+CLIENT_ROLE = "client"
+
+
+@dataclass(frozen=True)
+class Permissions:
+    """What one NATS user may do: subjects (NATS wildcards allowed) it may publish and subscribe to."""
+
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+    allow_responses: bool = False  # may publish a reply to a request it received (on the request's reply subject)
+
+
+def inbox_prefix(namespace: str, role: str, client: str | None = None) -> str:
+    """The reply-inbox prefix a role connects with: `_INBOX.{ns}.{role}` or `_INBOX.{ns}.client.{c}`."""
+    Subjects(namespace)  # validates the namespace
+    if role == CLIENT_ROLE:
+        if client is None:
+            raise ValueError("the client role needs a client name")
+        return f"_INBOX.{namespace}.client.{validate_rid(client)}"
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; one of {ROLES + (CLIENT_ROLE,)}")
+    return f"_INBOX.{namespace}.{role}"
+
+
+def role_permissions(namespace: str, role: str) -> Permissions:
+    """The allow lists of internal role `role` (one of ROLES) in deployment `namespace`."""
+    s = Subjects(namespace)
+    ns = namespace
+    inbox = inbox_prefix(namespace, role) + ".>"
+    announce = (s.ready, s.heartbeat)
+    outputs = (f"{ns}.out.*", s.client_output_any)
+    if role == "launcher":
+        return Permissions(publish=(), subscribe=(s.ready, s.heartbeat, inbox))
+    if role == "trace_exporter":
+        return Permissions(publish=(*span_stream_api(s), *announce), subscribe=(s.spans_filter(), inbox))
+    announce = (*announce, s.spans(role)) if role in ROLES else announce  # traced actors store their spans
+    if role == "entry":
+        return Permissions(publish=(s.submit, s.abort_any, s.scheduler_info, s.scheduler_command, *announce),
+                           subscribe=(f"{ns}.out.*", s.heartbeat, inbox))
+    if role == "tokenizer":
+        return Permissions(publish=(s.tokenized, *outputs, *announce),
+                           subscribe=(s.submit, s.client_submit_any, inbox), allow_responses=True)
+    if role == "scheduler":
+        return Permissions(publish=(f"{ns}.tokens.*", *outputs, *announce),
+                           subscribe=(s.tokenized, s.abort_any, s.client_abort_any, s.scheduler_info,
+                                      s.scheduler_command, inbox),
+                           allow_responses=True)
+    if role == "detokenizer":
+        return Permissions(publish=(*outputs, *announce), subscribe=(f"{ns}.tokens.*", inbox))
+    raise ValueError(f"unknown role {role!r}; one of {ROLES}")
+
+
+def span_stream_api(s: Subjects) -> tuple[str, ...]:
+    """The JetStream API subjects that manage and read the span stream: create/update/inspect it, create,
+    inspect and delete its consumers, fetch (`MSG.NEXT`) and acknowledge its messages."""
+    stream = s.span_stream()
+    api = "$JS.API"
+    return (f"{api}.STREAM.CREATE.{stream}", f"{api}.STREAM.UPDATE.{stream}", f"{api}.STREAM.INFO.{stream}",
+            f"{api}.CONSUMER.CREATE.{stream}", f"{api}.CONSUMER.CREATE.{stream}.>",
+            f"{api}.CONSUMER.DURABLE.CREATE.{stream}.*", f"{api}.CONSUMER.INFO.{stream}.*",
+            f"{api}.CONSUMER.DELETE.{stream}.*", f"{api}.CONSUMER.MSG.NEXT.{stream}.*", f"$JS.ACK.{stream}.>")
+
+
+def client_permissions(namespace: str, client: str) -> Permissions:
+    """The allow lists of outside NATS client `client`: submit, read and abort its own requests only."""
+    s = Subjects(namespace)
+    base = f"{namespace}.client.{validate_rid(client)}"
+    return Permissions(publish=(s.client_submit(client), f"{base}.abort.*"),
+                       subscribe=(f"{base}.out.*", inbox_prefix(namespace, CLIENT_ROLE, client) + ".>"))
+
+
+@dataclass(frozen=True)
+class NatsUser:
+    """One user of a nats-server `authorization` block."""
+
+    user: str
+    password: str = field(repr=False)
+    permissions: Permissions
+
+
+def authorization_block(users: list[NatsUser]) -> str:
+    """The nats-server config `authorization { users = [...] }` giving each user exactly its allow lists.
+
+    A user with nothing to publish gets `deny: [">"]` (an empty allow list would mean "no restriction").
+    """
+    lines = ["authorization {", "  users = ["]
+    for u in users:
+        perms = u.permissions
+        publish = {"allow": list(perms.publish)} if perms.publish else {"deny": [">"]}
+        subscribe = {"allow": list(perms.subscribe)} if perms.subscribe else {"deny": [">"]}
+        body: dict[str, object] = {"publish": publish, "subscribe": subscribe}
+        if perms.allow_responses:
+            body["allow_responses"] = True
+        entry = {"user": u.user, "password": u.password, "permissions": body}
+        lines.append(f"    {json.dumps(entry)}")
+    lines += ["  ]", "}", ""]
+    return "\n".join(lines)

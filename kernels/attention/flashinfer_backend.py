@@ -1,0 +1,129 @@
+"""The `flashinfer` attention backend: FlashInfer's paged prefill and decode wrappers (PyPI `flashinfer-python`).
+
+The page-size-1 pool is FlashInfer's paged layout with one token per page, NHD: one layer of the pool,
+`[num_slots, Hkv, D]`, viewed as `[num_pages, 1, Hkv, D]`. A request's pages are its table row's first
+`kv_len` slots: `kv_indptr` is the running sum of the lengths (built on the host, where the lengths are
+known), `kv_indices` the rows flattened on the device by a Triton kernel, and every `last_page_len` is 1.
+
+`prepare` plans the decode wrapper when every request brings one token and the prefill wrapper (causal,
+queries aligned to the end of each request's keys) otherwise; `forward` stores the new K/V and calls `run()`.
+For CUDA graphs there is one decode wrapper per captured batch size (FlashInfer fixes the batch size of a
+graph-mode wrapper), all over the same static index buffers, re-planned before each replay.
+
+FlashInfer's kernels take float16/bfloat16 only. GPU only; imported only when the backend is created.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import flashinfer
+import torch
+
+from kernels.attention.backend import AttentionBackend, AttentionMetadata, ForwardInfo
+from kernels.host_copy import to_device
+from kernels.triton.kv_indices import build_kv_indices
+
+WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace (split-KV partial results)
+# FlashAttention-2 kernels for every wrapper: "auto" may pick FA3 prefill on Hopper, a second, much longer JIT
+# build on first use, for no gain in decode.
+KERNELS = "fa2"
+
+
+@dataclass
+class FlashInferMetadata(AttentionMetadata):
+    """The planned wrapper whose `run()` every layer of the step calls."""
+
+    wrapper: Any = None  # BatchDecodeWithPagedKVCacheWrapper or BatchPrefillWithPagedKVCacheWrapper
+
+
+class FlashInferBackend(AttentionBackend):
+    """Paged attention through FlashInfer's wrappers."""
+
+    supports_cuda_graph = True
+
+    def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, num_heads: int) -> None:
+        super().__init__(k_pool, v_pool, num_heads)
+        if k_pool.device.type != "cuda":
+            raise ValueError("the flashinfer attention backend needs a CUDA device")
+        if k_pool.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"flashinfer kernels take float16 or bfloat16 KV, not {k_pool.dtype} (use --dtype)")
+        self.device = k_pool.device
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        # Tensor cores pay off once several query heads share a KV head.
+        self.use_tensor_cores = num_heads // self.num_kv_heads >= 4
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores, backend=KERNELS)
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=KERNELS)
+        self._graph: dict[str, Any] = {}
+
+    def _layout(self, info: ForwardInfo, indices: torch.Tensor | None = None,
+                indptr_dev: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`kv_indptr` (host int32 `[B + 1]`), `kv_indices` (device int32) and `last_page_len` (host, ones)."""
+        batch = len(info.kv_lens_cpu)
+        indptr = torch.zeros(batch + 1, dtype=torch.int32)
+        indptr[1:] = torch.tensor(info.kv_lens_cpu, dtype=torch.int32).cumsum(0)
+        total = int(indptr[-1])
+        kv_lens = info.kv_lens if info.kv_lens is not None else to_device(info.kv_lens_cpu, self.device)
+        if indptr_dev is None:
+            indptr_dev = to_device(indptr.tolist(), self.device, torch.int32)
+        else:  # the static buffer: entry 0 stays 0, the rest is the running sum, computed on the device
+            indptr_dev[1 : batch + 1].copy_(torch.cumsum(kv_lens, 0, dtype=torch.int32))
+        if indices is None:
+            indices = torch.empty(total, dtype=torch.int32, device=self.device)
+        build_kv_indices(info.token_table, info.req_rows, indptr_dev, kv_lens, indices)
+        return indptr, indices[:total], torch.ones(batch, dtype=torch.int32)
+
+    def _plan_decode(self, wrapper: Any, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor) -> None:
+        wrapper.plan(indptr, indices, last, num_qo_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+                     head_dim=self.head_dim, page_size=1, q_data_type=self.k_pool.dtype,
+                     kv_data_type=self.k_pool.dtype)
+
+    def prepare(self, info: ForwardInfo) -> FlashInferMetadata:
+        indptr, indices, last = self._layout(info)
+        if max(info.q_lens_cpu) == 1:
+            self._plan_decode(self._decode, indptr, indices, last)
+            return FlashInferMetadata(out_slots=info.out_slots, wrapper=self._decode)
+        qo_indptr = torch.zeros(len(info.q_lens_cpu) + 1, dtype=torch.int32)
+        qo_indptr[1:] = torch.tensor(info.q_lens_cpu, dtype=torch.int32).cumsum(0)
+        self._prefill.plan(qo_indptr, indptr, indices, last, num_qo_heads=self.num_heads,
+                           num_kv_heads=self.num_kv_heads, head_dim_qk=self.head_dim, page_size=1, causal=True,
+                           q_data_type=self.k_pool.dtype, kv_data_type=self.k_pool.dtype)
+        return FlashInferMetadata(out_slots=info.out_slots, wrapper=self._prefill)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        assert isinstance(meta, FlashInferMetadata)
+        self.store_kv(k, v, layer, meta)
+        pages = (self.k_pool[layer].unsqueeze(1), self.v_pool[layer].unsqueeze(1))  # [slots, 1, Hkv, D]
+        return meta.wrapper.run(q.contiguous(), pages)
+
+    def init_graph_buffers(self, max_bs: int, token_table: torch.Tensor) -> None:
+        self._graph = {
+            "table": token_table,
+            "out_slots": torch.zeros(max_bs, dtype=torch.int64, device=self.device),
+            "indptr": torch.zeros(max_bs + 1, dtype=torch.int32, device=self.device),
+            "indices": torch.zeros(max_bs * token_table.shape[1], dtype=torch.int32, device=self.device),
+            "last": torch.ones(max_bs, dtype=torch.int32, device=self.device),
+            "wrappers": {},
+        }
+
+    def prepare_for_capture(self, bs: int) -> FlashInferMetadata:
+        g = self._graph
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
+            paged_kv_indptr_buffer=g["indptr"][: bs + 1], paged_kv_indices_buffer=g["indices"],
+            paged_kv_last_page_len_buffer=g["last"][:bs], backend=KERNELS)
+        g["wrappers"][bs] = wrapper
+        # Dummy rows: one key each, slot 0 (the runner captures before any request runs).
+        indptr = torch.arange(bs + 1, dtype=torch.int32)
+        self._plan_decode(wrapper, indptr, g["indices"][:bs].zero_(), torch.ones(bs, dtype=torch.int32))
+        return FlashInferMetadata(out_slots=g["out_slots"][:bs], wrapper=wrapper)
+
+    def prepare_for_replay(self, bs: int, info: ForwardInfo) -> None:
+        g = self._graph
+        g["out_slots"][:bs].copy_(info.out_slots)
+        indptr, indices, last = self._layout(info, indices=g["indices"], indptr_dev=g["indptr"])
+        self._plan_decode(g["wrappers"][bs], indptr, indices, last)

@@ -1,0 +1,138 @@
+"""The CUDA-graph runner's batch-size ladder, padding and static buffers, checked on CPU in no-capture mode
+(replay = the padded static-buffer forward run eagerly) against the plain eager forward; real capture only
+where CUDA is available."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # the triton case runs under the interpreter on CPU
+
+from actors.engine.config import EngineConfig  # noqa: E402
+from actors.engine.cuda_graph import CudaGraphRunner, batch_size_ladder  # noqa: E402
+from actors.engine.engine import Engine  # noqa: E402
+from actors.engine.model_runner import ModelRunner  # noqa: E402
+from actors.engine.types import EngineRequest  # noqa: E402
+from kernels.attention import backend_names  # noqa: E402
+from kernels.triton import interpreter_enabled  # noqa: E402
+from tests.engine_helpers import (  # noqa: E402
+    assert_greedy_matches,
+    engine_for,
+    greedy,
+    hf_greedy,
+    run_to_completion,
+    tiny_hf_llama,
+    tokens_of,
+    torch_single_thread,  # noqa: F401  (autouse fixture)
+)
+
+EOS = 2
+MAX_NEW = 8
+PROMPT_LENGTHS = (3, 7, 1, 12, 5)
+
+
+@pytest.fixture(scope="module")
+def hf() -> Any:
+    return tiny_hf_llama()
+
+
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 512, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+
+
+def with_graph_runner(engine: Engine, backend: str, max_bs: int) -> Engine:
+    """Swap in a model runner whose decode goes through a no-capture graph runner."""
+    engine.runner = ModelRunner(engine.runner.model, engine.pool, engine.table, backend, cuda_graph_max_bs=max_bs,
+                                capture=False)
+    return engine
+
+
+def test_ladder_is_powers_of_two_then_steps_of_eight() -> None:
+    assert batch_size_ladder(160) == [1, 2, 4, 8] + list(range(16, 161, 8))
+    assert batch_size_ladder(1) == [1]
+    assert batch_size_ladder(5) == [1, 2, 4, 5]
+    assert batch_size_ladder(20) == [1, 2, 4, 8, 16, 20]
+    with pytest.raises(ValueError):
+        batch_size_ladder(0)
+
+
+def test_padding_and_fallback_decisions(hf: Any) -> None:
+    engine = with_graph_runner(engine_for(hf, device="cpu", max_total_tokens=256), "torch", 12)
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.sizes == [1, 2, 4, 8, 12] and not graphs.captured
+    assert [graphs.padded_size(n) for n in (1, 2, 3, 5, 8, 9, 12)] == [1, 2, 4, 8, 8, 12, 12]
+    assert graphs.can_run([1, 1, 1])
+    assert not graphs.can_run([1, 4]), "mixed batches run eagerly"
+    assert not graphs.can_run([1] * 13), "batches above the largest size run eagerly"
+    assert not graphs.can_run([])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_padded_replay_gives_the_eager_logits_and_kv(hf: Any, backend: str) -> None:
+    if backend not in backend_names():
+        pytest.skip(f"the {backend} backend is not installed")
+    if backend == "triton" and not interpreter_enabled():
+        pytest.skip("CPU tensors need Triton's interpreter; with CUDA the capture test below covers triton")
+    engine = with_graph_runner(engine_for(hf, device="cpu", max_total_tokens=256), backend, 8)
+    for i, p in enumerate(prompts()):
+        assert engine.add_request(EngineRequest(f"r{i}", p, greedy(MAX_NEW))) is None
+    engine.finish(batch := engine.schedule(), engine.launch(batch))  # prefill all five
+    batch = engine.schedule()
+    assert batch is not None and batch.num_decode == 5 and batch.num_tokens == 5  # padded to 8
+    runner, graphs = engine.runner, engine.runner.graphs
+    assert graphs is not None and graphs.can_run(batch.extend_lens)
+    pool_before = engine.pool.k.clone()
+    eager = runner._forward_eager(batch)
+    pool_eager = engine.pool.k.clone()
+    engine.pool.k.copy_(pool_before)
+    replayed = graphs.replay(batch.input_ids, batch.starts, [r.row for r in batch.reqs])
+    assert replayed.shape == eager.shape == (5, hf.config.vocab_size)
+    torch.testing.assert_close(replayed, eager, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(engine.pool.k, pool_eager, atol=1e-5, rtol=1e-5)
+    assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
+    engine.finish(batch, engine.launch(batch))
+    engine.check_integrity()
+
+
+def test_engine_with_graph_runner_matches_transformers(hf: Any) -> None:
+    reference = [hf_greedy(hf, p, MAX_NEW, EOS) for p in prompts()]
+    plain = engine_for(hf, device="cpu", max_total_tokens=256)
+    graphed = with_graph_runner(engine_for(hf, device="cpu", max_total_tokens=256), "torch", 4)  # 5 requests: 4 replay, 5 eager
+    reqs = [EngineRequest(f"r{i}", p, greedy(MAX_NEW, stop_token_ids=[EOS])) for i, p in enumerate(prompts())]
+    out_plain = run_to_completion(plain, reqs)
+    out_graphed = run_to_completion(graphed, reqs)
+    for i, p in enumerate(prompts()):
+        got = tokens_of(out_graphed[f"r{i}"])
+        assert got == tokens_of(out_plain[f"r{i}"]), "graphs on and off give the same tokens"
+        assert_greedy_matches(hf, p, reference[i], got)
+    assert graphed.stats().kv_running_tokens == 0
+
+
+def test_graph_settings_come_from_the_engine_config() -> None:
+    assert EngineConfig(device="cpu").graph_max_bs() == 0, "no graphs on cpu"
+    assert EngineConfig(device="cuda", disable_cuda_graph=True).graph_max_bs() == 0
+    assert EngineConfig(device="cuda", cuda_graph_max_bs=64, max_running_requests=32).graph_max_bs() == 32
+    assert "--cuda-graph-max-bs" in EngineConfig(cuda_graph_max_bs=8).to_argv()
+    with pytest.raises(ValueError):
+        EngineConfig(cuda_graph_max_bs=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="capturing CUDA graphs needs a CUDA device")
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_captured_replay_matches_eager_on_cuda(hf: Any, backend: str) -> None:
+    from tests.gpu.helpers import gpu_engine
+
+    engine = gpu_engine(hf, backend, torch.float32, graphs=True, cuda_graph_max_bs=8)
+    graphs = engine.runner.graphs
+    assert isinstance(graphs, CudaGraphRunner) and graphs.captured and sorted(graphs.graphs) == [1, 2, 4, 8]
+    plain = gpu_engine(hf, backend, torch.float32, graphs=False)
+    assert plain.runner.graphs is None
+    reqs = [EngineRequest(f"r{i}", p, greedy(MAX_NEW)) for i, p in enumerate(prompts())]
+    a, b = run_to_completion(engine, reqs), run_to_completion(plain, reqs)
+    assert {k: tokens_of(v) for k, v in a.items()} == {k: tokens_of(v) for k, v in b.items()}
