@@ -1,6 +1,6 @@
 """Least-privilege NATS permissions of each ringserve role, derived from the subject table in bus/subjects.py.
 
-One deployment (namespace `ns`) has five internal roles and any number of outside NATS clients:
+One deployment (namespace `ns`) has six internal roles and any number of outside NATS clients:
 
 | role        | may publish                                          | may subscribe                               |
 |-------------|------------------------------------------------------|---------------------------------------------|
@@ -9,7 +9,7 @@ One deployment (namespace `ns`) has five internal roles and any number of outsid
 | tokenizer   | tokenized, OUT, ANN, replies                         | submit, `client.*.submit`                   |
 | scheduler   | `tokens.*`, OUT, ANN, replies                        | tokenized, `abort.*`, `client.*.abort.*`, info, command |
 | detokenizer | OUT, ANN                                             | `tokens.*`                                  |
-| trace_exporter | ANN, the span stream's JetStream API (JS)         | `spans.>`                                   |
+| trace_exporter | ANN, JS (the span stream's JetStream API)        | `spans.>`                                   |
 | client `c`  | `client.c.submit`, `client.c.abort.*`                | `client.c.out.*`                            |
 
 (all subjects under `{ns}.`; OUT = `out.*` and `client.*.out.*`; ANN = ready and heartbeat; info, command =

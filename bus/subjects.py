@@ -16,10 +16,11 @@ Layout (namespace `ns`, default "ringserve"):
 | `{ns}.client.{c}.submit`     | GenerateRequest    | NATS client `c` -> tokenizers (queue group)       |
 | `{ns}.client.{c}.out.{rid}`  | RequestOutput      | detokenizer/tokenizer/scheduler -> client `c`     |
 | `{ns}.client.{c}.abort.{rid}`| AbortRequest       | client `c` -> scheduler                           |
-| `{ns}.spans.{role}`          | OTLP protobuf bytes| every traced actor -> JetStream stream `{ns}-spans` (with `--trace-buffer jetstream`) |
+| `{ns}.spans.{role}`          | OTLP span batch    | traced actors -> JetStream stream `{ns}-spans`    |
 
-Tracing names spans after subject templates (`subject_template`: `out.{rid}`, `tokens.{shard}`, ...), never
-after a concrete per-request subject.
+(`{ns}.spans.*` only with `--trace-buffer jetstream`: OTLP protobuf bytes, stored by JetStream, read by the
+trace exporter.) Tracing names spans after subject templates (`subject_template`: `out.{rid}`,
+`tokens.{shard}`, ...), never after a concrete per-request subject.
 
 Rids become subject tokens, so they are validated: `.`, `*`, `>` or whitespace in a rid would route a
 stream to the wrong subscriber or let a wildcard subscriber read every stream.

@@ -23,6 +23,7 @@ from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 log = logging.getLogger("tracing")
 MSG_ID_HEADER = "Nats-Msg-Id"
+HEADROOM = 512  # bytes of max_payload for the headers: the server counts them, nats-py does not
 
 
 class JetStreamSpanExporter(SpanExporter):
@@ -32,8 +33,9 @@ class JetStreamSpanExporter(SpanExporter):
     """
 
     def __init__(self, js: Any, loop: asyncio.AbstractEventLoop, subject: str, msg_id_prefix: str,
-                 timeout: float = 5.0, attempts: int = 5) -> None:
+                 max_payload: int, timeout: float = 5.0, attempts: int = 5) -> None:
         self._js = js
+        self._max_payload = max_payload - HEADROOM
         self._loop = loop
         self._loop_thread = threading.get_ident()
         self._subject = subject
@@ -72,6 +74,8 @@ class JetStreamSpanExporter(SpanExporter):
         """"ok", "too large", or why the last attempt failed; the same msg id on every attempt (dedupe)."""
         import nats.errors
 
+        if len(data) > self._max_payload:
+            return "too large"
         last = "not tried"
         for attempt in range(self._attempts):
             try:

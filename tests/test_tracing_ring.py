@@ -85,7 +85,8 @@ def test_one_request_is_one_trace_across_four_processes(traced: tuple[ServerHand
     # the root carries what an operator asks first
     usage = [json.loads(line[6:]) for line in lines[:-1]]
     assert root.attributes["gen_ai.usage.output_tokens"] == 6
-    assert root.attributes["gen_ai.usage.input_tokens"] == one(spans, "generate").attributes["gen_ai.usage.input_tokens"]
+    prompt_tokens = one(spans, "generate").attributes["gen_ai.usage.input_tokens"]
+    assert root.attributes["gen_ai.usage.input_tokens"] == prompt_tokens > 0
     assert "gen_ai.usage.cache_read.input_tokens" in root.attributes
     assert root.attributes["gen_ai.request.max_tokens"] == 6 and root.attributes["gen_ai.request.temperature"] == 0.5
     assert root.attributes["gen_ai.request.top_p"] == 0.9

@@ -30,7 +30,8 @@ def test_flags_and_otel_variables_decide_whether_and_where_spans_go() -> None:
     assert full.enabled and full.traces_url == "http://j:4318/custom"  # the signal URL is used as given
     grpc = TracingConfig.resolve(env={"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"})
     assert grpc.enabled and grpc.protocol == "grpc" and grpc.traces_url == "http://localhost:4317"
-    assert not TracingConfig.resolve(env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://j:4318", "OTEL_SDK_DISABLED": "true"}).enabled
+    assert not TracingConfig.resolve(env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://j:4318",
+                                          "OTEL_SDK_DISABLED": "true"}).enabled
     assert not TracingConfig.resolve(env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://j:4318",
                                           "OTEL_TRACES_EXPORTER": "none"}).enabled
     assert TracingConfig.resolve(env={"OTEL_TRACES_EXPORTER": "console"}).exporter == "console"
@@ -105,6 +106,7 @@ def test_tracing_off_installs_nothing_imports_no_sdk_and_starts_no_exporter_thre
 
 
 def test_jetstream_exporter_waits_for_the_ack_and_stores_a_retried_batch_once(tmp_path: Path) -> None:
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -112,7 +114,7 @@ def test_jetstream_exporter_waits_for_the_ack_and_stores_a_retried_batch_once(tm
     from actors.launcher.trace_buffer import jetstream_block
     from bus.embedded_server import EmbeddedNatsServer
     from bus.span_stream import ensure_span_stream, read_span_stream
-    from observability.jetstream_exporter import JetStreamSpanExporter
+    from observability.jetstream_exporter import HEADROOM, JetStreamSpanExporter
     from observability.otlp_decode import decode_request
 
     memory = InMemorySpanExporter()
@@ -129,7 +131,7 @@ def test_jetstream_exporter_waits_for_the_ack_and_stores_a_retried_batch_once(tm
         nc = await nats.connect(url)
         js = nc.jetstream()
         await ensure_span_stream(js, subjects)
-        exporter = JetStreamSpanExporter(js, asyncio.get_running_loop(), subjects.spans("entry"), "p")
+        exporter = JetStreamSpanExporter(js, asyncio.get_running_loop(), subjects.spans("entry"), "p", nc.max_payload)
         results: list[object] = []
 
         def export_twice() -> None:  # the processor's thread; the same id twice, as a retry after a lost ack
@@ -142,14 +144,23 @@ def test_jetstream_exporter_waits_for_the_ack_and_stores_a_retried_batch_once(tm
         while worker.is_alive():
             await asyncio.sleep(0.05)
         assert [str(r) for r in results] == ["SpanExportResult.SUCCESS"] * 3
-        assert exporter.export(list(spans)).name == "FAILURE"  # never on the loop's own thread (it would deadlock)
+        assert exporter.export(list(spans)).name == "FAILURE"  # never on the loop's own thread (a deadlock)
+        one = len(encode_spans(spans[:1]).SerializeToString())
+        small = JetStreamSpanExporter(js, asyncio.get_running_loop(), subjects.spans("entry"), "s",
+                                      HEADROOM + one + 8)  # one span fits, two do not
+        worker = threading.Thread(target=lambda: results.append(small.export(list(spans))))
+        worker.start()  # too large together: the batch is halved until each part fits
+        while worker.is_alive():
+            await asyncio.sleep(0.05)
+        assert str(results[-1]) == "SpanExportResult.SUCCESS" and small.exported_batches == 3
         stored = [s async for data in read_span_stream(js, subjects) for s in decode_request(data)]
         await nc.close()
         return stored
 
     with EmbeddedNatsServer(extra_config=jetstream_block(tmp_path / "js")) as server:
         stored = asyncio.run(scenario(server.url))
-    assert sorted(s.name for s in stored) == ["a", "a", "b", "c"]  # the retried batch once, the next batch once
+    # the retried batch once, the next batch once, the halved batch in parts
+    assert sorted(s.name for s in stored) == ["a", "a", "a", "b", "b", "c", "c"]
 
 
 def test_forwarder_reports_a_collector_that_is_down_as_retryable() -> None:

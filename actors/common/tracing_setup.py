@@ -29,7 +29,7 @@ def span_exporter(config: TracingConfig, bus: BusConnection, subjects: Subjects,
         from observability.jetstream_exporter import JetStreamSpanExporter
 
         return JetStreamSpanExporter(bus.client.jetstream(), asyncio.get_running_loop(), subjects.spans(role),
-                                     msg_id_prefix=f"{role}{rank}-{uuid.uuid4().hex}")
+                                     msg_id_prefix=f"{role}{rank}-{uuid.uuid4().hex}", max_payload=bus.max_payload)
     if config.exporter == "console":
         from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
