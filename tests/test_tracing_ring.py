@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import httpx
 import pytest
@@ -33,7 +33,9 @@ def traced(tiny_model_dir: Path) -> Iterator[tuple[ServerHandle, OtlpReceiver]]:
                 assert server.stop() == 0
 
 
-def complete(trace_id: str, root: str) -> "callable[[list[SpanRecord]], bool]":
+def complete(trace_id: str, root: str) -> Callable[[list[SpanRecord]], bool]:
+    """Whether the spans hold request trace `trace_id` with every span the ring makes for one request."""
+
     def check(spans: list[SpanRecord]) -> bool:
         names = {s.name for s in spans if s.trace_id == trace_id}
         return root in names and REQUEST_SPANS <= names

@@ -203,3 +203,47 @@ def test_waterfall_draws_the_tree_with_bars_events_and_linked_steps() -> None:
     assert "prefill chunk ringserve.prompt.tokens=7" in text and "served by 1 scheduler steps" in text
     assert "scheduler step" in render(trace, width=20, show_steps=True)
     assert select_request(spans, "nope") == []
+
+
+def test_otlp_grpc_exports_and_forwards_when_the_grpc_extra_is_installed() -> None:
+    grpc = pytest.importorskip("grpc")
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc")
+    from concurrent import futures
+
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from actors.common.tracing_setup import span_exporter
+    from bus.embedded_server import free_port
+    from observability.otlp_forward import OtlpForwarder
+
+    got: list[str] = []
+
+    class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+        def Export(self, request, context):  # noqa: N802 (gRPC's naming)
+            got.extend(s.name for rs in request.resource_spans for ss in rs.scope_spans for s in ss.spans)
+            return trace_service_pb2.ExportTraceServiceResponse()
+
+    port = free_port()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Collector(), server)
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    try:
+        config = TracingConfig.resolve(f"http://127.0.0.1:{port}", "grpc", env={})
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(span_exporter(config, None, Subjects("g"), "entry", 0)))
+        provider.get_tracer("t").start_span("direct").end()  # the actors' direct exporter
+        provider.shutdown()
+        memory_provider = TracerProvider()
+        memory = InMemorySpanExporter()
+        memory_provider.add_span_processor(SimpleSpanProcessor(memory))
+        memory_provider.get_tracer("t").start_span("forwarded").end()
+        body = encode_spans(memory.get_finished_spans()).SerializeToString()
+        assert OtlpForwarder(config).send(body).accepted  # the trace exporter's forwarder
+    finally:
+        server.stop(0)
+    assert got == ["direct", "forwarded"]
