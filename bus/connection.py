@@ -189,6 +189,11 @@ class BusConnection:
     def max_payload(self) -> int:
         return self.client.max_payload
 
+    @property
+    def num_subscriptions(self) -> int:
+        """Subscriptions open on this connection (per-request ones must not pile up)."""
+        return len(self.client._subs)
+
     async def flush(self) -> None:
         await self.client.flush()
 

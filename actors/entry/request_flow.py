@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections import Counter
 from typing import Any, AsyncIterator
 
@@ -60,6 +61,15 @@ class DisconnectWatch:
         self._task.cancel()
 
 
+def resident_bytes() -> int:
+    """This process's resident memory (Linux; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
 class EntryService:
     """The entry's view of the ring: live rids, admission, request submission, scheduler queries and commands.
 
@@ -92,7 +102,8 @@ class EntryService:
         return {"entry_admitted_total": self.admitted_total, "entry_terminal_total": self.terminal_total,
                 "entry_live_requests": len(self.live), "entry_terminal_by_kind": dict(self.terminal_by_kind),
                 "entry_rejected_busy_total": self.rejected_busy_total,
-                "entry_max_queued_requests": self.max_queued_requests}
+                "entry_max_queued_requests": self.max_queued_requests,
+                "entry_subscriptions": self.client.bus.num_subscriptions, "entry_rss_bytes": resident_bytes()}
 
     def check_payload(self, gen_req: GenerateRequest) -> None:
         """ApiError unless `gen_req` encodes for the bus: 400 if it cannot, 413 beyond NATS max_payload."""

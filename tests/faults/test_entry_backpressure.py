@@ -29,6 +29,8 @@ def small_server(tiny_model_dir: Path) -> Iterator[ServerHandle]:
 
 def test_load_above_capacity_gets_fast_503s_and_leaves_nothing(small_server: ServerHandle) -> None:
     base = small_server.base_url
+    httpx.post(base + "/v1/completions", json={**BODY, "max_tokens": 2}, timeout=60)  # warm
+    before = server_info(base)
     results: list[tuple[int, float, httpx.Response]] = []
     barrier = threading.Barrier(CLIENTS)
 
@@ -63,7 +65,11 @@ def test_load_above_capacity_gets_fast_503s_and_leaves_nothing(small_server: Ser
             break
         time.sleep(0.2)
     assert settled, info["actors"]
-    assert info["entry_admitted_total"] == info["entry_terminal_total"] == len(ok), info
+    assert info["entry_admitted_total"] - before["entry_admitted_total"] == len(ok), info
+    assert info["entry_admitted_total"] == info["entry_terminal_total"], info
+    # nothing piles up: per-request subscriptions are gone and the entry's memory is flat
+    assert info["entry_subscriptions"] == before["entry_subscriptions"], (before, info)
+    assert info["entry_rss_bytes"] - before["entry_rss_bytes"] < 32 * 2**20, (before, info)
     assert info["entry_rejected_busy_total"] == len(busy)
     assert info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0
     assert httpx.post(base + "/v1/completions", json={**BODY, "max_tokens": 2}, timeout=60).status_code == 200
