@@ -8,27 +8,15 @@ from typing import Iterator
 import pytest
 
 from bus.embedded_server import EmbeddedNatsServer
-from tests.server_helpers import ServerHandle, start_server
+from tests.server_helpers import ServerHandle, save_tiny_model, start_server
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random-weight Llama saved as safetensors, with the real SmolLM2 tokenizer: a ring starts in seconds."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from actors.common.model_source import load_tokenizer, resolve_model
-
-    directory = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
-    LlamaForCausalLM(config).save_pretrained(directory)
-    load_tokenizer(resolve_model("SmolLM2-135M-Instruct")).save_pretrained(directory)
-    return directory
+    """A tiny model with a 4096-token context: a whole ring starts in seconds."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), 4096)
 
 
 @pytest.fixture(scope="session")

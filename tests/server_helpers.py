@@ -106,3 +106,19 @@ def wait_until_idle(base_url: str, timeout: float = 20.0) -> dict[str, Any]:
             return info
         time.sleep(0.1)
     return info
+
+
+def save_tiny_model(directory: Path, context_length: int) -> Path:
+    """Save a tiny random-weight Llama (safetensors) with the real SmolLM2 tokenizer into `directory`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from actors.common.model_source import load_tokenizer, resolve_model
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context_length,
+                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(directory)
+    load_tokenizer(resolve_model("SmolLM2-135M-Instruct")).save_pretrained(directory)
+    return directory

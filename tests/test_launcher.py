@@ -14,26 +14,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server_helpers import REPO, start_server
+from tests.server_helpers import REPO, save_tiny_model, start_server
 
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random-weight Llama saved as safetensors, with the real SmolLM2 tokenizer."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from actors.common.model_source import load_tokenizer, resolve_model
-
-    directory = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
-    LlamaForCausalLM(config).save_pretrained(directory)
-    load_tokenizer(resolve_model("SmolLM2-135M-Instruct")).save_pretrained(directory)
-    assert list(directory.glob("*.safetensors"))
-    return directory
+    """A tiny model with a 512-token context (the test reads it back as max_model_len)."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama-512"), 512)
 
 
 def test_bad_model_fails_fast_with_a_message() -> None:

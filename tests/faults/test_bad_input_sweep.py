@@ -15,7 +15,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from tests.server_helpers import ServerHandle, server_info, start_server
+from tests.server_helpers import ServerHandle, save_tiny_model, server_info, start_server
 
 SEED = 20260601
 MAX_EXAMPLES = 12  # per operation and phase: about 1000 requests, under a minute on 2 cores
@@ -25,20 +25,8 @@ SHORT = {"max_tokens": 8, "max_completion_tokens": 8, "max_new_tokens": 8, "min_
 
 @pytest.fixture(scope="module")
 def short_context_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random-weight Llama with a 128-token context: even a fuzzed request without max_tokens is short."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from actors.common.model_source import load_tokenizer, resolve_model
-
-    directory = tmp_path_factory.mktemp("tiny-llama-128")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
-    LlamaForCausalLM(config).save_pretrained(directory)
-    load_tokenizer(resolve_model("SmolLM2-135M-Instruct")).save_pretrained(directory)
-    return directory
+    """A tiny model with a 128-token context: even a fuzzed request without max_tokens is short."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama-128"), 128)
 
 
 @pytest.fixture(scope="module")
