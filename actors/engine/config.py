@@ -55,7 +55,7 @@ class EngineConfig:
     schedule_policy: str = field(default="fcfs", metadata=_flag(
         "order of admission: fcfs (arrival) or lpm (longest cached prefix first)", choices=SCHEDULE_POLICIES))
     torch_threads: int = field(default=0, metadata=_flag(
-        "threads for the scheduler's torch compute (0 = one per CPU core)"))
+        "threads for the scheduler's torch compute (0 = all CPU cores but one, left to the other actors)"))
     cuda_graph_max_bs: int = field(default=160, metadata=_flag(
         "largest decode batch replayed from a captured CUDA graph (sizes 1, 2, 4, 8, then steps of 8); larger "
         "batches, prefill and mixed batches run eagerly; only on cuda"))
