@@ -30,6 +30,7 @@ class ModelRunner:
         on CUDA; `capture=False` replays eagerly, for tests on any device); 0 runs everything eagerly."""
         self.model = model
         self.table = table
+        self._threads: tuple[int, int, int] | None = None
         self.device = table.table.device
         self.backend: AttentionBackend = create_backend(backend, pool.k, pool.v, model.config.num_attention_heads)
         if backend == "triton" and self.device.type == "cuda":
@@ -38,8 +39,25 @@ class ModelRunner:
         if cuda_graph_max_bs > 0:
             self.graphs = CudaGraphRunner(model, self.backend, table.table, cuda_graph_max_bs, capture=capture)
 
+    def set_thread_policy(self, small: int, large: int, large_from_tokens: int) -> None:
+        """Run steps of fewer than `large_from_tokens` tokens on `small` torch threads, larger ones on `large`.
+
+        Small steps (decode) are bound by memory and by thread synchronisation, which suffers when other
+        processes share the cores; large ones (prefill) are compute-bound GEMMs that use every core.
+        """
+        self._threads = (small, large, large_from_tokens)
+
+    def _apply_thread_policy(self, num_tokens: int) -> None:
+        if self._threads is None:
+            return
+        small, large, large_from = self._threads
+        wanted = large if num_tokens >= large_from else small
+        if wanted != torch.get_num_threads():
+            torch.set_num_threads(wanted)
+
     def forward(self, batch: Batch) -> ForwardOutput:
         """Compute the batch's tokens and sample the next token of each sampling row."""
+        self._apply_thread_policy(batch.num_tokens)
         # One new token per request, each sampling (a 1-token chunk that does not sample runs eagerly).
         if self.graphs is not None and all(batch.samples) and self.graphs.can_run(batch.extend_lens):
             logits = self.graphs.replay(batch.input_ids, batch.starts, [req.row for req in batch.reqs])

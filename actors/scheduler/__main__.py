@@ -15,13 +15,6 @@ from actors.common.runtime import add_bus_arguments, run_actor  # noqa: E402
 from actors.engine.config import EngineConfig  # noqa: E402
 
 
-def default_torch_threads() -> int:
-    """All cores but one: the other actors (entry, tokenizer, detokenizer, NATS) work on every token, and a
-    torch thread that loses its core to them stalls every parallel region. Measured over the ring on 2 cores,
-    one thread beat two at every batch size (int8 at 32 streams: 406 vs 306 tok/s)."""
-    return max(1, (os.cpu_count() or 1) - 1)
-
-
 def main() -> None:
     """Parse flags, set torch threads and run the scheduler actor until stopped."""
     parser = argparse.ArgumentParser(prog="ringserve-scheduler", description="ringserve scheduler actor",
@@ -39,7 +32,7 @@ def main() -> None:
 
     import torch
 
-    torch.set_num_threads(config.torch_threads or default_torch_threads())
+    torch.set_num_threads(config.torch_threads or os.cpu_count() or 1)
     from actors.scheduler.actor import scheduler_main
 
     run_actor("scheduler", args, lambda ctx: scheduler_main(ctx, args.model, config, args.detokenizer_shards),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import OrderedDict, defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +35,7 @@ from observability.logging import log_event
 
 log = logging.getLogger("scheduler")
 ABORT_MEMORY_SECONDS = 60.0
+LARGE_STEP_TOKENS = 64  # steps with at least this many tokens (prefill chunks) run on every core
 CONTROL_ACTIONS = ("flush_cache", "abort_all", "pause", "continue")
 
 
@@ -45,6 +47,12 @@ class SchedulerActor:
         self._shards = detokenizer_shards
         self._source = resolve_model(model)
         self._engine = Engine.from_source(self._source, config)
+        cores = os.cpu_count() or 1
+        if config.torch_threads == 0 and cores > 1:
+            # The other actors work on every token: small (decode) steps leave them a core, since a torch
+            # thread that loses its core stalls every parallel region. Measured over the ring on 2 cores,
+            # int8 decode at 32 streams: 406 tok/s on one thread, 306 on two; prefill is faster on two.
+            self._engine.runner.set_thread_policy(cores - 1, cores, LARGE_STEP_TOKENS)
         self._inbox: list[tuple[str, Any]] = []
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
