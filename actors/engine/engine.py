@@ -78,7 +78,7 @@ class Engine:
         self.stop_checker = StopChecker(tokenizer, self.context_length)
         self.live: dict[str, Req] = {}
         self.num_retractions = 0
-        self.last_plan: StepPlan | None = None  # what the last `step` ran (for the scheduler's step spans)
+        self._last_batch: Batch | None = None
         self._prompt_tokens = 0
         self._cached_tokens = 0
 
@@ -141,13 +141,7 @@ class Engine:
 
         If the forward fails, every request of the batch ends with an "error" finish and the engine goes on.
         """
-        batch = self.schedule()
-        self.last_plan = None if batch is None else StepPlan(
-            [req.rid for req in batch.reqs[:batch.num_decode]],
-            [(req.rid, start, n) for req, start, n in zip(batch.reqs[batch.num_decode:],
-                                                          batch.starts[batch.num_decode:],
-                                                          batch.extend_lens[batch.num_decode:])],
-            batch.num_tokens)
+        batch = self._last_batch = self.schedule()
         if batch is None:
             return []
         try:
@@ -156,6 +150,16 @@ class Engine:
             log.exception("forward pass failed; ending the %d requests of its batch", len(batch.reqs))
             return [self._fail(req, f"the forward pass failed: {exc!r}") for req in batch.reqs]
         return self.finish(batch, out)
+
+    @property
+    def last_plan(self) -> StepPlan | None:
+        """What the last `step` ran, as plain data (built only when asked: the scheduler's step spans)."""
+        batch = self._last_batch
+        if batch is None:
+            return None
+        d = batch.num_decode
+        prefill = list(zip([r.rid for r in batch.reqs[d:]], batch.starts[d:], batch.extend_lens[d:]))
+        return StepPlan([r.rid for r in batch.reqs[:d]], prefill, batch.num_tokens)
 
     def schedule(self) -> Batch | None:
         """Plan the next forward and allocate everything it needs; None when there is nothing to run."""
@@ -269,6 +273,7 @@ class Engine:
         first = not req.first_row_sent
         if first:
             req.first_row_sent = True
+        if first and req.admitted:  # the hit rate counts prompts that reached the prefix cache
             self._prompt_tokens += req.prompt_len
             self._cached_tokens += req.cached_tokens
         return TokenOutput(rid=req.rid, token_ids=token_ids, prompt_tokens=req.prompt_len,
