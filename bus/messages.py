@@ -107,6 +107,7 @@ class TokenRow:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     finish: FinishReason | None = None
     decode: DecodeParams | None = None  # set on the request's first row only, for the detokenizer
+    queue_time: float | None = None  # first row only: seconds the request waited in the scheduler's queue
     logprobs: list[float] = field(default_factory=list)
     top_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
@@ -170,6 +171,7 @@ class RequestOutput:
     finish: FinishReason | None = None
     error: ErrorInfo | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    queue_time: float | None = None  # first output only: seconds the request waited in the scheduler's queue
 
     @property
     def is_last(self) -> bool:

@@ -115,3 +115,17 @@ def test_abort_frees_kv_of_running_and_waiting_requests(reference: dict[str, Any
     assert engine.abort("r0") is not None
     assert engine.stats().kv_running_tokens == 0 and not engine.has_work()
     assert engine.add_request(requests(reference["prompts"][:1])[0]) is None, "an aborted rid may be reused"
+
+
+def test_queue_time_is_reported_once_and_counts_the_wait_for_a_slot(reference: dict[str, Any]) -> None:
+    engine = engine_for(reference["hf"], max_running_requests=1)
+    rows = run_to_completion(engine, requests(reference["prompts"][:2]))
+    for req_rows in rows.values():
+        assert req_rows[0].first and req_rows[0].queue_time is not None and req_rows[0].queue_time >= 0
+        assert all(row.queue_time is None for row in req_rows[1:])
+    # r1 waited in the queue for all of r0's steps
+    assert rows["r1"][0].queue_time > rows["r0"][0].queue_time
+    aborted = engine_for(reference["hf"])
+    assert aborted.add_request(requests(reference["prompts"][:1])[0]) is None
+    final = aborted.abort("r0")
+    assert final is not None and final.first and final.queue_time is None  # never admitted: no queue time

@@ -97,10 +97,12 @@ def test_metrics_move_as_requests_are_served(smollm_server: ServerHandle) -> Non
     assert moved("num_requests_total", finish_reason="length") == finishes.count("length") >= 1
     assert moved("num_requests_total", finish_reason="stop") == finishes.count("stop") >= 1
     assert moved("num_requests_total", finish_reason="error") == moved("num_requests_total", finish_reason="abort") == 0
-    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds"):
         assert moved(name + "_count") == 4
         assert moved(name + "_sum") > 0
         assert moved(name + "_bucket", le="+Inf") == 4
+    # queue time is part of the time to the first token
+    assert moved("request_queue_time_seconds_sum") < moved("time_to_first_token_seconds_sum")
     assert moved("inter_token_latency_seconds_count") == generated - 4  # every token after each first one
     assert value(after, "e2e_request_latency_seconds_sum") >= value(after, "time_to_first_token_seconds_sum")
     assert value(after, "scheduler_up") == 1
@@ -147,7 +149,7 @@ def test_request_timer_times_tokens_and_ends_once() -> None:
     metrics = RequestMetrics("m", clock=clock)
     timer = metrics.timer()
     clock.now += 0.5
-    timer.output(RequestOutput(rid="r", prompt_tokens=10, cached_tokens=4, completion_tokens=1))
+    timer.output(RequestOutput(rid="r", prompt_tokens=10, cached_tokens=4, completion_tokens=1, queue_time=0.25))
     clock.now += 0.3
     timer.output(RequestOutput(rid="r", prompt_tokens=10, cached_tokens=4, completion_tokens=4))  # 3 tokens
     clock.now += 0.2
@@ -158,6 +160,8 @@ def test_request_timer_times_tokens_and_ends_once() -> None:
     assert value(scraped, "prompt_tokens_total") == 10 and value(scraped, "cached_tokens_total") == 4
     assert value(scraped, "generation_tokens_total") == 4
     assert value(scraped, "time_to_first_token_seconds_sum") == pytest.approx(0.5)
+    assert value(scraped, "request_queue_time_seconds_sum") == pytest.approx(0.25)
+    assert value(scraped, "request_queue_time_seconds_count") == 1
     assert value(scraped, "inter_token_latency_seconds_count") == 3
     assert value(scraped, "inter_token_latency_seconds_sum") == pytest.approx(0.3)
     assert value(scraped, "e2e_request_latency_seconds_sum") == pytest.approx(1.0)

@@ -74,14 +74,14 @@ class DetokenizerActor:
                 # finished before its first row reached us (an abort while waiting): nothing to decode
                 return RequestOutput(rid=row.rid, prompt_tokens=row.prompt_tokens,
                                      completion_tokens=row.completion_tokens, cached_tokens=row.cached_tokens,
-                                     finish=row.finish)
+                                     finish=row.finish, queue_time=row.queue_time)
             decoder = self._decoders[row.rid] = IncrementalDecoder(self._tokenizer, row.decode)
         text = decoder.feed(row.token_ids, row.finish)
         if row.finish is not None:
             del self._decoders[row.rid]
         return RequestOutput(rid=row.rid, text=text, token_ids=row.token_ids, prompt_tokens=row.prompt_tokens,
                              completion_tokens=row.completion_tokens, cached_tokens=row.cached_tokens,
-                             finish=row.finish, logprobs=self._logprobs(row))
+                             finish=row.finish, logprobs=self._logprobs(row), queue_time=row.queue_time)
 
     def _logprobs(self, row: TokenRow) -> list[TokenLogprob]:
         """The row's logprobs with each token's text (one decode per token: only rows that asked pay for it)."""

@@ -278,4 +278,4 @@ class Engine:
             self._cached_tokens += req.cached_tokens
         return TokenOutput(rid=req.rid, token_ids=token_ids, prompt_tokens=req.prompt_len,
                            completion_tokens=req.output_len, cached_tokens=req.cached_tokens, finish=finish,
-                           first=first)
+                           first=first, queue_time=req.queue_time if first else None)

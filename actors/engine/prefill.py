@@ -9,6 +9,7 @@ cached prefix and allocates its slots here, before the forward.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from actors.engine.cache_manager import CacheManager
@@ -89,6 +90,7 @@ class PrefillManager:
             self.cache.extend(req, n)
             if not req.admitted:
                 req.admitted, req.cached_tokens = True, req.prefix_len
+                req.queue_time = time.monotonic() - req.arrived_at
             planned.append((req, n))
             budget -= n
             if n < need:

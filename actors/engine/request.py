@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from actors.engine.types import GenerationParams
@@ -32,6 +33,8 @@ class Req:
     admitted: bool = False  # has been admitted at least once
     first_row_sent: bool = False
     penalties: PenaltyState | None = None
+    arrived_at: float = field(default_factory=time.monotonic)
+    queue_time: float | None = None  # seconds from arrival to first admission, once admitted
 
     @property
     def seq_len(self) -> int:

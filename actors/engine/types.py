@@ -64,7 +64,7 @@ class Rejection:
 class TokenOutput:
     """One request's new tokens from one step (or its final, token-less row after an abort).
 
-    `first` marks the request's first row. `logprobs`/`top_ids`/`top_logprobs` run parallel to `token_ids`
+    `first` marks the request's first row, which also carries the request's `queue_time`. `logprobs`/`top_ids`/`top_logprobs` run parallel to `token_ids`
     when the request asked for logprobs, else they are empty.
     """
 
@@ -75,6 +75,7 @@ class TokenOutput:
     cached_tokens: int
     finish: Finish | None = None
     first: bool = False
+    queue_time: float | None = None  # first row of an admitted request: seconds it waited to be admitted
     logprobs: list[float] = field(default_factory=list)
     top_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)

@@ -17,8 +17,8 @@ Series (names as users of vLLM and SGLang expect, with a `model_name` label):
 - `ringserve:time_to_first_token_seconds`, `ringserve:inter_token_latency_seconds` (the gap between two
   outputs, split evenly over the tokens the later one carries), `ringserve:e2e_request_latency_seconds`
   (requests the ring finished: stop, length, abort), all from the time the entry admitted the request.
-
-Queue time is not here: no message the entry receives says when a request left the scheduler's queue.
+- `ringserve:request_queue_time_seconds`: how long each request waited in the scheduler's queue before its
+  first admission (measured by the engine, carried on the request's first output).
 """
 
 from __future__ import annotations
@@ -71,6 +71,9 @@ class RequestMetrics:
                               TTFT_BUCKETS).labels(served_model)
         self.itl = histogram("inter_token_latency_seconds", "Time between two generated tokens.",
                              ITL_BUCKETS).labels(served_model)
+        self.queue_time = histogram("request_queue_time_seconds",
+                                    "Time a request waited in the scheduler's queue before it was admitted.",
+                                    E2E_BUCKETS).labels(served_model)
         self.e2e = histogram("e2e_request_latency_seconds", "Time from admission to the last output.",
                              E2E_BUCKETS).labels(served_model)
 
@@ -93,6 +96,7 @@ class RequestTimer:
         self.last_token_at: float | None = None
         self.completion_tokens = 0
         self.prompt_counted = False
+        self.queue_timed = False
         self.ended = False
 
     def output(self, out: RequestOutput) -> None:
@@ -105,6 +109,9 @@ class RequestTimer:
             self.prompt_counted = True
             m.prompt_tokens.inc(out.prompt_tokens)
             m.cached_tokens.inc(out.cached_tokens)
+        if out.queue_time is not None and not self.queue_timed:
+            self.queue_timed = True
+            m.queue_time.observe(out.queue_time)
         new = out.completion_tokens - self.completion_tokens
         if new > 0:
             self.completion_tokens = out.completion_tokens

@@ -30,4 +30,4 @@ def token_row(out: TokenOutput, decode: DecodeParams | None) -> TokenRow:
     return TokenRow(rid=out.rid, token_ids=out.token_ids, prompt_tokens=out.prompt_tokens,
                     completion_tokens=out.completion_tokens, cached_tokens=out.cached_tokens,
                     finish=finish_reason(out.finish), decode=decode, logprobs=out.logprobs, top_ids=out.top_ids,
-                    top_logprobs=out.top_logprobs)
+                    top_logprobs=out.top_logprobs, queue_time=out.queue_time)
