@@ -17,11 +17,12 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="triton is not installed (it comes with the test extra: pip install -e .[test])")
 
-from tests.engine_helpers import tiny_hf_llama, torch_single_thread  # noqa: E402,F401  (autouse fixture)
+from tests.engine_helpers import (  # noqa: E402,F401  (torch_single_thread: autouse fixture)
+    engine_for, greedy, run_to_completion, tiny_hf_llama, tokens_of, torch_single_thread)
 from tests.test_kernels_attention import dense_reference  # noqa: E402
 
 from actors.engine.llama import RMSNorm, RotaryEmbedding  # noqa: E402
-from actors.engine.model_runner import use_triton_norms  # noqa: E402
+from actors.engine.model_runner import use_triton_kernels  # noqa: E402
 from actors.engine.weights import model_from_hf  # noqa: E402
 from actors.engine.llama import apply_rotary as torch_apply_rotary  # noqa: E402
 from kernels.attention import ForwardInfo, TorchPagedBackend, backend_names, create_backend  # noqa: E402
@@ -136,12 +137,31 @@ def test_model_with_triton_norms_gives_the_same_logits() -> None:
     model = model_from_hf(hf.config, hf.state_dict(), DEVICE)
     x = torch.randn(3, hf.config.hidden_size, device=DEVICE)
     expected = [model.model.norm(x), model.model.layers[1].post_attention_layernorm(x)]
-    use_triton_norms(model)
+    use_triton_kernels(model)
     assert isinstance(model.model.norm, TritonRMSNorm)
     assert not any(isinstance(m, RMSNorm) for m in model.modules()), "every RMSNorm is swapped"
     got = [model.model.norm(x), model.model.layers[1].post_attention_layernorm(x)]
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+
+
+def test_engine_with_triton_norms_and_rotary_generates_the_same_tokens() -> None:
+    from actors.engine.types import EngineRequest
+    from kernels.triton.rotary import apply_rotary as triton_apply_rotary
+
+    hf = tiny_hf_llama()
+    prompts = [[5, 9, 2, 7, 11, 3], [4, 8]]
+
+    def generate(swap: bool) -> dict[str, list[int]]:
+        engine = engine_for(hf, device=DEVICE.type)
+        if swap:
+            use_triton_kernels(engine.runner.model)
+            assert all(layer.self_attn.rotary is triton_apply_rotary for layer in engine.runner.model.model.layers)
+        rows = run_to_completion(engine, [EngineRequest(f"r{i}", p, greedy(6)) for i, p in enumerate(prompts)])
+        return {rid: tokens_of(r) for rid, r in rows.items()}
+
+    expected = generate(swap=False)
+    assert generate(swap=True) == expected and all(len(t) == 6 for t in expected.values())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

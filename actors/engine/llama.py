@@ -10,7 +10,7 @@ from float32 frequencies) so greedy decoding matches it token for token. Attenti
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -78,6 +78,8 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = nn.Linear(self.q_size, hidden, bias=bias)
+        # swappable for a fused kernel (model_runner.use_triton_kernels), as the norms are
+        self.rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = apply_rotary
 
     def forward(
         self,
@@ -92,7 +94,7 @@ class Attention(nn.Module):
         q = q.reshape(t, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = self.rotary(q, cos, sin), self.rotary(k, cos, sin)
         out = backend.forward(q, k, v, self.layer, meta)  # [T, H, D]
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))  # [T, C]
 

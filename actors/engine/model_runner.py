@@ -12,7 +12,7 @@ import torch
 from actors.engine.batch import Batch, ForwardOutput
 from actors.engine.cuda_graph import CudaGraphRunner
 from actors.engine.kv_pool import KVPool
-from actors.engine.llama import LlamaForCausalLM, RMSNorm
+from actors.engine.llama import Attention, LlamaForCausalLM, RMSNorm
 from actors.engine.token_table import TokenTable
 from kernels.attention import AttentionBackend, ForwardInfo, create_backend
 from kernels.host_copy import to_device
@@ -34,7 +34,7 @@ class ModelRunner:
         self.device = table.table.device
         self.backend: AttentionBackend = create_backend(backend, pool.k, pool.v, model.config.num_attention_heads)
         if backend == "triton" and self.device.type == "cuda":
-            use_triton_norms(model)
+            use_triton_kernels(model)
         self.graphs: CudaGraphRunner | None = None
         if cuda_graph_max_bs > 0:
             self.graphs = CudaGraphRunner(model, self.backend, table.table, cuda_graph_max_bs, capture=capture)
@@ -109,11 +109,14 @@ class ModelRunner:
         return result
 
 
-def use_triton_norms(model: LlamaForCausalLM) -> None:
-    """Replace every RMSNorm of `model` by one computed with the fused Triton kernel (same weights)."""
+def use_triton_kernels(model: LlamaForCausalLM) -> None:
+    """Run `model`'s RMSNorms and rotary embeddings with the fused Triton kernels (same weights, same math)."""
     from kernels.triton.rmsnorm import TritonRMSNorm
+    from kernels.triton.rotary import apply_rotary
 
     for module in list(model.modules()):
+        if isinstance(module, Attention):
+            module.rotary = apply_rotary
         for name, child in list(module.named_children()):
             if isinstance(child, RMSNorm):
                 setattr(module, name, TritonRMSNorm(child.weight, child.eps))
