@@ -8,7 +8,7 @@ from torch import nn
 
 from actors.engine.types import EngineRequest
 from actors.engine.weights import model_from_hf
-from kernels.quantization import Int8DynamicLinear, quantize_linears
+from kernels.quantization import Int8Linear, quantize_linears
 from tests.engine_helpers import (
     engine_for,
     greedy,
@@ -24,10 +24,24 @@ def test_int8_linear_is_close_to_float() -> None:
     linear = nn.Linear(64, 96, bias=True)
     x = torch.randn(5, 3, 64)
     expected = linear(x)
-    got = Int8DynamicLinear(linear)(x)
+    got = Int8Linear(linear)(x)
     assert got.shape == expected.shape
     relative = (got - expected).norm() / expected.norm()
     assert relative < 0.02, relative
+
+
+def test_int8_rows_do_not_depend_on_their_batch() -> None:
+    """Activations are scaled per row: a token with huge activations (an attention sink) in the same batch
+    changes nothing for the others."""
+    torch.manual_seed(1)
+    quantized = Int8Linear(nn.Linear(64, 32, bias=False))
+    x = torch.randn(4, 64)
+    alone = quantized(x)
+    sink = torch.zeros(1, 64)
+    sink[0, 3] = 500.0
+    together = quantized(torch.cat([sink, x]))[1:]
+    assert torch.equal(together, alone)
+    assert torch.equal(quantized(x[2:3]), alone[2:3])
 
 
 def test_quantize_linears_replaces_every_projection_and_the_head() -> None:
@@ -35,7 +49,7 @@ def test_quantize_linears_replaces_every_projection_and_the_head() -> None:
     model = model_from_hf(hf.config, hf.state_dict())
     quantize_linears(model, "int8")
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
-    assert isinstance(model.lm_head, Int8DynamicLinear)
+    assert isinstance(model.lm_head, Int8Linear)
     with pytest.raises(ValueError, match="int3"):
         quantize_linears(model, "int3")
 
