@@ -1,7 +1,8 @@
 """Quality cost of `--quantization int8`: greedy agreement with float32 over a fixed prompt set.
 
 Runs the engine in-process twice on the same chat prompts (float32, then int8 weights) and reports, per
-prompt, how many leading tokens agree and whether the whole greedy continuation is identical.
+prompt, how many leading tokens agree and whether the whole greedy continuation is identical. The prompts run
+as one batch, or with `--sequential` one at a time (batch-1 decode takes int8's single-row kernel).
 
     .venv/bin/python bench/int8_quality.py --max-tokens 64
 """
@@ -27,15 +28,16 @@ PROMPTS = [
 ]
 
 
-def generate(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Greedy continuations of every prompt, batched as the server would run them."""
+def generate(engine: Engine, prompts: list[list[int]], max_tokens: int, sequential: bool = False) -> list[list[int]]:
+    """Greedy continuations of every prompt, batched as the server would run them (or one at a time)."""
     params = GenerationParams(max_tokens, temperature=0.0, stop_token_ids=[engine.tokenizer.eos_token_id])
-    for i, ids in enumerate(prompts):
-        engine.add_request(EngineRequest(f"q{i}", ids, params))
     out: dict[str, list[int]] = {f"q{i}": [] for i in range(len(prompts))}
-    while engine.has_work():
-        for row in engine.step():
-            out[row.rid].extend(row.token_ids)
+    for group in ([[i] for i in range(len(prompts))] if sequential else [list(range(len(prompts)))]):
+        for i in group:
+            engine.add_request(EngineRequest(f"q{i}", prompts[i], params))
+        while engine.has_work():
+            for row in engine.step():
+                out[row.rid].extend(row.token_ids)
     return [out[f"q{i}"] for i in range(len(prompts))]
 
 
@@ -44,6 +46,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--sequential", action="store_true",
+                        help="run the prompts one at a time (batch-1 decode) instead of all together")
     args = parser.parse_args()
     source = resolve_model(args.model)
     results = {}
@@ -53,7 +57,7 @@ def main() -> None:
         prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                         tokenize=True, return_dict=False) for p in PROMPTS]
         with torch.no_grad():
-            results[method] = generate(engine, prompts, args.max_tokens)
+            results[method] = generate(engine, prompts, args.max_tokens, args.sequential)
     same, prefix_total, total = 0, 0, 0
     for prompt, exact, quant in zip(PROMPTS, results["none"], results["int8"]):
         prefix = next((i for i, (a, b) in enumerate(zip(exact, quant)) if a != b), min(len(exact), len(quant)))

@@ -3,12 +3,16 @@
 `quantize_linears(model, method)` replaces the model's `nn.Linear` layers (projections and LM head) with
 quantized ones; the model code knows nothing of it (gpt-fast's approach). One method so far:
 
-- `int8`: per-output-channel symmetric int8 weights and per-row (per-token) symmetric int8 activations,
-  quantized on each call and multiplied by `torch._int_mm` (int8 x int8 -> int32), then rescaled. On AVX2
-  CPUs it is ~3x faster than float32 at batch 1, where decode is bound by reading weights. Activations are
-  scaled per row, not per tensor (fbgemm's dynamic linear, tried first, scales the whole batch by one 7-bit
-  range): a token's output then never depends on the other tokens of its batch, and the attention-sink token
-  whose activations are hundreds of times larger no longer flattens everyone else's to a few levels.
+- `int8`: per-output-channel symmetric int8 weights; activations quantized to int8 on each call with one
+  scale per row (per token). Several rows: symmetric 8-bit, multiplied by `torch._int_mm` (int8 x int8 ->
+  int32) and rescaled. One row (batch-1 decode): fbgemm's dynamic linear, whose single activation range is then
+  that row's (7-bit asymmetric, so its AVX2 u8*s8 pair sums cannot saturate int16), because it is ~2x faster
+  there, the LM head most of all. On AVX2 CPUs int8 is ~3x faster than float32 at batch 1, where decode is
+  bound by reading weights. Scaling per row, not per batch (fbgemm's dynamic linear alone gives a whole batch
+  one range), means a token's output never depends on the other rows of a multi-row batch, and the
+  attention-sink token, whose activations are hundreds of times larger than the rest, no longer flattens
+  every other token of a prefill to a few levels. torch marks fbgemm's quantized-tensor API deprecated; both
+  kernels sit in `Int8Linear` alone, so they can be swapped (torchao) in one place.
 
 `int8_speedup(...)` times float32 against int8 on the model's own shapes, so a server can choose per machine.
 """
@@ -16,6 +20,7 @@ quantized ones; the model code knows nothing of it (gpt-fast's approach). One me
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 from torch import nn
@@ -35,16 +40,24 @@ class Int8Linear(nn.Module):
         self.register_buffer("qweight_t", qweight.t(), persistent=False)
         self.register_buffer("scales", scales, persistent=False)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float(), persistent=False)
+        with warnings.catch_warnings():  # the deprecation is known; this class is the one place to swap it
+            warnings.simplefilter("ignore", UserWarning)
+            per_channel = torch._make_per_channel_quantized_tensor(
+                qweight, scales.double(), torch.zeros_like(scales, dtype=torch.int64), 0)
+        self._packed = torch.ops.quantized.linear_prepack(per_channel, self.bias)
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).float()
-        row_scales = rows.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12).div_(127.0)
-        qrows = (rows / row_scales).round_().to(torch.int8)
-        y = torch._int_mm(qrows, self.qweight_t).float().mul_(row_scales).mul_(self.scales)
-        if self.bias is not None:
-            y.add_(self.bias)
+        if rows.shape[0] == 1:
+            y = torch.ops.quantized.linear_dynamic(rows, self._packed, True)
+        else:
+            row_scales = rows.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12).div_(127.0)
+            qrows = (rows / row_scales).round_().to(torch.int8)
+            y = torch._int_mm(qrows, self.qweight_t).float().mul_(row_scales).mul_(self.scales)
+            if self.bias is not None:
+                y.add_(self.bias)
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
 
