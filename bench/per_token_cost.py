@@ -8,7 +8,7 @@ step) on a tiny random-weight Llama that uses the real model's tokenizer, so the
 host work shows. Timed per step: the engine's `schedule` and `finish` (admission, slot allocation, stop
 checks, caching) and the scheduler actor's conversion of a row to its wire message and its msgpack encoding;
 then the same ids through the detokenizer's `IncrementalDecoder`, one token per feed, with the same stops.
-Prints the mean per token in each 1k-token window and the last window against the second (the first holds
+Prints the median per token in each 1k-token window and the last window against the second (the first holds
 the warm-up); flat means a ratio near 1.
 """
 
@@ -88,12 +88,12 @@ def detokenizer_costs(tokenizer: object, ids: list[int]) -> list[float]:
 
 
 def windows(values: list[float], size: int = 1024) -> list[float]:
-    """Mean of each consecutive `size`-long window (the last partial one dropped if under half full)."""
+    """Median of each consecutive `size`-long window (the last partial one dropped if under half full)."""
     out = []
     for start in range(0, len(values), size):
         chunk = values[start:start + size]
         if len(chunk) >= size // 2:
-            out.append(statistics.mean(chunk))
+            out.append(statistics.median(chunk))
     return out
 
 
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = load_tokenizer(resolve_model(args.model))
     host, forward, ids = engine_costs(tokenizer, args.tokens, args.seed)
     detok = detokenizer_costs(tokenizer, ids)
-    print(f"{len(ids)} tokens generated; mean per token in each 1k window:")
+    print(f"{len(ids)} tokens generated; median per token in each 1k window:")
     print(f"{'window':>10} {'scheduler host us':>18} {'detokenizer us':>15} {'forward us':>11}")
     rows = list(zip(windows(host), windows(detok), windows(forward)))
     for k, (h, d, f) in enumerate(rows):

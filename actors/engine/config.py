@@ -55,8 +55,8 @@ class EngineConfig:
     schedule_policy: str = field(default="fcfs", metadata=_flag(
         "order of admission: fcfs (arrival) or lpm (longest cached prefix first)", choices=SCHEDULE_POLICIES))
     torch_threads: int = field(default=0, metadata=_flag(
-        "threads for the scheduler's torch compute (0 = every core for prefill-sized steps, all but one for "
-        "decode steps, leaving the other actors a core)"))
+        "threads for the scheduler's torch compute (0 on a CPU = every core for prefill-sized steps; for "
+        "decode-sized steps all cores or all but one, whichever the scheduler measures faster as it serves)"))
     cuda_graph_max_bs: int = field(default=160, metadata=_flag(
         "largest decode batch replayed from a captured CUDA graph (sizes 1, 2, 4, 8, then steps of 8); larger "
         "batches, prefill and mixed batches run eagerly; only on cuda"))

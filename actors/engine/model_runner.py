@@ -7,12 +7,15 @@ decision and allocation was made before it is called. Decode-only batches go thr
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from actors.engine.batch import Batch, ForwardOutput
 from actors.engine.cuda_graph import CudaGraphRunner
 from actors.engine.kv_pool import KVPool
 from actors.engine.llama import Attention, LlamaForCausalLM, RMSNorm
+from actors.engine.thread_tuner import ThreadTuner
 from actors.engine.token_table import TokenTable
 from kernels.attention import AttentionBackend, ForwardInfo, create_backend
 from kernels.host_copy import to_device
@@ -30,7 +33,7 @@ class ModelRunner:
         on CUDA; `capture=False` replays eagerly, for tests on any device); 0 runs everything eagerly."""
         self.model = model
         self.table = table
-        self._threads: tuple[int, int, int] | None = None
+        self.thread_tuner: ThreadTuner | None = None
         self.device = table.table.device
         self.backend: AttentionBackend = create_backend(backend, pool.k, pool.v, model.config.num_attention_heads)
         if backend == "triton" and self.device.type == "cuda":
@@ -39,31 +42,28 @@ class ModelRunner:
         if cuda_graph_max_bs > 0:
             self.graphs = CudaGraphRunner(model, self.backend, table.table, cuda_graph_max_bs, capture=capture)
 
-    def set_thread_policy(self, small: int, large: int, large_from_tokens: int) -> None:
-        """Run steps of fewer than `large_from_tokens` tokens on `small` torch threads, larger ones on `large`.
-
-        Small steps (decode) are bound by memory and by thread synchronisation, which suffers when other
-        processes share the cores; large ones (prefill) are compute-bound GEMMs that use every core.
-        """
-        self._threads = (small, large, large_from_tokens)
-
-    def _apply_thread_policy(self, num_tokens: int) -> None:
-        if self._threads is None:
-            return
-        small, large, large_from = self._threads
-        wanted = large if num_tokens >= large_from else small
-        if wanted != torch.get_num_threads():
-            torch.set_num_threads(wanted)
+    def set_thread_policy(self, options: tuple[int, ...], fixed_from_tokens: int) -> None:
+        """Run each step on one of `options` torch threads, learned per step size from measured step times
+        (actors/engine/thread_tuner.py); steps of `fixed_from_tokens` tokens or more use the most."""
+        self.thread_tuner = ThreadTuner(options, fixed_from_tokens)
 
     def forward(self, batch: Batch) -> ForwardOutput:
         """Compute the batch's tokens and sample the next token of each sampling row."""
-        self._apply_thread_policy(batch.num_tokens)
+        tuner = self.thread_tuner
+        if tuner is not None:
+            threads = tuner.choose(batch.num_tokens)
+            if threads != torch.get_num_threads():
+                torch.set_num_threads(threads)
+            started = time.perf_counter()
         # One new token per request, each sampling (a 1-token chunk that does not sample runs eagerly).
         if self.graphs is not None and all(batch.samples) and self.graphs.can_run(batch.extend_lens):
             logits = self.graphs.replay(batch.input_ids, batch.starts, [req.row for req in batch.reqs])
         else:
             logits = self._forward_eager(batch)
-        return self._sample(batch, logits)
+        out = self._sample(batch, logits)
+        if tuner is not None:  # on the CPU the step has run by now: its wall time is its cost
+            tuner.record(batch.num_tokens, threads, time.perf_counter() - started)
+        return out
 
     def _forward_eager(self, batch: Batch) -> torch.Tensor:
         """Logits `[S, V]` of the batch's sampling rows, through `backend.prepare` and the model."""

@@ -48,11 +48,12 @@ class SchedulerActor:
         self._source = resolve_model(model)
         self._engine = Engine.from_source(self._source, config)
         cores = os.cpu_count() or 1
-        if config.torch_threads == 0 and cores > 1:
-            # The other actors work on every token: small (decode) steps leave them a core, since a torch
-            # thread that loses its core stalls every parallel region. Measured over the ring on 2 cores,
-            # int8 decode at 32 streams: 406 tok/s on one thread, 306 on two; prefill is faster on two.
-            self._engine.runner.set_thread_policy(cores - 1, cores, LARGE_STEP_TOKENS)
+        if config.torch_threads == 0 and cores > 1 and config.resolved_device() == "cpu":
+            # The other actors work on every token: a decode-sized step may run faster leaving them a core
+            # (a torch thread that loses its core stalls every parallel region) or on all of them; the runner
+            # measures which, per step size, as it serves. Prefill-sized steps always use every core.
+            self._engine.runner.set_thread_policy((cores - 1, cores), LARGE_STEP_TOKENS)
+        self._thread_choices: dict[str, int] = {}
         self._inbox: list[tuple[str, Any]] = []
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
@@ -148,6 +149,11 @@ class SchedulerActor:
         if not self._checked_idle and not self._engine.has_work():
             self._engine.check_integrity()
             self._checked_idle = True
+            tuner = self._engine.runner.thread_tuner
+            if tuner is not None and tuner.preferred() != self._thread_choices:
+                self._thread_choices = tuner.preferred()
+                log_event(log, logging.INFO, "torch threads per step size, as measured",
+                          **{k.replace(" ", "_").replace("-", "_to_"): v for k, v in self._thread_choices.items()})
 
     async def _apply_inbox(self) -> list[TokenOutput | TokenRow]:
         inbox, self._inbox = self._inbox, []

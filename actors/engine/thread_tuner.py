@@ -1,0 +1,79 @@
+"""How many torch threads a decode-sized step should use, learned from the steps themselves as they run.
+
+On a small CPU machine the scheduler shares its cores with the rest of the ring (entry, tokenizer,
+detokenizer, NATS), which work on every token. A step on every core is fastest when it has the machine to
+itself, but a torch thread that loses its core stalls every parallel region of the step; on one core fewer,
+the step is slower but never waits. Which wins depends on the CPU, the model, the kernels (float32 GEMMs or
+int8) and the batch, and only shows under the real load, so it is measured online, not at start-up: the
+serving benchmark on a 2-core AVX2 machine found int8 decode at 32 streams 33% faster on one thread, float32
+at 32 streams ~19% faster on two.
+
+Steps are grouped by size (powers of two of their token count); for each group the tuner keeps a moving
+average of the seconds per token of each thread count, tries every count a few times first, then runs the
+cheaper one and re-tries the other every `explore_every` steps of the group, so it follows drift (longer
+contexts, other load). Steps of `fixed_from_tokens` tokens or more (prefill-sized, compute-bound) always use
+the most threads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+WARMUP_STEPS = 3  # samples of each option before trusting the averages
+EXPLORE_EVERY = 50  # steps of a group between re-tries of the option not in use
+SMOOTHING = 0.3  # weight of the newest sample in the moving averages
+
+
+@dataclass
+class _Group:
+    steps: int = 0
+    samples: dict[int, int] = field(default_factory=dict)
+    cost: dict[int, float] = field(default_factory=dict)  # seconds per token, moving average
+
+
+class ThreadTuner:
+    """Chooses a thread count per step (`choose`) and learns from how long it took (`record`)."""
+
+    def __init__(self, options: tuple[int, ...], fixed_from_tokens: int, explore_every: int = EXPLORE_EVERY,
+                 warmup: int = WARMUP_STEPS) -> None:
+        if not options or min(options) < 1:
+            raise ValueError(f"thread options must be positive, got {options}")
+        self.options = tuple(sorted(set(options)))
+        self.fixed_from_tokens = fixed_from_tokens
+        self.explore_every = explore_every
+        self.warmup = warmup
+        self._groups: dict[int, _Group] = {}
+
+    def choose(self, num_tokens: int) -> int:
+        """The thread count for a step of `num_tokens` tokens."""
+        if num_tokens >= self.fixed_from_tokens or len(self.options) == 1:
+            return self.options[-1]
+        group = self._groups.setdefault(num_tokens.bit_length(), _Group())
+        group.steps += 1
+        for option in self.options:
+            if group.samples.get(option, 0) < self.warmup:
+                return option
+        ranked = sorted(self.options, key=lambda o: group.cost[o])
+        if group.steps % self.explore_every == 0:
+            return ranked[1]
+        return ranked[0]
+
+    def record(self, num_tokens: int, threads: int, seconds: float) -> None:
+        """A step of `num_tokens` tokens took `seconds` on `threads` threads."""
+        if num_tokens <= 0 or num_tokens >= self.fixed_from_tokens or threads not in self.options:
+            return
+        group = self._groups.setdefault(num_tokens.bit_length(), _Group())
+        per_token = seconds / num_tokens
+        seen = group.samples.get(threads, 0)
+        group.samples[threads] = seen + 1
+        old = group.cost.get(threads)
+        group.cost[threads] = per_token if old is None else old + SMOOTHING * (per_token - old)
+
+    def preferred(self) -> dict[str, int]:
+        """The thread count each learned step size runs on, e.g. {"16-31 tokens": 2} (for logs and stats)."""
+        out = {}
+        for bits, group in sorted(self._groups.items()):
+            if all(group.samples.get(o, 0) >= self.warmup for o in self.options):
+                low, high = 1 << (bits - 1), (1 << bits) - 1
+                out[f"{low}-{high} tokens"] = min(self.options, key=lambda o: group.cost[o])
+        return out

@@ -1,0 +1,44 @@
+"""The thread tuner runs each step size on the thread count measured cheaper, and keeps re-checking."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.engine.thread_tuner import ThreadTuner
+
+
+def serve(tuner: ThreadTuner, num_tokens: int, cost: dict[int, float], steps: int) -> list[int]:
+    """Run `steps` steps of `num_tokens` tokens whose time per token is `cost[threads]`; the counts chosen."""
+    chosen = []
+    for _ in range(steps):
+        threads = tuner.choose(num_tokens)
+        tuner.record(num_tokens, threads, cost[threads] * num_tokens)
+        chosen.append(threads)
+    return chosen
+
+
+def test_each_step_size_learns_its_own_thread_count() -> None:
+    tuner = ThreadTuner((1, 2), fixed_from_tokens=64, explore_every=10, warmup=2)
+    small = serve(tuner, 1, {1: 0.010, 2: 0.014}, 40)  # batch 1: one thread cheaper
+    large = serve(tuner, 32, {1: 0.004, 2: 0.003}, 40)  # 32 streams: two threads cheaper
+    assert sorted(small[:4]) == [1, 1, 2, 2] and sorted(large[:4]) == [1, 1, 2, 2]  # both tried first
+    assert small[4:].count(1) > 30 and large[4:].count(2) > 30
+    assert 2 in small[4:] and 1 in large[4:], "the other count is re-tried now and then"
+    assert tuner.preferred() == {"1-1 tokens": 1, "32-63 tokens": 2}
+
+
+def test_it_follows_a_change_in_which_count_is_cheaper() -> None:
+    tuner = ThreadTuner((1, 2), fixed_from_tokens=64, explore_every=5, warmup=1)
+    serve(tuner, 8, {1: 0.010, 2: 0.005}, 20)
+    assert tuner.choose(8) == 2
+    later = serve(tuner, 8, {1: 0.010, 2: 0.020}, 60)  # other load now takes the second core
+    assert later[-10:].count(1) >= 8
+
+
+def test_prefill_sized_steps_use_every_thread_and_are_not_learned() -> None:
+    tuner = ThreadTuner((1, 2), fixed_from_tokens=64)
+    assert serve(tuner, 64, {1: 0.001, 2: 0.009}, 5) == [2] * 5
+    assert serve(tuner, 4000, {1: 0.001, 2: 0.009}, 5) == [2] * 5
+    assert tuner.preferred() == {}
+    with pytest.raises(ValueError):
+        ThreadTuner((0, 2), fixed_from_tokens=64)
