@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.host_copy import to_device
+
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (dividing by tiny temperatures gives inf/NaN)
 
 _M32 = 0xFFFFFFFF
@@ -54,7 +56,7 @@ class PenaltyState:
         self.counts = torch.zeros(vocab_size, dtype=torch.int32, device=device)  # [V] output occurrences
         self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)  # [V] in prompt or output
         if len(prompt_ids):
-            self.seen[torch.tensor(list(prompt_ids), dtype=torch.long, device=device)] = True
+            self.seen[to_device(list(prompt_ids), device)] = True
         self._one = torch.ones(1, dtype=torch.int32, device=device)
 
     def record(self, token: torch.Tensor) -> None:
@@ -90,7 +92,7 @@ def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleOutput:
     else:
         tokens = x.argmax(dim=-1)
         if sampled:
-            index = torch.tensor(sampled, device=x.device)
+            index = to_device(sampled, x.device)
             tokens[index] = _draw(x[index], [rows[b] for b in sampled])
     for b, row in enumerate(rows):
         if row.penalties is not None:
@@ -118,10 +120,10 @@ def _process(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         counts = torch.stack([s.counts for s in states]).float()  # [P, V]
         seen = torch.stack([s.seen for s in states])  # [P, V]
         rep, freq, pres = (
-            torch.tensor([getattr(rows[b], name) for b in pen], device=device)[:, None]
+            to_device([getattr(rows[b], name) for b in pen], device, torch.float32)[:, None]
             for name in ("repetition_penalty", "frequency_penalty", "presence_penalty")
         )
-        index = torch.tensor(pen, device=device)
+        index = to_device(pen, device)
         sub = x[index]
         sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
         sub = sub - freq * counts - pres * (counts > 0)
@@ -131,20 +133,20 @@ def _process(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     bias = [(b, t, v) for b, r in enumerate(rows) if r.logit_bias for t, v in r.logit_bias.items()]
     if bias:
         b_rows, b_ids, b_vals = zip(*bias)
-        where = (torch.tensor(b_rows, device=device), torch.tensor(b_ids, device=device))
-        x = x.index_put(where, torch.tensor(b_vals, dtype=x.dtype, device=device), accumulate=True)
+        where = (to_device(b_rows, device), to_device(b_ids, device))
+        x = x.index_put(where, to_device(b_vals, device, x.dtype), accumulate=True)
     bans = [(b, t) for b, r in enumerate(rows) if r.banned_ids for t in r.banned_ids]
     if bans:
         n_rows, n_ids = zip(*bans)
-        where = (torch.tensor(n_rows, device=device), torch.tensor(n_ids, device=device))
-        x = x.index_put(where, torch.tensor(float("-inf"), device=device))
+        where = (to_device(n_rows, device), to_device(n_ids, device))
+        x = x.index_put(where, torch.full((), float("-inf"), device=device))
     return x
 
 
 def _draw(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p, then the seeded exponential race; `x` `[S, V]` -> `[S]` token ids."""
     device, (s, vocab) = x.device, x.shape
-    temperature = torch.tensor([r.temperature for r in rows], device=device)
+    temperature = to_device([r.temperature for r in rows], device, torch.float32)
     scaled = x / temperature[:, None]  # [S, V]
     top_k = [r.top_k if 0 < r.top_k < vocab else vocab for r in rows]
     top_p = [r.top_p for r in rows]
@@ -152,21 +154,21 @@ def _draw(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     if min(top_k) < vocab or min(top_p) < 1.0:
         scaled, ids = scaled.sort(dim=-1, descending=True, stable=True)
         rank = torch.arange(vocab, device=device)
-        scaled = scaled.masked_fill(rank >= torch.tensor(top_k, device=device)[:, None], float("-inf"))
+        scaled = scaled.masked_fill(rank >= to_device(top_k, device)[:, None], float("-inf"))
         probs = scaled.softmax(dim=-1)
         # Drop a token once the mass strictly before it already reaches top_p; the top token always stays.
         # Rows with top_p = 1 skip the filter, so float rounding of the cumsum cannot cut their tail.
-        p = torch.tensor(top_p, device=device)[:, None]
+        p = to_device(top_p, device, torch.float32)[:, None]
         outside = ((probs.cumsum(dim=-1) - probs) >= p) & (p < 1.0)
         outside[:, 0] = False
         scaled = scaled.masked_fill(outside, float("-inf"))
     if any(r.min_p > 0.0 for r in rows):
         # p / p_max >= min_p  <=>  scaled >= max + log(min_p); the top token always passes.
-        log_min_p = torch.tensor([r.min_p for r in rows], device=device).log()[:, None]
+        log_min_p = to_device([r.min_p for r in rows], device, torch.float32).log()[:, None]
         scaled = scaled.masked_fill(scaled < scaled.amax(dim=-1, keepdim=True) + log_min_p, float("-inf"))
 
     token_ids = ids if ids is not None else torch.arange(vocab, device=device)[None, :]
-    keys = torch.tensor([_row_keys(r.seed, r.position) for r in rows], dtype=torch.long, device=device)  # [S, 2]
+    keys = to_device([_row_keys(r.seed, r.position) for r in rows], device)  # [S, 2]
     pick = (scaled + _gumbel(keys, token_ids)).argmax(dim=-1)  # [S]; -inf + finite noise stays -inf, no NaN
     return pick if ids is None else ids.gather(1, pick[:, None]).squeeze(1)
 

@@ -100,10 +100,13 @@ def test_padded_replay_gives_the_eager_logits_and_kv(hf: Any, backend: str) -> N
     engine.check_integrity()
 
 
-def test_engine_with_graph_runner_matches_transformers(hf: Any) -> None:
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_engine_with_graph_runner_matches_transformers(hf: Any, overlap: str) -> None:
     reference = [hf_greedy(hf, p, MAX_NEW, EOS) for p in prompts()]
     plain = engine_for(hf, device="cpu", max_total_tokens=256)
-    graphed = with_graph_runner(engine_for(hf, device="cpu", max_total_tokens=256), "torch", 4)  # 5 requests: 4 replay, 5 eager
+    # 5 requests: 4 replay, 5 eager; with overlap, replayed steps take their input tokens from the device
+    graphed = with_graph_runner(engine_for(hf, device="cpu", max_total_tokens=256, overlap_schedule=overlap),
+                                "torch", 4)
     reqs = [EngineRequest(f"r{i}", p, greedy(MAX_NEW, stop_token_ids=[EOS])) for i, p in enumerate(prompts())]
     out_plain = run_to_completion(plain, reqs)
     out_graphed = run_to_completion(graphed, reqs)

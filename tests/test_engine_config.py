@@ -52,5 +52,14 @@ def test_scheduler_and_serve_help_list_the_engine_flags() -> None:
         argv = [sys.executable, "-m", module] + (["serve", "--help"] if module.endswith("cli") else ["--help"])
         out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
         for flag in ("--attention-backend", "--chunked-prefill-size", "--disable-radix-cache", "--schedule-policy",
-                     "--device", "--dtype", "--quantization", "--mem-fraction-static"):
+                     "--device", "--dtype", "--quantization", "--mem-fraction-static", "--overlap-schedule"):
             assert flag in out, (module, flag)
+
+
+def test_overlap_schedule_is_on_for_cuda_only_unless_asked() -> None:
+    assert not EngineConfig(device="cpu").overlap_enabled()
+    assert EngineConfig(device="cuda").overlap_enabled()
+    assert EngineConfig(device="cpu", overlap_schedule="on").overlap_enabled()
+    assert not EngineConfig(device="cuda", overlap_schedule="off").overlap_enabled()
+    with pytest.raises(ValueError, match="overlap_schedule"):
+        EngineConfig(overlap_schedule="sometimes")

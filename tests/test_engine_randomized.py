@@ -1,6 +1,7 @@
 """A randomized run of the engine under a small KV pool: arrivals, finishes, aborts, chunked prefill, cached
 prefixes and retractions interleave; the pool's integrity holds after every step and every request that was
-not aborted decodes exactly what transformers does, with its rows neither repeated nor skipped."""
+not aborted decodes exactly what transformers does, with its rows neither repeated nor skipped; with the
+overlap loop too."""
 
 from __future__ import annotations
 
@@ -29,13 +30,15 @@ def hf() -> Any:
     return tiny_hf_llama()
 
 
-@pytest.mark.parametrize("seed, radix", [(0, True), (1, True), (2, False)])
-def test_random_traffic_keeps_the_pool_whole_and_the_output_exact(hf: Any, seed: int, radix: bool) -> None:
+@pytest.mark.parametrize("seed, radix, overlap", [(0, True, "off"), (1, True, "off"), (2, False, "off"),
+                                                  (3, True, "on"), (4, False, "on")])
+def test_random_traffic_keeps_the_pool_whole_and_the_output_exact(hf: Any, seed: int, radix: bool,
+                                                                  overlap: str) -> None:
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     prefixes = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (12, 20, 30)]
     engine = engine_for(hf, max_total_tokens=72, max_running_requests=8, chunked_prefill_size=8,
-                        max_prefill_tokens=12, disable_radix_cache=not radix)
+                        max_prefill_tokens=12, disable_radix_cache=not radix, overlap_schedule=overlap)
     prompts: dict[str, list[int]] = {}
     rows: dict[str, list[TokenOutput]] = {}
     aborted: set[str] = set()

@@ -24,6 +24,9 @@ class Batch:
     samples: list[bool]
     input_ids: list[int]  # [T] the tokens computed, all rows concatenated
     num_decode: int  # the first `num_decode` rows are decode rows
+    # overlap loop: decode row b's input token is feed[0][feed[1][b]], sampled on the device by the step still
+    # in flight (its placeholder in `input_ids` is ignored)
+    feed: tuple[torch.Tensor, list[int]] | None = None
 
     @property
     def num_tokens(self) -> int:

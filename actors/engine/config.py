@@ -18,6 +18,7 @@ from kernels.attention import backend_names
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATION_CHOICES = ("none", "int8", "auto")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
+OVERLAP_CHOICES = ("auto", "on", "off")
 CPU_MEM_FRACTION = 0.1  # of available host memory, when the KV pool lives on the CPU
 GPU_MEM_FRACTION = 0.85  # of free GPU memory after the weights are loaded
 
@@ -62,6 +63,10 @@ class EngineConfig:
         "batches, prefill and mixed batches run eagerly; only on cuda"))
     disable_cuda_graph: bool = field(default=False, metadata=_flag(
         "run every decode step eagerly instead of replaying captured CUDA graphs"))
+    overlap_schedule: str = field(default="auto", metadata=_flag(
+        "plan and launch decode step N+1 before applying step N's tokens, so the host's work hides behind the "
+        "device's: auto (on cuda; on a CPU the forward blocks and nothing would overlap), on, off",
+        choices=OVERLAP_CHOICES))
 
     def __post_init__(self) -> None:
         for name in ("max_prefill_tokens", "max_running_requests", "cuda_graph_max_bs"):
@@ -94,6 +99,12 @@ class EngineConfig:
         if self.dtype != "auto":
             return self.dtype
         return "float32" if self.resolved_device() == "cpu" else "bfloat16"
+
+    def overlap_enabled(self) -> bool:
+        """Whether the engine runs the overlap loop (`overlap_schedule`, auto = on cuda only)."""
+        if self.overlap_schedule == "auto":
+            return self.resolved_device().startswith("cuda")
+        return self.overlap_schedule == "on"
 
     def graph_max_bs(self) -> int:
         """Largest CUDA-graph decode batch to capture: 0 (none) off cuda or with --disable-cuda-graph, else

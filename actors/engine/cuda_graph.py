@@ -100,10 +100,12 @@ class CudaGraphRunner:
         """The captured size a batch of `n` decode requests runs at."""
         return self.sizes[bisect.bisect_left(self.sizes, n)]
 
-    def replay(self, input_ids: Sequence[int], positions: Sequence[int], req_rows: Sequence[int]) -> torch.Tensor:
+    def replay(self, input_ids: Sequence[int], positions: Sequence[int], req_rows: Sequence[int],
+               fed: torch.Tensor | None = None) -> torch.Tensor:
         """Logits `[n, V]` of one decode step: request `i` computes token `input_ids[i]` at `positions[i]` on
-        table row `req_rows[i]` (its slot there is already allocated). The tensor is a view of a static output
-        buffer: read it before the next replay."""
+        table row `req_rows[i]` (its slot there is already allocated); `fed`, when given, replaces the first
+        input ids with tokens already on the device. The tensor is a view of a static output buffer: read it
+        before the next replay."""
         n = len(input_ids)
         bs = self.padded_size(n)
         pad = bs - n
@@ -113,6 +115,8 @@ class CudaGraphRunner:
         kv_lens_cpu = [p + 1 for p in pos]
         host = to_device([ids, pos, rows, kv_lens_cpu], self.device)  # [4, bs], one non-blocking copy
         self.inputs.input_ids[:bs].copy_(host[0])
+        if fed is not None:
+            self.inputs.input_ids[: fed.numel()].copy_(fed)
         self.inputs.positions[:bs].copy_(host[1])
         info = ForwardInfo(
             q_lens_cpu=[1] * bs,

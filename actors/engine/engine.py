@@ -1,10 +1,15 @@
 """The engine the scheduler actor drives: request intake, continuous batching, one forward per step.
 
-A step has three parts, so an overlap loop (plan step N+1 while step N runs) is a second loop over the same
-parts: `schedule()` decides the batch and does all allocation (retraction, admission, prefix locks, KV slots),
-`launch(batch)` runs the forward and samples, `finish(batch, out)` applies the tokens (stop checks, caching,
-freeing) and returns one output row per sampled request. Single-threaded by contract: `add_request`, `abort`
-and the control methods are called only between steps.
+A step has three parts: `schedule()` decides the batch and does all allocation (retraction, admission,
+prefix locks, KV slots), `launch(batch)` runs the forward and samples, `finish(batch, out)` applies the tokens
+(stop checks, caching, freeing) and returns one output row per sampled request. Single-threaded by contract:
+`add_request`, `abort` and the control methods are called only between steps.
+
+The overlap loop (`--overlap-schedule`, on for cuda) reorders the same parts: while decode step N runs on the
+device, step N+1 is planned and launched with its input tokens read on the device from N's output, and only
+then are N's tokens applied on the host. A request that finished at N has computed one token too many in N+1;
+it is dropped. Steps with prefill, waiting requests or a pool too short to decode everyone drain first (apply
+the step in flight, then plan as usual), so admission and retraction always see applied tokens.
 """
 
 from __future__ import annotations
@@ -79,6 +84,8 @@ class Engine:
         self.live: dict[str, Req] = {}
         self.num_retractions = 0
         self._last_batch: Batch | None = None
+        self.overlap = config.overlap_enabled()
+        self._inflight: tuple[Batch, ForwardOutput] | None = None  # overlap loop: launched, not yet finished
         self._prompt_tokens = 0
         self._cached_tokens = 0
 
@@ -133,23 +140,65 @@ class Engine:
         return None
 
     def has_work(self) -> bool:
-        """True while any request is waiting or running."""
-        return bool(len(self.prefill) or len(self.decode))
+        """True while any request is waiting or running, or a step's tokens are still to be applied."""
+        return bool(len(self.prefill) or len(self.decode) or self._inflight)
 
     def step(self) -> list[TokenOutput]:
-        """Schedule, run and finish one step; one output row per request that produced a token.
+        """Schedule, run and finish one step; one output row per request that produced a token (in the overlap
+        loop: the rows of the step launched by the previous call, whose tokens are applied now).
 
         If the forward fails, every request of the batch ends with an "error" finish and the engine goes on.
         """
+        if self.overlap:
+            return self._step_overlapped()
         batch = self._last_batch = self.schedule()
         if batch is None:
             return []
         try:
             out = self.launch(batch)
         except Exception as exc:
-            log.exception("forward pass failed; ending the %d requests of its batch", len(batch.reqs))
-            return [self._fail(req, f"the forward pass failed: {exc!r}") for req in batch.reqs]
+            return self._fail_batch(batch, exc)
         return self.finish(batch, out)
+
+    def _step_overlapped(self) -> list[TokenOutput]:
+        prev, self._inflight = self._inflight, None
+        batch = self._schedule_after(prev) if prev is not None else None
+        rows: list[TokenOutput] = []
+        if batch is None:  # nothing to overlap with: apply the step in flight, then plan as usual
+            if prev is not None:
+                rows, prev = self.finish(*prev), None
+            batch = self.schedule()
+        self._last_batch = batch
+        if batch is not None:
+            try:
+                self._inflight = (batch, self.launch(batch))
+            except Exception as exc:
+                rows += self._fail_batch(batch, exc)
+        if prev is not None:
+            rows += self.finish(*prev)
+        return rows
+
+    def _schedule_after(self, prev: tuple[Batch, ForwardOutput]) -> Batch | None:
+        """The next decode step, planned before `prev`'s tokens are applied, or None when it must drain first."""
+        batch, out = prev
+        running = self.decode.running
+        if (not running or len(self.prefill) or batch.num_decode != len(batch.reqs)
+                or len(running) > self.cache.available):
+            return None
+        index = {id(req): k for k, req in enumerate(batch.reqs)}  # decode-only: every row sampled, in order
+        width = self.table.table.shape[1]
+        if any(id(req) not in index or req.seq_len >= width for req in running):
+            return None
+        reqs = list(running)
+        self.cache.extend_by_one(reqs)  # each one's slot for the token `prev` is sampling
+        n = len(reqs)
+        return Batch(reqs, [req.cached_len - 1 for req in reqs], [1] * n, [True] * n, [0] * n, num_decode=n,
+                     feed=(out.tokens, [index[id(req)] for req in reqs]))
+
+    def _fail_batch(self, batch: Batch, exc: Exception) -> list[TokenOutput]:
+        log.exception("forward pass failed; ending the %d requests of its batch", len(batch.reqs))
+        return [self._fail(req, f"the forward pass failed: {exc!r}") for req in batch.reqs
+                if self.live.get(req.rid) is req]
 
     @property
     def last_plan(self) -> StepPlan | None:
@@ -178,8 +227,11 @@ class Engine:
         return Batch(reqs, starts, extend_lens, samples, input_ids, num_decode=len(decodes))
 
     def launch(self, batch: Batch) -> ForwardOutput:
-        """Run the batch's forward and sample (no request state changes)."""
-        return self.runner.forward(batch)
+        """Run the batch's forward and sample; its sampling requests each have one more pending token."""
+        out = self.runner.forward(batch)
+        for req in batch.sampling_reqs:
+            req.pending += 1
+        return out
 
     def finish(self, batch: Batch, out: ForwardOutput) -> list[TokenOutput]:
         """Apply the sampled tokens: stop checks, prefix caching, freeing; the step's output rows."""
@@ -192,10 +244,14 @@ class Engine:
         k = 0
         for i, (req, samples) in enumerate(zip(batch.reqs, batch.samples)):
             is_prefill = i >= batch.num_decode
+            if self.live.get(req.rid) is not req:  # finished or aborted while this step was in flight
+                k += samples
+                continue
             if not samples:
                 self.cache.cache_req(req, finished=False)  # this chunk's KV becomes shareable at once
                 continue
             token = tokens[k]
+            req.pending -= 1
             req.ids.append(token)
             try:
                 finish = self.stop_checker.check(req)

@@ -57,7 +57,8 @@ class ModelRunner:
             started = time.perf_counter()
         # One new token per request, each sampling (a 1-token chunk that does not sample runs eagerly).
         if self.graphs is not None and all(batch.samples) and self.graphs.can_run(batch.extend_lens):
-            logits = self.graphs.replay(batch.input_ids, batch.starts, [req.row for req in batch.reqs])
+            logits = self.graphs.replay(batch.input_ids, batch.starts, [req.row for req in batch.reqs],
+                                        self._fed_tokens(batch))
         else:
             logits = self._forward_eager(batch)
         out = self._sample(batch, logits)
@@ -74,6 +75,9 @@ class ModelRunner:
         # Host lists reach the device in non-blocking copies from pinned memory: no host sync on a GPU.
         flat = to_device([batch.input_ids, positions, row_of_token], device)  # [3, T]
         input_ids, positions_t = flat[0], flat[1]
+        fed = self._fed_tokens(batch)
+        if fed is not None:
+            input_ids = torch.cat([fed, input_ids[fed.numel():]])
         req_rows = to_device(table_rows, device)
         info = ForwardInfo(
             q_lens_cpu=batch.extend_lens,
@@ -86,6 +90,13 @@ class ModelRunner:
         logits_index = to_device(ends[torch.tensor(batch.samples, dtype=torch.bool)].tolist(), device)
         meta = self.backend.prepare(info)
         return self.model(input_ids, positions_t, self.backend, meta, logits_index)
+
+    def _fed_tokens(self, batch: Batch) -> torch.Tensor | None:
+        """The decode rows' input tokens taken on the device from the step still in flight (overlap loop)."""
+        if batch.feed is None:
+            return None
+        tokens, index = batch.feed
+        return tokens[to_device(index, tokens.device)]
 
     def _sample(self, batch: Batch, logits: torch.Tensor) -> ForwardOutput:
         """Sample the sampling rows' next tokens and start their copy to the host."""

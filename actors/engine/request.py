@@ -35,6 +35,7 @@ class Req:
     penalties: PenaltyState | None = None
     arrived_at: float = field(default_factory=time.monotonic)
     queue_time: float | None = None  # seconds from arrival to first admission, once admitted
+    pending: int = 0  # tokens sampled by a launched step but not yet appended to `ids` (overlap loop)
 
     @property
     def seq_len(self) -> int:
@@ -61,11 +62,12 @@ class Req:
     def sampling_row(self) -> SamplingRow:
         """This request's settings for drawing its next token, in the shape `kernels.sampling` takes."""
         p = self.params
-        banned = p.stop_token_ids if self.output_len < p.min_new_tokens and p.stop_token_ids else None
+        position = self.output_len + self.pending  # the output index of the token being drawn
+        banned = p.stop_token_ids if position < p.min_new_tokens and p.stop_token_ids else None
         return SamplingRow(
             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
             frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
             repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias or None, banned_ids=banned,
-            penalties=self.penalties, seed=self.seed, position=self.output_len,
+            penalties=self.penalties, seed=self.seed, position=position,
             num_top_logprobs=p.top_logprobs_num if p.return_logprob else -1,
         )
