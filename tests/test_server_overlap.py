@@ -1,0 +1,60 @@
+"""The whole ring with the engine's overlap loop on (`--overlap-schedule on`, the cuda default, forced on the
+CPU): concurrent requests get the tokens the plain loop gives, and a stream ended mid-way frees its KV."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from actors.common.model_source import DEFAULT_MODEL
+from bus.embedded_server import EmbeddedNatsServer
+from tests.server_helpers import ServerHandle, start_server, wait_until_idle
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three colors.",
+           "Explain gravity to a child in one sentence.", "What is 12 * 7?", "Name a famous physicist."]
+
+
+@pytest.fixture(scope="module")
+def overlap_server(nats_server: EmbeddedNatsServer) -> Iterator[ServerHandle]:
+    handle = start_server(DEFAULT_MODEL, nats_url=nats_server.url, extra=["--overlap-schedule", "on"])
+    yield handle
+    assert handle.stop() == 0, handle.log()[-3000:]
+
+
+def generate(base_url: str, prompt: str, i: int) -> dict[str, Any]:
+    sampling = {"max_new_tokens": 4 + 3 * i, "temperature": 0} if i % 2 == 0 else {
+        "max_new_tokens": 4 + 3 * i, "temperature": 0.8, "seed": i, "frequency_penalty": 0.4}
+    response = httpx.post(base_url + "/generate", json={"text": prompt, "sampling_params": sampling}, timeout=300)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    return {"ids": body["output_ids"], "finish": body["meta_info"]["finish_reason"]}
+
+
+def test_overlap_loop_serves_the_plain_loops_tokens(smollm_server: ServerHandle,
+                                                    overlap_server: ServerHandle) -> None:
+    results = {}
+    for server in (smollm_server, overlap_server):
+        wait_until_idle(server.base_url)
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:  # in flight together: shared batches, staggered finishes
+            results[server.base_url] = list(pool.map(lambda a: generate(server.base_url, *a),
+                                                     [(p, i) for i, p in enumerate(PROMPTS)]))
+    assert results[overlap_server.base_url] == results[smollm_server.base_url]
+    assert all(len(r["ids"]) >= 1 for r in results[overlap_server.base_url])
+
+
+def test_a_stream_ended_mid_way_frees_its_kv(overlap_server: ServerHandle) -> None:
+    base = overlap_server.base_url
+    body = {"text": "Tell me a long story about a dragon.", "stream": True,
+            "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}
+    with httpx.stream("POST", base + "/generate", json=body, timeout=120) as response:
+        chunks = 0
+        for line in response.iter_lines():
+            chunks += line.startswith("data: ")
+            if chunks >= 5:
+                break  # the client goes away mid-stream
+    info = wait_until_idle(base)
+    assert info["num_running_reqs"] == 0 and info["kv_running_tokens"] == 0
+    assert generate(base, "What is 12 * 7?", 0)["finish"]["type"] in ("stop", "length")
