@@ -6,7 +6,7 @@ itself, but a torch thread that loses its core stalls every parallel region of t
 the step is slower but never waits. Which wins depends on the CPU, the model, the kernels (float32 GEMMs or
 int8) and the batch, and only shows under the real load, so it is measured online, not at start-up: the
 serving benchmark on a 2-core AVX2 machine found int8 decode at 32 streams 33% faster on one thread, float32
-at 32 streams ~19% faster on two.
+at 32 streams ~10% faster on two.
 
 Steps are grouped by size (powers of two of their token count); for each group the tuner keeps a moving
 average of the seconds per token of each thread count, tries every count a few times first, then runs the

@@ -64,8 +64,9 @@ class Rejection:
 class TokenOutput:
     """One request's new tokens from one step (or its final, token-less row after an abort).
 
-    `first` marks the request's first row, which also carries the request's `queue_time`. `logprobs`/`top_ids`/`top_logprobs` run parallel to `token_ids`
-    when the request asked for logprobs, else they are empty.
+    `first` marks the request's first row, which also carries the request's `queue_time`.
+    `logprobs`/`top_ids`/`top_logprobs` run parallel to `token_ids` when the request asked for logprobs, else
+    they are empty.
     """
 
     rid: str

@@ -153,7 +153,7 @@ class SchedulerActor:
             if tuner is not None and tuner.preferred() != self._thread_choices:
                 self._thread_choices = tuner.preferred()
                 log_event(log, logging.INFO, "torch threads per step size, as measured",
-                          **{k.replace(" ", "_").replace("-", "_to_"): v for k, v in self._thread_choices.items()})
+                          choices=", ".join(f"{size}: {n}" for size, n in self._thread_choices.items()))
 
     async def _apply_inbox(self) -> list[TokenOutput | TokenRow]:
         inbox, self._inbox = self._inbox, []
