@@ -16,7 +16,11 @@ import torch
 def to_device(values: Sequence[int] | Sequence[Sequence[int]], device: torch.device,
               dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """`values` (a list, or equal-length lists) as a tensor on `device`, copied without a host sync on CUDA."""
-    host = torch.tensor(values, dtype=dtype)
+    return host_to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor built on the host, on `device`, copied without a host sync on CUDA."""
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)

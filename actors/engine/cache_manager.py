@@ -14,6 +14,7 @@ import torch
 from actors.engine.prefix_cache import BasePrefixCache
 from actors.engine.request import Req
 from actors.engine.token_table import TokenTable
+from kernels.host_copy import to_device
 
 
 class CacheManager:
@@ -75,8 +76,7 @@ class CacheManager:
             return
         slots = self.allocate(len(reqs))
         device = slots.device
-        rows = torch.tensor([r.row for r in reqs], dtype=torch.int64, device=device)
-        cols = torch.tensor([r.cached_len for r in reqs], dtype=torch.int64, device=device)
+        rows, cols = to_device([[r.row for r in reqs], [r.cached_len for r in reqs]], device)  # no host sync
         self.table.table[rows, cols] = slots
         for req in reqs:
             req.cached_len += 1

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.attention.backend import AttentionBackend, AttentionMetadata, ForwardInfo
+from kernels.host_copy import host_to_device, to_device
 
 
 @dataclass
@@ -80,7 +81,7 @@ class TorchPagedBackend(AttentionBackend):
         g = self._graph
         kv_lens = info.kv_lens
         if kv_lens is None:
-            kv_lens = torch.tensor(info.kv_lens_cpu, device=self.k_pool.device)
+            kv_lens = to_device(info.kv_lens_cpu, self.k_pool.device)
         g["out_slots"][:bs].copy_(info.out_slots)
         g["kv_slots"][:bs].copy_(g["table"][info.req_rows])
         g["mask"][:bs, 0, 0].copy_(g["cols"][None, :] < kv_lens[:, None])
@@ -111,13 +112,13 @@ class TorchPagedBackend(AttentionBackend):
         prefix = (kv_len - q_len)[:, None, None]
         mask = (j[None, None, :] <= prefix + i[None, :, None]) & (j[None, None, :] < kv_len[:, None, None])
         device = info.out_slots.device
-        rows = info.req_rows[torch.tensor(members, device=device)]
+        rows = info.req_rows[to_device(members, device)]
         return PaddedGroup(
-            q_index=q_index.to(device),
+            q_index=host_to_device(q_index, device),
             kv_slots=info.token_table[rows, :max_kv],
-            mask=mask.repeat(1, self.rep, 1).unsqueeze(1).to(device),
-            src=src.to(device),
-            dst=dst.to(device),
+            mask=host_to_device(mask.repeat(1, self.rep, 1).unsqueeze(1), device),
+            src=host_to_device(src, device),
+            dst=host_to_device(dst, device),
         )
 
     def forward(
