@@ -1,6 +1,6 @@
-"""Decode speed on one GPU: ringserve's engine with each attention backend, CUDA graphs off and on, next to
-transformers `generate` on the same GPU and the HBM roofline. `bench/gpu_check.sh` runs it (with the GPU
-tests first); it prints a table and writes JSON.
+"""Decode speed on one GPU: ringserve's engine with each attention backend, CUDA graphs off and on (with graphs,
+the overlap loop off and on), next to transformers `generate` on the same GPU and the HBM roofline.
+`bench/gpu_check.sh` runs it (with the GPU tests first); it prints a table and writes JSON.
 
 Models have random weights in a real shape (speed does not depend on the values): SmolLM2-135M and a
 1B-parameter Llama (Llama-3.2-1B's shape, plain RoPE). For each batch size `bs`, `bs` requests with
@@ -92,7 +92,8 @@ def roofline_tok_s(bs: int, weights: int, kv_per_token: int, mean_kv_len: float,
     return bs / (step_bytes / bandwidth)
 
 
-def bench_engine(model: Any, backend: str, graphs: bool, args: argparse.Namespace, vocab: int) -> dict[int, float]:
+def bench_engine(model: Any, backend: str, graphs: bool, overlap: bool, args: argparse.Namespace,
+                 vocab: int) -> dict[int, float]:
     """Decode tok/s of the engine at each batch size (one engine, graphs captured once up to the largest)."""
     import torch
 
@@ -106,7 +107,7 @@ def bench_engine(model: Any, backend: str, graphs: bool, args: argparse.Namespac
                           cuda_graph_max_bs=max_bs, max_running_requests=max_bs,
                           max_total_tokens=max_bs * (args.prompt_len + new_tokens) + 64,
                           max_prefill_tokens=max(8192, max_bs * args.prompt_len), chunked_prefill_size=0,
-                          disable_radix_cache=True)
+                          disable_radix_cache=True, overlap_schedule="on" if overlap else "off")
     engine = Engine(model, config)
     gen = torch.Generator().manual_seed(0)
     result: dict[int, float] = {}
@@ -196,14 +197,16 @@ def main(argv: list[str] | None = None) -> int:
             if backend not in backend_names():
                 report["skipped"].append(f"{name}/{backend}: not installed")
                 continue
-            for graphs in ((False,) if backend == "torch" else (False, True)):
-                key = f"{backend}{'+graphs' if graphs else ''}"
+            # eager, then graphs without and with the overlap loop (the cuda default)
+            variants = [(False, True)] if backend == "torch" else [(False, True), (True, False), (True, True)]
+            for graphs, overlap in variants:
+                key = f"{backend}{'+graphs' if graphs else ''}{'+overlap' if overlap else ''}"
                 if time.perf_counter() - t0 > args.time_budget:
                     report["skipped"].append(f"{name}/{key}: time budget spent")
                     continue
                 try:  # a fresh model each time: the triton backend swaps in its own RMSNorm modules
                     model = model_from_hf(cfg, state, "cuda")
-                    entry["engine"][key] = bench_engine(model, backend, graphs, args, cfg.vocab_size)
+                    entry["engine"][key] = bench_engine(model, backend, graphs, overlap, args, cfg.vocab_size)
                     del model
                 except Exception as exc:  # one backend failing must not hide the others' figures
                     report["skipped"].append(f"{name}/{key}: {exc!r}"[:500])
