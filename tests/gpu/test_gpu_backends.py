@@ -58,8 +58,9 @@ def need(backend: str, dtype: torch.dtype) -> None:
         pytest.skip("FlashInfer's attention kernels take float16/bfloat16 only")
 
 
-def generate(case: dict[str, Any], backend: str, dtype: torch.dtype, graphs: bool) -> list[list[int]]:
-    engine = gpu_engine(case["hf"], backend, dtype, graphs)
+def generate(case: dict[str, Any], backend: str, dtype: torch.dtype, graphs: bool,
+             overlap: str = "auto") -> list[list[int]]:
+    engine = gpu_engine(case["hf"], backend, dtype, graphs, overlap_schedule=overlap)
     stop = [case["eos"]] if case["eos"] is not None else []
     reqs = [EngineRequest(f"r{i}", p, greedy(MAX_NEW, stop_token_ids=stop)) for i, p in enumerate(case["prompts"])]
     rows = run_to_completion(engine, reqs)
@@ -93,3 +94,12 @@ def test_graphs_on_and_off_give_the_same_tokens(case: dict[str, Any], backend: s
     graphed = generate(case, backend, dtype, graphs=True)
     for prompt, a, b in zip(case["prompts"], eager, graphed):
         assert_greedy_close(case["ref"], prompt, a, b, tol=1e-3 if dtype == torch.float32 else BF16_TOL)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_overlap_loop_gives_the_same_tokens(case: dict[str, Any], backend: str) -> None:
+    """On cuda the overlap loop is the default; the plain loop runs the same kernels on the same inputs."""
+    dtype = torch.bfloat16 if backend == "flashinfer" else torch.float32
+    need(backend, dtype)
+    assert generate(case, backend, dtype, graphs=True, overlap="on") == generate(
+        case, backend, dtype, graphs=True, overlap="off")
