@@ -216,6 +216,9 @@ class SchedulerInfo:
     paused: bool = False
     radix_cache: bool = True
     chunked_prefill_size: int = 0
+    overlap_schedule: bool = False  # the engine plans step N+1 before applying step N
+    # torch threads each decode step size runs on, as the scheduler measured them (empty: fixed or not yet known)
+    torch_threads: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -3,6 +3,7 @@ CPU): concurrent requests get the tokens the plain loop gives, and a stream ende
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
 
@@ -43,6 +44,12 @@ def test_overlap_loop_serves_the_plain_loops_tokens(smollm_server: ServerHandle,
                                                      [(p, i) for i, p in enumerate(PROMPTS)]))
     assert results[overlap_server.base_url] == results[smollm_server.base_url]
     assert all(len(r["ids"]) >= 1 for r in results[overlap_server.base_url])
+    cores = os.cpu_count() or 1
+    for server, overlap in ((smollm_server, False), (overlap_server, True)):
+        info = wait_until_idle(server.base_url)
+        assert info["overlap_schedule"] is overlap
+        if cores > 1:  # decode steps were timed on both thread counts and the cheaper one is reported
+            assert info["torch_threads"] and set(info["torch_threads"].values()) <= {cores - 1, cores}
 
 
 def test_a_stream_ended_mid_way_frees_its_kv(overlap_server: ServerHandle) -> None:

@@ -121,7 +121,8 @@ class SchedulerActor:
             kv_running_tokens=stats.kv_running_tokens, kv_cached_tokens=stats.kv_cached_tokens,
             cache_hit_rate=stats.cache_hit_rate, num_retractions=stats.num_retractions, paused=self._paused,
             radix_cache=not config.disable_radix_cache,
-            chunked_prefill_size=config.chunked_prefill_size if config.chunking else 0)
+            chunked_prefill_size=config.chunked_prefill_size if config.chunking else 0,
+            overlap_schedule=self._engine.overlap, torch_threads=dict(self._thread_choices))
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -154,6 +155,7 @@ class SchedulerActor:
                 self._thread_choices = tuner.preferred()
                 log_event(log, logging.INFO, "torch threads per step size, as measured",
                           choices=", ".join(f"{size}: {n}" for size, n in self._thread_choices.items()))
+                self._info = self._snapshot()
 
     async def _apply_inbox(self) -> list[TokenOutput | TokenRow]:
         inbox, self._inbox = self._inbox, []
