@@ -44,6 +44,8 @@ class Int8Linear(nn.Module):
             warnings.simplefilter("ignore", UserWarning)
             per_channel = torch._make_per_channel_quantized_tensor(
                 qweight, scales.double(), torch.zeros_like(scales, dtype=torch.int64), 0)
+        # the same int8 weights packed a second time for fbgemm's single-row kernel (int8 memory doubles, still
+        # half of float32's)
         self._packed = torch.ops.quantized.linear_prepack(per_channel, self.bias)
         self.in_features, self.out_features = linear.in_features, linear.out_features
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from actors.engine.types import EngineRequest, Finish, TokenOutput
+from actors.engine.types import EngineRequest, Finish, GenerationParams, TokenOutput
 from tests.engine_helpers import (
     engine_for,
     greedy,
@@ -16,7 +16,6 @@ from tests.engine_helpers import (
     tokens_of,
     torch_single_thread,  # noqa: F401  (autouse fixture)
 )
-from actors.engine.types import GenerationParams
 
 EOS = 2
 PROMPTS = [[5, 9, 2, 7, 11, 3], [4, 8], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50], [7]]

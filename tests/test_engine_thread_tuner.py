@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from actors.engine.thread_tuner import ThreadTuner
+from actors.engine.types import EngineRequest
+from tests.engine_helpers import engine_for, greedy, run_to_completion, tiny_hf_llama, tokens_of
 
 
 def serve(tuner: ThreadTuner, num_tokens: int, cost: dict[int, float], steps: int) -> list[int]:
@@ -45,11 +48,6 @@ def test_prefill_sized_steps_use_every_thread_and_are_not_learned() -> None:
 
 
 def test_the_model_runner_times_its_steps_for_the_tuner() -> None:
-    import torch
-
-    from actors.engine.types import EngineRequest
-    from tests.engine_helpers import engine_for, greedy, run_to_completion, tiny_hf_llama, tokens_of
-
     hf = tiny_hf_llama()
     plain = run_to_completion(engine_for(hf), [EngineRequest("r", [5, 9, 2], greedy(12))])
     engine = engine_for(hf)

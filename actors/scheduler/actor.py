@@ -151,8 +151,9 @@ class SchedulerActor:
             self._engine.check_integrity()
             self._checked_idle = True
             tuner = self._engine.runner.thread_tuner
-            if tuner is not None and tuner.preferred() != self._thread_choices:
-                self._thread_choices = tuner.preferred()
+            choices = tuner.preferred() if tuner is not None else {}
+            if choices != self._thread_choices:
+                self._thread_choices = choices
                 log_event(log, logging.INFO, "torch threads per step size, as measured",
                           choices=", ".join(f"{size}: {n}" for size, n in self._thread_choices.items()))
                 self._info = self._snapshot()
