@@ -45,14 +45,14 @@ def build_engine(model: str, compiled: bool) -> object:
 
 def decode_step_ms(engine: object, batch: int, steps: int) -> float:
     """Median decode step time with `batch` requests running (after their prefill)."""
-    from actors.engine.types import EngineRequest, GenerationParams
+    from bus.messages import TokenizedRequest, SamplingParams
 
     tokenizer = engine.tokenizer  # type: ignore[attr-defined]
-    params = GenerationParams(max_new_tokens=steps + 4, temperature=0.0)
+    params = SamplingParams(max_new_tokens=steps + 4, temperature=0.0)
     for i in range(batch):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": user_prompt(i)}], add_generation_prompt=True,
                                             tokenize=True, return_dict=False)
-        engine.add_request(EngineRequest(f"b{batch}-{i}", ids, params))  # type: ignore[attr-defined]
+        engine.add_request(TokenizedRequest(f"b{batch}-{i}", ids, params))  # type: ignore[attr-defined]
     times = []
     with torch.no_grad():
         engine.step()  # type: ignore[attr-defined]  # the prefill

@@ -27,20 +27,20 @@ def _engine_run(model_spec: str, server_args: str, prompt_sets: list[list[list[i
     from actors.common.model_source import resolve_model
     from actors.engine.config import EngineConfig
     from actors.engine.engine import Engine
-    from actors.engine.types import EngineRequest, GenerationParams
+    from bus.messages import TokenizedRequest, SamplingParams
 
     parser = argparse.ArgumentParser(add_help=False)
     EngineConfig.add_arguments(parser)
     config = EngineConfig.from_args(parser.parse_known_args(shlex.split(server_args))[0])
     engine = Engine.from_source(resolve_model(model_spec), config)
-    params = GenerationParams(max_new_tokens=max_tokens, temperature=0.0)  # no stop ids: like ignore_eos
-    engine.add_request(EngineRequest("warmup", prompt_sets[0][0], GenerationParams(max_new_tokens=4)))
+    params = SamplingParams(max_new_tokens=max_tokens, temperature=0.0)  # no stop ids: like ignore_eos
+    engine.add_request(TokenizedRequest("warmup", prompt_sets[0][0], SamplingParams(max_new_tokens=4)))
     while engine.has_work():
         engine.step()
     runs = []
     for n, prompts in enumerate(prompt_sets):
         for i, ids in enumerate(prompts):
-            rejection = engine.add_request(EngineRequest(f"r{n}-{i}", ids, params))
+            rejection = engine.add_request(TokenizedRequest(f"r{n}-{i}", ids, params))
             if rejection is not None:
                 raise RuntimeError(f"the engine refused a benchmark request: {rejection.message}")
         started: set[str] = set()

@@ -99,7 +99,7 @@ def bench_engine(model: Any, backend: str, graphs: bool, overlap: bool, args: ar
 
     from actors.engine.config import EngineConfig
     from actors.engine.engine import Engine
-    from actors.engine.types import EngineRequest, GenerationParams
+    from bus.messages import TokenizedRequest, SamplingParams
 
     max_bs = max(args.batch_sizes)
     new_tokens = args.warmup + args.steps + 2
@@ -112,10 +112,10 @@ def bench_engine(model: Any, backend: str, graphs: bool, overlap: bool, args: ar
     gen = torch.Generator().manual_seed(0)
     result: dict[int, float] = {}
     for bs in args.batch_sizes:
-        params = GenerationParams(max_new_tokens=new_tokens, min_new_tokens=new_tokens, temperature=0.0)
+        params = SamplingParams(max_new_tokens=new_tokens, min_new_tokens=new_tokens, temperature=0.0)
         for i in range(bs):
             ids = torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist()
-            assert engine.add_request(EngineRequest(f"b{bs}-{i}", ids, params)) is None
+            assert engine.add_request(TokenizedRequest(f"b{bs}-{i}", ids, params)) is None
         while engine.stats().num_waiting_reqs:  # prefill (first tokens)
             engine.step()
         for _ in range(args.warmup):

@@ -16,7 +16,7 @@ import torch
 from actors.common.model_source import DEFAULT_MODEL, resolve_model
 from actors.engine.config import EngineConfig
 from actors.engine.engine import Engine
-from actors.engine.types import EngineRequest, GenerationParams
+from bus.messages import TokenizedRequest, SamplingParams
 
 PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.", "List three colors.",
@@ -30,11 +30,11 @@ PROMPTS = [
 
 def generate(engine: Engine, prompts: list[list[int]], max_tokens: int, sequential: bool = False) -> list[list[int]]:
     """Greedy continuations of every prompt, batched as the server would run them (or one at a time)."""
-    params = GenerationParams(max_tokens, temperature=0.0, stop_token_ids=[engine.tokenizer.eos_token_id])
+    params = SamplingParams(max_tokens, temperature=0.0, stop_token_ids=[engine.tokenizer.eos_token_id])
     out: dict[str, list[int]] = {f"q{i}": [] for i in range(len(prompts))}
     for group in ([[i] for i in range(len(prompts))] if sequential else [list(range(len(prompts)))]):
         for i in group:
-            engine.add_request(EngineRequest(f"q{i}", prompts[i], params))
+            engine.add_request(TokenizedRequest(f"q{i}", prompts[i], params))
         while engine.has_work():
             for row in engine.step():
                 out[row.rid].extend(row.token_ids)

@@ -28,16 +28,14 @@ STOPS = ["<never-generated-stop>", "\n\nUser:"]
 
 
 def engine_costs(tokenizer: object, tokens: int, seed: int) -> tuple[list[float], list[float], list[int]]:
-    """Per step: engine host seconds (schedule + finish + row conversion/encoding), forward seconds; the ids."""
+    """Per step: engine host seconds (schedule + finish + encoding the rows), forward seconds; the ids."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from actors.engine.config import EngineConfig
     from actors.engine.engine import Engine
-    from actors.engine.types import EngineRequest, GenerationParams
     from actors.engine.weights import model_from_hf
-    from actors.scheduler.convert import token_row
     from bus.codec import encode
-    from bus.messages import BatchTokenOutput, DecodeParams
+    from bus.messages import BatchTokenOutput, SamplingParams, TokenizedRequest
 
     torch.manual_seed(seed)
     hf = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,  # type: ignore[arg-type]
@@ -46,9 +44,8 @@ def engine_costs(tokenizer: object, tokens: int, seed: int) -> tuple[list[float]
     model = model_from_hf(hf.config, hf.state_dict(), "cpu")
     engine = Engine(model, EngineConfig(device="cpu", max_total_tokens=tokens + 256), tokenizer)
     prompt = tokenizer.encode("Write a very long story about the sea.")  # type: ignore[attr-defined]
-    params = GenerationParams(max_new_tokens=tokens, temperature=1.0, seed=seed, stop=list(STOPS))
-    assert engine.add_request(EngineRequest("long", prompt, params)) is None
-    decode = DecodeParams(stop=list(STOPS))
+    params = SamplingParams(max_new_tokens=tokens, temperature=1.0, seed=seed, stop=list(STOPS))
+    assert engine.add_request(TokenizedRequest("long", prompt, params)) is None
     host: list[float] = []
     forward: list[float] = []
     ids: list[int] = []
@@ -61,7 +58,7 @@ def engine_costs(tokenizer: object, tokens: int, seed: int) -> tuple[list[float]
         out.wait()
         t2 = time.perf_counter()
         rows = engine.finish(batch, out)
-        encode(BatchTokenOutput(step=len(host), rows=[token_row(r, decode if r.first else None) for r in rows]))
+        encode(BatchTokenOutput(step=len(host), rows=rows))
         t3 = time.perf_counter()
         host.append((t1 - t0) + (t3 - t2))
         forward.append(t2 - t1)

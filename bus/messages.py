@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from bus.errors import ApiError
+from bus.params import DecodeParams, SamplingParams
+
 
 @dataclass
 class ChatMessage:
@@ -24,7 +27,7 @@ class GenerateRequest:
     """A client's request, as submitted on `{ns}.req.submit` (HTTP entry or any NATS client).
 
     Exactly one of `text`, `messages` (chat template applied) or `input_ids` is set. `sampling` holds the
-    raw parameters as the client sent them, under SGLang's names (see `SamplingParams`, plus `ignore_eos`);
+    raw parameters as the client sent them, under SGLang's names (declared in `bus.params.SamplingParams`);
     the tokenizer validates them.
     Subscribe to `{ns}.out.{rid}` before publishing, or the first outputs may be missed.
     """
@@ -34,43 +37,6 @@ class GenerateRequest:
     messages: list[ChatMessage] | None = None
     input_ids: list[int] | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class SamplingParams:
-    """Validated sampling parameters; everything that affects the model is fixed here."""
-
-    max_new_tokens: int
-    min_new_tokens: int = 0  # no stop (token or string) before this many tokens
-    temperature: float = 1.0  # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = -1  # -1 = off
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)  # EOS ids included unless ignore_eos
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
-    return_logprob: bool = False  # the chosen token's logprob with every token
-    top_logprobs_num: int = 0  # and this many most likely alternatives
-
-    def decode_params(self) -> DecodeParams:
-        """What the detokenizer needs of these parameters."""
-        return DecodeParams(stop=self.stop, skip_special_tokens=self.skip_special_tokens,
-                            no_stop_trim=self.no_stop_trim)
-
-
-@dataclass
-class DecodeParams:
-    """The detokenizer's part of a request's parameters: hold back possible stop strings, trim the matched one."""
-
-    stop: list[str] = field(default_factory=list)
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
 
 
 @dataclass
@@ -85,11 +51,11 @@ class TokenizedRequest:
 @dataclass
 class FinishReason:
     """Why a request ended. `type` is "stop", "length", "abort" or "error"; `matched` is the stop string or
-    token id. The detokenizer turns an "error" finish into `RequestOutput.error`."""
+    token id; an "error" finish carries its `error`, which the detokenizer puts in `RequestOutput.error`."""
 
     type: str
     matched: int | str | None = None
-    message: str | None = None
+    error: ApiError | None = None
 
 
 @dataclass
@@ -121,16 +87,6 @@ class BatchTokenOutput:
 
     step: int
     rows: list[TokenRow]
-
-
-@dataclass
-class ErrorInfo:
-    """An error in OpenAI's shape; `code` is the HTTP status the entry answers with."""
-
-    message: str
-    type: str = "invalid_request_error"
-    param: str | None = None
-    code: int = 400
 
 
 @dataclass
@@ -169,7 +125,7 @@ class RequestOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     finish: FinishReason | None = None
-    error: ErrorInfo | None = None
+    error: ApiError | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     queue_time: float | None = None  # first output only: seconds the request waited in the scheduler's queue
 

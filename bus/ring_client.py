@@ -18,8 +18,9 @@ from typing import AsyncIterator
 from nats.aio.subscription import Subscription
 
 from bus.connection import BusConnection, Delivery
+from bus.errors import ApiError, server_error
 from bus.messages import (
-    AbortRequest, Accepted, ControlCommand, ControlReply, ErrorInfo, GenerateRequest, RequestOutput,
+    AbortRequest, Accepted, ControlCommand, ControlReply, GenerateRequest, RequestOutput,
 )
 from bus.subjects import Subjects, validate_rid
 from observability.logging import log_event
@@ -99,7 +100,7 @@ class RequestStream:
         self._local_end = reason
         log_event(log, logging.WARNING, "request stream failed", rid=self.rid, error=message)
         self._push(RequestOutput(rid=self.rid, seq=self._next_seq,
-                                 error=ErrorInfo(message=message, type="server_error", code=503)))
+                                 error=server_error(message, 503)))
 
     def _push(self, out: RequestOutput) -> None:
         self._pending.append(out)
@@ -139,7 +140,7 @@ class RequestStream:
         while not self.finished:
             yield await self.next()
 
-    async def fail(self, error: ErrorInfo, reason: str = "failed") -> None:
+    async def fail(self, error: ApiError, reason: str = "failed") -> None:
         """End the stream locally with `error` (the reader's next output) and abort the request now.
 
         For when this process shuts down or an actor the request depends on went silent: the abort is sent

@@ -14,7 +14,7 @@ import torch
 from actors.engine.config import EngineConfig
 from actors.engine.engine import Engine
 from actors.engine.weights import model_from_hf
-from actors.engine.types import EngineRequest, GenerationParams, TokenOutput
+from bus.messages import TokenizedRequest, SamplingParams, TokenRow
 
 
 def tiny_hf_llama(vocab_size: int = 512, seed: int = 0, **overrides: Any) -> Any:
@@ -47,19 +47,19 @@ def engine_for(hf_model: Any, tokenizer: Any | None = None, **config: Any) -> En
     return Engine(model, EngineConfig(**config), tokenizer)
 
 
-def greedy(max_new_tokens: int, **kwargs: Any) -> GenerationParams:
+def greedy(max_new_tokens: int, **kwargs: Any) -> SamplingParams:
     """Greedy sampling parameters."""
-    return GenerationParams(max_new_tokens=max_new_tokens, temperature=0.0, **kwargs)
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, **kwargs)
 
 
-def run_to_completion(engine: Engine, requests: Sequence[EngineRequest]) -> dict[str, list[TokenOutput]]:
+def run_to_completion(engine: Engine, requests: Sequence[TokenizedRequest]) -> dict[str, list[TokenRow]]:
     """Submit all `requests` at once and step until the engine is idle; returns each rid's rows in order.
 
     The KV pool's integrity is checked after every step.
     """
     for req in requests:
         assert engine.add_request(req) is None, req.rid
-    rows: dict[str, list[TokenOutput]] = {req.rid: [] for req in requests}
+    rows: dict[str, list[TokenRow]] = {req.rid: [] for req in requests}
     while engine.has_work():
         for row in engine.step():
             rows.setdefault(row.rid, []).append(row)
@@ -67,7 +67,7 @@ def run_to_completion(engine: Engine, requests: Sequence[EngineRequest]) -> dict
     return rows
 
 
-def tokens_of(rows: Sequence[TokenOutput]) -> list[int]:
+def tokens_of(rows: Sequence[TokenRow]) -> list[int]:
     """All token ids of one request's rows, concatenated."""
     return [t for row in rows for t in row.token_ids]
 

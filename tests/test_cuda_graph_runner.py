@@ -17,7 +17,7 @@ from actors.engine.config import EngineConfig  # noqa: E402
 from actors.engine.cuda_graph import CudaGraphRunner, batch_size_ladder  # noqa: E402
 from actors.engine.engine import Engine  # noqa: E402
 from actors.engine.model_runner import ModelRunner  # noqa: E402
-from actors.engine.types import EngineRequest  # noqa: E402
+from bus.messages import TokenizedRequest  # noqa: E402
 from kernels.attention import backend_names  # noqa: E402
 from kernels.triton import interpreter_enabled  # noqa: E402
 from tests.engine_helpers import (  # noqa: E402
@@ -81,7 +81,7 @@ def test_padded_replay_gives_the_eager_logits_and_kv(hf: Any, backend: str) -> N
         pytest.skip("CPU tensors need Triton's interpreter; with CUDA the capture test below covers triton")
     engine = with_graph_runner(engine_for(hf, device="cpu", max_total_tokens=256), backend, 8)
     for i, p in enumerate(prompts()):
-        assert engine.add_request(EngineRequest(f"r{i}", p, greedy(MAX_NEW))) is None
+        assert engine.add_request(TokenizedRequest(f"r{i}", p, greedy(MAX_NEW))) is None
     engine.finish(batch := engine.schedule(), engine.launch(batch))  # prefill all five
     batch = engine.schedule()
     assert batch is not None and batch.num_decode == 5 and batch.num_tokens == 5  # padded to 8
@@ -107,7 +107,7 @@ def test_engine_with_graph_runner_matches_transformers(hf: Any, overlap: str) ->
     # 5 requests: 4 replay, 5 eager; with overlap, replayed steps take their input tokens from the device
     graphed = with_graph_runner(engine_for(hf, device="cpu", max_total_tokens=256, overlap_schedule=overlap),
                                 "torch", 4)
-    reqs = [EngineRequest(f"r{i}", p, greedy(MAX_NEW, stop_token_ids=[EOS])) for i, p in enumerate(prompts())]
+    reqs = [TokenizedRequest(f"r{i}", p, greedy(MAX_NEW, stop_token_ids=[EOS])) for i, p in enumerate(prompts())]
     out_plain = run_to_completion(plain, reqs)
     out_graphed = run_to_completion(graphed, reqs)
     for i, p in enumerate(prompts()):
@@ -136,6 +136,6 @@ def test_captured_replay_matches_eager_on_cuda(hf: Any, backend: str) -> None:
     assert isinstance(graphs, CudaGraphRunner) and graphs.captured and sorted(graphs.graphs) == [1, 2, 4, 8]
     plain = gpu_engine(hf, backend, torch.float32, graphs=False)
     assert plain.runner.graphs is None
-    reqs = [EngineRequest(f"r{i}", p, greedy(MAX_NEW)) for i, p in enumerate(prompts())]
+    reqs = [TokenizedRequest(f"r{i}", p, greedy(MAX_NEW)) for i, p in enumerate(prompts())]
     a, b = run_to_completion(engine, reqs), run_to_completion(plain, reqs)
     assert {k: tokens_of(v) for k, v in a.items()} == {k: tokens_of(v) for k, v in b.items()}

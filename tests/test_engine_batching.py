@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from actors.engine.types import Finish, EngineRequest
+from bus.messages import FinishReason, TokenizedRequest
 from tests.engine_helpers import (
     assert_greedy_matches,
     engine_for,
@@ -33,8 +33,8 @@ def reference() -> dict[str, Any]:
     return {"hf": hf, "prompts": prompts, "expected": [hf_greedy(hf, p, MAX_NEW, EOS) for p in prompts]}
 
 
-def requests(prompts: list[list[int]]) -> list[EngineRequest]:
-    return [EngineRequest(f"r{i}", p, greedy(MAX_NEW, stop_token_ids=[EOS])) for i, p in enumerate(prompts)]
+def requests(prompts: list[list[int]]) -> list[TokenizedRequest]:
+    return [TokenizedRequest(f"r{i}", p, greedy(MAX_NEW, stop_token_ids=[EOS])) for i, p in enumerate(prompts)]
 
 
 def check_all(reference: dict[str, Any], outputs: dict[str, list[int]]) -> None:
@@ -56,7 +56,7 @@ def test_greedy_together_matches_transformers(reference: dict[str, Any]) -> None
     rows = run_to_completion(engine, requests(reference["prompts"]))
     check_all(reference, {rid: tokens_of(r) for rid, r in rows.items()})
     for rid, req_rows in rows.items():
-        assert req_rows[0].first and not any(r.first for r in req_rows[1:])
+        assert req_rows[0].decode is not None and not any(r.decode is not None for r in req_rows[1:])
         assert [r.completion_tokens for r in req_rows] == list(range(1, len(req_rows) + 1))
         assert all(r.finish is None for r in req_rows[:-1]) and req_rows[-1].finish is not None
     stats = engine.stats()
@@ -103,11 +103,11 @@ def test_abort_frees_kv_of_running_and_waiting_requests(reference: dict[str, Any
     assert engine.stats().kv_running_tokens > 0
 
     running = engine.abort("r1")
-    assert running is not None and running.finish == Finish("abort")
-    assert (running.token_ids, running.completion_tokens, running.first) == ([], 1, False)
+    assert running is not None and running.finish == FinishReason("abort")
+    assert (running.token_ids, running.completion_tokens, running.decode is not None) == ([], 1, False)
     waiting = engine.abort("r2")
-    assert waiting is not None and waiting.finish == Finish("abort")
-    assert waiting.first  # r2 never produced a row, so this is its first
+    assert waiting is not None and waiting.finish == FinishReason("abort")
+    assert waiting.decode is not None  # r2 never produced a row, so this is its first
     assert engine.abort("r2") is None and engine.abort("nope") is None
 
     stats = engine.stats()
@@ -121,11 +121,11 @@ def test_queue_time_is_reported_once_and_counts_the_wait_for_a_slot(reference: d
     engine = engine_for(reference["hf"], max_running_requests=1)
     rows = run_to_completion(engine, requests(reference["prompts"][:2]))
     for req_rows in rows.values():
-        assert req_rows[0].first and req_rows[0].queue_time is not None and req_rows[0].queue_time >= 0
+        assert req_rows[0].decode is not None and req_rows[0].queue_time is not None and req_rows[0].queue_time >= 0
         assert all(row.queue_time is None for row in req_rows[1:])
     # r1 waited in the queue for all of r0's steps
     assert rows["r1"][0].queue_time > rows["r0"][0].queue_time
     aborted = engine_for(reference["hf"])
     assert aborted.add_request(requests(reference["prompts"][:1])[0]) is None
     final = aborted.abort("r0")
-    assert final is not None and final.first and final.queue_time is None  # never admitted: no queue time
+    assert final is not None and final.decode is not None and final.queue_time is None  # never admitted: no queue time

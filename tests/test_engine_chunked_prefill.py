@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from actors.engine.types import EngineRequest
+from bus.messages import TokenizedRequest
 from tests.engine_helpers import (
     assert_greedy_matches,
     engine_for,
@@ -35,7 +35,7 @@ def reference() -> dict[str, Any]:
 def test_chunked_prefill_keeps_greedy_output(reference: dict[str, Any], chunk: int, radix: bool) -> None:
     engine = engine_for(reference["hf"], chunked_prefill_size=chunk, max_prefill_tokens=chunk,
                         disable_radix_cache=not radix)
-    requests = [EngineRequest(f"r{i}", p, greedy(10, stop_token_ids=[EOS])) for i, p in enumerate(reference["prompts"])]
+    requests = [TokenizedRequest(f"r{i}", p, greedy(10, stop_token_ids=[EOS])) for i, p in enumerate(reference["prompts"])]
     # the first three arrive together (admitted in chunks, mixed with decodes), the others later, so they may
     # find their prefix cached
     for req in requests[:3]:
@@ -65,9 +65,9 @@ def test_a_running_stream_gets_a_token_every_step_while_a_4k_prompt_prefills(ref
     engine = engine_for(reference["hf"], chunked_prefill_size=chunk)
     gen = torch.Generator().manual_seed(4)
     long_prompt = torch.randint(3, 512, (4096,), generator=gen).tolist()
-    assert engine.add_request(EngineRequest("stream", [5, 6, 7], greedy(40))) is None
+    assert engine.add_request(TokenizedRequest("stream", [5, 6, 7], greedy(40))) is None
     engine.step()
-    assert engine.add_request(EngineRequest("long", long_prompt, greedy(2))) is None
+    assert engine.add_request(TokenizedRequest("long", long_prompt, greedy(2))) is None
     steps_until_long = 0
     while True:
         batch = engine.schedule()
@@ -86,5 +86,5 @@ def test_a_running_stream_gets_a_token_every_step_while_a_4k_prompt_prefills(ref
 def test_without_chunking_a_long_prompt_runs_whole(reference: dict[str, Any]) -> None:
     engine = engine_for(reference["hf"], chunked_prefill_size=0, max_prefill_tokens=16)
     prompt = reference["prompts"][2]  # 64 tokens, over the budget: admitted alone, in one step
-    rows = run_to_completion(engine, [EngineRequest("whole", prompt, greedy(3))])["whole"]
+    rows = run_to_completion(engine, [TokenizedRequest("whole", prompt, greedy(3))])["whole"]
     assert len(rows) == 3

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from actors.engine.types import EngineRequest, Finish, GenerationParams, TokenOutput
+from bus.messages import TokenizedRequest, FinishReason, SamplingParams, TokenRow
 from tests.engine_helpers import (
     engine_for,
     greedy,
@@ -26,7 +26,7 @@ def hf() -> Any:
     return tiny_hf_llama()
 
 
-def run(hf: Any, overlap: str, params: list[GenerationParams], **config: Any) -> dict[str, list[TokenOutput]]:
+def run(hf: Any, overlap: str, params: list[SamplingParams], **config: Any) -> dict[str, list[TokenRow]]:
     engine = engine_for(hf, overlap_schedule=overlap, **config)
     assert engine.overlap == (overlap == "on")
     planned = engine._schedule_after
@@ -38,13 +38,13 @@ def run(hf: Any, overlap: str, params: list[GenerationParams], **config: Any) ->
         return batch
 
     engine._schedule_after = counting  # type: ignore[method-assign]
-    rows = run_to_completion(engine, [EngineRequest(f"r{i}", p, q) for i, (p, q) in enumerate(zip(PROMPTS, params))])
+    rows = run_to_completion(engine, [TokenizedRequest(f"r{i}", p, q) for i, (p, q) in enumerate(zip(PROMPTS, params))])
     assert not engine.live and engine.stats().kv_running_tokens == 0
     assert any(overlapped) == (overlap == "on"), "the overlap loop planned some steps ahead"
     return rows
 
 
-def summary(rows: dict[str, list[TokenOutput]]) -> dict[str, Any]:
+def summary(rows: dict[str, list[TokenRow]]) -> dict[str, Any]:
     return {rid: (tokens_of(r), [x.completion_tokens for x in r], r[-1].finish, [x.logprobs for x in r])
             for rid, r in rows.items()}
 
@@ -52,12 +52,12 @@ def summary(rows: dict[str, list[TokenOutput]]) -> dict[str, Any]:
 @pytest.mark.parametrize("params", [
     [greedy(12), greedy(5), greedy(9), greedy(1)],  # different lengths: requests leave while others decode
     [greedy(16, stop_token_ids=[EOS]) for _ in PROMPTS],
-    [GenerationParams(10, temperature=0.9, top_p=0.9, seed=s, return_logprob=True, top_logprobs_num=3)
+    [SamplingParams(10, temperature=0.9, top_p=0.9, seed=s, return_logprob=True, top_logprobs_num=3)
      for s in range(4)],
-    [GenerationParams(8, temperature=1.0, seed=7, frequency_penalty=0.5, presence_penalty=0.3,
+    [SamplingParams(8, temperature=1.0, seed=7, frequency_penalty=0.5, presence_penalty=0.3,
                       repetition_penalty=1.2, min_new_tokens=3, stop_token_ids=[EOS]) for _ in PROMPTS],
 ])
-def test_overlap_gives_the_plain_loops_rows(hf: Any, params: list[GenerationParams]) -> None:
+def test_overlap_gives_the_plain_loops_rows(hf: Any, params: list[SamplingParams]) -> None:
     plain = summary(run(hf, "off", params))
     assert summary(run(hf, "on", params)) == plain
     for tokens, counts, finish, _ in plain.values():
@@ -73,14 +73,14 @@ def test_overlap_under_a_small_pool_and_chunked_prefill(hf: Any) -> None:
 def test_abort_while_a_step_is_in_flight(hf: Any) -> None:
     engine = engine_for(hf, overlap_schedule="on")
     for i, prompt in enumerate(PROMPTS[:3]):
-        assert engine.add_request(EngineRequest(f"r{i}", prompt, greedy(30))) is None
-    rows: dict[str, list[TokenOutput]] = {}
+        assert engine.add_request(TokenizedRequest(f"r{i}", prompt, greedy(30))) is None
+    rows: dict[str, list[TokenRow]] = {}
     for _ in range(6):
         for row in engine.step():
             rows.setdefault(row.rid, []).append(row)
     assert engine._inflight is not None and engine._inflight[0].feed is not None, "an overlapped step is in flight"
     final = engine.abort("r1")
-    assert final is not None and final.finish == Finish("abort")
+    assert final is not None and final.finish == FinishReason("abort")
     assert final.completion_tokens == len(tokens_of(rows["r1"]))  # the in-flight token is not counted
     engine.check_integrity()
     while engine.has_work():

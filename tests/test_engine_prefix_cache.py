@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from actors.engine.types import EngineRequest
+from bus.messages import TokenizedRequest
 from tests.engine_helpers import (
     assert_greedy_matches,
     engine_for,
@@ -35,8 +35,8 @@ def reference() -> dict[str, Any]:
             "expected": [hf_greedy(hf, p, MAX_NEW, EOS) for p in prompts]}
 
 
-def request(rid: str, prompt: list[int]) -> EngineRequest:
-    return EngineRequest(rid, prompt, greedy(MAX_NEW, stop_token_ids=[EOS]))
+def request(rid: str, prompt: list[int]) -> TokenizedRequest:
+    return TokenizedRequest(rid, prompt, greedy(MAX_NEW, stop_token_ids=[EOS]))
 
 
 @pytest.mark.parametrize("radix", [True, False])

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from actors.engine.types import EngineRequest, TokenOutput
+from bus.messages import TokenizedRequest, TokenRow
 from tests.engine_helpers import (
     assert_greedy_matches,
     engine_for,
@@ -40,7 +40,7 @@ def test_random_traffic_keeps_the_pool_whole_and_the_output_exact(hf: Any, seed:
     engine = engine_for(hf, max_total_tokens=72, max_running_requests=8, chunked_prefill_size=8,
                         max_prefill_tokens=12, disable_radix_cache=not radix, overlap_schedule=overlap)
     prompts: dict[str, list[int]] = {}
-    rows: dict[str, list[TokenOutput]] = {}
+    rows: dict[str, list[TokenRow]] = {}
     aborted: set[str] = set()
     for step in range(400):
         if len(prompts) < 24 and rng.random() < 0.5:
@@ -48,7 +48,7 @@ def test_random_traffic_keeps_the_pool_whole_and_the_output_exact(hf: Any, seed:
             prefix = rng.choice(prefixes)[: rng.randint(0, 30)]
             prompt = prefix + torch.randint(3, 512, (rng.randint(1, 10),), generator=gen).tolist()
             prompts[rid] = prompt
-            assert engine.add_request(EngineRequest(rid, prompt, greedy(rng.randint(1, 24), stop_token_ids=[EOS]))) is None
+            assert engine.add_request(TokenizedRequest(rid, prompt, greedy(rng.randint(1, 24), stop_token_ids=[EOS]))) is None
         live = list(engine.live)
         if live and rng.random() < 0.05:
             rid = rng.choice(live)

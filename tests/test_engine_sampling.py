@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from actors.engine.types import EngineRequest, GenerationParams
+from bus.messages import TokenizedRequest, SamplingParams
 from tests.engine_helpers import (
     engine_for,
     greedy,
@@ -25,8 +25,8 @@ def hf() -> Any:
     return tiny_hf_llama()
 
 
-def run(hf: Any, params: GenerationParams, prompt: list[int] = PROMPT, **config: Any) -> list:
-    return run_to_completion(engine_for(hf, **config), [EngineRequest("x", prompt, params)])["x"]
+def run(hf: Any, params: SamplingParams, prompt: list[int] = PROMPT, **config: Any) -> list:
+    return run_to_completion(engine_for(hf, **config), [TokenizedRequest("x", prompt, params)])["x"]
 
 
 def test_min_new_tokens_holds_off_stop_tokens(hf: Any) -> None:
@@ -64,12 +64,12 @@ def test_penalties_and_logit_bias_change_the_output(hf: Any) -> None:
 
 
 def test_seeded_draws_do_not_depend_on_the_batch(hf: Any) -> None:
-    seeded = GenerationParams(10, temperature=1.0, seed=1234)
+    seeded = SamplingParams(10, temperature=1.0, seed=1234)
     alone = tokens_of(run(hf, seeded))
     engine = engine_for(hf)
     together = run_to_completion(engine, [
-        EngineRequest("noise", [9, 8, 7], GenerationParams(10, temperature=1.0)),
-        EngineRequest("x", PROMPT, seeded),
+        TokenizedRequest("noise", [9, 8, 7], SamplingParams(10, temperature=1.0)),
+        TokenizedRequest("x", PROMPT, seeded),
     ])
     assert tokens_of(together["x"]) == alone
-    assert tokens_of(run(hf, GenerationParams(10, temperature=1.0, seed=4321))) != alone
+    assert tokens_of(run(hf, SamplingParams(10, temperature=1.0, seed=4321))) != alone

@@ -12,7 +12,7 @@ import pytest
 
 from actors.common.model_source import resolve_model
 from actors.engine.engine import Engine, EngineConfig
-from actors.engine.types import EngineRequest
+from bus.messages import TokenizedRequest
 from tests.engine_helpers import (
     assert_greedy_matches,
     greedy,
@@ -53,8 +53,8 @@ def smollm() -> dict[str, Any]:
     return {"engine": engine, "hf": hf, "prompts": prompts, "expected": expected, "eos": eos}
 
 
-def request(smollm: dict[str, Any], rid: str, index: int) -> EngineRequest:
-    return EngineRequest(rid, smollm["prompts"][index], greedy(MAX_NEW, stop_token_ids=[smollm["eos"]]))
+def request(smollm: dict[str, Any], rid: str, index: int) -> TokenizedRequest:
+    return TokenizedRequest(rid, smollm["prompts"][index], greedy(MAX_NEW, stop_token_ids=[smollm["eos"]]))
 
 
 def test_greedy_alone_matches_transformers(smollm: dict[str, Any]) -> None:

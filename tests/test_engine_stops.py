@@ -8,7 +8,7 @@ import pytest
 
 from actors.common.model_source import load_tokenizer, resolve_model
 from actors.engine.engine import Engine
-from actors.engine.types import Finish, GenerationParams, EngineRequest
+from bus.messages import FinishReason, SamplingParams, TokenizedRequest
 from tests.engine_helpers import (
     engine_for,
     greedy,
@@ -30,8 +30,8 @@ def setup() -> dict[str, Any]:
     return {"tokenizer": tokenizer, "engine": engine, "prompt": prompt, "free_run": free_run}
 
 
-def run(engine: Engine, prompt: list[int], sampling: GenerationParams) -> tuple[list[int], Finish]:
-    rows = run_to_completion(engine, [EngineRequest("s", prompt, sampling)])["s"]
+def run(engine: Engine, prompt: list[int], sampling: SamplingParams) -> tuple[list[int], FinishReason]:
+    rows = run_to_completion(engine, [TokenizedRequest("s", prompt, sampling)])["s"]
     assert rows[-1].finish is not None
     return tokens_of(rows), rows[-1].finish
 
@@ -51,7 +51,7 @@ def test_stop_string_spanning_tokens(setup: dict[str, Any]) -> None:
 
     tokens, finish = run(setup["engine"], setup["prompt"], greedy(MAX_NEW, stop=["never there", stop]))
     assert tokens == free_run[: k + 1]
-    assert finish == Finish("stop", matched=stop)
+    assert finish == FinishReason("stop", matched=stop)
 
 
 def test_stop_string_late_in_a_long_output(setup: dict[str, Any]) -> None:
@@ -60,7 +60,7 @@ def test_stop_string_late_in_a_long_output(setup: dict[str, Any]) -> None:
     stop = tokenizer.decode(free_run[-1:]).strip()[:2]
     k = first_match(tokenizer, free_run, stop)
     tokens, finish = run(setup["engine"], setup["prompt"], greedy(MAX_NEW, stop=[stop]))
-    assert (tokens, finish) == (free_run[: k + 1], Finish("stop", matched=stop))
+    assert (tokens, finish) == (free_run[: k + 1], FinishReason("stop", matched=stop))
 
 
 def test_stop_token_wins_over_stop_string_and_absent_stop_gives_length(setup: dict[str, Any]) -> None:
@@ -68,8 +68,8 @@ def test_stop_token_wins_over_stop_string_and_absent_stop_gives_length(setup: di
     token = free_run[2]
     text = tokenizer.decode([token]).strip()
     tokens, finish = run(setup["engine"], setup["prompt"], greedy(MAX_NEW, stop=[text], stop_token_ids=[token]))
-    assert finish == Finish("stop", matched=token) and tokens[-1] == token
+    assert finish == FinishReason("stop", matched=token) and tokens[-1] == token
 
     tokens, finish = run(setup["engine"], setup["prompt"], greedy(MAX_NEW, stop=["\x00never"]))
-    assert (tokens, finish) == (free_run, Finish("length"))
+    assert (tokens, finish) == (free_run, FinishReason("length"))
     assert setup["engine"].stats().kv_running_tokens == 0

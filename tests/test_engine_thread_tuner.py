@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from actors.engine.thread_tuner import ThreadTuner
-from actors.engine.types import EngineRequest
+from bus.messages import TokenizedRequest
 from tests.engine_helpers import engine_for, greedy, run_to_completion, tiny_hf_llama, tokens_of
 
 
@@ -49,12 +49,12 @@ def test_prefill_sized_steps_use_every_thread_and_are_not_learned() -> None:
 
 def test_the_model_runner_times_its_steps_for_the_tuner() -> None:
     hf = tiny_hf_llama()
-    plain = run_to_completion(engine_for(hf), [EngineRequest("r", [5, 9, 2], greedy(12))])
+    plain = run_to_completion(engine_for(hf), [TokenizedRequest("r", [5, 9, 2], greedy(12))])
     engine = engine_for(hf)
     engine.runner.set_thread_policy((1, 2), fixed_from_tokens=64)
     before = torch.get_num_threads()
     try:
-        tuned = run_to_completion(engine, [EngineRequest("r", [5, 9, 2], greedy(12))])
+        tuned = run_to_completion(engine, [TokenizedRequest("r", [5, 9, 2], greedy(12))])
     finally:
         torch.set_num_threads(before)
     assert tokens_of(tuned["r"]) == tokens_of(plain["r"])

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from actors.engine.types import EngineRequest
+from bus.messages import TokenizedRequest
 from actors.engine.weights import model_from_hf
 from kernels.quantization import Int8Linear, quantize_linears
 from tests.engine_helpers import (
@@ -63,8 +63,8 @@ def test_the_engine_runs_int8_weights_with_logits_close_to_float32() -> None:
     quantized = engine_for(hf, device="cpu")
     quantize_linears(quantized.runner.model, "int8")
     params = greedy(8, return_logprob=True, top_logprobs_num=5)
-    a = run_to_completion(exact, [EngineRequest("a", prompt, params)])["a"]
-    b = run_to_completion(quantized, [EngineRequest("b", prompt, params)])["b"]
+    a = run_to_completion(exact, [TokenizedRequest("a", prompt, params)])["a"]
+    b = run_to_completion(quantized, [TokenizedRequest("b", prompt, params)])["b"]
     assert len(tokens_of(b)) == 8
     # the first token's distribution (same context for both) barely moves
     assert a[0].top_ids[0][:2] == b[0].top_ids[0][:2]

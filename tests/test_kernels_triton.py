@@ -146,7 +146,7 @@ def test_model_with_triton_norms_gives_the_same_logits() -> None:
 
 
 def test_engine_with_triton_norms_and_rotary_generates_the_same_tokens() -> None:
-    from actors.engine.types import EngineRequest
+    from bus.messages import TokenizedRequest
     from kernels.triton.rotary import apply_rotary as triton_apply_rotary
 
     hf = tiny_hf_llama()
@@ -157,7 +157,7 @@ def test_engine_with_triton_norms_and_rotary_generates_the_same_tokens() -> None
         if swap:
             use_triton_kernels(engine.runner.model)
             assert all(layer.self_attn.rotary is triton_apply_rotary for layer in engine.runner.model.model.layers)
-        rows = run_to_completion(engine, [EngineRequest(f"r{i}", p, greedy(6)) for i, p in enumerate(prompts)])
+        rows = run_to_completion(engine, [TokenizedRequest(f"r{i}", p, greedy(6)) for i, p in enumerate(prompts)])
         return {rid: tokens_of(r) for rid, r in rows.items()}
 
     expected = generate(swap=False)

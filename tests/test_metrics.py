@@ -19,7 +19,8 @@ from starlette.testclient import TestClient
 from actors.entry.guard import EntryGuard
 from actors.entry.metrics import MeteredStream, RequestMetrics
 from actors.entry.metrics_scrape import metrics_route
-from bus.messages import ErrorInfo, FinishReason, RequestOutput
+from bus.errors import ApiError
+from bus.messages import FinishReason, RequestOutput
 from bus.subjects import Subjects
 from tests.server_helpers import ServerHandle, sse_events, wait_until_idle
 
@@ -155,7 +156,7 @@ def test_request_timer_times_tokens_and_ends_once() -> None:
     clock.now += 0.2
     timer.output(RequestOutput(rid="r", prompt_tokens=10, cached_tokens=4, completion_tokens=4,
                                finish=FinishReason("stop", matched="!")))  # held-back text: no new token
-    timer.output(RequestOutput(rid="r", completion_tokens=9, error=ErrorInfo("late")))  # ignored: ended
+    timer.output(RequestOutput(rid="r", completion_tokens=9, error=ApiError("late")))  # ignored: ended
     scraped = samples(generate_latest(metrics.registry).decode())
     assert value(scraped, "prompt_tokens_total") == 10 and value(scraped, "cached_tokens_total") == 4
     assert value(scraped, "generation_tokens_total") == 4
@@ -169,7 +170,7 @@ def test_request_timer_times_tokens_and_ends_once() -> None:
     assert value(scraped, "num_requests_total", finish_reason="error") == 0
 
     failed = metrics.timer()
-    failed.output(RequestOutput(rid="bad", error=ErrorInfo("top_p must be in (0, 1]")))
+    failed.output(RequestOutput(rid="bad", error=ApiError("top_p must be in (0, 1]")))
     scraped = samples(generate_latest(metrics.registry).decode())
     assert value(scraped, "num_requests_total", finish_reason="error") == 1
     assert value(scraped, "e2e_request_latency_seconds_count") == 1  # errors are not timed

@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from actors.tokenizer.validation import ParamError, validate_sampling
+from actors.tokenizer.validation import validate_sampling
+from bus.errors import ApiError
 from bus.messages import SamplingParams
 
 CTX, VOCAB, EOS = 100, 1000, [2]
@@ -39,13 +40,13 @@ def check(raw: dict, prompt_tokens: int = 10) -> SamplingParams:
     ({"frobnicate": 1}, "frobnicate"),
 ])
 def test_invalid_parameters_name_the_parameter(raw: dict, param: str) -> None:
-    with pytest.raises(ParamError) as err:
+    with pytest.raises(ApiError) as err:
         check(raw)
     assert err.value.param == param
 
 
 def test_prompt_that_fills_the_context_is_rejected_without_max_tokens() -> None:
-    with pytest.raises(ParamError):
+    with pytest.raises(ApiError):
         check({}, prompt_tokens=CTX)
 
 
@@ -74,5 +75,5 @@ def test_chat_template_and_prompt_forms() -> None:
     for bad in (GenerateRequest(rid="r"), GenerateRequest(rid="r", text="a", input_ids=[1]),
                 GenerateRequest(rid="r", messages=[]), GenerateRequest(rid="r", messages=[ChatMessage("robot", "x")]),
                 GenerateRequest(rid="r", input_ids=[encoder.vocab_size]), GenerateRequest(rid="r", text="")):
-        with pytest.raises(ParamError):
+        with pytest.raises(ApiError):
             encoder.encode(bad)

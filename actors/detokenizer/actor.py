@@ -15,7 +15,8 @@ from actors.common.runtime import ActorContext
 from actors.detokenizer import spans as detokenize_spans
 from actors.detokenizer.incremental import IncrementalDecoder
 from bus.connection import Delivery
-from bus.messages import BatchTokenOutput, ErrorInfo, RequestOutput, TokenLogprob, TokenRow, TopLogprob
+from bus.errors import server_error
+from bus.messages import BatchTokenOutput, RequestOutput, TokenLogprob, TokenRow, TopLogprob
 from observability.logging import log_event
 
 log = logging.getLogger("detokenizer")
@@ -50,8 +51,7 @@ class DetokenizerActor:
             except Exception as exc:  # one request's failure must not drop the other rows of the step
                 log.exception("detokenizing %s failed", row.rid)
                 self._decoders.pop(row.rid, None)
-                output = RequestOutput(rid=row.rid, error=ErrorInfo(
-                    message=f"detokenizing the output failed: {exc!r}", type="server_error", code=500))
+                output = RequestOutput(rid=row.rid, error=server_error(f"detokenizing the output failed: {exc!r}"))
             if output is not None:
                 output.seq = self._next_seq.pop(row.rid, 0)
                 if not output.is_last:
@@ -63,8 +63,7 @@ class DetokenizerActor:
         if row.finish is not None and row.finish.type == "error":
             self._decoders.pop(row.rid, None)
             return RequestOutput(rid=row.rid, prompt_tokens=row.prompt_tokens, completion_tokens=row.completion_tokens,
-                                 error=ErrorInfo(message=row.finish.message or "generation failed",
-                                                 type="server_error", code=500))
+                                 error=row.finish.error or server_error("generation failed"))
         decoder = self._decoders.get(row.rid)
         if decoder is None:
             if row.decode is None:

@@ -3,7 +3,8 @@
 A step has three parts: `schedule()` decides the batch and does all allocation (retraction, admission,
 prefix locks, KV slots), `launch(batch)` runs the forward and samples, `finish(batch, out)` applies the tokens
 (stop checks, caching, freeing) and returns one output row per sampled request. Single-threaded by contract:
-`add_request`, `abort` and the control methods are called only between steps.
+`add_request`, `abort` and the control methods are called only between steps. `Engine` implements
+`actors.engine.interface.EngineInterface`, all the scheduler actor uses of it.
 
 The overlap loop (`--overlap-schedule`, on for cuda) reorders the same parts: while decode step N runs on the
 device, step N+1 is planned and launched with its input tokens read on the device from N's output, and only
@@ -33,35 +34,27 @@ from actors.engine.quantize import apply_quantization
 from actors.engine.prefix_cache import create_prefix_cache
 from actors.engine.request import Req
 from actors.engine.stop_checker import StopChecker
+from actors.engine.thread_tuner import tuner_for
 from actors.engine.token_table import TokenTable
-from actors.engine.types import EngineRequest, Finish, Rejection, StepPlan, TokenOutput
+from actors.engine.interface import StepPlan
+from bus.errors import ApiError, server_error
+from bus.messages import FinishReason, SchedulerInfo, TokenizedRequest, TokenRow
 from kernels.sampling import PenaltyState
+from observability.logging import log_event
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 log = logging.getLogger("engine")
 
 
-@dataclass
-class EngineStats:
-    """Load snapshot for the scheduler's info and metrics."""
-
-    num_running_reqs: int
-    num_waiting_reqs: int
-    kv_used_tokens: int  # kv_running_tokens + kv_cached_tokens
-    kv_running_tokens: int  # held by live requests (their own and the cached prefixes they lock)
-    kv_cached_tokens: int  # held only by the prefix cache, evictable
-    kv_total_tokens: int
-    context_length: int
-    num_retractions: int  # since start
-    cache_hit_rate: float  # cached / all prompt tokens of admitted requests since start
-
-
 class Engine:
     """Continuous batching with chunked prefill and a prefix cache over our Llama and a paged KV pool."""
 
-    def __init__(self, model: LlamaForCausalLM, config: EngineConfig, tokenizer: Any | None = None) -> None:
-        """`model` already on `config`'s device; `tokenizer` is needed only by requests with stop strings."""
+    def __init__(self, model: LlamaForCausalLM, config: EngineConfig, tokenizer: Any | None = None,
+                 model_name: str = "") -> None:
+        """`model` already on `config`'s device; `tokenizer` is needed only by requests with stop strings;
+        `model_name` is what `stats()` reports."""
         self.config = config
+        self.model_name = model_name
         self.device = torch.device(config.resolved_device())
         mc = model.config
         self.vocab_size: int = mc.vocab_size
@@ -80,6 +73,10 @@ class Engine:
                                       config.max_running_requests)
         self.decode = DecodeManager(self.cache)
         self.runner = ModelRunner(model, self.pool, self.table, config.attention_backend, config.graph_max_bs())
+        self.runner.thread_tuner = tuner_for(config)
+        self._thread_choices: dict[str, int] = {}
+        self.paused = False
+        self.steps = 0
         self.stop_checker = StopChecker(tokenizer, self.context_length)
         self.live: dict[str, Req] = {}
         self.num_retractions = 0
@@ -97,18 +94,18 @@ class Engine:
 
         model = load_model(source, DTYPES[config.resolved_dtype()], config.resolved_device())
         apply_quantization(model, config)
-        return cls(model, config, tokenizer if tokenizer is not None else load_tokenizer(source))
+        return cls(model, config, tokenizer if tokenizer is not None else load_tokenizer(source), source.name)
 
     @property
     def num_slots(self) -> int:
         return self.pool.num_slots
 
-    def add_request(self, request: EngineRequest) -> Rejection | None:
+    def add_request(self, request: TokenizedRequest) -> ApiError | None:
         """Queue `request`, or say why it cannot run (with the numbers involved)."""
         rejection = self._validate(request)
         if rejection is not None:
             return rejection
-        params = request.params
+        params = request.sampling
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         req = Req(request.rid, len(request.input_ids), list(request.input_ids), params, seed)
         if params.uses_penalties:
@@ -117,38 +114,40 @@ class Engine:
         self.prefill.add(req)
         return None
 
-    def _validate(self, request: EngineRequest) -> Rejection | None:
-        ids, params = request.input_ids, request.params
+    def _validate(self, request: TokenizedRequest) -> ApiError | None:
+        ids, params = request.input_ids, request.sampling
         if request.rid in self.live:
-            return Rejection(f"request id {request.rid!r} is already in use by a live request", "rid")
+            return ApiError(f"request id {request.rid!r} is already in use by a live request", param="rid")
         if not ids:
-            return Rejection("the prompt is empty", "input_ids")
+            return ApiError("the prompt is empty", param="input_ids")
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            return Rejection(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", "input_ids")
+            return ApiError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="input_ids")
         if params.max_new_tokens < 1:
-            return Rejection(f"max_new_tokens must be at least 1, got {params.max_new_tokens}", "max_new_tokens")
+            return ApiError(f"max_new_tokens must be at least 1, got {params.max_new_tokens}", param="max_new_tokens")
         total = len(ids) + params.max_new_tokens
         for limit, what in ((self.context_length, "the context length"), (self.num_slots, "the KV pool")):
             if total > limit:
-                return Rejection(f"{len(ids)} prompt tokens + {params.max_new_tokens} max_new_tokens = {total} "
-                                 f"exceeds {what} ({limit} tokens)", "max_new_tokens")
+                return ApiError(f"{len(ids)} prompt tokens + {params.max_new_tokens} max_new_tokens = {total} "
+                                 f"exceeds {what} ({limit} tokens)", param="max_new_tokens")
         if any(not s for s in params.stop):
-            return Rejection("stop strings must not be empty", "stop")
+            return ApiError("stop strings must not be empty", param="stop")
         if params.stop and self.tokenizer is None:
-            return Rejection("stop strings need a tokenizer, and this engine has none", code=500, type="server_error")
+            return server_error("stop strings need a tokenizer, and this engine has none")
         return None
 
     def has_work(self) -> bool:
-        """True while any request is waiting or running, or a step's tokens are still to be applied."""
-        return bool(len(self.prefill) or len(self.decode) or self._inflight)
+        """True while a step's tokens are still to be applied, or requests wait or run and the engine is not
+        paused."""
+        return bool(self._inflight or (not self.paused and (len(self.prefill) or len(self.decode))))
 
-    def step(self) -> list[TokenOutput]:
+    def step(self) -> list[TokenRow]:
         """Schedule, run and finish one step; one output row per request that produced a token (in the overlap
         loop: the rows of the step launched by the previous call, whose tokens are applied now).
 
         If the forward fails, every request of the batch ends with an "error" finish and the engine goes on.
         """
+        self.steps += 1
         if self.overlap:
             return self._step_overlapped()
         batch = self._last_batch = self.schedule()
@@ -160,10 +159,12 @@ class Engine:
             return self._fail_batch(batch, exc)
         return self.finish(batch, out)
 
-    def _step_overlapped(self) -> list[TokenOutput]:
+    def _step_overlapped(self) -> list[TokenRow]:
         prev, self._inflight = self._inflight, None
+        if self.paused:
+            return self.finish(*prev) if prev is not None else []
         batch = self._schedule_after(prev) if prev is not None else None
-        rows: list[TokenOutput] = []
+        rows: list[TokenRow] = []
         if batch is None:  # nothing to overlap with: apply the step in flight, then plan as usual
             if prev is not None:
                 rows, prev = self.finish(*prev), None
@@ -195,12 +196,11 @@ class Engine:
         return Batch(reqs, [req.cached_len - 1 for req in reqs], [1] * n, [True] * n, [0] * n, num_decode=n,
                      feed=(out.tokens, [index[id(req)] for req in reqs]))
 
-    def _fail_batch(self, batch: Batch, exc: Exception) -> list[TokenOutput]:
+    def _fail_batch(self, batch: Batch, exc: Exception) -> list[TokenRow]:
         log.exception("forward pass failed; ending the %d requests of its batch", len(batch.reqs))
         return [self._fail(req, f"the forward pass failed: {exc!r}") for req in batch.reqs
                 if self.live.get(req.rid) is req]
 
-    @property
     def last_plan(self) -> StepPlan | None:
         """What the last `step` ran, as plain data (built only when asked: the scheduler's step spans)."""
         batch = self._last_batch
@@ -233,14 +233,14 @@ class Engine:
             req.pending += 1
         return out
 
-    def finish(self, batch: Batch, out: ForwardOutput) -> list[TokenOutput]:
+    def finish(self, batch: Batch, out: ForwardOutput) -> list[TokenRow]:
         """Apply the sampled tokens: stop checks, prefix caching, freeing; the step's output rows."""
         out.wait()
         tokens = out.tokens_cpu.tolist()
         logprobs = out.logprobs_cpu.tolist() if out.logprobs_cpu is not None else None
         top_ids = out.top_ids_cpu.tolist() if out.top_ids_cpu is not None else None
         top_lps = out.top_logprobs_cpu.tolist() if out.top_logprobs_cpu is not None else None
-        rows: list[TokenOutput] = []
+        rows: list[TokenRow] = []
         k = 0
         for i, (req, samples) in enumerate(zip(batch.reqs, batch.samples)):
             is_prefill = i >= batch.num_decode
@@ -257,7 +257,7 @@ class Engine:
                 finish = self.stop_checker.check(req)
             except Exception as exc:  # one request's bad stop check must not end the others
                 log.exception("stop check failed for %s", req.rid)
-                finish = Finish("error", message=f"checking the stop conditions failed: {exc!r}")
+                finish = FinishReason("error", error=server_error(f"checking the stop conditions failed: {exc!r}"))
             if finish is not None:
                 self._release(req)
             elif is_prefill:
@@ -273,15 +273,15 @@ class Engine:
             k += 1
         return rows
 
-    def abort(self, rid: str) -> TokenOutput | None:
+    def abort(self, rid: str) -> TokenRow | None:
         """Drop a waiting or running request now and free its KV; its final row, or None if `rid` is not live."""
         req = self.live.get(rid)
         if req is None:
             return None
         self._release(req)
-        return self._output(req, [], Finish("abort"))
+        return self._output(req, [], FinishReason("abort"))
 
-    def abort_all(self) -> list[TokenOutput]:
+    def abort_all(self) -> list[TokenRow]:
         """Abort every live request; their final rows."""
         return [row for rid in list(self.live) if (row := self.abort(rid)) is not None]
 
@@ -293,21 +293,42 @@ class Engine:
         """Assert that the pool is partitioned exactly among free slots, the prefix cache and live requests."""
         self.cache.check_integrity(self.live.values())
 
-    def stats(self) -> EngineStats:
-        """Current load: request counts and KV usage."""
+    def stats(self) -> SchedulerInfo:
+        """Current load, KV usage and settings (`rank` 0: the scheduler actor knows its own)."""
         free, cached = self.cache.num_free, self.cache.num_cached
         used = self.num_slots - free
-        return EngineStats(
-            num_running_reqs=len(self.decode),
-            num_waiting_reqs=len(self.prefill),
-            kv_used_tokens=used,
-            kv_running_tokens=used - cached,
-            kv_cached_tokens=cached,
-            kv_total_tokens=self.num_slots,
-            context_length=self.context_length,
-            num_retractions=self.num_retractions,
+        config = self.config
+        return SchedulerInfo(
+            rank=0, num_running_reqs=len(self.decode), num_waiting_reqs=len(self.prefill), kv_used_tokens=used,
+            kv_total_tokens=self.num_slots, context_length=self.context_length, step=self.steps,
+            model=self.model_name, kv_running_tokens=used - cached, kv_cached_tokens=cached,
             cache_hit_rate=self._cached_tokens / self._prompt_tokens if self._prompt_tokens else 0.0,
-        )
+            num_retractions=self.num_retractions, paused=self.paused, radix_cache=not config.disable_radix_cache,
+            chunked_prefill_size=config.chunked_prefill_size if config.chunking else 0,
+            overlap_schedule=self.overlap, torch_threads=dict(self._thread_choices))
+
+    def pause(self) -> None:
+        """Start no more steps (a step in flight is still applied); requests keep their KV, new ones queue."""
+        self.paused = True
+
+    def resume(self) -> None:
+        """Step again after `pause`."""
+        self.paused = False
+
+    def live_rids(self) -> int:
+        """Requests the engine holds state for."""
+        return len(self.live)
+
+    def on_idle(self) -> None:
+        """Check the KV pool's integrity and take the thread counts the tuner has settled on (logged when
+        they change)."""
+        self.check_integrity()
+        tuner = self.runner.thread_tuner
+        choices = tuner.preferred() if tuner is not None else {}
+        if choices != self._thread_choices:
+            self._thread_choices = choices
+            log_event(log, logging.INFO, "torch threads per step size, as measured",
+                      choices=", ".join(f"{size}: {n}" for size, n in choices.items()))
 
     def _release(self, req: Req, keep_kv: bool = True) -> None:
         """Take `req` out of every queue; cache its KV (unless it may be garbage) and free the rest."""
@@ -320,18 +341,19 @@ class Engine:
                 self.cache.drop_req(req)
         del self.live[req.rid]
 
-    def _fail(self, req: Req, message: str) -> TokenOutput:
+    def _fail(self, req: Req, message: str) -> TokenRow:
         """End `req` with an error finish; its KV from the failed step is not kept."""
         self._release(req, keep_kv=False)
-        return self._output(req, [], Finish("error", message=message))
+        return self._output(req, [], FinishReason("error", error=server_error(message)))
 
-    def _output(self, req: Req, token_ids: list[int], finish: Finish | None) -> TokenOutput:
+    def _output(self, req: Req, token_ids: list[int], finish: FinishReason | None) -> TokenRow:
         first = not req.first_row_sent
         if first:
             req.first_row_sent = True
         if first and req.admitted:  # the hit rate counts prompts that reached the prefix cache
             self._prompt_tokens += req.prompt_len
             self._cached_tokens += req.cached_tokens
-        return TokenOutput(rid=req.rid, token_ids=token_ids, prompt_tokens=req.prompt_len,
-                           completion_tokens=req.output_len, cached_tokens=req.cached_tokens, finish=finish,
-                           first=first, queue_time=req.queue_time if first else None)
+        return TokenRow(rid=req.rid, token_ids=token_ids, prompt_tokens=req.prompt_len,
+                        completion_tokens=req.output_len, cached_tokens=req.cached_tokens, finish=finish,
+                        decode=req.params.decode_params() if first else None,
+                        queue_time=req.queue_time if first else None)

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.engine.types import GenerationParams
+from bus.params import SamplingParams
 from kernels.sampling import PenaltyState, SamplingRow
 
 
@@ -23,7 +23,7 @@ class Req:
     rid: str
     prompt_len: int
     ids: list[int]
-    params: GenerationParams
+    params: SamplingParams
     seed: int
     cached_len: int = 0
     row: int | None = None
@@ -53,11 +53,6 @@ class Req:
     def uncached_len(self) -> int:
         """Tokens still to compute before this request can sample again."""
         return len(self.ids) - self.cached_len
-
-    @property
-    def own_kv(self) -> int:
-        """Slots this request holds privately (not shared through the prefix cache)."""
-        return self.cached_len - self.prefix_len
 
     def sampling_row(self) -> SamplingRow:
         """This request's settings for drawing its next token, in the shape `kernels.sampling` takes."""

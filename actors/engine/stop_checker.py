@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from actors.engine.request import Req
-from actors.engine.types import Finish
+from bus.messages import FinishReason
 
 
 class StopChecker:
@@ -24,19 +24,19 @@ class StopChecker:
         self.tokenizer = tokenizer
         self.context_length = context_length
 
-    def check(self, req: Req) -> Finish | None:
+    def check(self, req: Req) -> FinishReason | None:
         """The finish reason after `req`'s newest token, or None to keep going."""
         params = req.params
         if req.output_len >= params.min_new_tokens:
             token = req.ids[-1]
             if token in params.stop_token_ids:
-                return Finish("stop", matched=token)
+                return FinishReason("stop", matched=token)
             if params.stop:
                 matched = self._stop_string(req)
                 if matched is not None:
-                    return Finish("stop", matched=matched)
+                    return FinishReason("stop", matched=matched)
         if req.output_len >= params.max_new_tokens or req.seq_len >= self.context_length:
-            return Finish("length")
+            return FinishReason("length")
         return None
 
     def _stop_string(self, req: Req) -> str | None:

@@ -17,11 +17,30 @@ the most threads.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from typing import Any
 
 WARMUP_STEPS = 3  # samples of each option before trusting the averages
 EXPLORE_EVERY = 50  # steps of a group between re-tries of the option not in use
 SMOOTHING = 0.3  # weight of the newest sample in the moving averages
+LARGE_STEP_TOKENS = 64  # steps with at least this many tokens (prefill chunks) run on every core
+
+
+def startup_threads(config: Any) -> int:
+    """The torch threads a scheduler process starts with: `--torch-threads`, or every core when it is 0."""
+    return config.torch_threads or os.cpu_count() or 1
+
+
+def tuner_for(config: Any, cores: int | None = None) -> ThreadTuner | None:
+    """The thread policy `--torch-threads` asks for: with 0 on a multi-core CPU, decode-sized steps run on all
+    cores or all but one, whichever this tuner measures faster per step size (the other actors work on every
+    token, and a torch thread that loses its core stalls every parallel region); prefill-sized steps always
+    use every core. Any other value fixes the count (None: no tuner)."""
+    cores = cores or os.cpu_count() or 1
+    if config.torch_threads != 0 or cores < 2 or config.resolved_device() != "cpu":
+        return None
+    return ThreadTuner((cores - 1, cores), LARGE_STEP_TOKENS)
 
 
 @dataclass

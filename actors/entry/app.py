@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from actors.entry.control_routes import control_routes
-from actors.entry.errors import ApiError
+from bus.errors import ApiError
 from actors.entry.guard import EntryGuard
 from actors.entry.http_common import handles_errors, read_json, sse
 from actors.entry.metrics_scrape import metrics_route
@@ -41,7 +41,7 @@ async def _collect(service: EntryService, request: Request, gen_req: GenerateReq
     finally:
         watch.close()
     if outputs[-1].error is not None:
-        raise ApiError.from_info(outputs[-1].error)
+        raise outputs[-1].error
     return outputs
 
 
@@ -99,7 +99,7 @@ def build_app(service: EntryService, settings: EntrySettings | None = None) -> S
         async def events() -> AsyncIterator[str]:
             async for out in service.outputs(stream, first):
                 if out.error is not None:
-                    yield sse(ApiError.from_info(out.error).body())
+                    yield sse(out.error.body())
                     break
                 yield sse({"text": out.text, "output_ids": out.token_ids, "meta_info": meta(out, out.logprobs)})
             yield sse("[DONE]")

@@ -14,7 +14,7 @@ from typing import AsyncIterator
 
 from starlette.requests import Request
 
-from actors.entry.errors import ApiError
+from bus.errors import ApiError
 from actors.entry.request_flow import DisconnectWatch, EntryService
 from bus.messages import GenerateRequest, RequestOutput
 from bus.ring_client import RequestStream
@@ -90,7 +90,7 @@ class ChoiceGroup:
             while not choice.stream.finished:
                 outputs.append(await watch.next(choice.stream))
             if outputs[-1].error is not None:
-                raise ApiError.from_info(outputs[-1].error)
+                raise outputs[-1].error
             return outputs
 
         tasks = [asyncio.ensure_future(read(choice)) for choice in self.choices]

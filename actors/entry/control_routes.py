@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from actors.entry.errors import ApiError
+from bus.errors import ApiError
 from actors.entry.http_common import handles_errors, read_json
 from actors.entry.request_flow import EntryService
 

@@ -14,7 +14,8 @@ import hmac
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from actors.entry.errors import ApiError
+from actors.entry.errors import error_response
+from bus.errors import ApiError
 
 # Routes anyone may call: liveness for load balancers, metrics, and the API description (no secrets in it).
 PUBLIC_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
@@ -28,7 +29,7 @@ class BodyTooLarge(ApiError):
 
 
 def _unauthorized(message: str) -> ApiError:
-    return ApiError(message, 401, type="authentication_error", headers={"WWW-Authenticate": "Bearer"})
+    return ApiError(message, 401, type="authentication_error")
 
 
 class EntryGuard:
@@ -55,11 +56,11 @@ class EntryGuard:
         headers = Headers(scope=scope)
         if scope["path"] not in self.public_paths and not self._authorized(headers):
             error = _unauthorized("missing or invalid API key: send the header 'Authorization: Bearer <key>'")
-            await error.response()(scope, receive, send)
+            await error_response(error)(scope, receive, send)
             return
         declared = headers.get("content-length")
         if declared is not None and declared.strip().isdigit() and int(declared) > self.max_request_bytes:
-            await BodyTooLarge(self.max_request_bytes).response()(scope, receive, send)
+            await error_response(BodyTooLarge(self.max_request_bytes))(scope, receive, send)
             return
         received = 0
 

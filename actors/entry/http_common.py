@@ -9,7 +9,8 @@ from typing import Any, Awaitable, Callable
 from starlette.requests import Request
 from starlette.responses import Response
 
-from actors.entry.errors import ApiError
+from actors.entry.errors import error_response
+from bus.errors import ApiError, server_error
 from actors.entry.json_input import check_content_type, parse_json_object
 from actors.entry.request_flow import ClientDisconnected
 
@@ -37,11 +38,11 @@ def handles_errors(endpoint: Callable[[Request], Awaitable[Response]]) -> Callab
         try:
             return await endpoint(request)
         except ApiError as exc:
-            return exc.response()
+            return error_response(exc)
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         except Exception:
             log.exception("unhandled error in %s %s", request.method, request.url.path)
-            return ApiError("internal server error", 500, type="server_error").response()
+            return error_response(server_error("internal server error"))
 
     return wrapped

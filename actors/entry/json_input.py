@@ -13,7 +13,7 @@ import json
 import math
 from typing import Any
 
-from actors.entry.errors import ApiError
+from bus.errors import ApiError
 
 MAX_JSON_DEPTH = 64
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1

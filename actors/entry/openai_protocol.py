@@ -1,7 +1,8 @@
 """OpenAI request bodies -> GenerateRequest, and ring outputs -> OpenAI response bodies and stream chunks.
 
 Only shapes are checked here (what must be an object, a list, a string), plus what the entry itself acts on
-(`n`, the logprobs switches); the tokenizer actor validates every sampling value, so the rules live in one place.
+(`n`, the logprobs switches); the tokenizer actor validates every sampling value. Which OpenAI fields are
+sampling parameters, and under which native name, comes from their declarations in `bus.params`.
 """
 
 from __future__ import annotations
@@ -10,20 +11,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from actors.entry.errors import ApiError
+from bus.errors import ApiError
 from actors.entry.openai_logprobs import LogprobFormatter
-from actors.tokenizer.validation import MAX_TOP_LOGPROBS
 from bus.messages import ChatMessage, FinishReason, GenerateRequest, RequestOutput, TokenLogprob
+from bus.params import MAX_TOP_LOGPROBS, openai_names
 
-# OpenAI name -> ringserve (SGLang) sampling name; extensions pass through under their own names
-_SAMPLING_FIELDS = {
-    "max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "min_tokens": "min_new_tokens",
-    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-    "frequency_penalty": "frequency_penalty", "presence_penalty": "presence_penalty",
-    "repetition_penalty": "repetition_penalty", "logit_bias": "logit_bias", "seed": "seed", "stop": "stop",
-    "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "skip_special_tokens": "skip_special_tokens",
-    "no_stop_trim": "no_stop_trim",
-}
+# OpenAI name -> native (SGLang) sampling name; SGLang's extensions are accepted under their own names
+_SAMPLING_FIELDS = openai_names()
 _UNSUPPORTED_UNLESS_DEFAULT = {"echo": False, "best_of": 1}
 MAX_N = 16
 
@@ -157,11 +151,6 @@ def parse_completion(body: dict[str, Any], rid: str, served_model: str) -> tuple
     raise ApiError("prompt must be a string, a list of token ids, or a list with one of those", param="prompt")
 
 
-def finish_reason_name(finish: FinishReason | None) -> str | None:
-    """OpenAI's finish_reason string ("stop", "length" or "abort")."""
-    return None if finish is None else finish.type
-
-
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
     """OpenAI's usage object; `cached_tokens` are prompt tokens served from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -185,7 +174,7 @@ def full_response(rid: str, options: ApiOptions, choices: list[list[RequestOutpu
     for index, outputs in enumerate(choices):
         finish = outputs[-1].finish
         entries: list[TokenLogprob] = [e for out in outputs for e in out.logprobs]
-        choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason_name(finish),
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish.type if finish else None,
                                   "matched_stop": finish.matched if finish else None,
                                   "logprobs": options.logprob_formatter().format(entries)}
         text = "".join(out.text for out in outputs)
@@ -206,7 +195,7 @@ def response_id(rid: str, options: ApiOptions) -> str:
 def stream_chunk(rid: str, options: ApiOptions, text: str | None, finish: FinishReason | None,
                  first: bool = False, index: int = 0, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """One streamed chunk of choice `index`; a choice's first chat chunk carries the assistant role."""
-    choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason_name(finish)}
+    choice: dict[str, Any] = {"index": index, "finish_reason": finish.type if finish else None}
     if options.kind == "chat":
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text is not None:

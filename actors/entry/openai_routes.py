@@ -11,7 +11,7 @@ from starlette.routing import Route
 
 from actors.entry import openai_protocol as oai
 from actors.entry.choices import ChoiceGroup
-from actors.entry.errors import ApiError
+from bus.errors import ApiError
 from actors.entry.http_common import handles_errors, read_json, sse
 from actors.entry.request_flow import EntryService
 from bus.messages import GenerateRequest, RequestOutput
@@ -33,7 +33,7 @@ async def stream_events(group: ChoiceGroup, options: oai.ApiOptions) -> AsyncIte
     async with contextlib.aclosing(group.merged()) as outputs:
         async for index, out in outputs:
             if out.error is not None:
-                yield sse(ApiError.from_info(out.error).body())
+                yield sse(out.error.body())
                 failed = True
                 break
             has_logprobs = options.logprobs and bool(out.logprobs)

@@ -1,6 +1,7 @@
-"""The entry's OpenAPI 3 document (served at `/openapi.json`), written by hand: every route, its JSON body
-with realistic types and ranges, and its answers. Clients can generate code from it; the bad-input sweep
-(schemathesis) fuzzes the server from it.
+"""The entry's OpenAPI 3 document (served at `/openapi.json`): every route, its JSON body with realistic types
+and ranges, and its answers. The sampling parameters' schemas derive from their declarations in `bus.params`;
+the entry's own fields (`n`, `stream`, the OpenAI logprobs switches) are written here. Clients can generate
+code from it; the bad-input sweep (schemathesis) fuzzes the server from it.
 """
 
 from __future__ import annotations
@@ -9,41 +10,24 @@ import copy
 from typing import Any
 
 from actors.entry.openai_protocol import MAX_N
-from actors.tokenizer.validation import MAX_SEED, MAX_STOP_STRINGS, MAX_TOP_LOGPROBS
+from bus.params import MAX_TOP_LOGPROBS, SPECS
 
 JSON = "application/json"
 RID = {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}
 _INT = {"type": "integer"}
 _BOOL = {"type": "boolean"}
-_NUM = {"type": "number"}
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
 
-# sampling parameters, by their OpenAI names (the /generate names differ for the token counts)
-_SAMPLING: dict[str, Any] = {
-    "temperature": {**_NUM, "minimum": 0, "maximum": 2},
-    "top_p": {**_NUM, "exclusiveMinimum": 0, "maximum": 1},
-    "top_k": {**_INT, "minimum": -1},
-    "min_p": {**_NUM, "minimum": 0, "maximum": 1},
-    "frequency_penalty": {**_NUM, "minimum": -2, "maximum": 2},
-    "presence_penalty": {**_NUM, "minimum": -2, "maximum": 2},
-    "repetition_penalty": {**_NUM, "exclusiveMinimum": 0, "maximum": 2},
-    "logit_bias": {"type": "object", "additionalProperties": {**_NUM, "minimum": -100, "maximum": 100}},
-    "seed": {**_INT, "minimum": 0, "maximum": MAX_SEED},
-    "stop": {"oneOf": [{"type": "string", "minLength": 1},
-                       {"type": "array", "maxItems": MAX_STOP_STRINGS, "items": {"type": "string", "minLength": 1}}]},
-    "stop_token_ids": _TOKEN_IDS,
-    "ignore_eos": _BOOL,
-    "skip_special_tokens": _BOOL,
-    "no_stop_trim": _BOOL,
-}
+# sampling parameters under their native (/generate) names, and under the names OpenAI bodies use
+_NATIVE_SAMPLING = {name: spec.json_schema() for name, spec in SPECS.items()}
+_OPENAI_SAMPLING = {alias: spec.json_schema() for spec in SPECS.values()
+                    for alias in (spec.openai if spec.openai is not None else (spec.name,))}
 _OPENAI_COMMON: dict[str, Any] = {
     "model": {"type": "string", "description": "must be the served model's id if given"},
-    "max_tokens": {**_INT, "minimum": 1, "description": "default: the rest of the context window"},
-    "min_tokens": {**_INT, "minimum": 0},
     "n": {**_INT, "minimum": 1, "maximum": MAX_N},
     "stream": _BOOL,
     "stream_options": {"type": "object", "properties": {"include_usage": _BOOL}},
-    **_SAMPLING,
+    **_OPENAI_SAMPLING,
 }
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
@@ -58,7 +42,6 @@ SCHEMAS: dict[str, Any] = {
                        "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}}},
     "ChatCompletionRequest": {"type": "object", "required": ["messages"], "properties": {
         "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
-        "max_completion_tokens": {**_INT, "minimum": 1},
         "logprobs": _BOOL,
         "top_logprobs": {**_INT, "minimum": 0, "maximum": MAX_TOP_LOGPROBS},
         **_OPENAI_COMMON}},
@@ -74,11 +57,9 @@ SCHEMAS: dict[str, Any] = {
         "input_ids": {**_TOKEN_IDS, "minItems": 1},
         "rid": RID,
         "stream": _BOOL,
-        "return_logprob": _BOOL,
-        "top_logprobs_num": {**_INT, "minimum": 0, "maximum": MAX_TOP_LOGPROBS},
-        "sampling_params": {"type": "object", "properties": {
-            "max_new_tokens": {**_INT, "minimum": 1, "description": "default 128"},
-            "min_new_tokens": {**_INT, "minimum": 0}, **_SAMPLING}}},
+        "return_logprob": _NATIVE_SAMPLING["return_logprob"],
+        "top_logprobs_num": _NATIVE_SAMPLING["top_logprobs_num"],
+        "sampling_params": {"type": "object", "properties": _NATIVE_SAMPLING}},
         "oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}]},
     "AbortRequest": {"type": "object", "properties": {"rid": RID, "abort_all": _BOOL},
                      "description": "give rid, or abort_all: true"},
@@ -132,8 +113,6 @@ def openapi_document(served_model: str | None = None) -> dict[str, Any]:
         "/v1/models": _get("the served model", "Object", 401, 503),
         "/generate": _post("native generation", "GenerateRequest", "Object", *_BODY_ERRORS, stream=True),
         "/health": _get("200 while every role heartbeats", "Object", 503, public=True),
-        "/metrics": {"get": {"summary": "Prometheus metrics (text format)", "security": [], "responses": {"200": {
-            "description": "success", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
         "/health_generate": _get("one token through the whole ring", "Object", 401, 503),
         "/get_server_info": _get("scheduler load, entry counters, actors", "Object", 401, 503),
         "/flush_cache": _post("drop cached prefixes no request uses", None, "ControlReply", 401, 500, 503),

@@ -12,12 +12,13 @@ from typing import Any, AsyncIterator
 import anyio
 from starlette.requests import Request
 
-from actors.entry.errors import ApiError, server_busy
+from actors.entry.errors import server_busy
+from bus.errors import ApiError
 from actors.entry.liveness import LivenessMonitor
 from actors.entry.metrics import RequestMetrics
 from actors.entry.settings import DEFAULT_MAX_QUEUED_REQUESTS
 from bus.codec import encode
-from bus.messages import ControlReply, ErrorInfo, GenerateRequest, InfoQuery, RequestOutput, SchedulerInfo
+from bus.messages import ControlReply, GenerateRequest, InfoQuery, RequestOutput, SchedulerInfo
 from bus.ring_client import RequestStream, RingClient, RingUnavailable
 from bus.subjects import InvalidRidError, new_rid, validate_rid
 from actors.entry import request_trace
@@ -178,7 +179,7 @@ class EntryService:
         error = next((first.error for first in firsts if first.error is not None), None)
         if error is not None:
             await self.release_all(streams)
-            raise ApiError.from_info(error)
+            raise error
         return list(zip(streams, firsts))
 
     async def _open_all(self, streams: list[RequestStream], gen_reqs: list[GenerateRequest]) -> None:
@@ -226,7 +227,7 @@ class EntryService:
 
     async def fail_all(self, message: str, reason: str = "entry shutdown") -> None:
         """End every in-flight request with a 503 error instead of leaving its client waiting, and abort it."""
-        error = ErrorInfo(message=message, type="server_error", code=503)
+        error = ApiError(message, 503, type="server_error")
         for stream in list(self.live.values()):
             try:
                 await stream.fail(error, reason)

@@ -32,7 +32,9 @@ def main() -> None:
 
     import torch
 
-    torch.set_num_threads(config.torch_threads or os.cpu_count() or 1)
+    from actors.engine.thread_tuner import startup_threads
+
+    torch.set_num_threads(startup_threads(config))
     from actors.scheduler.actor import scheduler_main
 
     run_actor("scheduler", args, lambda ctx: scheduler_main(ctx, args.model, config, args.detokenizer_shards),

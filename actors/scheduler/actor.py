@@ -2,16 +2,16 @@
 
 Loop: apply what arrived (new requests, aborts, control commands) -> one engine step in a worker thread, so
 the bus stays responsive during the forward pass -> publish that step's token rows, one message per
-detokenizer shard. The engine is touched only between steps, from this loop, so it needs no locks. While
-paused, the loop applies arrivals but runs no step. When the engine falls idle it checks the KV cache's
-integrity once.
+detokenizer shard. The engine is touched only between steps, from this loop, so it needs no locks, and only
+through `EngineInterface`: its rows are already the wire's `TokenRow`s. When the engine falls idle the loop
+calls its `on_idle` once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-import os
 import time
 from collections import OrderedDict, defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -20,14 +20,13 @@ from typing import Any
 from actors.common.model_source import resolve_model
 from actors.common.runtime import ActorContext
 from actors.engine.config import EngineConfig
-from actors.engine.engine import Engine
-from actors.engine.types import TokenOutput
+from actors.engine.interface import EngineInterface
 from actors.scheduler import request_spans
-from actors.scheduler.convert import engine_request, error_info, token_row
 from bus.connection import Delivery
+from bus.errors import server_error
 from bus.messages import (
-    AbortRequest, Accepted, BatchTokenOutput, ControlCommand, ControlReply, DecodeParams, FinishReason, InfoQuery,
-    RequestOutput, SchedulerInfo, TokenizedRequest, TokenRow,
+    AbortRequest, Accepted, BatchTokenOutput, ControlCommand, ControlReply, FinishReason, InfoQuery, RequestOutput,
+    SchedulerInfo, TokenizedRequest, TokenRow,
 )
 from bus.subjects import SCHEDULER_QUEUE, InvalidRidError, detokenizer_shard, validate_ring_rid
 from observability import tracing
@@ -35,40 +34,28 @@ from observability.logging import log_event
 
 log = logging.getLogger("scheduler")
 ABORT_MEMORY_SECONDS = 60.0
-LARGE_STEP_TOKENS = 64  # steps with at least this many tokens (prefill chunks) run on every core
 CONTROL_ACTIONS = ("flush_cache", "abort_all", "pause", "continue")
 
 
 class SchedulerActor:
     """Bridges the bus and the engine."""
 
-    def __init__(self, ctx: ActorContext, model: str, config: EngineConfig, detokenizer_shards: int) -> None:
+    def __init__(self, ctx: ActorContext, engine: EngineInterface, detokenizer_shards: int) -> None:
         self._ctx = ctx
         self._shards = detokenizer_shards
-        self._source = resolve_model(model)
-        self._engine = Engine.from_source(self._source, config)
-        cores = os.cpu_count() or 1
-        if config.torch_threads == 0 and cores > 1 and config.resolved_device() == "cpu":
-            # The other actors work on every token: a decode-sized step may run faster leaving them a core
-            # (a torch thread that loses its core stalls every parallel region) or on all of them; the runner
-            # measures which, per step size, as it serves. Prefill-sized steps always use every core.
-            self._engine.runner.set_thread_policy((cores - 1, cores), LARGE_STEP_TOKENS)
-        self._thread_choices: dict[str, int] = {}
+        self._engine = engine
         self._inbox: list[tuple[str, Any]] = []
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         # aborts that arrived before their request (the two travel on different subjects)
         self._early_aborts: OrderedDict[str, float] = OrderedDict()
-        self._decode_params: dict[str, DecodeParams] = {}  # until the request's first row is sent
-        self._paused = False
         self._checked_idle = True
-        self._step = 0
         self._info = self._snapshot()
         self._spans = request_spans.create()  # no-ops unless tracing is on
 
     async def start(self) -> dict[str, Any]:
         subjects, bus = self._ctx.subjects, self._ctx.bus
-        self._ctx.live_rids = lambda: len(self._engine.live.keys() | self._decode_params.keys())
+        self._ctx.live_rids = self._engine.live_rids
         await bus.subscribe(subjects.tokenized, TokenizedRequest, self._on_request, queue=SCHEDULER_QUEUE)
         await bus.subscribe(subjects.abort_any, AbortRequest, self._on_abort)
         await bus.subscribe(subjects.client_abort_any, AbortRequest, self._on_abort)  # a client's own rids only
@@ -112,17 +99,7 @@ class SchedulerActor:
         return await done
 
     def _snapshot(self) -> SchedulerInfo:
-        stats = self._engine.stats()
-        config = self._engine.config
-        return SchedulerInfo(
-            rank=self._ctx.rank, num_running_reqs=stats.num_running_reqs, num_waiting_reqs=stats.num_waiting_reqs,
-            kv_used_tokens=stats.kv_used_tokens, kv_total_tokens=stats.kv_total_tokens,
-            context_length=stats.context_length, step=self._step, model=self._source.name,
-            kv_running_tokens=stats.kv_running_tokens, kv_cached_tokens=stats.kv_cached_tokens,
-            cache_hit_rate=stats.cache_hit_rate, num_retractions=stats.num_retractions, paused=self._paused,
-            radix_cache=not config.disable_radix_cache,
-            chunked_prefill_size=config.chunked_prefill_size if config.chunking else 0,
-            overlap_schedule=self._engine.overlap, torch_threads=dict(self._thread_choices))
+        return dataclasses.replace(self._engine.stats(), rank=self._ctx.rank)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -130,7 +107,7 @@ class SchedulerActor:
             while not self._ctx.stopping.is_set():
                 await self._publish(await self._apply_inbox())
                 self._info = self._snapshot()
-                if self._paused or not self._engine.has_work():
+                if not self._engine.has_work():
                     self._check_when_idle()
                     self._wake.clear()
                     if not self._inbox:
@@ -139,28 +116,22 @@ class SchedulerActor:
                 self._checked_idle = False
                 started = tracing.now_ns()
                 rows = await loop.run_in_executor(self._executor, self._engine.step)
-                self._step += 1
-                step_tp = self._spans.step(self._engine.last_plan, self._step, started, tracing.now_ns())
+                self._info = self._snapshot()
+                step_tp = self._spans.step(self._engine.last_plan(), self._info.step, started, tracing.now_ns())
                 await self._publish(rows, step_tp)
         except Exception as exc:
             log.exception("engine loop crashed")
             self._ctx.fail(f"engine loop crashed: {exc!r}")
 
     def _check_when_idle(self) -> None:
-        if not self._checked_idle and not self._engine.has_work():
-            self._engine.check_integrity()
+        if not self._checked_idle:
+            self._engine.on_idle()
             self._checked_idle = True
-            tuner = self._engine.runner.thread_tuner
-            choices = tuner.preferred() if tuner is not None else {}
-            if choices != self._thread_choices:
-                self._thread_choices = choices
-                log_event(log, logging.INFO, "torch threads per step size, as measured",
-                          choices=", ".join(f"{size}: {n}" for size, n in self._thread_choices.items()))
-                self._info = self._snapshot()
+            self._info = self._snapshot()
 
-    async def _apply_inbox(self) -> list[TokenOutput | TokenRow]:
+    async def _apply_inbox(self) -> list[TokenRow]:
         inbox, self._inbox = self._inbox, []
-        rows: list[TokenOutput | TokenRow] = []
+        rows: list[TokenRow] = []
         now = time.monotonic()
         while self._early_aborts and next(iter(self._early_aborts.values())) < now - ABORT_MEMORY_SECONDS:
             self._early_aborts.popitem(last=False)
@@ -183,16 +154,14 @@ class SchedulerActor:
                                      completion_tokens=0, finish=FinishReason(type="abort")))
             else:
                 self._spans.queued(item)
-                rejection = self._engine.add_request(engine_request(item))
-                if rejection is None:
-                    self._decode_params[item.rid] = item.sampling.decode_params()
-                else:
-                    self._spans.rejected(item.rid, rejection.message)
+                error = self._engine.add_request(item)
+                if error is not None:
+                    self._spans.rejected(item.rid, error.message)
                     await self._ctx.bus.publish(self._ctx.subjects.output(item.rid),
-                                                RequestOutput(rid=item.rid, error=error_info(rejection)))
+                                                RequestOutput(rid=item.rid, error=error))
         return rows
 
-    def _control(self, action: str, rows: list[TokenOutput | TokenRow]) -> ControlReply:
+    def _control(self, action: str, rows: list[TokenRow]) -> ControlReply:
         if action == "flush_cache":
             return ControlReply(ok=True, message="flushed the prefix cache",
                                 detail={"freed_tokens": self._engine.flush_cache()})
@@ -200,24 +169,21 @@ class SchedulerActor:
             aborted = self._engine.abort_all()
             rows.extend(aborted)
             return ControlReply(ok=True, message=f"aborted {len(aborted)} requests", detail={"aborted": len(aborted)})
-        self._paused = action == "pause"
-        return ControlReply(ok=True, message="paused" if self._paused else "continued")
+        if action == "pause":
+            self._engine.pause()
+            return ControlReply(ok=True, message="paused")
+        self._engine.resume()
+        return ControlReply(ok=True, message="continued")
 
-    async def _publish(self, outputs: list[TokenOutput | TokenRow], step_traceparent: str | None = None) -> None:
+    async def _publish(self, outputs: list[TokenRow], step_traceparent: str | None = None) -> None:
         """Publish rows, one message per detokenizer shard (`step_traceparent`: the step span they came from)."""
         if not outputs:
             return
         by_shard: dict[int, list[TokenRow]] = defaultdict(list)
         now = tracing.now_ns() if tracing.enabled() else 0
         for out in outputs:
-            if isinstance(out, TokenOutput):
-                decode = self._decode_params.pop(out.rid, None) if out.first else None
-                if out.finish is not None:
-                    self._decode_params.pop(out.rid, None)
-                first = out.first
-                out = token_row(out, decode)
-                if first:
-                    out.traceparent = self._spans.traceparent(out.rid)
+            if out.decode is not None:  # a request's first row
+                out.traceparent = self._spans.traceparent(out.rid)
             self._spans.output(out, now)
             by_shard[detokenizer_shard(out.rid, self._shards)].append(out)
         for shard, shard_rows in by_shard.items():
@@ -229,18 +195,21 @@ class SchedulerActor:
 
     async def _publish_rows(self, subject: str, rows: list[TokenRow], traceparent: str | None = None) -> None:
         """One step message (split while it exceeds max_payload); a row too large alone ends its request."""
-        too_large = await self._ctx.bus.publish_split(subject, rows, lambda part: BatchTokenOutput(self._step, part),
+        step = self._info.step
+        too_large = await self._ctx.bus.publish_split(subject, rows, lambda part: BatchTokenOutput(step, part),
                                                       traceparent)
         for row in too_large:
             log_event(log, logging.ERROR, "a token row exceeds max_payload; ending its request", rid=row.rid)
             self._engine.abort(row.rid)
-            error = FinishReason(type="error", message="the request's output exceeds the bus payload limit")
+            error = FinishReason(type="error", error=server_error("the request's output exceeds the bus payload limit"))
             final = TokenRow(rid=row.rid, token_ids=[], prompt_tokens=row.prompt_tokens,
                              completion_tokens=row.completion_tokens, finish=error)
             self._spans.output(final, tracing.now_ns())
-            await self._ctx.bus.publish(subject, BatchTokenOutput(self._step, [final]))
+            await self._ctx.bus.publish(subject, BatchTokenOutput(step, [final]))
 
 
 async def scheduler_main(ctx: ActorContext, model: str, config: EngineConfig, shards: int) -> dict[str, Any]:
     """Entry point for the runtime: load the model, subscribe, start the loop."""
-    return await SchedulerActor(ctx, model, config, shards).start()
+    from actors.engine.engine import Engine
+
+    return await SchedulerActor(ctx, Engine.from_source(resolve_model(model), config), shards).start()

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from actors.engine.types import StepPlan
+from actors.engine.interface import StepPlan
 from bus.messages import TokenizedRequest, TokenRow
 from observability import tracing
 
@@ -132,7 +132,7 @@ class RequestSpans(NoSpans):
             r.decode.set_attribute("ringserve.decode.steps", r.steps)
         error = None
         if row.finish.type in ("abort", "error"):
-            error = f"{row.finish.type}: {row.finish.message}" if row.finish.message else row.finish.type
+            error = f"{row.finish.type}: {row.finish.error}" if row.finish.error else row.finish.type
         self._end(row.rid, now_ns, error)
 
     def _end(self, rid: str, now_ns: int, error: str | None) -> None:

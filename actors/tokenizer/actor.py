@@ -13,9 +13,10 @@ from typing import Any
 from actors.common.model_source import load_config, load_tokenizer, resolve_model
 from actors.common.runtime import ActorContext
 from actors.tokenizer.prompt import PromptEncoder
-from actors.tokenizer.validation import ParamError, validate_sampling
+from actors.tokenizer.validation import validate_sampling
 from bus.connection import Delivery
-from bus.messages import Accepted, ErrorInfo, GenerateRequest, RequestOutput, TokenizedRequest
+from bus.errors import ApiError, server_error
+from bus.messages import Accepted, GenerateRequest, RequestOutput, TokenizedRequest
 from bus.subjects import TOKENIZER_QUEUE, InvalidRidError, scoped_rid, validate_rid
 from observability import tracing
 from observability.logging import log_event
@@ -68,16 +69,16 @@ class TokenizerActor:
                                         delivery.traceparent)
         return Accepted(rid=req.rid)
 
-    async def _forward(self, req: GenerateRequest, traceparent: str) -> ErrorInfo | None:
+    async def _forward(self, req: GenerateRequest, traceparent: str) -> ApiError | None:
         with tracing.span("tokenize", attributes={"ringserve.rid": req.rid}) as span:
             try:
                 input_ids = self._encoder.encode(req)
                 sampling = validate_sampling(
                     req.sampling, len(input_ids), self._context_length, self._encoder.vocab_size, self._eos_ids
                 )
-            except ParamError as exc:
+            except ApiError as exc:
                 tracing.set_error(span, f"invalid request: {exc}")
-                return ErrorInfo(message=str(exc), param=exc.param)
+                return exc
             if span is not None:
                 span.set_attribute("gen_ai.usage.input_tokens", len(input_ids))
         tokenized = TokenizedRequest(rid=req.rid, input_ids=input_ids, sampling=sampling)
@@ -85,7 +86,7 @@ class TokenizerActor:
             await self._ctx.bus.request(self._ctx.subjects.tokenized, tokenized, Accepted,
                                         SCHEDULER_ACCEPT_TIMEOUT, traceparent)
         except asyncio.TimeoutError as exc:
-            return ErrorInfo(message=f"no scheduler accepted the request: {exc}", type="server_error", code=503)
+            return server_error(f"no scheduler accepted the request: {exc}", 503)
         return None
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from actors.tokenizer.validation import ParamError
+from bus.errors import ApiError
 from bus.messages import GenerateRequest
 
 CHAT_ROLES = {"system", "user", "assistant", "tool", "developer"}
@@ -18,31 +18,31 @@ class PromptEncoder:
         self.vocab_size = len(tokenizer)
 
     def encode(self, req: GenerateRequest) -> list[int]:
-        """Token ids for the one prompt form that `req` sets; raises ParamError otherwise."""
+        """Token ids for the one prompt form that `req` sets; raises ApiError otherwise."""
         given = [name for name in ("text", "messages", "input_ids") if getattr(req, name) is not None]
         if len(given) != 1:
-            raise ParamError("give exactly one of text, messages or input_ids", given[-1] if given else "text")
+            raise ApiError("give exactly one of text, messages or input_ids", param=given[-1] if given else "text")
         if req.messages is not None:
             return self._encode_chat(req)
         if req.input_ids is not None:
             ids = req.input_ids
             if not ids or not all(0 <= t < self.vocab_size for t in ids):
-                raise ParamError(f"input_ids must be a non-empty list of ids in [0, {self.vocab_size})", "input_ids")
+                raise ApiError(f"input_ids must be a non-empty list of ids in [0, {self.vocab_size})", param="input_ids")
             return list(ids)
         if not req.text:
-            raise ParamError("the prompt is empty", "prompt")
+            raise ApiError("the prompt is empty", param="prompt")
         return self._tokenizer.encode(req.text)
 
     def _encode_chat(self, req: GenerateRequest) -> list[int]:
         assert req.messages is not None
         if not req.messages:
-            raise ParamError("messages must be a non-empty list", "messages")
+            raise ApiError("messages must be a non-empty list", param="messages")
         for i, message in enumerate(req.messages):
             if message.role not in CHAT_ROLES:
-                raise ParamError(f"messages[{i}].role {message.role!r} is not one of {sorted(CHAT_ROLES)}", "messages")
+                raise ApiError(f"messages[{i}].role {message.role!r} is not one of {sorted(CHAT_ROLES)}", param="messages")
         turns = [{"role": m.role, "content": m.content} for m in req.messages]
         try:
             text = self._tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
         except Exception as exc:  # jinja templates raise arbitrary errors for unsupported conversations
-            raise ParamError(f"the chat template rejected these messages: {exc}", "messages") from exc
+            raise ApiError(f"the chat template rejected these messages: {exc}", param="messages") from exc
         return self._tokenizer.encode(text, add_special_tokens=False)

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from actors.engine.types import EngineRequest
+from bus.messages import TokenizedRequest
 from kernels.attention import backend_names
 from tests.engine_helpers import greedy, run_to_completion, tiny_hf_llama, tokens_of
 from tests.gpu.helpers import assert_greedy_close, gpu_engine, hf_greedy_gpu, hf_on_gpu, smollm2_source
@@ -62,7 +62,7 @@ def generate(case: dict[str, Any], backend: str, dtype: torch.dtype, graphs: boo
              overlap: str = "auto") -> list[list[int]]:
     engine = gpu_engine(case["hf"], backend, dtype, graphs, overlap_schedule=overlap)
     stop = [case["eos"]] if case["eos"] is not None else []
-    reqs = [EngineRequest(f"r{i}", p, greedy(MAX_NEW, stop_token_ids=stop)) for i, p in enumerate(case["prompts"])]
+    reqs = [TokenizedRequest(f"r{i}", p, greedy(MAX_NEW, stop_token_ids=stop)) for i, p in enumerate(case["prompts"])]
     rows = run_to_completion(engine, reqs)
     assert engine.stats().kv_running_tokens == 0
     return [tokens_of(rows[f"r{i}"]) for i in range(len(reqs))]

@@ -1,0 +1,67 @@
+"""The engine interface the scheduler actor drives, and nothing else of the engine.
+
+`Engine` (one process, one device) implements it; a tensor-parallel rank group is meant to be a second
+implementation behind the same methods. Every type crossing it is a torch-free protocol type from `bus.params`,
+`bus.messages` and `bus.errors`: requests in, token rows out, errors as `ApiError`.
+
+Single-threaded by contract: the caller runs `step` and the other methods one at a time (between steps).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from bus.errors import ApiError
+from bus.messages import SchedulerInfo, TokenizedRequest, TokenRow
+
+
+@dataclass
+class StepPlan:
+    """What one step ran, as plain data for the scheduler's tracing: the decode rids, then each prefill row's
+    rid with the prompt positions `[start, start + length)` it computed (a chunk when it ends before the prompt)."""
+
+    decode_rids: list[str]
+    prefill: list[tuple[str, int, int]]  # (rid, start, length)
+    num_tokens: int
+
+
+class EngineInterface(Protocol):
+    """Requests in, one batch per `step`, token rows out."""
+
+    def add_request(self, request: TokenizedRequest) -> ApiError | None:
+        """Queue a validated request, or say why it cannot run."""
+
+    def abort(self, rid: str) -> TokenRow | None:
+        """End a waiting or running request now and free its KV; its final row, or None if `rid` is not live."""
+
+    def abort_all(self) -> list[TokenRow]:
+        """Abort every live request; their final rows."""
+
+    def has_work(self) -> bool:
+        """Whether `step` would do anything (requests to run and not paused, or a step's tokens to apply)."""
+
+    def step(self) -> list[TokenRow]:
+        """Run one step; a row per request that produced a token or ended (a request's first row carries its
+        `decode` parameters and `queue_time`)."""
+
+    def stats(self) -> SchedulerInfo:
+        """Load, KV usage and settings (`rank` 0: the caller knows its own)."""
+
+    def flush_cache(self) -> int:
+        """Drop every cached prefix no live request uses; the number of KV slots freed."""
+
+    def pause(self) -> None:
+        """Stop starting steps; running requests keep their KV, new ones queue (a step in flight is applied)."""
+
+    def resume(self) -> None:
+        """Start stepping again after `pause`."""
+
+    def live_rids(self) -> int:
+        """How many requests the engine holds state for."""
+
+    def last_plan(self) -> StepPlan | None:
+        """What the last step ran (for the step's trace span)."""
+
+    def on_idle(self) -> None:
+        """Called when the engine has fallen idle: a moment for self-checks and for settling measurements."""
