@@ -51,6 +51,17 @@ def decode(data: bytes, expected: type[T]) -> T:
     return from_wire(expected, envelope.get("body"), expected.__name__)
 
 
+def peek_field(data: bytes, name: str) -> Any:
+    """Field `name` of a message's body, read without decoding the rest (None if absent or not msgpack): how a
+    receiver names the request a malformed message was meant to be, so it can answer it with an error."""
+    try:
+        envelope = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception:
+        return None
+    body = envelope.get("body") if isinstance(envelope, dict) else None
+    return body.get(name) if isinstance(body, dict) else None
+
+
 @lru_cache(maxsize=None)
 def _field_types(cls: type) -> tuple[tuple[str, Any, bool], ...]:
     hints = typing.get_type_hints(cls)

@@ -26,6 +26,7 @@ from observability.logging import log_event
 from observability.traceparent import TRACEPARENT_HEADER, is_valid_traceparent, new_traceparent
 
 T = TypeVar("T")
+INBOX_ROOT = "_INBOX."  # every reply inbox is under it (bus/permissions.py gives each role and client its own)
 log = logging.getLogger("bus")
 # Subject templates whose messages get no span of their own (their header still carries the context): one
 # message per token per request, liveness chatter, and the spans themselves.
@@ -43,6 +44,8 @@ class Delivery:
 
 
 Handler = Callable[[Any, Delivery], Awaitable[Any]]
+# called with the raw payload and the reason when a message does not decode; may return a reply, as a Handler
+MalformedHandler = Callable[[bytes, DecodeError, Delivery], Awaitable[Any]]
 
 
 class PayloadTooLarge(ValueError):
@@ -126,28 +129,41 @@ class BusConnection:
                 + await self.publish_split(subject, items[half:], build, traceparent))
 
     async def subscribe(
-        self, subject: str, msg_type: type[T], handler: Handler, queue: str = ""
+        self, subject: str, msg_type: type[T], handler: Handler, queue: str = "",
+        reply_inbox: Callable[[str], str] | None = None, on_malformed: MalformedHandler | None = None,
     ) -> Subscription:
         """Deliver each decoded `msg_type` on `subject` to `handler(msg, delivery)`, in arrival order.
 
-        If the message was a request and the handler returns a message, it is sent as the reply.
-        Undecodable payloads are logged and dropped; a failing handler is logged and does not stop delivery.
+        If the message was a request and the handler returns a message, it is sent as the reply, but only to
+        the requester's own inbox: a reply subject outside `reply_inbox(message subject)` (default: anything
+        under `_INBOX.`) is refused, so a sender cannot make this actor publish where it chose (a stream's API,
+        another client's outputs). Undecodable payloads are logged and go to `on_malformed` (dropped without
+        it); a failing handler is logged and does not stop delivery.
         """
 
         async def dispatch(raw: Msg, delivery: Delivery) -> None:
             try:
                 msg = decode(raw.data, msg_type)
             except DecodeError as exc:
-                log_event(log, logging.WARNING, "dropped undecodable message", subject=raw.subject, error=str(exc))
+                log_event(log, logging.WARNING, "undecodable message", subject=raw.subject, error=str(exc)[:500])
                 messaging.mark_failed(f"undecodable message: {exc}")
-                return
+                if on_malformed is None:
+                    return
+                answer = on_malformed(raw.data, exc, delivery)
+            else:
+                answer = handler(msg, delivery)
             try:
-                reply = await handler(msg, delivery)
+                reply = await answer
             except Exception as exc:
                 log.exception("handler failed for %s", raw.subject)
                 messaging.mark_failed(f"handler failed: {exc!r}", exc)
                 return
             if raw.reply and reply is not None:
+                inbox = reply_inbox(raw.subject) if reply_inbox is not None else INBOX_ROOT
+                if not raw.reply.startswith(inbox):
+                    log_event(log, logging.WARNING, "refused a reply outside the requester's inbox",
+                              subject=raw.subject, reply=raw.reply[:200], inbox=inbox)
+                    return
                 await self.client.publish(raw.reply, encode(reply), headers={TRACEPARENT_HEADER: delivery.traceparent})
 
         async def on_msg(raw: Msg) -> None:

@@ -2,8 +2,8 @@
 
 `SamplingParams` is the validated struct that travels from the tokenizer to the scheduler and into the engine
 (`TokenizedRequest.sampling`). Each field carries a `Spec` in its metadata: its range, one-line doc, the name an
-OpenAI body uses for it, and the shape of composite values. Everything else derives from these declarations:
-the tokenizer's validation (`actors/tokenizer/validation.py`), the entry's OpenAI name map
+OpenAI body uses for it, and the shape of composite values (`bus.param_spec.Spec`). Everything else derives
+from these declarations: the tokenizer's validation (`actors/tokenizer/validation.py`), the entry's OpenAI name map
 (`openai_names()`), the OpenAPI schema (`Spec.json_schema`) and the docs table (`param_rows()`, written into
 docs/api.md by scripts/gen_docs.py). Adding a parameter is one field here plus its implementation.
 
@@ -13,92 +13,16 @@ Torch-free: the engine and every actor import these types.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from bus.param_spec import LOGIT_BIAS, STOP_STRINGS, TOKEN_IDS, Spec, param, plain_number, specs_of
+
 MAX_STOP_STRINGS = 32
-MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 MAX_SEED = 2**63 - 1
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS_ENTRIES = 1024
-LOGIT_BIAS_LIMIT = 100.0
-
-# Shapes of values beyond plain numbers and booleans; validation and the JSON schema know each one.
-STOP_STRINGS, TOKEN_IDS, LOGIT_BIAS = "stop_strings", "token_ids", "logit_bias"
-
-
-@dataclass(frozen=True)
-class Spec:
-    """How one parameter is checked, named and documented.
-
-    `low`/`high` bound numbers (`low_open`: `low` itself is excluded); `openai` lists the names an OpenAI body
-    uses (None: the same name; empty: not taken from OpenAI bodies, the entry maps it itself); `shape` is set for
-    composite values; `kind` ("integer", "number", "boolean") is filled from the field's type.
-    """
-
-    doc: str
-    low: float | None = None
-    high: float | None = None
-    low_open: bool = False
-    openai: tuple[str, ...] | None = None
-    shape: str | None = None
-    max_items: int | None = None
-    kind: str = ""
-    name: str = ""  # filled from the field
-    default_doc: str | None = None  # how the default reads in the docs, when it is not a constant
-
-    @property
-    def error_name(self) -> str:
-        """The name an error reports in `param`: the OpenAI name where there is one."""
-        return self.openai[0] if self.openai else self.name
-
-    def range_text(self) -> str:
-        """The accepted range, as the docs and error messages print it."""
-        if self.shape == STOP_STRINGS:
-            return f"≤ {self.max_items} non-empty strings of ≤ {MAX_STOP_CHARS} characters"
-        if self.shape == TOKEN_IDS:
-            return f"≤ {self.max_items} token ids in [0, vocab)"
-        if self.shape == LOGIT_BIAS:
-            return f"≤ {self.max_items} token ids → [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]"
-        if self.low is None and self.high is None:
-            return ""
-        low = "-inf" if self.low is None else _num(self.low)
-        high = "inf" if self.high is None else _num(self.high)
-        return f"{'(' if self.low_open or self.low is None else '['}{low}, {high}{']' if self.high is not None else ')'}"
-
-    def json_schema(self) -> dict[str, Any]:
-        """The JSON schema of this parameter's value (null means the default)."""
-        if self.shape == STOP_STRINGS:
-            item = {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}
-            schema: dict[str, Any] = {"oneOf": [item, {"type": "array", "maxItems": self.max_items, "items": item}]}
-        elif self.shape == TOKEN_IDS:
-            schema = {"type": "array", "maxItems": self.max_items, "items": {"type": "integer", "minimum": 0}}
-        elif self.shape == LOGIT_BIAS:
-            schema = {"type": "object", "maxProperties": self.max_items, "propertyNames": {"pattern": "^[0-9]+$"},
-                      "additionalProperties": {"type": "number", "minimum": -LOGIT_BIAS_LIMIT,
-                                               "maximum": LOGIT_BIAS_LIMIT}}
-        else:
-            schema = {"type": self.kind}
-            if self.low is not None:
-                schema["exclusiveMinimum" if self.low_open else "minimum"] = _num(self.low)
-            if self.high is not None:
-                schema["maximum"] = _num(self.high)
-        schema["description"] = self.doc
-        return schema
-
-
-def _num(value: float) -> int | float:
-    return int(value) if float(value).is_integer() and abs(value) < 2**63 else value
-
-
-def param(default: Any = dataclasses.MISSING, doc: str = "", **spec: Any) -> Any:
-    """A `SamplingParams` field with its `Spec` (list and dict defaults are copied per instance)."""
-    meta = {"spec": Spec(doc, **spec)}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
-    return field(default=default, metadata=meta)
 
 
 @dataclass
@@ -157,21 +81,7 @@ class DecodeParams:
     no_stop_trim: bool = False
 
 
-_KINDS = {"int": "integer", "float": "number", "bool": "boolean", "int | None": "integer"}
-
-
-def _collect_specs() -> dict[str, Spec]:
-    specs = {}
-    for f in dataclasses.fields(SamplingParams):
-        spec: Spec = f.metadata["spec"]
-        object.__setattr__(spec, "name", f.name)
-        if not spec.shape:
-            object.__setattr__(spec, "kind", _KINDS[str(f.type)])
-        specs[f.name] = spec
-    return specs
-
-
-SPECS = _collect_specs()  # native name -> Spec, in declaration order
+SPECS: dict[str, Spec] = specs_of(SamplingParams)  # native name -> Spec, in declaration order
 
 
 def default_of(name: str) -> Any:
@@ -204,4 +114,4 @@ def _default_text(value: Any) -> str:
         return str(value).lower()
     if value in ([], {}, None):
         return "none"
-    return str(_num(value)) if isinstance(value, float) and math.isfinite(value) else str(value)
+    return str(plain_number(value)) if isinstance(value, float) else str(value)

@@ -6,14 +6,17 @@ One deployment (namespace `ns`) has six internal roles and any number of outside
 |-------------|------------------------------------------------------|---------------------------------------------|
 | launcher    | nothing                                              | ready, heartbeat                            |
 | entry       | submit, `abort.*`, info, command, ANN                | `out.*`, heartbeat                          |
-| tokenizer   | tokenized, OUT, ANN, replies                         | submit, `client.*.submit`                   |
-| scheduler   | `tokens.*`, OUT, ANN, replies                        | tokenized, `abort.*`, `client.*.abort.*`, info, command |
+| tokenizer   | tokenized, OUT, ANN, entry's and clients' inboxes    | submit, `client.*.submit`                   |
+| scheduler   | `tokens.*`, OUT, ANN, entry's and tokenizer's inboxes | tokenized, `abort.*`, `client.*.abort.*`, info, command |
 | detokenizer | OUT, ANN                                             | `tokens.*`                                  |
 | trace_exporter | ANN, JS (the span stream's JetStream API)        | `spans.>`                                   |
 | client `c`  | `client.c.submit`, `client.c.abort.*`                | `client.c.out.*`                            |
 
 (all subjects under `{ns}.`; OUT = `out.*` and `client.*.out.*`; ANN = ready and heartbeat; info, command =
-`control.scheduler.*`; "replies" = `allow_responses`, the right to answer requests it received). Entry,
+`control.scheduler.*`). Replies go only to the requesters' inboxes, never to a reply subject a sender chose:
+the server allows publishing there and nowhere else (no `allow_responses`), and the bus checks each reply
+against the inbox of the subject the request came on (a client's submission is answered in that client's
+inbox only, see `reply_inbox`). Entry,
 tokenizer, scheduler and detokenizer may also publish their own `spans.{role}` (finished spans, stored by the
 JetStream span stream `{ns}-spans` when `--trace-buffer jetstream` is on); JS = creating that stream and its
 consumers, fetching and acking its messages (`$JS.API.*.{ns}-spans...`, `$JS.ACK.{ns}-spans.>`), which
@@ -40,7 +43,6 @@ class Permissions:
 
     publish: tuple[str, ...]
     subscribe: tuple[str, ...]
-    allow_responses: bool = False  # may publish a reply to a request it received (on the request's reply subject)
 
 
 def inbox_prefix(namespace: str, role: str, client: str | None = None) -> str:
@@ -71,13 +73,14 @@ def role_permissions(namespace: str, role: str) -> Permissions:
         return Permissions(publish=(s.submit, s.abort_any, s.scheduler_info, s.scheduler_command, *announce),
                            subscribe=(f"{ns}.out.*", s.heartbeat, inbox))
     if role == "tokenizer":
-        return Permissions(publish=(s.tokenized, *outputs, *announce),
-                           subscribe=(s.submit, s.client_submit_any, inbox), allow_responses=True)
+        replies = (inbox_prefix(ns, "entry") + ".>", f"_INBOX.{ns}.client.*.>")
+        return Permissions(publish=(s.tokenized, *outputs, *announce, *replies),
+                           subscribe=(s.submit, s.client_submit_any, inbox))
     if role == "scheduler":
-        return Permissions(publish=(f"{ns}.tokens.*", *outputs, *announce),
+        replies = (inbox_prefix(ns, "entry") + ".>", inbox_prefix(ns, "tokenizer") + ".>")
+        return Permissions(publish=(f"{ns}.tokens.*", *outputs, *announce, *replies),
                            subscribe=(s.tokenized, s.abort_any, s.client_abort_any, s.scheduler_info,
-                                      s.scheduler_command, inbox),
-                           allow_responses=True)
+                                      s.scheduler_command, inbox))
     if role == "detokenizer":
         return Permissions(publish=(*outputs, *announce), subscribe=(f"{ns}.tokens.*", inbox))
     raise ValueError(f"unknown role {role!r}; one of {ROLES}")
@@ -92,6 +95,15 @@ def span_stream_api(s: Subjects) -> tuple[str, ...]:
             f"{api}.CONSUMER.CREATE.{stream}", f"{api}.CONSUMER.CREATE.{stream}.>",
             f"{api}.CONSUMER.DURABLE.CREATE.{stream}.*", f"{api}.CONSUMER.INFO.{stream}.*",
             f"{api}.CONSUMER.DELETE.{stream}.*", f"{api}.CONSUMER.MSG.NEXT.{stream}.*", f"$JS.ACK.{stream}.>")
+
+
+def reply_inbox(namespace: str, request_subject: str) -> str:
+    """Where a reply to a request that came on `request_subject` may go: a client's submission only to that
+    client's inbox, anything else to an inbox (`_INBOX.`); never a subject the sender chose outside them."""
+    s = Subjects(namespace)
+    if request_subject.startswith(f"{namespace}.client."):
+        return inbox_prefix(namespace, CLIENT_ROLE, s.client_of(request_subject)) + "."
+    return "_INBOX."
 
 
 def client_permissions(namespace: str, client: str) -> Permissions:
@@ -122,8 +134,6 @@ def authorization_block(users: list[NatsUser]) -> str:
         publish = {"allow": list(perms.publish)} if perms.publish else {"deny": [">"]}
         subscribe = {"allow": list(perms.subscribe)} if perms.subscribe else {"deny": [">"]}
         body: dict[str, object] = {"publish": publish, "subscribe": subscribe}
-        if perms.allow_responses:
-            body["allow_responses"] = True
         entry = {"user": u.user, "password": u.password, "permissions": body}
         lines.append(f"    {json.dumps(entry)}")
     lines += ["  ]", "}", ""]

@@ -67,11 +67,6 @@ def traceparent_of(span: Any) -> str:
     return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
 
 
-def current_span_valid() -> bool:
-    """Whether a span (local or remote) is active in this context."""
-    return trace.get_current_span().get_span_context().is_valid
-
-
 def current_traceparent() -> str | None:
     """The traceparent of the active span, or None when there is none."""
     span = trace.get_current_span()

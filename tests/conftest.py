@@ -1,11 +1,13 @@
-"""Shared fixtures: a real NATS server, a real ringserve serving SmolLM2-135M-Instruct, and a tiny model."""
+"""Shared fixtures: a real NATS server, a real ringserve serving SmolLM2-135M-Instruct, a tiny model (saved for
+a whole ring, or as a transformers model for engine tests), and torch on one thread in this process."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
+import torch
 
 from bus.embedded_server import EmbeddedNatsServer
 from tests.server_helpers import ServerHandle, save_tiny_model, start_server
@@ -17,6 +19,27 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny model with a 4096-token context: a whole ring starts in seconds."""
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), 4096)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def torch_single_thread() -> Iterator[None]:
+    """Run each test module's in-process torch work on one thread.
+
+    On a small shared machine two OpenMP threads competing with other processes spin at barriers and run
+    tiny matmuls tens of times slower; one thread keeps the engine tests fast and their timing stable.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def hf() -> Any:
+    """A tiny random transformers Llama (tests/engine_helpers.py `tiny_hf_llama`), the engine tests' reference."""
+    from tests.engine_helpers import tiny_hf_llama  # imported late: test_kernels_triton sets its env first
+
+    return tiny_hf_llama()
 
 
 @pytest.fixture(scope="session")

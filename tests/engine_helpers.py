@@ -1,14 +1,13 @@
 """Shared helpers for engine tests: a tiny random Llama, HF greedy references, and a near-tie-aware comparison.
 
-Importing the `torch_single_thread` fixture into a test module activates it there.
+The fixtures built on them (`hf`, `torch_single_thread`) live in tests/conftest.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import pytest
 import torch
 
 from actors.engine.config import EngineConfig
@@ -114,32 +113,10 @@ def assert_greedy_matches(
     )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def torch_single_thread() -> Iterator[None]:
-    """Run a test module's torch work on one thread.
+def hf_reference(source: Any) -> Any:
+    """transformers' own model for `source` (a ModelSource: GGUF or safetensors), float32 on the CPU, in eval
+    mode: the ground truth every real-model greedy test compares against."""
+    from transformers import AutoModelForCausalLM
 
-    On a small shared machine two OpenMP threads competing with other processes spin at barriers and run
-    tiny matmuls tens of times slower; one thread keeps these tests fast and their timing stable.
-    """
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-def hf_state_dict(model: Any) -> dict[str, torch.Tensor]:
-    """Our model's weights under HF's names: the fused q/k/v and gate/up projections split again."""
-    out = {}
-    for name, tensor in model.state_dict().items():
-        attn, mlp = "self_attn.qkv_proj.", "mlp.gate_up_proj."
-        if attn in name:
-            layer = model.model.layers[int(name.split(".")[2])].self_attn
-            parts = tensor.split([layer.q_size, layer.kv_size, layer.kv_size])
-            for part, proj in zip(parts, ("q_proj", "k_proj", "v_proj")):
-                out[name.replace("qkv_proj", proj)] = part
-        elif mlp in name:
-            for part, proj in zip(tensor.chunk(2), ("gate_proj", "up_proj")):
-                out[name.replace("gate_up_proj", proj)] = part
-        else:
-            out[name] = tensor
-    return out
+    model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=torch.float32, **source.hf_kwargs())
+    return model.eval()

@@ -12,7 +12,7 @@ from actors.engine.llama import LlamaForCausalLM, head_dim_of, rope_theta_of
 from actors.engine.token_table import TokenTable
 from actors.engine.weights import model_from_hf
 from kernels.attention import ForwardInfo, TorchPagedBackend
-from tests.engine_helpers import tiny_hf_llama, torch_single_thread  # noqa: F401  (autouse fixture)
+from tests.engine_helpers import tiny_hf_llama
 
 
 class PagedRunner:

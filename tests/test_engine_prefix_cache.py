@@ -17,7 +17,6 @@ from tests.engine_helpers import (
     run_to_completion,
     tiny_hf_llama,
     tokens_of,
-    torch_single_thread,  # noqa: F401  (autouse fixture)
 )
 
 EOS = 2

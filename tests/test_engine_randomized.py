@@ -17,17 +17,11 @@ from tests.engine_helpers import (
     engine_for,
     greedy,
     hf_greedy,
-    tiny_hf_llama,
     tokens_of,
-    torch_single_thread,  # noqa: F401  (autouse fixture)
 )
 
 EOS = 2
 
-
-@pytest.fixture(scope="module")
-def hf() -> Any:
-    return tiny_hf_llama()
 
 
 @pytest.mark.parametrize("seed, radix, overlap", [(0, True, "off"), (1, True, "off"), (2, False, "off"),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
 
 from actors.engine.engine import Engine
 from bus.messages import FinishReason, SamplingParams, TokenizedRequest
@@ -12,17 +11,11 @@ from tests.engine_helpers import (
     engine_for,
     greedy,
     run_to_completion,
-    tiny_hf_llama,
     tokens_of,
-    torch_single_thread,  # noqa: F401  (autouse fixture)
 )
 
 PROMPT = [5, 17, 42, 99, 7]
 
-
-@pytest.fixture(scope="module")
-def hf() -> Any:
-    return tiny_hf_llama()
 
 
 def run_one(engine: Engine, sampling: SamplingParams, prompt: list[int] = PROMPT) -> tuple[list[int], FinishReason]:

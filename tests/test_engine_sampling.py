@@ -12,17 +12,11 @@ from tests.engine_helpers import (
     engine_for,
     greedy,
     run_to_completion,
-    tiny_hf_llama,
     tokens_of,
-    torch_single_thread,  # noqa: F401  (autouse fixture)
 )
 
 PROMPT = [5, 17, 42, 99, 7]
 
-
-@pytest.fixture(scope="module")
-def hf() -> Any:
-    return tiny_hf_llama()
 
 
 def run(hf: Any, params: SamplingParams, prompt: list[int] = PROMPT, **config: Any) -> list:

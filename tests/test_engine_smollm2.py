@@ -17,10 +17,9 @@ from tests.engine_helpers import (
     assert_greedy_matches,
     greedy,
     hf_greedy,
-    hf_state_dict,
+    hf_reference,
     run_to_completion,
     tokens_of,
-    torch_single_thread,  # noqa: F401  (autouse fixture)
 )
 
 PROMPTS = [
@@ -34,13 +33,9 @@ MAX_NEW = 20
 
 @pytest.fixture(scope="module")
 def smollm() -> dict[str, Any]:
-    from transformers import LlamaForCausalLM
-
-    engine = Engine.from_source(resolve_model("SmolLM2-135M-Instruct"), EngineConfig(device="cpu"))
-    ours = engine.runner.model
-    hf = LlamaForCausalLM(ours.config)
-    hf.load_state_dict(hf_state_dict(ours))
-    hf.eval()
+    source = resolve_model("SmolLM2-135M-Instruct")
+    engine = Engine.from_source(source, EngineConfig(device="cpu"))
+    hf = hf_reference(source)  # transformers' own loading of the GGUF: checks our conversion too
     tokenizer = engine.tokenizer
     prompts = [
         tokenizer.apply_chat_template(

@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-from tests.engine_helpers import torch_single_thread  # noqa: F401  (autouse fixture)
 
 from kernels.attention import ForwardInfo, TorchPagedBackend
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.engine_helpers import torch_single_thread  # noqa: F401  (autouse fixture)
 
 from kernels.sampling import PenaltyState, SamplingRow, sample
 

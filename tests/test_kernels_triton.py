@@ -17,8 +17,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="triton is not installed (it comes with the test extra: pip install -e .[test])")
 
-from tests.engine_helpers import (  # noqa: E402,F401  (torch_single_thread: autouse fixture)
-    engine_for, greedy, run_to_completion, tiny_hf_llama, tokens_of, torch_single_thread)
+from tests.engine_helpers import engine_for, greedy, run_to_completion, tiny_hf_llama, tokens_of  # noqa: E402
 from tests.test_kernels_attention import dense_reference  # noqa: E402
 
 from actors.engine.llama import RMSNorm, RotaryEmbedding  # noqa: E402

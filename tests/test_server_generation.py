@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.engine_helpers import assert_greedy_matches, hf_greedy
+from tests.engine_helpers import assert_greedy_matches, hf_greedy, hf_reference
 from tests.server_helpers import ServerHandle, sse_events, wait_until_idle
 
 PROMPTS = [
@@ -29,15 +29,11 @@ MAX_NEW = 20
 @pytest.fixture(scope="module")
 def hf_reference() -> dict[str, Any]:
     """transformers' own greedy `generate` on the same GGUF: the ground truth."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     from actors.common.model_source import load_tokenizer, resolve_model
 
     source = resolve_model("SmolLM2-135M-Instruct")
     tokenizer = load_tokenizer(source)
-    model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=torch.float32, **source.hf_kwargs())
-    model.eval()
+    model = hf_reference(source)
     prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                   tokenize=True, return_dict=False)) for p in PROMPTS]
     outputs = [hf_greedy(model, ids, MAX_NEW, tokenizer.eos_token_id) for ids in prompts]

@@ -21,6 +21,7 @@ from actors.entry.http_common import handles_errors, read_json, sse
 from actors.entry.metrics_scrape import metrics_route
 from actors.entry.openapi_doc import openapi_document
 from actors.entry.openai_logprobs import finite
+from actors.entry.openai_protocol import STREAM
 from actors.entry.openai_routes import openai_routes
 from actors.entry.request_flow import DisconnectWatch, EntryService
 from actors.entry.settings import EntrySettings
@@ -89,7 +90,7 @@ def build_app(service: EntryService, settings: EntrySettings | None = None) -> S
                     "cached_tokens": out.cached_tokens}
             return {**info, **_logprob_meta(entries)} if wants_logprobs else info
 
-        if not body.get("stream"):
+        if not STREAM.read(body, False):
             outputs = await _collect(service, request, gen_req)
             return JSONResponse({"text": "".join(out.text for out in outputs),
                                  "output_ids": [t for out in outputs for t in out.token_ids],

@@ -14,12 +14,23 @@ from typing import Any
 from bus.errors import ApiError
 from actors.entry.openai_logprobs import LogprobFormatter
 from bus.messages import ChatMessage, FinishReason, GenerateRequest, RequestOutput, TokenLogprob
+from bus.param_spec import Spec
 from bus.params import MAX_TOP_LOGPROBS, openai_names
 
 # OpenAI name -> native (SGLang) sampling name; SGLang's extensions are accepted under their own names
 _SAMPLING_FIELDS = openai_names()
 _UNSUPPORTED_UNLESS_DEFAULT = {"echo": False, "best_of": 1}
 MAX_N = 16
+# The fields of OpenAI bodies that the entry itself acts on, declared once: checked here, and described in the
+# OpenAPI document from the same Spec (the sampling parameters are declared in bus.params).
+N = Spec("choices to generate for the prompt; choice i samples with seed + i", low=1, high=MAX_N, kind="integer",
+         name="n")
+STREAM = Spec("answer as server-sent events", kind="boolean", name="stream")
+CHAT_LOGPROBS = Spec("return the logprob of every generated token", kind="boolean", name="logprobs")
+TOP_LOGPROBS = Spec("this many most likely alternatives with every token (needs logprobs)", low=0,
+                    high=MAX_TOP_LOGPROBS, kind="integer", name="top_logprobs")
+COMPLETION_LOGPROBS = Spec("return logprobs, with this many most likely alternatives per token", low=0,
+                           high=MAX_TOP_LOGPROBS, kind="integer", name="logprobs")
 
 
 @dataclass
@@ -44,10 +55,6 @@ class ApiOptions:
         return LogprobFormatter(self.kind, self.logprobs, self.top_logprobs > 0)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     for name, default in _UNSUPPORTED_UNLESS_DEFAULT.items():
         value = body.get(name)
@@ -57,27 +64,16 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     return sampling
 
 
-def _n(body: dict[str, Any]) -> int:
-    n = body.get("n")
-    if n is None:
-        return 1
-    if not _is_int(n) or not 1 <= n <= MAX_N:
-        raise ApiError(f"n must be an integer in [1, {MAX_N}], got {n!r}", param="n")
-    return n
-
-
 def _chat_logprobs(body: dict[str, Any], sampling: dict[str, Any]) -> tuple[bool, int]:
     """Chat's `logprobs` (bool) and `top_logprobs` (int, needs logprobs) -> return_logprob, top_logprobs_num."""
-    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
-    if logprobs is not None and not isinstance(logprobs, bool):
-        raise ApiError(f"logprobs must be a boolean, got {logprobs!r}", param="logprobs")
-    if top is not None and logprobs is not True:
+    logprobs = CHAT_LOGPROBS.read(body, False)
+    if body.get("top_logprobs") is not None and not logprobs:
         raise ApiError("top_logprobs requires logprobs to be true", param="top_logprobs")
+    top = TOP_LOGPROBS.read(body, 0)
     if logprobs:
         sampling["return_logprob"] = True
-        if top is not None:
-            sampling["top_logprobs_num"] = top  # the tokenizer checks the range
-    return bool(logprobs), top if _is_int(top) else 0
+        sampling["top_logprobs_num"] = top
+    return logprobs, top
 
 
 def _completion_logprobs(body: dict[str, Any], sampling: dict[str, Any]) -> tuple[bool, int]:
@@ -85,8 +81,7 @@ def _completion_logprobs(body: dict[str, Any], sampling: dict[str, Any]) -> tupl
     k = body.get("logprobs")
     if k is None or k is False:
         return False, 0
-    if not _is_int(k) or not 0 <= k <= MAX_TOP_LOGPROBS:
-        raise ApiError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {k!r}", param="logprobs")
+    k = COMPLETION_LOGPROBS.check(k)
     sampling["return_logprob"] = True
     sampling["top_logprobs_num"] = k
     return True, k
@@ -97,14 +92,12 @@ def _options(body: dict[str, Any], kind: str, served_model: str) -> ApiOptions:
     if model is not None and model != served_model:
         raise ApiError(f"the model {model!r} does not exist; this server serves {served_model!r}", 404, "model",
                        "model_not_found")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError("stream must be a boolean", param="stream")
+    stream = STREAM.read(body, False)
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise ApiError("stream_options must be an object", param="stream_options")
     return ApiOptions(kind, stream, bool(stream_options.get("include_usage")), served_model, int(time.time()),
-                      n=_n(body))
+                      n=N.read(body, 1))
 
 
 def _content_text(content: Any, index: int) -> str:

@@ -11,7 +11,6 @@ from starlette.routing import Route
 
 from actors.entry import openai_protocol as oai
 from actors.entry.choices import ChoiceGroup
-from bus.errors import ApiError
 from actors.entry.http_common import handles_errors, read_json, sse
 from actors.entry.request_flow import EntryService
 from bus.messages import GenerateRequest, RequestOutput

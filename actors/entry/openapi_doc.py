@@ -9,8 +9,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from actors.entry.openai_protocol import MAX_N
-from bus.params import MAX_TOP_LOGPROBS, SPECS
+from actors.entry.openai_protocol import CHAT_LOGPROBS, COMPLETION_LOGPROBS, N, STREAM, TOP_LOGPROBS
+from bus.params import SPECS
 
 JSON = "application/json"
 RID = {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}
@@ -24,8 +24,8 @@ _OPENAI_SAMPLING = {alias: spec.json_schema() for spec in SPECS.values()
                     for alias in (spec.openai if spec.openai is not None else (spec.name,))}
 _OPENAI_COMMON: dict[str, Any] = {
     "model": {"type": "string", "description": "must be the served model's id if given"},
-    "n": {**_INT, "minimum": 1, "maximum": MAX_N},
-    "stream": _BOOL,
+    "n": N.json_schema(),
+    "stream": STREAM.json_schema(),
     "stream_options": {"type": "object", "properties": {"include_usage": _BOOL}},
     **_OPENAI_SAMPLING,
 }
@@ -42,13 +42,13 @@ SCHEMAS: dict[str, Any] = {
                        "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}}},
     "ChatCompletionRequest": {"type": "object", "required": ["messages"], "properties": {
         "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
-        "logprobs": _BOOL,
-        "top_logprobs": {**_INT, "minimum": 0, "maximum": MAX_TOP_LOGPROBS},
+        "logprobs": CHAT_LOGPROBS.json_schema(),
+        "top_logprobs": TOP_LOGPROBS.json_schema(),
         **_OPENAI_COMMON}},
     "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": {
         "prompt": {"oneOf": [{"type": "string"}, {**_TOKEN_IDS, "minItems": 1},
                              {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string"}}]},
-        "logprobs": {**_INT, "minimum": 0, "maximum": MAX_TOP_LOGPROBS},
+        "logprobs": COMPLETION_LOGPROBS.json_schema(),
         "echo": {"type": "boolean", "enum": [False]},
         "best_of": {**_INT, "enum": [1]},
         **_OPENAI_COMMON}},
@@ -56,7 +56,7 @@ SCHEMAS: dict[str, Any] = {
         "text": {"type": "string"},
         "input_ids": {**_TOKEN_IDS, "minItems": 1},
         "rid": RID,
-        "stream": _BOOL,
+        "stream": STREAM.json_schema(),
         "return_logprob": _NATIVE_SAMPLING["return_logprob"],
         "top_logprobs_num": _NATIVE_SAMPLING["top_logprobs_num"],
         "sampling_params": {"type": "object", "properties": _NATIVE_SAMPLING}},

@@ -102,11 +102,6 @@ def split_url_credentials(url: str) -> tuple[str, NatsCredentials | None]:
     return clean, NatsCredentials(user=unquote(parts.username), password=unquote(parts.password or ""))
 
 
-def redact_url(url: str) -> str:
-    """`url` without any user:password, for logs."""
-    return split_url_credentials(url)[0]
-
-
 def external_actor_args(args: argparse.Namespace, role: str) -> list[str]:
     """The NATS auth options an actor of `role` gets on an external NATS (paths and names only, no secrets)."""
     out: list[str] = []

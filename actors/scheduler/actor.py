@@ -154,7 +154,11 @@ class SchedulerActor:
                                      completion_tokens=0, finish=FinishReason(type="abort")))
             else:
                 self._spans.queued(item)
-                error = self._engine.add_request(item)
+                try:
+                    error = self._engine.add_request(item)
+                except Exception as exc:  # one request's failure must not stop the loop
+                    log.exception("adding %s failed", item.rid)
+                    error = server_error(f"the scheduler could not add the request: {exc!r}"[:1000])
                 if error is not None:
                     self._spans.rejected(item.rid, error.message)
                     await self._ctx.bus.publish(self._ctx.subjects.output(item.rid),

@@ -14,9 +14,11 @@ from actors.common.model_source import load_config, load_tokenizer, resolve_mode
 from actors.common.runtime import ActorContext
 from actors.tokenizer.prompt import PromptEncoder
 from actors.tokenizer.validation import validate_sampling
+from bus.codec import DecodeError, peek_field
 from bus.connection import Delivery
 from bus.errors import ApiError, server_error
 from bus.messages import Accepted, GenerateRequest, RequestOutput, TokenizedRequest
+from bus.permissions import reply_inbox
 from bus.subjects import TOKENIZER_QUEUE, InvalidRidError, scoped_rid, validate_rid
 from observability import tracing
 from observability.logging import log_event
@@ -45,25 +47,45 @@ class TokenizerActor:
         self._eos_ids = eos_token_ids(config, tokenizer)
 
     async def start(self) -> dict[str, Any]:
-        await self._ctx.bus.subscribe(self._ctx.subjects.submit, GenerateRequest, self._on_submit, queue=TOKENIZER_QUEUE)
+        namespace = self._ctx.subjects.namespace
+        await self._ctx.bus.subscribe(self._ctx.subjects.submit, GenerateRequest, self._on_submit, queue=TOKENIZER_QUEUE,
+                                      on_malformed=self._on_malformed)
         await self._ctx.bus.subscribe(self._ctx.subjects.client_submit_any, GenerateRequest, self._on_submit,
-                                      queue=TOKENIZER_QUEUE)
+                                      queue=TOKENIZER_QUEUE, reply_inbox=lambda subject: reply_inbox(namespace, subject),
+                                      on_malformed=self._on_malformed)
         return {"context_length": self._context_length, "eos_token_ids": self._eos_ids}
 
-    async def _on_submit(self, req: GenerateRequest, delivery: Delivery) -> Accepted | None:
-        """Validate, tokenize and hand over to a scheduler; errors go to the request's output subject.
+    async def _on_malformed(self, data: bytes, error: DecodeError, delivery: Delivery) -> Accepted | None:
+        """A submission that does not decode ends at once with a 400 on its output subject, if it names a rid."""
+        rid = peek_field(data, "rid")
+        if not isinstance(rid, str):
+            return None
+        req = GenerateRequest(rid=rid)
+        if not self._own_rid(req, delivery):
+            return None
+        where = str(error).split(":", 1)[0].removeprefix("GenerateRequest.")
+        return await self._answer(req, delivery, ApiError(f"malformed request: {error}"[:1000], param=where[:100]))
 
-        A submission on `{ns}.client.{c}.submit` is client c's: its rid becomes the scoped `c~rid`, so its
-        outputs go to `{ns}.client.{c}.out.{rid}` (bus/subjects.py), which only c may read.
-        """
+    async def _on_submit(self, req: GenerateRequest, delivery: Delivery) -> Accepted | None:
+        """Validate, tokenize and hand over to a scheduler; errors go to the request's output subject."""
+        if not self._own_rid(req, delivery):
+            return None
+        return await self._answer(req, delivery, await self._forward(req, delivery.traceparent))
+
+    def _own_rid(self, req: GenerateRequest, delivery: Delivery) -> bool:
+        """Check `req.rid`; a submission on `{ns}.client.{c}.submit` is client c's, so its rid becomes the scoped
+        `c~rid` and its outputs go to `{ns}.client.{c}.out.{rid}` (bus/subjects.py), which only c may read."""
         try:
             validate_rid(req.rid)
             if delivery.subject != self._ctx.subjects.submit:
                 req.rid = scoped_rid(self._ctx.subjects.client_of(delivery.subject), req.rid)
         except InvalidRidError as exc:
-            log_event(log, logging.WARNING, "dropped request with invalid rid", error=str(exc))
-            return None
-        error = await self._forward(req, delivery.traceparent)
+            log_event(log, logging.WARNING, "dropped request with invalid rid", error=str(exc)[:300])
+            return False
+        return True
+
+    async def _answer(self, req: GenerateRequest, delivery: Delivery, error: ApiError | None) -> Accepted:
+        """Publish `error` (if any) as the request's only output, and accept the submission either way."""
         if error is not None:
             await self._ctx.bus.publish(self._ctx.subjects.output(req.rid), RequestOutput(rid=req.rid, error=error),
                                         delivery.traceparent)
@@ -79,6 +101,10 @@ class TokenizerActor:
             except ApiError as exc:
                 tracing.set_error(span, f"invalid request: {exc}")
                 return exc
+            except Exception as exc:  # a bug here must end this request now, not leave it waiting
+                log.exception("tokenizing %s failed", req.rid)
+                tracing.set_error(span, f"tokenizing failed: {exc!r}")
+                return server_error(f"tokenizing the request failed: {exc!r}"[:1000])
             if span is not None:
                 span.set_attribute("gen_ai.usage.input_tokens", len(input_ids))
         tokenized = TokenizedRequest(rid=req.rid, input_ids=input_ids, sampling=sampling)
@@ -87,6 +113,9 @@ class TokenizerActor:
                                         SCHEDULER_ACCEPT_TIMEOUT, traceparent)
         except asyncio.TimeoutError as exc:
             return server_error(f"no scheduler accepted the request: {exc}", 503)
+        except Exception as exc:  # e.g. the tokenized request exceeds the bus payload limit
+            log.exception("handing %s to a scheduler failed", req.rid)
+            return server_error(f"handing the request to a scheduler failed: {exc!r}"[:1000], 503)
         return None
 
 

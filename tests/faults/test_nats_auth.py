@@ -46,8 +46,8 @@ ANNOUNCE = {"ready", "heartbeat"}
 MAY_PUBLISH = {
     "launcher": set(),
     "entry": {"submit", "abort", "info", "command"} | ANNOUNCE,
-    "tokenizer": {"tokenized"} | OUTPUTS | ANNOUNCE,
-    "scheduler": {"tokens"} | OUTPUTS | ANNOUNCE,
+    "tokenizer": {"tokenized", "inbox_entry", "inbox_alice", "inbox_bob"} | OUTPUTS | ANNOUNCE,  # + its answers
+    "scheduler": {"tokens", "inbox_entry", "inbox_tokenizer"} | OUTPUTS | ANNOUNCE,
     "detokenizer": OUTPUTS | ANNOUNCE,
     "alice": {"alice_submit", "alice_abort"},
     "bob": {"bob_submit", "bob_abort"},
@@ -250,6 +250,19 @@ async def clients_use_the_ring(url: str, ns: str, alice_file: Path, bob_file: Pa
         assert rest[-1].finish is not None and rest[-1].finish.type == "abort"
         assert await next_message(bobs, 0.2) is None, "bob received output of alice's requests"
         assert not await bob.can_subscribe(f"{ns}.client.alice.out.*")
+
+        # bob's submissions with reply subjects of his choosing: the tokenizer answers only in bob's inbox
+        victim = await alice.client.subscribe(f"{ns}.client.alice.out.victim1")
+        await alice.client.flush()
+        forged = GenerateRequest(rid="b1", text="Hi", sampling={"max_new_tokens": 1})
+        for reply in (f"{ns}.client.alice.out.victim1", f"$JS.API.STREAM.PURGE.{ns}-spans", f"{ns}.spans.entry",
+                      f"_INBOX.{ns}.client.alice.x"):
+            await bob.client.publish(f"{ns}.client.bob.submit", encode(forged), reply=reply)
+        await bob.client.flush()
+        assert await next_message(victim, 1.0) is None, "a reply bob chose reached alice's output stream"
+        own = await bob.client.request(f"{ns}.client.bob.submit", encode(GenerateRequest(
+            rid="b2", text="Hi", sampling={"max_new_tokens": 1})), timeout=30)
+        assert decode(own.data, Accepted).rid == "bob~b2"
     finally:
         await alice.close()
         await bob.close()
