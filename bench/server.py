@@ -98,6 +98,6 @@ def served_model(base_url: str) -> str:
 def flush_cache(base_url: str) -> bool:
     """Ask a ringserve/SGLang server to drop its prefix cache (POST /flush_cache); False where there is none."""
     try:
-        return httpx.post(f"{base_url.rstrip('/')}/flush_cache", timeout=30).status_code == 200
+        return httpx.post(f"{base_url.rstrip('/')}/flush_cache", json={}, timeout=30).status_code == 200
     except httpx.HTTPError:
         return False

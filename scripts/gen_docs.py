@@ -78,14 +78,11 @@ def _serve_parser() -> argparse.ArgumentParser:
     raise RuntimeError("ringserve has no `serve` subcommand")
 
 
-def _installable_backends() -> list[str] | None:
+def _installable_backends() -> list[str]:
     """Every attention backend ringserve knows (installed or not), so the table does not depend on this machine."""
-    try:
-        attention = importlib.import_module("kernels.attention")
-    except ImportError:
-        return None
-    lazy = getattr(attention, "_LAZY", None)
-    return ["torch", *lazy] if isinstance(lazy, dict) else None
+    from kernels.attention import known_backend_names
+
+    return list(known_backend_names())
 
 
 def _flag_default(action: argparse.Action) -> str:

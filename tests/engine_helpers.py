@@ -42,6 +42,7 @@ def tiny_hf_llama(vocab_size: int = 512, seed: int = 0, **overrides: Any) -> Any
 def engine_for(hf_model: Any, tokenizer: Any | None = None, **config: Any) -> Engine:
     """An Engine sharing `hf_model`'s weights, on the CPU unless `device` says otherwise."""
     config.setdefault("device", "cpu")
+    config.setdefault("torch_threads", 1)  # no thread tuner: its per-step thread switches change float rounding
     model = model_from_hf(hf_model.config, hf_model.state_dict(), config["device"])
     return Engine(model, EngineConfig(**config), tokenizer)
 
@@ -113,7 +114,7 @@ def assert_greedy_matches(
     )
 
 
-def hf_reference(source: Any) -> Any:
+def load_hf_model(source: Any) -> Any:
     """transformers' own model for `source` (a ModelSource: GGUF or safetensors), float32 on the CPU, in eval
     mode: the ground truth every real-model greedy test compares against."""
     from transformers import AutoModelForCausalLM

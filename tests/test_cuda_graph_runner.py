@@ -26,19 +26,13 @@ from tests.engine_helpers import (  # noqa: E402
     greedy,
     hf_greedy,
     run_to_completion,
-    tiny_hf_llama,
     tokens_of,
-    torch_single_thread,  # noqa: F401  (autouse fixture)
 )
 
 EOS = 2
 MAX_NEW = 8
 PROMPT_LENGTHS = (3, 7, 1, 12, 5)
 
-
-@pytest.fixture(scope="module")
-def hf() -> Any:
-    return tiny_hf_llama()
 
 
 def prompts() -> list[list[int]]:
@@ -91,7 +85,12 @@ def test_padded_replay_gives_the_eager_logits_and_kv(hf: Any, backend: str) -> N
     eager = runner._forward_eager(batch)
     pool_eager = engine.pool.k.clone()
     engine.pool.k.copy_(pool_before)
-    replayed = graphs.replay(batch.input_ids, batch.starts, [r.row for r in batch.reqs])
+    replayed = graphs.replay(batch.rows, batch.starts)
+    # the input ids were gathered from the device-side id table: each request's last sampled token, and
+    # request 0's again for the three padding rows
+    last = [r.ids[-1] for r in batch.reqs]
+    assert graphs.inputs.input_ids[:8].tolist() == last + [last[0]] * 3
+    assert engine.table.ids[batch.rows, batch.starts].tolist() == last
     assert replayed.shape == eager.shape == (5, hf.config.vocab_size)
     torch.testing.assert_close(replayed, eager, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(engine.pool.k, pool_eager, atol=1e-5, rtol=1e-5)
@@ -104,7 +103,7 @@ def test_padded_replay_gives_the_eager_logits_and_kv(hf: Any, backend: str) -> N
 def test_engine_with_graph_runner_matches_transformers(hf: Any, overlap: str) -> None:
     reference = [hf_greedy(hf, p, MAX_NEW, EOS) for p in prompts()]
     plain = engine_for(hf, device="cpu", max_total_tokens=256)
-    # 5 requests: 4 replay, 5 eager; with overlap, replayed steps take their input tokens from the device
+    # 5 requests: 4 replay, 5 eager; with overlap, a step's input tokens are sampled by the step still in flight
     graphed = with_graph_runner(engine_for(hf, device="cpu", max_total_tokens=256, overlap_schedule=overlap),
                                 "torch", 4)
     reqs = [TokenizedRequest(f"r{i}", p, greedy(MAX_NEW, stop_token_ids=[EOS])) for i, p in enumerate(prompts())]

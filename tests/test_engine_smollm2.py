@@ -17,7 +17,7 @@ from tests.engine_helpers import (
     assert_greedy_matches,
     greedy,
     hf_greedy,
-    hf_reference,
+    load_hf_model,
     run_to_completion,
     tokens_of,
 )
@@ -35,7 +35,7 @@ MAX_NEW = 20
 def smollm() -> dict[str, Any]:
     source = resolve_model("SmolLM2-135M-Instruct")
     engine = Engine.from_source(source, EngineConfig(device="cpu"))
-    hf = hf_reference(source)  # transformers' own loading of the GGUF: checks our conversion too
+    hf = load_hf_model(source)  # transformers' own loading of the GGUF: checks our conversion too
     tokenizer = engine.tokenizer
     prompts = [
         tokenizer.apply_chat_template(

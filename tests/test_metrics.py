@@ -17,6 +17,7 @@ from starlette.middleware import Middleware
 from starlette.testclient import TestClient
 
 from actors.entry.guard import EntryGuard
+from actors.entry.settings import EntrySettings
 from actors.entry.metrics import MeteredStream, RequestMetrics
 from actors.entry.metrics_scrape import metrics_route
 from bus.errors import ApiError
@@ -123,7 +124,7 @@ def test_metrics_need_no_api_key_and_render_without_a_scheduler() -> None:
     service = SimpleNamespace(metrics=metrics, served_model="m",
                               client=SimpleNamespace(bus=SilentBus(), subjects=Subjects("t")))
     app = Starlette(routes=[metrics_route(service)],  # type: ignore[arg-type]
-                    middleware=[Middleware(EntryGuard, api_key="secret", max_request_bytes=1024)])
+                    middleware=[Middleware(EntryGuard, settings=EntrySettings(api_key="secret", allowed_hosts=["*"]))])
     response = TestClient(app).get("/metrics")
     assert response.status_code == 200
     scraped = samples(response.text)

@@ -18,7 +18,7 @@ LONG = {"messages": [{"role": "user", "content": "Tell me a very long story."}],
 
 
 def post(base: str, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
-    return httpx.post(base + path, json=body, timeout=60)
+    return httpx.post(base + path, json={} if body is None else body, timeout=60)
 
 
 @pytest.fixture
@@ -45,7 +45,33 @@ def test_flush_cache_drops_cached_prefixes(base: str) -> None:
     reply = post(base, "/flush_cache")
     assert reply.status_code == 200 and reply.json()["success"] is True
     assert server_info(base)["kv_cached_tokens"] == 0
-    assert httpx.get(base + "/flush_cache", timeout=30).json()["success"] is True
+
+
+@pytest.mark.parametrize("method, path, kwargs", [
+    ("GET", "/flush_cache", {}),  # a link or an <img> on a web page
+    ("POST", "/pause_generation", {"data": {"x": "1"}}),  # an HTML form
+    ("POST", "/flush_cache", {"content": b"", "headers": {"content-type": "text/plain"}}),  # a no-preflight fetch
+    ("POST", "/pause_generation", {}),  # no Content-Type at all
+    ("POST", "/abort_request", {"content": b'{"abort_all": true}', "headers": {"content-type": "text/plain"}}),
+])
+def test_state_changing_routes_take_only_json_posts(base: str, method: str, path: str, kwargs: dict) -> None:
+    reply = httpx.request(method, base + path, timeout=30, **kwargs)
+    assert reply.status_code in (405, 415), reply.text
+    assert reply.json()["error"]["code"] == reply.status_code
+    assert not server_info(base)["paused"]
+
+
+def test_a_rebound_host_name_is_refused(base: str) -> None:
+    reply = httpx.post(base + "/pause_generation", json={}, headers={"host": "attacker.example:8000"}, timeout=30)
+    assert reply.status_code == 421 and reply.json()["error"]["param"] == "Host"
+    assert httpx.get(base + "/v1/models", headers={"host": "attacker.example"}, timeout=30).status_code == 421
+    assert not server_info(base)["paused"]
+    assert httpx.get(base + "/v1/models", headers={"host": "localhost:1234"}, timeout=30).status_code == 200
+
+
+def test_unknown_routes_answer_in_openai_shape(base: str) -> None:
+    reply = httpx.get(base + "/v1/nothing-here", timeout=30)
+    assert reply.status_code == 404 and reply.json()["error"]["code"] == 404
 
 
 def test_pause_holds_requests_until_continue(base: str) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.engine_helpers import assert_greedy_matches, hf_greedy, hf_reference
+from tests.engine_helpers import assert_greedy_matches, hf_greedy, load_hf_model
 from tests.server_helpers import ServerHandle, sse_events, wait_until_idle
 
 PROMPTS = [
@@ -33,7 +33,7 @@ def hf_reference() -> dict[str, Any]:
 
     source = resolve_model("SmolLM2-135M-Instruct")
     tokenizer = load_tokenizer(source)
-    model = hf_reference(source)
+    model = load_hf_model(source)
     prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                   tokenize=True, return_dict=False)) for p in PROMPTS]
     outputs = [hf_greedy(model, ids, MAX_NEW, tokenizer.eos_token_id) for ids in prompts]

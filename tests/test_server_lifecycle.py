@@ -46,7 +46,7 @@ def test_non_stream_disconnect_aborts_and_frees_kv(smollm_server: ServerHandle) 
     url = urlparse(base)
     body = httpx.Request("POST", base + "/v1/chat/completions", json=LONG).read()
     with socket.create_connection((url.hostname, url.port)) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
         wait_for_kv_in_use(base)
     info = wait_until_idle(base, timeout=10)

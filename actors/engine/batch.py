@@ -11,26 +11,31 @@ from actors.engine.request import Req
 
 @dataclass
 class Batch:
-    """One forward's plan, fixed before it runs; the model runner reads only this.
+    """One forward's plan, fixed before it runs; the model runner reads only this and the token table.
 
-    Request `b` computes tokens `[starts[b], starts[b] + extend_lens[b])` of `reqs[b].ids`, whose slots are
-    already on its table row. Decode rows come first (one token each), then prefill rows. A prefill row whose
-    chunk does not reach the end of its sequence computes KV only; every other row samples one token.
+    Request `b` computes tokens `[starts[b], starts[b] + extend_lens[b])` of its sequence on table row
+    `reqs[b].row`: their slots are already on the row of `TokenTable.table`, and their ids are on the row of
+    `TokenTable.ids` by the time the step runs on the device (written at admission, or by the sampling of the
+    step before, which may still be in flight). Decode rows come first (one token each), then prefill rows.
+    A prefill row whose chunk does not reach the end of its sequence computes KV only; every other row
+    samples one token, which the runner writes to `ids` at column `starts[b] + extend_lens[b]`.
     """
 
     reqs: list[Req]
     starts: list[int]
     extend_lens: list[int]
     samples: list[bool]
-    input_ids: list[int]  # [T] the tokens computed, all rows concatenated
     num_decode: int  # the first `num_decode` rows are decode rows
-    # overlap loop: decode row b's input token is feed[0][feed[1][b]], sampled on the device by the step still
-    # in flight (its placeholder in `input_ids` is ignored)
-    feed: tuple[torch.Tensor, list[int]] | None = None
 
     @property
     def num_tokens(self) -> int:
-        return len(self.input_ids)
+        """Tokens computed, all rows together."""
+        return sum(self.extend_lens)
+
+    @property
+    def rows(self) -> list[int]:
+        """Each request's table row."""
+        return [req.row for req in self.reqs]  # type: ignore[misc]  # scheduled requests hold rows
 
     @property
     def sampling_reqs(self) -> list[Req]:
@@ -41,9 +46,9 @@ class Batch:
 class ForwardOutput:
     """The tokens sampled for the batch's sampling rows (in order): on the device, and a copy on the host.
 
-    The device tensor can feed the next step without a host round trip; the host copy is complete once
-    `copy_done` has fired (None when the copy was synchronous, as on a CPU). Logprob tensors are None unless
-    some request asked for logprobs.
+    The next step does not need these: it reads the tokens from `TokenTable.ids`, where the runner wrote them
+    on the device. The host copy (what the engine applies) is complete once `copy_done` has fired (None when
+    the copy was synchronous, as on a CPU). Logprob tensors are None unless some request asked for logprobs.
     """
 
     tokens: torch.Tensor  # [S] int64 on the device

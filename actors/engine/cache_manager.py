@@ -59,6 +59,7 @@ class CacheManager:
 
         At least the last token is left uncached: the forward must compute it to sample the next one.
         """
+        assert req.device_len == req.seq_len, "a request is admitted with all its tokens applied"
         handle, slots = self.prefix_cache.match_prefix(req.ids[: req.seq_len - 1])
         self.prefix_cache.lock(handle)
         req.row = self.table.assign()

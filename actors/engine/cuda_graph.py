@@ -2,10 +2,12 @@
 
 Batch sizes form a ladder, 1, 2, 4, 8, then steps of 8 up to `max_bs` (which is always included). A decode
 batch of `n` requests runs the graph of the smallest captured size `bs >= n`: the extra `bs - n` rows repeat
-request 0 (same token, position, table row, length and output slot), so they read real data and write the
+request 0 (same table row, position, token, length and output slot), so they read real data and write the
 same K/V as that request, and their logits are dropped. Inputs live in one set of static buffers
-(`GraphInputs`); the attention backend keeps its metadata in its own static buffers through the three graph
-hooks of `AttentionBackend`, so this runner knows nothing of a particular backend.
+(`GraphInputs`): `replay` takes table rows and positions, gathers the input ids into the static buffer on
+the device from `TokenTable.ids` (where the step before, possibly still in flight, wrote its sampled tokens)
+and copies the positions in; the attention backend keeps its metadata in its own static buffers through the
+three graph hooks of `AttentionBackend`, so this runner knows nothing of a particular backend.
 
 Graphs are captured largest first, sharing one memory pool, with a progress bar. Prefill and mixed batches,
 and decode batches above `max_bs`, run eagerly (the model runner decides, with `can_run`).
@@ -24,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from actors.engine.llama import LlamaForCausalLM
+from actors.engine.token_table import TokenTable
 from kernels.attention import AttentionBackend, AttentionMetadata, ForwardInfo
 from kernels.host_copy import to_device
 
@@ -62,7 +65,7 @@ class CudaGraphRunner:
         self,
         model: LlamaForCausalLM,
         backend: AttentionBackend,
-        token_table: torch.Tensor,
+        table: TokenTable,
         max_bs: int,
         capture: bool | None = None,
         progress: bool = True,
@@ -75,8 +78,8 @@ class CudaGraphRunner:
             raise ValueError(f"{type(backend).__name__} does not implement the CUDA-graph hooks")
         self.model = model
         self.backend = backend
-        self.table = token_table
-        self.device = token_table.device
+        self.table = table
+        self.device = table.table.device
         self.sizes = batch_size_ladder(max_bs)
         self.max_bs = self.sizes[-1]
         if capture is None:
@@ -85,7 +88,7 @@ class CudaGraphRunner:
             raise ValueError("capturing CUDA graphs needs the model on a CUDA device")
         self.captured = capture
         self.inputs = GraphInputs.allocate(self.max_bs, self.device)
-        backend.init_graph_buffers(self.max_bs, token_table)
+        backend.init_graph_buffers(self.max_bs, table.table)
         self.meta: dict[int, AttentionMetadata] = {bs: backend.prepare_for_capture(bs) for bs in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # [bs, V] logits each graph writes
@@ -100,31 +103,27 @@ class CudaGraphRunner:
         """The captured size a batch of `n` decode requests runs at."""
         return self.sizes[bisect.bisect_left(self.sizes, n)]
 
-    def replay(self, input_ids: Sequence[int], positions: Sequence[int], req_rows: Sequence[int],
-               fed: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits `[n, V]` of one decode step: request `i` computes token `input_ids[i]` at `positions[i]` on
-        table row `req_rows[i]` (its slot there is already allocated); `fed`, when given, replaces the first
-        input ids with tokens already on the device. The tensor is a view of a static output buffer: read it
-        before the next replay."""
-        n = len(input_ids)
+    def replay(self, req_rows: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+        """Logits `[n, V]` of one decode step: request `i` computes its token at `positions[i]` on table row
+        `req_rows[i]`, whose slot is allocated and whose id is in `TokenTable.ids` by the time this runs on the
+        device. The tensor is a view of a static output buffer: read it before the next replay."""
+        n = len(req_rows)
         bs = self.padded_size(n)
         pad = bs - n
-        ids = list(input_ids) + [input_ids[0]] * pad
         pos = list(positions) + [positions[0]] * pad
         rows = list(req_rows) + [req_rows[0]] * pad
         kv_lens_cpu = [p + 1 for p in pos]
-        host = to_device([ids, pos, rows, kv_lens_cpu], self.device)  # [4, bs], one non-blocking copy
-        self.inputs.input_ids[:bs].copy_(host[0])
-        if fed is not None:
-            self.inputs.input_ids[: fed.numel()].copy_(fed)
-        self.inputs.positions[:bs].copy_(host[1])
+        host = to_device([pos, rows, kv_lens_cpu], self.device)  # [3, bs], one non-blocking copy
+        pos_t, rows_t = host[0], host[1]
+        self.inputs.input_ids[:bs].copy_(self.table.ids[rows_t, pos_t])
+        self.inputs.positions[:bs].copy_(pos_t)
         info = ForwardInfo(
             q_lens_cpu=[1] * bs,
             kv_lens_cpu=kv_lens_cpu,
-            req_rows=host[2],
-            token_table=self.table,
-            out_slots=self.table[host[2], host[1]],
-            kv_lens=host[3],
+            req_rows=rows_t,
+            token_table=self.table.table,
+            out_slots=self.table.table[rows_t, pos_t],
+            kv_lens=host[2],
         )
         self.backend.prepare_for_replay(bs, info)
         if self.captured:

@@ -1,23 +1,31 @@
 """The engine the scheduler actor drives: request intake, continuous batching, one forward per step.
 
 A step has three parts: `schedule()` decides the batch and does all allocation (retraction, admission,
-prefix locks, KV slots), `launch(batch)` runs the forward and samples, `finish(batch, out)` applies the tokens
-(stop checks, caching, freeing) and returns one output row per sampled request. Single-threaded by contract:
-`add_request`, `abort` and the control methods are called only between steps. `Engine` implements
-`actors.engine.interface.EngineInterface`, all the scheduler actor uses of it.
+prefix locks, KV slots), `launch(batch)` queues the forward and the sampling on the device and accounts for
+it (requests whose prefill completes join the running set, finished prefill chunks go to the prefix cache),
+`finish(batch, out)` applies the sampled tokens on the host (stop checks, caching, freeing) and returns one
+output row per sampled request. Single-threaded by contract: `add_request`, `abort` and the control methods
+are called only between steps. `Engine` implements `actors.engine.interface.EngineInterface`, all the
+scheduler actor uses of it.
 
-The overlap loop (`--overlap-schedule`, on for cuda) reorders the same parts: while decode step N runs on the
-device, step N+1 is planned and launched with its input tokens read on the device from N's output, and only
-then are N's tokens applied on the host. A request that finished at N has computed one token too many in N+1;
-it is dropped. Steps with prefill, waiting requests or a pool too short to decode everyone drain first (apply
-the step in flight, then plan as usual), so admission and retraction always see applied tokens.
+A step never needs the host to have seen the tokens of the step before: its input ids are gathered on the
+device from `TokenTable.ids`, where each step's sampling writes its tokens, and each request counts the
+tokens it has on the device (`Req.device_len`, one ahead of `Req.ids` while its token is in flight), which is
+what positions, slots and the seeded sampler's output index follow. The plain loop runs schedule, launch,
+finish in turn. The overlap loop (`--overlap-schedule`, on for cuda) plans and launches step N+1 while step N
+still runs on the device, and only then applies N's tokens, so the host's work hides behind the device's.
+Both loops build every batch with the same `schedule()`. Steps that admit requests overlap too (every token
+of an admitted request is known on the host). A request whose tokens on the device already end it by length
+is not scheduled again; one that step N finishes by a stop token or string has computed one token too many
+in N+1, which is dropped. Only a retraction, or a pool too short to decode every running request, drains:
+the step in flight is applied first, then the next is planned. `overlapped_steps` and `drained_steps` count
+the two kinds of launch.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -71,7 +79,7 @@ class Engine:
         chunk = config.chunked_prefill_size if config.chunking else 0
         self.prefill = PrefillManager(self.cache, config.max_prefill_tokens, chunk, config.schedule_policy,
                                       config.max_running_requests)
-        self.decode = DecodeManager(self.cache)
+        self.decode = DecodeManager(self.cache, self.context_length)
         self.runner = ModelRunner(model, self.pool, self.table, config.attention_backend, config.graph_max_bs())
         self.runner.thread_tuner = tuner_for(config)
         self._thread_choices: dict[str, int] = {}
@@ -83,6 +91,11 @@ class Engine:
         self._last_batch: Batch | None = None
         self.overlap = config.overlap_enabled()
         self._inflight: tuple[Batch, ForwardOutput] | None = None  # overlap loop: launched, not yet finished
+        # Overlap loop, per step() that launched a batch: launched while the step before was still unapplied,
+        # or after applying it first because the pool was short (retraction). Neither counts a launch with
+        # nothing in flight before it (the first after idling, and every step of the plain loop).
+        self.overlapped_steps = 0
+        self.drained_steps = 0
         self._prompt_tokens = 0
         self._cached_tokens = 0
 
@@ -163,14 +176,16 @@ class Engine:
         prev, self._inflight = self._inflight, None
         if self.paused:
             return self.finish(*prev) if prev is not None else []
-        batch = self._schedule_after(prev) if prev is not None else None
         rows: list[TokenRow] = []
-        if batch is None:  # nothing to overlap with: apply the step in flight, then plan as usual
-            if prev is not None:
-                rows, prev = self.finish(*prev), None
-            batch = self.schedule()
-        self._last_batch = batch
+        drained = False
+        if prev is not None and self.decode.must_retract():  # retraction needs every token applied
+            rows, prev, drained = self.finish(*prev), None, True
+        batch = self._last_batch = self.schedule()
         if batch is not None:
+            if prev is not None:
+                self.overlapped_steps += 1
+            elif drained:
+                self.drained_steps += 1
             try:
                 self._inflight = (batch, self.launch(batch))
             except Exception as exc:
@@ -178,23 +193,6 @@ class Engine:
         if prev is not None:
             rows += self.finish(*prev)
         return rows
-
-    def _schedule_after(self, prev: tuple[Batch, ForwardOutput]) -> Batch | None:
-        """The next decode step, planned before `prev`'s tokens are applied, or None when it must drain first."""
-        batch, out = prev
-        running = self.decode.running
-        if (not running or len(self.prefill) or batch.num_decode != len(batch.reqs)
-                or len(running) > self.cache.available):
-            return None
-        index = {id(req): k for k, req in enumerate(batch.reqs)}  # decode-only: every row sampled, in order
-        width = self.table.table.shape[1]
-        if any(id(req) not in index or req.seq_len >= width for req in running):
-            return None
-        reqs = list(running)
-        self.cache.extend_by_one(reqs)  # each one's slot for the token `prev` is sampling
-        n = len(reqs)
-        return Batch(reqs, [req.cached_len - 1 for req in reqs], [1] * n, [True] * n, [0] * n, num_decode=n,
-                     feed=(out.tokens, [index[id(req)] for req in reqs]))
 
     def _fail_batch(self, batch: Batch, exc: Exception) -> list[TokenRow]:
         log.exception("forward pass failed; ending the %d requests of its batch", len(batch.reqs))
@@ -211,7 +209,10 @@ class Engine:
         return StepPlan([r.rid for r in batch.reqs[:d]], prefill, batch.num_tokens)
 
     def schedule(self) -> Batch | None:
-        """Plan the next forward and allocate everything it needs; None when there is nothing to run."""
+        """Plan the next forward and allocate everything it needs; None when there is nothing to run.
+
+        A step may be in flight (the overlap loop), unless a retraction is due (`DecodeManager.must_retract`).
+        """
         for req in self.decode.retract_until_decodable():
             self.prefill.add(req, front=True)
             self.num_retractions += 1
@@ -222,15 +223,22 @@ class Engine:
         reqs = decodes + [req for req, _ in prefills]
         extend_lens = [1] * len(decodes) + [n for _, n in prefills]
         starts = [req.cached_len - n for req, n in zip(reqs, extend_lens)]
-        input_ids = [t for req, s, n in zip(reqs, starts, extend_lens) for t in req.ids[s : s + n]]
-        samples = [req.cached_len == req.seq_len for req in reqs]
-        return Batch(reqs, starts, extend_lens, samples, input_ids, num_decode=len(decodes))
+        samples = [req.cached_len == req.device_len for req in reqs]
+        return Batch(reqs, starts, extend_lens, samples, num_decode=len(decodes))
 
     def launch(self, batch: Batch) -> ForwardOutput:
-        """Run the batch's forward and sample; its sampling requests each have one more pending token."""
+        """Queue the batch's forward and sampling on the device, then account for them as if done: each
+        sampling request has one more token on the device, prefill chunks' KV is offered to the prefix cache
+        (their token ids are known here; the device computes the KV before any later step reads it), and
+        requests whose prefill completes start running, so the next step can decode them."""
         out = self.runner.forward(batch)
-        for req in batch.sampling_reqs:
-            req.pending += 1
+        for i, (req, samples) in enumerate(zip(batch.reqs, batch.samples)):
+            if samples:
+                req.device_len += 1
+            if i >= batch.num_decode:
+                self.cache.cache_req(req, finished=False)
+                if samples:
+                    self.decode.add(req)
         return out
 
     def finish(self, batch: Batch, out: ForwardOutput) -> list[TokenRow]:
@@ -241,17 +249,12 @@ class Engine:
         top_ids = out.top_ids_cpu.tolist() if out.top_ids_cpu is not None else None
         top_lps = out.top_logprobs_cpu.tolist() if out.top_logprobs_cpu is not None else None
         rows: list[TokenRow] = []
-        k = 0
-        for i, (req, samples) in enumerate(zip(batch.reqs, batch.samples)):
-            is_prefill = i >= batch.num_decode
-            if self.live.get(req.rid) is not req:  # finished or aborted while this step was in flight
-                k += samples
-                continue
-            if not samples:
-                self.cache.cache_req(req, finished=False)  # this chunk's KV becomes shareable at once
+        for k, req in enumerate(batch.sampling_reqs):
+            # Finished by a stop at the step before (launched before that one was applied), or aborted while
+            # this step was in flight: the token is one too many; the request's slots are already freed.
+            if self.live.get(req.rid) is not req:
                 continue
             token = tokens[k]
-            req.pending -= 1
             req.ids.append(token)
             try:
                 finish = self.stop_checker.check(req)
@@ -260,9 +263,6 @@ class Engine:
                 finish = FinishReason("error", error=server_error(f"checking the stop conditions failed: {exc!r}"))
             if finish is not None:
                 self._release(req)
-            elif is_prefill:
-                self.cache.cache_req(req, finished=False)
-                self.decode.add(req)
             row = self._output(req, [token], finish)
             if logprobs is not None and req.params.return_logprob:
                 n = req.params.top_logprobs_num
@@ -270,7 +270,6 @@ class Engine:
                 row.top_ids = [top_ids[k][:n] if top_ids and n else []]
                 row.top_logprobs = [top_lps[k][:n] if top_lps and n else []]
             rows.append(row)
-            k += 1
         return rows
 
     def abort(self, rid: str) -> TokenRow | None:

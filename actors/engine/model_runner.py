@@ -1,8 +1,12 @@
 """Run one planned batch: lay it out as flat tensors, run the model with the attention backend, sample.
 
-The runner reads the `Batch` and the token table and writes only the KV pool (through the backend); every
-decision and allocation was made before it is called. Decode-only batches go through the CUDA-graph runner
-(`cuda_graph.py`) when one is enabled; prefill, mixed and oversized batches run eagerly.
+The runner reads the `Batch` and the token tables. Its input ids are gathered on the device from
+`TokenTable.ids` (`ids[row_of_token, position]`, as the output slots are from the slot table), so a decode
+token sampled by a step still in flight is read without the host having seen it. It writes the KV pool
+(through the backend) and, right after sampling, each sampled token into `ids` for the next step; every
+decision and allocation was made before it is called. Nothing here waits for the device. Decode-only
+batches go through the CUDA-graph runner (`cuda_graph.py`) when one is enabled; prefill, mixed and
+oversized batches run eagerly.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ class ModelRunner:
             use_triton_kernels(model)
         self.graphs: CudaGraphRunner | None = None
         if cuda_graph_max_bs > 0:
-            self.graphs = CudaGraphRunner(model, self.backend, table.table, cuda_graph_max_bs, capture=capture)
+            self.graphs = CudaGraphRunner(model, self.backend, table, cuda_graph_max_bs, capture=capture)
 
     def set_thread_policy(self, options: tuple[int, ...], fixed_from_tokens: int) -> None:
         """Run each step on one of `options` torch threads, learned per step size from measured step times
@@ -48,7 +52,8 @@ class ModelRunner:
         self.thread_tuner = ThreadTuner(options, fixed_from_tokens)
 
     def forward(self, batch: Batch) -> ForwardOutput:
-        """Compute the batch's tokens and sample the next token of each sampling row."""
+        """Compute the batch's tokens and sample the next token of each sampling row (recorded in
+        `TokenTable.ids`); all queued on the device, nothing waited for."""
         tuner = self.thread_tuner
         if tuner is not None:
             threads = tuner.choose(batch.num_tokens)
@@ -57,8 +62,7 @@ class ModelRunner:
             started = time.perf_counter()
         # One new token per request, each sampling (a 1-token chunk that does not sample runs eagerly).
         if self.graphs is not None and all(batch.samples) and self.graphs.can_run(batch.extend_lens):
-            logits = self.graphs.replay(batch.input_ids, batch.starts, [req.row for req in batch.reqs],
-                                        self._fed_tokens(batch))
+            logits = self.graphs.replay(batch.rows, batch.starts)
         else:
             logits = self._forward_eager(batch)
         out = self._sample(batch, logits)
@@ -68,44 +72,41 @@ class ModelRunner:
 
     def _forward_eager(self, batch: Batch) -> torch.Tensor:
         """Logits `[S, V]` of the batch's sampling rows, through `backend.prepare` and the model."""
-        table_rows = [req.row for req in batch.reqs]
+        table_rows = batch.rows
         positions = [p for start, n in zip(batch.starts, batch.extend_lens) for p in range(start, start + n)]
         row_of_token = [row for row, n in zip(table_rows, batch.extend_lens) for _ in range(n)]
         device = self.device
         # Host lists reach the device in non-blocking copies from pinned memory: no host sync on a GPU.
-        flat = to_device([batch.input_ids, positions, row_of_token], device)  # [3, T]
-        input_ids, positions_t = flat[0], flat[1]
-        fed = self._fed_tokens(batch)
-        if fed is not None:
-            input_ids = torch.cat([fed, input_ids[fed.numel():]])
+        flat = to_device([positions, row_of_token], device)  # [2, T]
+        positions_t, rows_t = flat[0], flat[1]
         req_rows = to_device(table_rows, device)
         info = ForwardInfo(
             q_lens_cpu=batch.extend_lens,
             kv_lens_cpu=[start + n for start, n in zip(batch.starts, batch.extend_lens)],
             req_rows=req_rows,
             token_table=self.table.table,
-            out_slots=self.table.table[flat[2], positions_t],
+            out_slots=self.table.table[rows_t, positions_t],
         )
+        input_ids = self.table.ids[rows_t, positions_t]
         ends = torch.tensor(batch.extend_lens, dtype=torch.int64).cumsum(0) - 1
         logits_index = to_device(ends[torch.tensor(batch.samples, dtype=torch.bool)].tolist(), device)
         meta = self.backend.prepare(info)
         return self.model(input_ids, positions_t, self.backend, meta, logits_index)
 
-    def _fed_tokens(self, batch: Batch) -> torch.Tensor | None:
-        """The decode rows' input tokens taken on the device from the step still in flight (overlap loop)."""
-        if batch.feed is None:
-            return None
-        tokens, index = batch.feed
-        return tokens[to_device(index, tokens.device)]
-
     def _sample(self, batch: Batch, logits: torch.Tensor) -> ForwardOutput:
-        """Sample the sampling rows' next tokens and start their copy to the host."""
+        """Sample the sampling rows' next tokens, write them to `TokenTable.ids` and start their copy to the
+        host."""
         device = self.device
         rows = [req.sampling_row() for req in batch.sampling_reqs]
         if not rows:  # a step of prefill chunks only
             empty = torch.empty(0, dtype=torch.int64)
             return ForwardOutput(tokens=empty.to(device), tokens_cpu=empty)
         out = sample(logits, rows)
+        # Each row's new token goes right after the ones it computed: the next step reads it there.
+        sampled = [b for b, s in enumerate(batch.samples) if s]
+        where = to_device([[batch.reqs[b].row for b in sampled],
+                           [batch.starts[b] + batch.extend_lens[b] for b in sampled]], device)  # [2, S]: row, column
+        self.table.ids[where[0], where[1]] = out.tokens
         non_blocking = device.type == "cuda"
         result = ForwardOutput(
             tokens=out.tokens,

@@ -4,7 +4,9 @@ Requests are taken in policy order (fcfs: arrival; lpm: longest cached prefix fi
 budget, a cap on running requests and the KV slots available after this step's decodes. With chunking on, a
 prompt longer than the chunk size (or the budget left) is prefilled in chunks over several steps; one request
 is chunked at a time and its next chunk comes first in the following step. Admission locks the request's
-cached prefix and allocates its slots here, before the forward.
+cached prefix, writes its token ids to its row of the id table and allocates its slots here, before the
+forward. Every token of an admitted request is known on the host (new, or retracted after its last step was
+applied), so admission does not wait for a step in flight.
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ class PrefillManager:
                 self.cache.cache_req(req, finished=True)  # undo the admission: unlock, give the row back
                 break
             self.waiting.remove(req)
+            self.cache.table.write_ids(req.row, req.ids)  # what the forward reads its input ids from
             self.cache.extend(req, n)
             if not req.admitted:
                 req.admitted, req.cached_tokens = True, req.prefix_len

@@ -1,19 +1,28 @@
-"""The request-to-token table: row `r`, column `i` holds the pool slot of token `i` of the request on row `r`.
+"""The request-to-token tables: row `r`, column `i` holds the pool slot (`table`) and the token id (`ids`) of
+token `i` of the request on row `r`.
 
 Rows are handed to requests when they are admitted and returned when they finish, abort or are retracted.
-The table lives on the engine's device so attention backends index it without a copy.
+Both tables live on the engine's device: attention backends index `table` without a copy, and a step gathers
+its input ids from `ids` on the device. A request's known tokens are written to its `ids` row at admission;
+after that each step writes the tokens it samples there itself, so the next step can read them before the
+host has seen them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+
+from kernels.host_copy import to_device
 
 
 class TokenTable:
-    """`table` `[max_requests, max_len]` int64 plus a free list of rows."""
+    """`table` and `ids`, both `[max_requests, max_len]` int64, plus a free list of rows."""
 
     def __init__(self, max_requests: int, max_len: int, device: torch.device) -> None:
         self.table = torch.zeros((max_requests, max_len), dtype=torch.int64, device=device)
+        self.ids = torch.zeros((max_requests, max_len), dtype=torch.int64, device=device)
         self._free_rows = list(range(max_requests - 1, -1, -1))
 
     @property
@@ -31,6 +40,11 @@ class TokenTable:
     def write(self, row: int, start: int, slots: torch.Tensor) -> None:
         """Record `slots` as the slots of tokens `start...` of `row`."""
         self.table[row, start : start + slots.numel()] = slots
+
+    def write_ids(self, row: int, ids: Sequence[int]) -> None:
+        """Record `ids` as the token ids of tokens `0...` of `row` (a non-blocking copy)."""
+        if ids:
+            self.ids[row, : len(ids)] = to_device(list(ids), self.ids.device)
 
     def slots(self, row: int, end: int, start: int = 0) -> torch.Tensor:
         """The slots of tokens `[start, end)` of `row`."""

@@ -19,7 +19,7 @@ from actors.entry.app import build_app
 from actors.entry.liveness import LivenessMonitor
 from actors.entry.request_flow import EntryService
 from actors.entry.request_trace import traced_app
-from actors.entry.settings import API_KEY_ENV, EntrySettings
+from actors.entry.settings import ADMIN_API_KEY_ENV, API_KEY_ENV, EntrySettings
 from bus.connection import BusConnection, Delivery
 from bus.messages import Heartbeat
 from bus.ring_client import RingClient
@@ -56,7 +56,8 @@ class NatsStateLog:
 
 async def entry_main(ctx: ActorContext, settings: EntrySettings) -> dict[str, Any]:
     """Start the HTTP server; the actor fails if it cannot listen or stops on its own."""
-    os.environ.pop(API_KEY_ENV, None)  # read already; keep it out of anything this process might start
+    for secret in (API_KEY_ENV, ADMIN_API_KEY_ENV):  # read already; keep them out of anything this process starts
+        os.environ.pop(secret, None)
     liveness = LivenessMonitor()
     service = EntryService(RingClient(ctx.bus, ctx.subjects, stall_timeout=settings.stall_timeout),
                            settings.served_model, max_queued_requests=settings.max_queued_requests,

@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from actors.entry.control_routes import control_routes
+from actors.entry.errors import error_response
 from bus.errors import ApiError
 from actors.entry.guard import EntryGuard
 from actors.entry.http_common import handles_errors, read_json, sse
@@ -126,7 +127,7 @@ def build_app(service: EntryService, settings: EntrySettings | None = None) -> S
     async def openapi(request: Request) -> Response:
         return JSONResponse(openapi_document(service.served_model))
 
-    middleware = [Middleware(EntryGuard, api_key=settings.api_key, max_request_bytes=settings.max_request_bytes)]
+    middleware = [Middleware(EntryGuard, settings=settings)]
     if settings.cors_allow_origins:  # outermost, so preflight requests are answered without the API key
         middleware.insert(0, Middleware(CORSMiddleware, allow_origins=settings.cors_allow_origins,
                                         allow_methods=["GET", "POST", "OPTIONS"],
@@ -139,4 +140,11 @@ def build_app(service: EntryService, settings: EntrySettings | None = None) -> S
         Route("/get_server_info", server_info, methods=["GET"]),
         Route("/openapi.json", openapi, methods=["GET"]),
         *control_routes(service),
-    ], middleware=middleware)
+    ], middleware=middleware, exception_handlers={404: _route_error, 405: _route_error})
+
+
+async def _route_error(request: Request, exc: Exception) -> Response:
+    """Unknown routes and methods answer in OpenAI's error shape too, not Starlette's plain text."""
+    status = getattr(exc, "status_code", 404)
+    what = "no such route" if status == 404 else f"{request.method} is not allowed here"
+    return error_response(ApiError(f"{what}: {request.method} {request.url.path}"[:300], status))

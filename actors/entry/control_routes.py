@@ -3,7 +3,9 @@
 `/flush_cache`, `/pause_generation`, `/continue_generation` and `/abort_request` with `abort_all` send a
 `ControlCommand` to the scheduler (`{ns}.control.scheduler.command`); `/abort_request` with a `rid` publishes
 an `AbortRequest` on `{ns}.abort.{rid}`; `/health_generate` generates one token through the whole ring.
-Replies are `{"success", "message", **detail}`; a scheduler that does not answer gives 503.
+Replies are `{"success", "message", **detail}`; a scheduler that does not answer gives 503. The routes that
+change state take only `POST` with `Content-Type: application/json` (a body is optional), so a web page the
+operator visits cannot trigger them (a cross-origin JSON POST needs a CORS preflight).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from bus.errors import ApiError
-from actors.entry.http_common import handles_errors, read_json
+from actors.entry.http_common import handles_errors, read_command
 from actors.entry.request_flow import EntryService
 
 
@@ -29,19 +31,22 @@ def control_routes(service: EntryService) -> list[Route]:
 
     @handles_errors
     async def flush_cache(request: Request) -> Response:
+        await read_command(request)
         return await command("flush_cache")
 
     @handles_errors
     async def pause_generation(request: Request) -> Response:
+        await read_command(request)
         return await command("pause")
 
     @handles_errors
     async def continue_generation(request: Request) -> Response:
+        await read_command(request)
         return await command("continue")
 
     @handles_errors
     async def abort_request(request: Request) -> Response:
-        body = await read_json(request)
+        body = await read_command(request)
         abort_all = body.get("abort_all", False)
         if not isinstance(abort_all, bool):
             raise ApiError(f"abort_all must be a boolean, got {abort_all!r}", param="abort_all")
@@ -58,7 +63,7 @@ def control_routes(service: EntryService) -> list[Route]:
         return JSONResponse({"status": "ok"})
 
     return [
-        Route("/flush_cache", flush_cache, methods=["GET", "POST"]),
+        Route("/flush_cache", flush_cache, methods=["POST"]),
         Route("/pause_generation", pause_generation, methods=["POST"]),
         Route("/continue_generation", continue_generation, methods=["POST"]),
         Route("/abort_request", abort_request, methods=["POST"]),

@@ -1,24 +1,34 @@
-"""The entry's gate, in front of every route: API-key check and request-body size limit (ASGI middleware).
+"""The entry's gate, in front of every route (ASGI middleware): Host check, API keys, body size and read time.
 
+- Host: a request whose `Host` header names no allowed host gets 421, so a web page that rebinds its DNS name
+  to this machine cannot reach the API from the operator's browser (`--allowed-hosts`; by default the
+  loopback names when the entry listens on loopback, any host otherwise).
 - API key: with a key configured (env `RINGSERVE_API_KEY`, never a flag), every route except `PUBLIC_PATHS`
   needs `Authorization: Bearer <key>`, compared in constant time; otherwise 401 with the OpenAI error body
-  (`type: "authentication_error"`). The key is never logged or echoed.
+  (`type: "authentication_error"`). With `RINGSERVE_ADMIN_API_KEY` set, the operator routes (`ADMIN_PATHS`)
+  need that key instead. Keys are never logged or echoed.
 - Body size: a declared `Content-Length` above the limit is refused with 413 before anything is read; a body
   without one (chunked) is counted while it is read and refused with 413 as soon as it passes the limit.
+- Read time: a body still incomplete `body_read_timeout` seconds after the request began gets 408.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import time
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from actors.entry.errors import error_response
+from actors.entry.settings import EntrySettings
 from bus.errors import ApiError
 
 # Routes anyone may call: liveness for load balancers, metrics, and the API description (no secrets in it).
 PUBLIC_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
+# Routes that change the server's state for everyone: guarded by the admin key when one is set.
+ADMIN_PATHS = frozenset({"/flush_cache", "/pause_generation", "/continue_generation", "/abort_request"})
 
 
 class BodyTooLarge(ApiError):
@@ -28,49 +38,74 @@ class BodyTooLarge(ApiError):
         super().__init__(f"the request body exceeds the limit of {limit} bytes", 413)
 
 
-def _unauthorized(message: str) -> ApiError:
-    return ApiError(message, 401, type="authentication_error")
+def _key_matches(headers: Headers, key: bytes) -> bool:
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    # Starlette decodes header bytes as latin-1: encoding back gives the bytes the client sent
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), key)
+
+
+def host_name(host_header: str) -> str:
+    """The host of a `Host` header, lowercased, without its port (`[::1]:8000` -> `::1`)."""
+    host = host_header.strip().lower()
+    if host.startswith("["):
+        return host[1:].split("]", 1)[0]
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
 class EntryGuard:
-    """ASGI middleware: Bearer auth (when `api_key` is set) and the `max_request_bytes` body limit."""
+    """ASGI middleware applying `settings`: allowed hosts, API keys, the body size limit and read time."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_request_bytes: int,
-                 public_paths: frozenset[str] = PUBLIC_PATHS) -> None:
+    def __init__(self, app: ASGIApp, settings: EntrySettings) -> None:
         self.app = app
-        self._key = api_key.encode("utf-8") if api_key else None
-        self.max_request_bytes = max_request_bytes
-        self.public_paths = public_paths
+        self._key = settings.api_key.encode("utf-8") if settings.api_key else None
+        self._admin_key = settings.admin_api_key.encode("utf-8") if settings.admin_api_key else None
+        self._hosts = settings.resolved_allowed_hosts()
+        self.max_request_bytes = settings.max_request_bytes
+        self.body_read_timeout = settings.body_read_timeout
 
-    def _authorized(self, headers: Headers) -> bool:
-        scheme, _, token = headers.get("authorization", "").partition(" ")
-        if self._key is None:
-            return True
-        # Starlette decodes header bytes as latin-1: encoding back gives the bytes the client sent
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), self._key)
+    def _refusal(self, scope: Scope, headers: Headers) -> ApiError | None:
+        host = headers.get("host")
+        if self._hosts is not None and host is not None and host_name(host) not in self._hosts:
+            return ApiError(f"the Host {host[:100]!r} is not served here (see --allowed-hosts)", 421,
+                            param="Host")
+        path = scope["path"]
+        if path in PUBLIC_PATHS:
+            return None
+        key = self._admin_key if path in ADMIN_PATHS and self._admin_key is not None else self._key
+        if key is not None and not _key_matches(headers, key):
+            which = "admin API key" if key is self._admin_key else "API key"
+            return ApiError(f"missing or invalid {which}: send the header 'Authorization: Bearer <key>'", 401,
+                            type="authentication_error")
+        declared = headers.get("content-length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > self.max_request_bytes:
+            return BodyTooLarge(self.max_request_bytes)
+        return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = Headers(scope=scope)
-        if scope["path"] not in self.public_paths and not self._authorized(headers):
-            error = _unauthorized("missing or invalid API key: send the header 'Authorization: Bearer <key>'")
-            await error_response(error)(scope, receive, send)
-            return
-        declared = headers.get("content-length")
-        if declared is not None and declared.strip().isdigit() and int(declared) > self.max_request_bytes:
-            await error_response(BodyTooLarge(self.max_request_bytes))(scope, receive, send)
+        refusal = self._refusal(scope, Headers(scope=scope))
+        if refusal is not None:
+            await error_response(refusal)(scope, receive, send)
             return
         received = 0
+        deadline = time.monotonic() + self.body_read_timeout
+        body_done = False
 
         async def limited_receive() -> Message:
-            nonlocal received
-            message = await receive()
+            nonlocal received, body_done
+            if body_done:  # after the body only a disconnect can come: no deadline on waiting for it
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.001))
+            except asyncio.TimeoutError:
+                raise ApiError(f"the request body did not arrive within {self.body_read_timeout:g} s", 408) from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_request_bytes:
                     raise BodyTooLarge(self.max_request_bytes)
+                body_done = not message.get("more_body", False)
             return message
 
         await self.app(scope, limited_receive, send)

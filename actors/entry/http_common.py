@@ -6,13 +6,14 @@ import json
 import logging
 from typing import Any, Awaitable, Callable
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from actors.entry.errors import error_response
 from bus.errors import ApiError, server_error
 from actors.entry.json_input import check_content_type, parse_json_object
 from actors.entry.request_flow import ClientDisconnected
+from observability.logging import log_event
 
 CLIENT_CLOSED_REQUEST = 499
 log = logging.getLogger("entry")
@@ -29,6 +30,14 @@ async def read_json(request: Request) -> dict[str, Any]:
     return parse_json_object(await request.body())
 
 
+async def read_command(request: Request) -> dict[str, Any]:
+    """The body of a route that changes the server's state: JSON by its Content-Type, which a browser cannot
+    send cross-origin without a CORS preflight (so a web page cannot forge it); an empty body is `{}`."""
+    check_content_type(request.headers.get("content-type"), required=True)
+    body = await request.body()
+    return parse_json_object(body) if body.strip() else {}
+
+
 def handles_errors(endpoint: Callable[[Request], Awaitable[Response]]) -> Callable[[Request], Awaitable[Response]]:
     """Turn ApiError into its OpenAI error response and a vanished client into status 499.
 
@@ -39,7 +48,8 @@ def handles_errors(endpoint: Callable[[Request], Awaitable[Response]]) -> Callab
             return await endpoint(request)
         except ApiError as exc:
             return error_response(exc)
-        except ClientDisconnected:
+        except (ClientDisconnected, ClientDisconnect):
+            log_event(log, logging.INFO, "client went away", method=request.method, path=request.url.path)
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         except Exception:
             log.exception("unhandled error in %s %s", request.method, request.url.path)

@@ -20,10 +20,12 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _JSON_CHARSETS = {"utf-8", "utf8"}
 
 
-def check_content_type(content_type: str | None) -> None:
-    """ApiError 415 unless `content_type` is missing or JSON (`application/json`, `application/*+json`,
-    optionally with `charset=utf-8`)."""
+def check_content_type(content_type: str | None, required: bool = False) -> None:
+    """ApiError 415 unless `content_type` is JSON (`application/json`, `application/*+json`, optionally with
+    `charset=utf-8`) or, unless `required`, missing."""
     if content_type is None or not content_type.strip():
+        if required:
+            raise ApiError("send Content-Type: application/json (this route changes the server's state)", 415)
         return
     media, *params = (part.strip() for part in content_type.split(";"))
     media = media.lower()

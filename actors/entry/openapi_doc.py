@@ -84,15 +84,17 @@ def _answers(ok: str, *errors: int, stream: bool = False) -> dict[str, Any]:
 
 
 _ERROR_TEXT = {400: "invalid request", 401: "missing or wrong API key", 404: "unknown model",
-               413: "request body too large", 415: "the body is not JSON", 499: "the client went away",
+               408: "the body did not arrive in time", 413: "request body too large",
+               415: "the body is not JSON (state-changing routes need Content-Type: application/json)",
+               421: "the Host header names a host not served here", 499: "the client went away",
                500: "the scheduler refused the command", 503: "busy (Retry-After) or the ring is not serving"}
-_BODY_ERRORS = (400, 401, 413, 415, 503)
+_BODY_ERRORS = (400, 401, 408, 413, 415, 421, 503)
 
 
-def _post(summary: str, body: str | None, ok: str, *errors: int, stream: bool = False) -> dict[str, Any]:
+def _post(summary: str, body: str, ok: str, *errors: int, stream: bool = False, required: bool = True
+          ) -> dict[str, Any]:
     op: dict[str, Any] = {"summary": summary, "responses": _answers(ok, *errors, stream=stream)}
-    if body is not None:
-        op["requestBody"] = {"required": True, "content": {JSON: {"schema": _ref(body)}}}
+    op["requestBody"] = {"required": required, "content": {JSON: {"schema": _ref(body)}}}
     return {"post": op}
 
 
@@ -115,10 +117,12 @@ def openapi_document(served_model: str | None = None) -> dict[str, Any]:
         "/health": _get("200 while every role heartbeats", "Object", 503, public=True),
         "/health_generate": _get("one token through the whole ring", "Object", 401, 503),
         "/get_server_info": _get("scheduler load, entry counters, actors", "Object", 401, 503),
-        "/flush_cache": _post("drop cached prefixes no request uses", None, "ControlReply", 401, 500, 503),
+        "/flush_cache": _post("drop cached prefixes no request uses", "Object", "ControlReply", *_BODY_ERRORS, 500,
+                              required=False),
         "/abort_request": _post("abort one request or all", "AbortRequest", "Object", *_BODY_ERRORS, 500),
-        "/pause_generation": _post("stop stepping", None, "ControlReply", 401, 500, 503),
-        "/continue_generation": _post("resume stepping", None, "ControlReply", 401, 500, 503),
+        "/pause_generation": _post("stop stepping", "Object", "ControlReply", *_BODY_ERRORS, 500, required=False),
+        "/continue_generation": _post("resume stepping", "Object", "ControlReply", *_BODY_ERRORS, 500,
+                                      required=False),
         "/openapi.json": _get("this document", "Object", public=True),
         "/metrics": {"get": {"summary": "Prometheus metrics", "security": [], "responses": {"200": {
             "description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},

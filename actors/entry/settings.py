@@ -1,7 +1,7 @@
-"""The entry's settings: its command-line flags (shared with `ringserve serve`) and the API key from the env.
+"""The entry's settings: its command-line flags (shared with `ringserve serve`) and the API keys from the env.
 
-The API key is deliberately not a flag (command lines are visible to every local user in `ps`): the launcher
-and the entry read `RINGSERVE_API_KEY` from their environment.
+The API keys are deliberately not flags (command lines are visible to every local user in `ps`): the launcher
+and the entry read `RINGSERVE_API_KEY` and `RINGSERVE_ADMIN_API_KEY` from their environment.
 """
 
 from __future__ import annotations
@@ -11,6 +11,9 @@ import os
 from dataclasses import dataclass, field
 
 API_KEY_ENV = "RINGSERVE_API_KEY"
+ADMIN_API_KEY_ENV = "RINGSERVE_ADMIN_API_KEY"  # guards the operator routes (flush, pause, abort) on its own
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+DEFAULT_BODY_READ_TIMEOUT = 30.0
 DEFAULT_MAX_REQUEST_BYTES = 2 * 1024 * 1024
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
 DEFAULT_STALL_TIMEOUT = 300.0
@@ -27,7 +30,21 @@ class EntrySettings:
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
     stall_timeout: float = DEFAULT_STALL_TIMEOUT
     cors_allow_origins: list[str] = field(default_factory=list)
+    allowed_hosts: list[str] = field(default_factory=list)  # empty: derived from `host`, see resolved_allowed_hosts
+    body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT
     api_key: str | None = field(default=None, repr=False)  # never printed
+    admin_api_key: str | None = field(default=None, repr=False)
+
+    def resolved_allowed_hosts(self) -> frozenset[str] | None:
+        """The Host names requests may carry (None: any). By default, listening on a loopback address allows the
+        loopback names only (a browser page cannot rebind its name to reach the API); on any other address,
+        any host."""
+        if self.allowed_hosts:
+            return None if "*" in self.allowed_hosts else frozenset(h.lower() for h in self.allowed_hosts)
+        host = self.host.strip("[]").lower()
+        if host in LOOPBACK_HOSTS or host.startswith("127."):
+            return frozenset({*LOOPBACK_HOSTS, host})
+        return None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, environ: dict[str, str] | None = None) -> "EntrySettings":
@@ -36,7 +53,8 @@ class EntrySettings:
         settings = cls(host=args.host, port=args.port, served_model=args.served_model_name,
                        max_request_bytes=args.max_request_bytes, max_queued_requests=args.max_queued_requests,
                        stall_timeout=args.stall_timeout, cors_allow_origins=parse_origins(args.cors_allow_origins),
-                       api_key=env.get(API_KEY_ENV) or None)
+                       allowed_hosts=parse_origins(args.allowed_hosts), body_read_timeout=args.body_read_timeout,
+                       api_key=env.get(API_KEY_ENV) or None, admin_api_key=env.get(ADMIN_API_KEY_ENV) or None)
         settings.validate()
         return settings
 
@@ -48,10 +66,12 @@ class EntrySettings:
             raise ValueError("--max-queued-requests must be at least 1")
         if not self.stall_timeout > 0:
             raise ValueError("--stall-timeout must be > 0")
+        if not self.body_read_timeout > 0:
+            raise ValueError("--body-read-timeout must be > 0")
 
 
 def parse_origins(value: str | None) -> list[str]:
-    """`--cors-allow-origins a,b` as a list (empty: CORS off)."""
+    """A comma-separated flag (`--cors-allow-origins a,b`, `--allowed-hosts`) as a list."""
     return [origin.strip() for origin in (value or "").split(",") if origin.strip()]
 
 
@@ -67,13 +87,21 @@ def add_entry_arguments(parser: argparse.ArgumentParser) -> None:
                              "a 503 error and is aborted")
     parser.add_argument("--cors-allow-origins", default="",
                         help="comma-separated origins allowed by CORS (default: CORS off)")
+    parser.add_argument("--allowed-hosts", default="",
+                        help="comma-separated Host names requests may carry, or * for any (default: the loopback "
+                             "names when --host is a loopback address, else any); others get 421")
+    parser.add_argument("--body-read-timeout", type=float, default=DEFAULT_BODY_READ_TIMEOUT,
+                        help="seconds a client may take to send its request body; slower uploads get 408")
 
 
 def entry_argv(args: argparse.Namespace) -> list[str]:
     """The flags of `add_entry_arguments` as parsed, for the entry's command line (never the API key)."""
     argv = ["--max-request-bytes", str(args.max_request_bytes),
             "--max-queued-requests", str(args.max_queued_requests),
-            "--stall-timeout", repr(float(args.stall_timeout))]
+            "--stall-timeout", repr(float(args.stall_timeout)),
+            "--body-read-timeout", repr(float(args.body_read_timeout))]
     if args.cors_allow_origins:
         argv += ["--cors-allow-origins", args.cors_allow_origins]
+    if args.allowed_hosts:
+        argv += ["--allowed-hosts", args.allowed_hosts]
     return argv

@@ -28,7 +28,7 @@ from observability.logging import log_event
 log = logging.getLogger("launcher")
 STOP_GRACE_SECONDS = 10.0
 DEFAULT_WATCHDOG_SECONDS = 30.0
-ROLE_SECRETS = {"RINGSERVE_API_KEY": ("entry",)}  # environment variable -> the roles that may see it
+ROLE_SECRETS = {"RINGSERVE_API_KEY": ("entry",), "RINGSERVE_ADMIN_API_KEY": ("entry",)}  # environment variable -> the roles that may see it
 
 
 @dataclass

@@ -29,6 +29,11 @@ def _installed(package: str) -> bool:
         return False
 
 
+def known_backend_names() -> tuple[str, ...]:
+    """Every backend name ringserve has, installed here or not (for docs that must not depend on the machine)."""
+    return ("torch", *_LAZY)
+
+
 def backend_names() -> tuple[str, ...]:
     """Names `create_backend` accepts: `torch`, plus `triton`/`flashinfer` when their packages are installed."""
     return ("torch",) + tuple(name for name, (_, _, package) in _LAZY.items() if _installed(package))

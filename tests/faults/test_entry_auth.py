@@ -16,12 +16,13 @@ import pytest
 from tests.server_helpers import ServerHandle, start_server
 
 KEY = "sk-test-" + secrets.token_hex(16)
+ADMIN_KEY = "sk-admin-" + secrets.token_hex(16)
 ALLOWED_ORIGIN = "https://app.example"
 
 
 @pytest.fixture(scope="module")
 def keyed_server(tiny_model_dir: Path) -> Iterator[ServerHandle]:
-    with mock.patch.dict(os.environ, {"RINGSERVE_API_KEY": KEY}):
+    with mock.patch.dict(os.environ, {"RINGSERVE_API_KEY": KEY, "RINGSERVE_ADMIN_API_KEY": ADMIN_KEY}):
         handle = start_server(str(tiny_model_dir), extra=["--max-total-tokens", "8192",
                                                           "--cors-allow-origins", ALLOWED_ORIGIN])
     yield handle
@@ -41,6 +42,21 @@ def test_requests_without_the_key_get_401(keyed_server: ServerHandle) -> None:
             assert error["type"] == "authentication_error" and error["code"] == 401
             assert KEY not in response.text
     assert httpx.get(base + "/get_server_info", timeout=30).status_code == 401
+
+
+def test_operator_routes_take_the_admin_key_and_only_it(keyed_server: ServerHandle) -> None:
+    base = keyed_server.base_url
+    with_key, with_admin = {"authorization": f"Bearer {KEY}"}, {"authorization": f"Bearer {ADMIN_KEY}"}
+    for path in ("/pause_generation", "/flush_cache", "/abort_request"):
+        refused = httpx.post(base + path, json={"abort_all": True}, headers=with_key, timeout=30)
+        assert refused.status_code == 401 and "admin API key" in refused.json()["error"]["message"], path
+    assert httpx.get(base + "/v1/models", headers=with_admin, timeout=30).status_code == 401
+    try:
+        assert httpx.post(base + "/pause_generation", json={}, headers=with_admin, timeout=30).json()["success"]
+        info = httpx.get(base + "/get_server_info", headers=with_key, timeout=30).json()
+        assert info["paused"] is True
+    finally:
+        assert httpx.post(base + "/continue_generation", json={}, headers=with_admin, timeout=30).json()["success"]
 
 
 def test_the_openai_client_with_the_key_works(keyed_server: ServerHandle) -> None:
@@ -72,11 +88,11 @@ def test_cors_allows_only_the_configured_origin(keyed_server: ServerHandle) -> N
 def test_the_key_is_in_no_log_and_no_command_line(keyed_server: ServerHandle) -> None:
     httpx.get(keyed_server.base_url + "/v1/models", headers={"authorization": f"Bearer {KEY}"}, timeout=10)
     httpx.get(keyed_server.base_url + "/v1/models", headers={"authorization": f"Bearer {KEY}-wrong"}, timeout=10)
-    assert KEY not in keyed_server.log()
+    assert KEY not in keyed_server.log() and ADMIN_KEY not in keyed_server.log()
     pids = [keyed_server.proc.pid, *keyed_server.actor_pids().values()]
     for pid in pids:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        assert KEY not in cmdline and "api-key" not in cmdline, cmdline
+        assert KEY not in cmdline and ADMIN_KEY not in cmdline and "api-key" not in cmdline, cmdline
     for name, pid in keyed_server.actor_pids().items():
         environ = Path(f"/proc/{pid}/environ").read_bytes()
         assert (KEY.encode() in environ) == name.startswith("entry"), f"{name} sees the API key: {environ!r}"[:200]

@@ -51,7 +51,7 @@ def raw_stream(base: str, body: dict[str, Any]) -> socket.socket:
     host, port = base.removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)), timeout=60)
     data = json.dumps(body).encode()
-    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST /generate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  + f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
     received = b""
     while b"data: " not in received:
@@ -138,11 +138,11 @@ def test_a_stalled_stream_ends_with_an_error_within_the_deadline(server: ServerH
             for event in sse_events(response):
                 events.append(event)
                 if len(events) == 1:
-                    assert httpx.post(server.base_url + "/pause_generation", timeout=10).json()["success"]
+                    assert httpx.post(server.base_url + "/pause_generation", json={}, timeout=10).json()["success"]
                     paused = time.monotonic()
         ended = time.monotonic() - paused
     finally:
-        httpx.post(server.base_url + "/continue_generation", timeout=10)
+        httpx.post(server.base_url + "/continue_generation", json={}, timeout=10)
     assert events[-1] == "[DONE]" and "error" in events[-2], events[-3:]
     assert "no output" in events[-2]["error"]["message"]
     assert STALL_SECONDS - 0.5 <= ended <= STALL_SECONDS + 2.0, ended

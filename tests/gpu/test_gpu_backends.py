@@ -15,7 +15,7 @@ import torch
 
 from bus.messages import TokenizedRequest
 from kernels.attention import backend_names
-from tests.engine_helpers import greedy, run_to_completion, tiny_hf_llama, tokens_of
+from tests.engine_helpers import greedy, load_hf_model, run_to_completion, tiny_hf_llama, tokens_of
 from tests.gpu.helpers import assert_greedy_close, gpu_engine, hf_greedy_gpu, hf_on_gpu, smollm2_source
 
 BACKENDS = ("torch", "triton", "flashinfer")
@@ -32,10 +32,7 @@ def load_model(name: str) -> tuple[Any, str]:
         return tiny_hf_llama(hidden_size=256, intermediate_size=512), "tiny random Llama"
     source = smollm2_source()
     if source is not None:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=torch.float32, **source.hf_kwargs())
-        return model.eval(), "SmolLM2-135M-Instruct (real weights)"
+        return load_hf_model(source), "SmolLM2-135M-Instruct (real weights)"
     return tiny_hf_llama(**SMOLLM2_SHAPE), "SmolLM2-135M shape, random weights (real weights not available)"
 
 

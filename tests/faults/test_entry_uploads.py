@@ -1,0 +1,57 @@
+"""Slow and abandoned uploads: a body that does not arrive within --body-read-timeout gets 408, and a client that
+goes away mid-upload costs one INFO line, not a traceback; the server stays healthy."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+from typing import Iterator
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from tests.server_helpers import ServerHandle, start_server
+
+READ_TIMEOUT = 1.5
+
+
+@pytest.fixture(scope="module")
+def upload_server(tiny_model_dir: Path) -> Iterator[ServerHandle]:
+    handle = start_server(str(tiny_model_dir), extra=["--body-read-timeout", str(READ_TIMEOUT)])
+    yield handle
+    handle.stop()
+
+
+def _partial_upload(server: ServerHandle) -> socket.socket:
+    """A connection that sent the headers of a 1000-byte JSON body and 10 bytes of it."""
+    url = urlsplit(server.base_url)
+    sock = socket.create_connection((url.hostname, url.port), timeout=30)
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 1000\r\n\r\n" + b'{"prompt":')
+    return sock
+
+
+def test_a_slow_upload_gets_408_in_time(upload_server: ServerHandle) -> None:
+    sock = _partial_upload(upload_server)
+    started = time.monotonic()
+    try:
+        answer = sock.recv(4096).decode(errors="replace")
+    finally:
+        sock.close()
+    assert answer.startswith("HTTP/1.1 408"), answer
+    assert '"code":408' in answer.replace(" ", "")
+    assert time.monotonic() - started < READ_TIMEOUT + 5
+
+
+def test_clients_gone_mid_upload_log_one_info_line_each(upload_server: ServerHandle) -> None:
+    for _ in range(20):
+        _partial_upload(upload_server).close()
+    time.sleep(1.0)
+    log = upload_server.log()
+    assert "Traceback" not in log, log[-3000:]
+    assert log.count("client went away") >= 1
+    assert httpx.get(upload_server.base_url + "/health", timeout=10).status_code == 200
+    reply = httpx.post(upload_server.base_url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1}, timeout=60)
+    assert reply.status_code == 200
