@@ -175,6 +175,8 @@ class SchedulerInfo:
     overlap_schedule: bool = False  # the engine plans step N+1 before applying step N
     # torch threads each decode step size runs on, as the scheduler measured them (empty: fixed or not yet known)
     torch_threads: dict[str, int] = field(default_factory=dict)
+    # --quantization int8: the kernel each step size's linears run, as measured at start-up (empty: float32)
+    quantization: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

@@ -14,7 +14,11 @@ quantized ones; the model code knows nothing of it (gpt-fast's approach). One me
   every other token of a prefill to a few levels. torch marks fbgemm's quantized-tensor API deprecated; both
   kernels sit in `Int8Linear` alone, so they can be swapped (torchao) in one place.
 
-`int8_speedup(...)` times float32 against int8 on the model's own shapes, so a server can choose per machine.
+`int8_speedup(...)` times float32 against int8 on the model's own shapes, so a server can choose per machine,
+and `measure_kernel_plan(...)` does so per row count: on CPUs whose int8 matmul is slow (AVX2 without VNNI,
+where `torch._int_mm` is a scalar loop) multi-row steps can run 10-25x slower in int8 than in float32. A layer
+given a plan (`KernelPlan`: row-count bucket -> "int8" or "float32") keeps its float32 weight as well and runs
+each call with the kernel measured faster for that many rows, so int8 never makes a step slower than float32.
 """
 
 from __future__ import annotations
@@ -23,16 +27,29 @@ import time
 import warnings
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 METHODS = ("int8",)
+# rows.bit_length() -> "int8" or "float32"; more rows than the largest bucket follow that bucket
+KernelPlan = dict[int, str]
+
+
+def plan_buckets(plan: KernelPlan) -> dict[str, str]:
+    """A plan as readable ranges, e.g. {"1-1 rows": "int8", "2-3 rows": "float32"} (for logs and stats)."""
+    return {f"{1 << (bits - 1)}-{(1 << bits) - 1} rows": kernel for bits, kernel in sorted(plan.items())}
 
 
 class Int8Linear(nn.Module):
     """`y = x W^T + b` with W as per-channel int8 and x quantized per row to int8 on each call."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, plan: KernelPlan | None = None) -> None:
+        """`plan`, when it sends some row counts to float32, makes the layer keep the float32 weight too."""
         super().__init__()
+        self.plan = plan or {}
+        self._top = max(self.plan, default=0)
+        keep_float = "float32" in self.plan.values()
+        self.register_buffer("weight_f", linear.weight.detach().float() if keep_float else None, persistent=False)
         weight = linear.weight.detach().float()
         scales = (weight.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
         qweight = (weight / scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)
@@ -52,7 +69,9 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).float()
-        if rows.shape[0] == 1:
+        if self.weight_f is not None and self.plan.get(min(rows.shape[0].bit_length(), self._top)) == "float32":
+            y = F.linear(rows, self.weight_f, self.bias)
+        elif rows.shape[0] == 1:
             y = torch.ops.quantized.linear_dynamic(rows, self._packed, True)
         else:
             row_scales = rows.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12).div_(127.0)
@@ -63,8 +82,9 @@ class Int8Linear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
 
-def quantize_linears(model: nn.Module, method: str) -> nn.Module:
-    """Replace every `nn.Linear` of `model` (on the CPU) by its `method` version, in place; returns `model`."""
+def quantize_linears(model: nn.Module, method: str, plan: KernelPlan | None = None) -> nn.Module:
+    """Replace every `nn.Linear` of `model` (on the CPU) by its `method` version, in place, each following
+    `plan` (see `Int8Linear`); returns `model`."""
     if method not in METHODS:
         raise ValueError(f"unknown quantization {method!r}; choose one of {list(METHODS)}")
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
@@ -73,14 +93,32 @@ def quantize_linears(model: nn.Module, method: str) -> nn.Module:
             raise ValueError(f"int8 quantization runs on the CPU only; {name} is on {module.weight.device}")
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Int8Linear(module))
+        setattr(parent, child, Int8Linear(module, plan))
     return model
+
+
+def measure_kernel_plan(shapes: list[tuple[int, int]], max_rows: int, repeats: int = 3) -> KernelPlan:
+    """For each power-of-two row count up to `max_rows`, the faster of int8 and float32 over linears of `shapes`
+    (out, in), timed here; a bucket where int8 is not faster runs float32."""
+    layers = [nn.Linear(k, n, bias=False) for n, k in shapes]
+    quantized = [Int8Linear(layer) for layer in layers]
+    plan: KernelPlan = {}
+    rows = 1
+    while rows <= max_rows:
+        faster = _speedup(layers, quantized, shapes, rows, repeats) > 1.0
+        plan[rows.bit_length()] = "int8" if faster else "float32"
+        rows *= 2
+    return plan
 
 
 def int8_speedup(shapes: list[tuple[int, int]], batch: int = 1, repeats: int = 20) -> float:
     """Time of float32 over int8 for one pass through linears of `shapes` (out, in) at `batch` rows."""
     layers = [nn.Linear(k, n, bias=False) for n, k in shapes]
-    quantized = [Int8Linear(layer) for layer in layers]
+    return _speedup(layers, [Int8Linear(layer) for layer in layers], shapes, batch, repeats)
+
+
+def _speedup(layers: list[nn.Module], quantized: list[nn.Module], shapes: list[tuple[int, int]], batch: int,
+             repeats: int) -> float:
     x = {k: torch.randn(batch, k) for _, k in shapes}
 
     def timed(modules: list[nn.Module]) -> float:

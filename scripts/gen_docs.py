@@ -240,6 +240,22 @@ def metrics() -> str:
             + table(["metric", "type", "what"], rows))
 
 
+def metric_names() -> str:
+    """The vLLM and SGLang names `GET /metrics?names=...` renders each series under."""
+    from actors.entry.metrics_names import MAPPINGS
+
+    ours = sorted({name for table_ in MAPPINGS.values() for name in table_})
+    rows = []
+    for name in ours:
+        cells = [code("ringserve:" + name)]
+        for dialect in MAPPINGS:
+            theirs, labels = MAPPINGS[dialect].get(name, (None, {}))
+            renames = ", ".join(f"label `{a}` → `{b}`" for a, b in labels.items())
+            cells.append("(ours)" if theirs is None else code(theirs) + (f" ({renames})" if renames else ""))
+        rows.append(cells)
+    return table(["ringserve", *(f"`?names={d}`" for d in MAPPINGS)], rows)
+
+
 # --- the driver ---------------------------------------------------------------------------------------------
 
 
@@ -255,6 +271,7 @@ TABLES = [
     Generated("sampling-params", "docs/api.md", sampling_params),
     Generated("messages", "docs/protocol.md", messages),
     Generated("metrics", "docs/metrics.md", metrics),
+    Generated("metric-names", "docs/metrics.md", metric_names),
 ]
 
 

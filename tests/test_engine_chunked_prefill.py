@@ -87,3 +87,83 @@ def test_without_chunking_a_long_prompt_runs_whole(reference: dict[str, Any]) ->
     prompt = reference["prompts"][2]  # 64 tokens, over the budget: admitted alone, in one step
     rows = run_to_completion(engine, [TokenizedRequest("whole", prompt, greedy(3))])["whole"]
     assert len(rows) == 3
+
+
+def _solo(hf: Any, request: TokenizedRequest, **config: Any) -> list[int]:
+    return tokens_of(run_to_completion(engine_for(hf, **config), [request])[request.rid])
+
+
+@pytest.mark.parametrize("budget, overlap", [(16, "off"), (8192, "off"), (16, "on")])
+def test_short_prompts_are_admitted_beside_a_long_prompts_chunks(reference: dict[str, Any], budget: int,
+                                                                 overlap: str) -> None:
+    """Head-of-line blocking: short prompts arriving while a long one is chunked sample their first token in
+    the next step (the step after, in the overlap loop), not after the long prefill; the long one still gets
+    at least half a chunk every step; greedy output equals each request's solo run."""
+    chunk = 16
+    config = dict(chunked_prefill_size=chunk, max_prefill_tokens=budget, overlap_schedule=overlap)
+    hf = reference["hf"]
+    gen = torch.Generator().manual_seed(8)
+    long_req = TokenizedRequest("long", torch.randint(3, 512, (160,), generator=gen).tolist(), greedy(5))
+    shorts = [TokenizedRequest(f"short{i}", torch.randint(3, 512, (n,), generator=gen).tolist(), greedy(6))
+              for i, n in enumerate((6, 8, 3))]
+    solo = {r.rid: _solo(hf, r, **config) for r in [long_req, *shorts]}
+    engine = engine_for(hf, **config)
+    within = 1 if overlap == "off" else 2  # the overlap loop returns a step's rows from the next step() call
+    assert engine.add_request(long_req) is None
+    rows: dict[str, list] = {}
+    arrived: dict[str, int] = {}
+    first_token: dict[str, int] = {}
+    long_chunks: list[int] = []
+    step = 0
+    while engine.has_work():
+        if 2 <= step < 2 + len(shorts):  # one short prompt arrives each step while the long one is chunked
+            short = shorts[step - 2]
+            assert engine.prefill.chunked is not None and engine.prefill.chunked.rid == "long"
+            assert engine.add_request(short) is None
+            arrived[short.rid] = step
+        out = engine.step()
+        engine.check_integrity()
+        step += 1
+        plan = engine.last_plan()
+        if plan is not None:
+            assert sum(n for _, _, n in plan.prefill) <= budget
+            long_chunks += [n for rid, _, n in plan.prefill if rid == "long"]
+        for row in out:
+            rows.setdefault(row.rid, []).append(row)
+            first_token.setdefault(row.rid, step)
+    for short in shorts:
+        assert first_token[short.rid] - arrived[short.rid] <= within, (short.rid, arrived, first_token)
+        assert first_token[short.rid] < first_token["long"], "a short prompt waited for the long prefill"
+    # the long prompt kept chunking meanwhile: at least half a chunk each step, never more than one chunk
+    assert sum(long_chunks) == 160 and all(n <= chunk for n in long_chunks)
+    assert all(n >= chunk // 2 for n in long_chunks[:-1]), long_chunks
+    for req in [long_req, *shorts]:
+        assert_greedy_matches(hf, req.input_ids, solo[req.rid], tokens_of(rows[req.rid]))
+    assert engine.stats().kv_running_tokens == 0
+
+
+def test_a_prompt_too_long_to_run_beside_the_chunked_one_waits_in_order(reference: dict[str, Any]) -> None:
+    """Only one request is chunked at a time: a waiting prompt that does not fit whole in the share left
+    beside it waits for the chunked one to finish, and (fcfs) so does the short prompt queued behind it."""
+    chunk = 16
+    engine = engine_for(reference["hf"], chunked_prefill_size=chunk, max_prefill_tokens=chunk)
+    gen = torch.Generator().manual_seed(9)
+    assert engine.add_request(TokenizedRequest("long", torch.randint(3, 512, (64,), generator=gen).tolist(),
+                                               greedy(2))) is None
+    engine.step()
+    for rid, n in (("medium", 12), ("short", 4)):  # 12 > the 8 tokens left beside the chunked request
+        assert engine.add_request(TokenizedRequest(rid, torch.randint(3, 512, (n,), generator=gen).tolist(),
+                                                   greedy(2))) is None
+    admitted: list[str] = []
+    while engine.prefill.chunked is not None:
+        engine.step()
+        engine.check_integrity()
+        plan = engine.last_plan()
+        assert plan is not None and [rid for rid, _, _ in plan.prefill] == ["long"]
+        assert plan.prefill[0][2] == chunk  # no one can use the held-back share, so the chunk is whole
+    while engine.prefill.waiting:
+        engine.step()
+        admitted += [rid for rid, _, _ in engine.last_plan().prefill if rid not in admitted]
+    assert admitted[:2] == ["medium", "short"]
+    engine.abort_all()
+    engine.check_integrity()

@@ -8,7 +8,7 @@ from torch import nn
 
 from bus.messages import TokenizedRequest
 from actors.engine.weights import model_from_hf
-from kernels.quantization import Int8Linear, quantize_linears
+from kernels.quantization import Int8Linear, measure_kernel_plan, plan_buckets, quantize_linears
 from tests.engine_helpers import (
     engine_for,
     greedy,
@@ -68,3 +68,32 @@ def test_the_engine_runs_int8_weights_with_logits_close_to_float32() -> None:
     # the first token's distribution (same context for both) barely moves
     assert a[0].top_ids[0][:2] == b[0].top_ids[0][:2]
     assert a[0].top_logprobs[0][0] == pytest.approx(b[0].top_logprobs[0][0], abs=0.25)
+
+
+def test_a_kernel_plan_runs_float32_where_int8_was_measured_slower() -> None:
+    torch.manual_seed(3)
+    linear = nn.Linear(64, 32)
+    layer = Int8Linear(linear, plan={1: "int8", 2: "float32"})  # 1 row: int8; 2-3 rows and more: float32
+    with torch.no_grad():
+        for rows in (2, 3, 8):  # 8 rows: above the largest bucket, so it follows that bucket
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(layer(x), linear(x), rtol=0, atol=0)
+        one = torch.randn(1, 64)
+        assert not torch.equal(layer(one), linear(one))  # int8 there
+        torch.testing.assert_close(layer(one), linear(one), rtol=0.05, atol=0.05)
+    assert Int8Linear(linear).weight_f is None  # without float32 buckets no float copy is kept
+
+
+def test_int8_measures_its_kernels_and_reports_them() -> None:
+    from actors.engine.config import EngineConfig
+    from actors.engine.quantize import apply_quantization, quantization_report
+    from actors.engine.weights import model_from_hf
+
+    plan = measure_kernel_plan([(32, 64)], max_rows=8, repeats=1)
+    assert set(plan) == {1, 2, 3, 4} and set(plan.values()) <= {"int8", "float32"}
+    model = model_from_hf(tiny_hf_llama().config, tiny_hf_llama().state_dict(), "cpu")
+    method, plan = apply_quantization(model, EngineConfig(device="cpu", quantization="int8"))
+    assert method == "int8" and plan
+    report = quantization_report(model)
+    assert report == plan_buckets(plan) and "1-1 rows" in report
+    assert quantization_report(model_from_hf(tiny_hf_llama().config, tiny_hf_llama().state_dict(), "cpu")) == {}

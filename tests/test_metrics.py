@@ -195,3 +195,26 @@ def test_a_stream_ended_early_counts_one_abort() -> None:
         assert published == ["t.abort.r1"]
 
     asyncio.run(main())
+
+
+def test_metrics_render_under_vllm_and_sglang_names_without_created_series() -> None:
+    class SilentBus:
+        async def request(self, *args: Any, **kwargs: Any) -> Any:
+            raise asyncio.TimeoutError("nobody answered")
+
+    metrics = RequestMetrics("m")
+    metrics.timer().output(RequestOutput(rid="r", prompt_tokens=7, completion_tokens=1, finish=FinishReason("stop")))
+    service = SimpleNamespace(metrics=metrics, served_model="m",
+                              client=SimpleNamespace(bus=SilentBus(), subjects=Subjects("t")))
+    client = TestClient(Starlette(routes=[metrics_route(service)]))  # type: ignore[arg-type]
+    ours = client.get("/metrics").text
+    assert "_created" not in ours and "ringserve:prompt_tokens_total" in ours
+    vllm = samples(client.get("/metrics", params={"names": "vllm"}).text)
+    assert vllm[("vllm:prompt_tokens_total", ())] == 7
+    assert vllm[("vllm:request_success_total", (("finished_reason", "stop"),))] == 1
+    assert ("vllm:time_to_first_token_seconds_count", ()) in vllm
+    assert ("ringserve:scheduler_up", ()) in vllm  # no vLLM counterpart: our name
+    sglang = client.get("/metrics", params={"names": "sglang"}).text
+    assert "sglang:prompt_tokens_total" in sglang and "ringserve:prompt_tokens" not in sglang
+    refused = client.get("/metrics", params={"names": "tgi"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "names"

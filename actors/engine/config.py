@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from actors.common.memory_limits import CGROUP_ROOT, MemoryBudget, available_memory
 from kernels.attention import backend_names
+from observability.logging import log_event
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATION_CHOICES = ("none", "int8", "auto")
@@ -113,22 +115,40 @@ class EngineConfig:
             return 0
         return min(self.cuda_graph_max_bs, self.max_running_requests)
 
-    def kv_pool_tokens(self, bytes_per_token: int, context_length: int) -> int:
+    def kv_pool_tokens(self, bytes_per_token: int, context_length: int,
+                       memory: MemoryBudget | None = None) -> int:
         """KV slots to allocate: `max_total_tokens`, else a fraction of free memory.
 
-        The automatic size is capped at what `max_running_requests` full-context requests could use.
+        On a CPU the free memory is `available_host_memory()` (capped by the process's memory cgroup, so a
+        container's limit counts, not the host's RAM); `memory` overrides it (tests). The automatic size is
+        capped at what `max_running_requests` full-context requests could use. Logs what the size came from.
         """
+        log = logging.getLogger("engine")
+        cap = self.max_running_requests * context_length
         if self.max_total_tokens:
+            log_event(log, logging.INFO, "sized the KV pool", tokens=self.max_total_tokens,
+                      sized_from="--max-total-tokens", bytes_per_token=bytes_per_token)
             return self.max_total_tokens
         device = self.resolved_device()
+        fields: dict[str, object]
         if device.startswith("cuda"):
             import torch
 
             free, _ = torch.cuda.mem_get_info(torch.device(device))
-            budget = free * (self.mem_fraction_static or GPU_MEM_FRACTION)
+            fraction = self.mem_fraction_static or GPU_MEM_FRACTION
+            fields = {"sized_from": "free GPU memory", "available_bytes": free}
+            budget = free * fraction
         else:
-            budget = available_host_memory() * (self.mem_fraction_static or CPU_MEM_FRACTION)
-        return max(1, min(int(budget // bytes_per_token), self.max_running_requests * context_length))
+            memory = memory or available_memory()
+            fraction = self.mem_fraction_static or CPU_MEM_FRACTION
+            fields = {"sized_from": memory.source, **memory.fields()}
+            fields.pop("memory_source")
+            budget = memory.bytes * fraction
+        tokens = max(1, min(int(budget // bytes_per_token), cap))
+        log_event(log, logging.INFO, "sized the KV pool", tokens=tokens, bytes_per_token=bytes_per_token,
+                  pool_bytes=tokens * bytes_per_token, fraction=fraction, capped_by_running_requests=tokens == cap,
+                  **fields)
+        return tokens
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -159,13 +179,8 @@ class EngineConfig:
         return argv
 
 
-def available_host_memory() -> int:
-    """Bytes of memory available to new allocations (Linux MemAvailable; total RAM elsewhere)."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+def available_host_memory(cgroup_root: str = CGROUP_ROOT) -> int:
+    """Bytes of memory available to new allocations: Linux MemAvailable (total RAM elsewhere), capped by the
+    headroom of this process's memory cgroup (v2 `memory.max`, v1 `memory.limit_in_bytes`) when it has a
+    limit. `cgroup_root`: where the cgroup filesystem is mounted (tests pass a directory of fake files)."""
+    return available_memory(cgroup_root).bytes

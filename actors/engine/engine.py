@@ -38,7 +38,7 @@ from actors.engine.kv_pool import KVPool
 from actors.engine.llama import LlamaForCausalLM, head_dim_of
 from actors.engine.model_runner import ModelRunner
 from actors.engine.prefill import PrefillManager
-from actors.engine.quantize import apply_quantization
+from actors.engine.quantize import apply_quantization, quantization_report
 from actors.engine.prefix_cache import create_prefix_cache
 from actors.engine.request import Req
 from actors.engine.stop_checker import StopChecker
@@ -82,6 +82,7 @@ class Engine:
         self.decode = DecodeManager(self.cache, self.context_length)
         self.runner = ModelRunner(model, self.pool, self.table, config.attention_backend, config.graph_max_bs())
         self.runner.thread_tuner = tuner_for(config)
+        self._quantization = quantization_report(model)
         self._thread_choices: dict[str, int] = {}
         self.paused = False
         self.steps = 0
@@ -106,7 +107,7 @@ class Engine:
         from actors.engine.weights import load_model
 
         model = load_model(source, DTYPES[config.resolved_dtype()], config.resolved_device())
-        apply_quantization(model, config)
+        apply_quantization(model, config)  # each quantized layer keeps its kernel plan (reported by stats())
         return cls(model, config, tokenizer if tokenizer is not None else load_tokenizer(source), source.name)
 
     @property
@@ -304,7 +305,8 @@ class Engine:
             cache_hit_rate=self._cached_tokens / self._prompt_tokens if self._prompt_tokens else 0.0,
             num_retractions=self.num_retractions, paused=self.paused, radix_cache=not config.disable_radix_cache,
             chunked_prefill_size=config.chunked_prefill_size if config.chunking else 0,
-            overlap_schedule=self.overlap, torch_threads=dict(self._thread_choices))
+            overlap_schedule=self.overlap, torch_threads=dict(self._thread_choices),
+            quantization=dict(self._quantization))
 
     def pause(self) -> None:
         """Start no more steps (a step in flight is still applied); requests keep their KV, new ones queue."""

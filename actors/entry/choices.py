@@ -1,8 +1,11 @@
-"""The n choices of one OpenAI response: n requests on the ring, started, collected or merged as one.
+"""The choices of one OpenAI response: n choices for each of its prompts, each a request on the ring, started,
+collected or merged as one.
 
-Choice i of response rid `R` runs as rid `R-i` (n = 1 keeps `R`), with the same sampling except a given
-seed, which becomes seed + i so choices differ yet stay reproducible. Whatever ends the response early (an
-error in one choice, a client disconnect, a consumer that stops reading) aborts every choice still running.
+Choices are prompt-major, as OpenAI orders them: choice k = p * n + i is sample i of prompt p, and runs as rid
+`R-k` of response rid `R` (a single choice keeps `R`), with the same sampling except a given seed, which
+becomes seed + i (mod 2^63) so a prompt's choices differ yet stay reproducible. Whatever ends the response
+early (an error in one choice, a client disconnect, a consumer that stops reading) aborts every choice still
+running.
 """
 
 from __future__ import annotations
@@ -17,20 +20,30 @@ from starlette.requests import Request
 from bus.errors import ApiError
 from actors.entry.request_flow import DisconnectWatch, EntryService
 from bus.messages import GenerateRequest, RequestOutput
+from bus.params import MAX_SEED
 from bus.ring_client import RequestStream
 
+SEED_MODULUS = MAX_SEED + 1  # 2^63: choice seeds wrap around instead of leaving the seed range
 
-def fan_out(gen_req: GenerateRequest, n: int) -> list[GenerateRequest]:
-    """The n requests behind one response: rids `{rid}-{i}`, an integer seed becomes seed + i."""
-    if n == 1:
-        return [gen_req]
+
+def choice_seed(seed: object, i: int) -> object:
+    """The seed of choice i: seed + i mod 2^63 for a valid seed; anything else is left for validation."""
+    if isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed <= MAX_SEED:
+        return (seed + i) % SEED_MODULUS
+    return seed
+
+
+def fan_out(prompts: list[GenerateRequest], n: int) -> list[GenerateRequest]:
+    """The requests behind one response, prompt-major: choice p * n + i as rid `{rid}-{p * n + i}`."""
+    if len(prompts) * n == 1:
+        return list(prompts)
     requests = []
-    for i in range(n):
-        sampling = dict(gen_req.sampling)
-        seed = sampling.get("seed")
-        if isinstance(seed, int) and not isinstance(seed, bool):
-            sampling["seed"] = seed + i
-        requests.append(dataclasses.replace(gen_req, rid=f"{gen_req.rid}-{i}", sampling=sampling))
+    for p, gen_req in enumerate(prompts):
+        for i in range(n):
+            sampling = dict(gen_req.sampling)
+            if "seed" in sampling:
+                sampling["seed"] = choice_seed(sampling["seed"], i)
+            requests.append(dataclasses.replace(gen_req, rid=f"{gen_req.rid}-{p * n + i}", sampling=sampling))
     return requests
 
 
@@ -52,24 +65,29 @@ class ChoiceGroup:
         self.choices = choices
 
     @classmethod
-    async def start(cls, service: EntryService, request: Request, gen_req: GenerateRequest,
+    async def start(cls, service: EntryService, request: Request, prompts: list[GenerateRequest],
                     n: int) -> "ChoiceGroup":
-        """Submit the n choices and wait for each one's first output.
+        """Submit the n choices of every prompt (all with the response's rid) and wait for each one's first
+        output.
 
         Raises ApiError (the first failing choice's error, every choice aborted) or ClientDisconnected.
         """
-        requests = fan_out(gen_req, n)
-        if n > 1:
-            if gen_req.rid in service.groups:
-                raise ApiError(f"request id {gen_req.rid!r} is already in use", param="rid")
-            service.groups[gen_req.rid] = [r.rid for r in requests]  # so /abort_request with the rid finds them
+        rid = prompts[0].rid
+        for gen_req in prompts[1:]:  # start_many checks the first; the prompts differ in size
+            service.check_payload(gen_req)
+        requests = fan_out(prompts, n)
+        grouped = len(requests) > 1
+        if grouped:
+            if rid in service.groups:
+                raise ApiError(f"request id {rid!r} is already in use", param="rid")
+            service.groups[rid] = [r.rid for r in requests]  # so /abort_request with the rid finds them
         try:
             started = await service.start_many(request, requests)
         except BaseException:
-            if n > 1:
-                service.groups.pop(gen_req.rid, None)
+            if grouped:
+                service.groups.pop(rid, None)
             raise
-        return cls(service, gen_req.rid, [Choice(i, stream, first) for i, (stream, first) in enumerate(started)])
+        return cls(service, rid, [Choice(i, stream, first) for i, (stream, first) in enumerate(started)])
 
     async def close(self) -> None:
         """Release every choice (aborting those still running) and forget the group."""

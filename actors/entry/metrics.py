@@ -26,7 +26,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 
 from bus.connection import BusConnection
 from bus.messages import RequestOutput
@@ -49,6 +49,7 @@ class RequestMetrics:
 
     def __init__(self, served_model: str, registry: CollectorRegistry | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        disable_created_metrics()  # no `_created` series: nobody asked for them, and they double the scrape
         self.served_model = served_model
         self.registry = registry if registry is not None else CollectorRegistry()
         self.clock = clock

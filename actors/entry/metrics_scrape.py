@@ -2,7 +2,8 @@
 
 The load gauges come from the scheduler's `SchedulerInfo`, asked for over the bus at each scrape with a short
 timeout; when the scheduler does not answer, `ringserve:scheduler_up` is 0, the load gauges are left out and
-the request-level series still render. The text format is Prometheus' (OpenMetrics when the scraper asks).
+the request-level series still render. The text format is Prometheus' (OpenMetrics when the scraper asks);
+`?names=vllm` or `?names=sglang` renders the series under those servers' names (`metrics_names.py`).
 
 Gauges: `ringserve:num_running_reqs`, `ringserve:num_queue_reqs` (waiting in the scheduler),
 `ringserve:token_usage` (KV slots used / total), `ringserve:kv_cached_tokens` (held only by the prefix cache),
@@ -21,8 +22,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from actors.entry.errors import error_response
 from actors.entry.metrics import PREFIX
+from actors.entry.metrics_names import DIALECTS, renamed
 from actors.entry.request_flow import EntryService
+from bus.errors import ApiError
 from bus.messages import InfoQuery, SchedulerInfo
 
 log = logging.getLogger("entry")
@@ -56,15 +60,16 @@ def scheduler_families(info: SchedulerInfo | None, served_model: str) -> list[Me
 
 
 class ScrapeView:
-    """What one scrape renders: a registry's series followed by extra families (a prometheus-client Collector)."""
+    """What one scrape renders: a registry's series followed by extra families (a prometheus-client Collector),
+    under the names of `dialect`."""
 
-    def __init__(self, registry: CollectorRegistry, extra: Iterable[Metric]) -> None:
+    def __init__(self, registry: CollectorRegistry, extra: Iterable[Metric], dialect: str = "ringserve") -> None:
         self.registry = registry
         self.extra = list(extra)
+        self.dialect = dialect
 
     def collect(self) -> Iterator[Metric]:
-        yield from self.registry.collect()
-        yield from self.extra
+        yield from renamed([*self.registry.collect(), *self.extra], self.dialect)
 
 
 async def fetch_scheduler_info(service: EntryService, timeout: float = SCHEDULER_INFO_TIMEOUT) -> SchedulerInfo | None:
@@ -81,9 +86,13 @@ def metrics_route(service: EntryService) -> Route:
     """`GET /metrics` over `service` (public: the entry's guard lists it in PUBLIC_PATHS)."""
 
     async def metrics(request: Request) -> Response:
+        dialect = request.query_params.get("names", "ringserve")
+        if dialect not in DIALECTS:
+            return error_response(ApiError(f"names must be one of {list(DIALECTS)}, got {dialect[:50]!r}",
+                                           param="names"))
         info = await fetch_scheduler_info(service)
         encoder, content_type = choose_encoder(request.headers.get("accept", ""))
-        view = ScrapeView(service.metrics.registry, scheduler_families(info, service.served_model))
+        view = ScrapeView(service.metrics.registry, scheduler_families(info, service.served_model), dialect)
         return Response(encoder(view), headers={"Content-Type": content_type})  # type: ignore[arg-type]
 
     return Route("/metrics", metrics, methods=["GET"])

@@ -1,14 +1,19 @@
-"""OpenAI request bodies -> GenerateRequest, and ring outputs -> OpenAI response bodies and stream chunks.
+"""OpenAI request bodies -> GenerateRequests, and ring outputs -> OpenAI response bodies and stream chunks.
 
 Only shapes are checked here (what must be an object, a list, a string), plus what the entry itself acts on
-(`n`, the logprobs switches); the tokenizer actor validates every sampling value. Which OpenAI fields are
-sampling parameters, and under which native name, comes from their declarations in `bus.params`.
+(`n`, `echo`, the logprobs switches); the tokenizer actor validates every sampling value. Which OpenAI fields
+are sampling parameters, and under which native name, comes from their declarations in `bus.params`.
+
+Every top-level field of a body is one of: a field we implement (the sampling parameters of `bus.params`, the
+entry's Specs below, and each route's own fields), a field that changes nothing (`NO_EFFECT`: accepted), or
+a field that would change the output and that we do not implement (`REFUSED`: 400 naming it, unless it has a
+value that changes nothing). Anything else is a 400 naming the field, as OpenAI answers.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from bus.errors import ApiError
@@ -19,18 +24,77 @@ from bus.params import MAX_TOP_LOGPROBS, openai_names
 
 # OpenAI name -> native (SGLang) sampling name; SGLang's extensions are accepted under their own names
 _SAMPLING_FIELDS = openai_names()
-_UNSUPPORTED_UNLESS_DEFAULT = {"echo": False, "best_of": 1}
 MAX_N = 16
+MAX_CHOICES = 256  # prompts × n in one /v1/completions request
 # The fields of OpenAI bodies that the entry itself acts on, declared once: checked here, and described in the
 # OpenAPI document from the same Spec (the sampling parameters are declared in bus.params).
-N = Spec("choices to generate for the prompt; choice i samples with seed + i", low=1, high=MAX_N, kind="integer",
-         name="n")
+N = Spec("choices to generate for each prompt; choice i of a prompt samples with seed + i (mod 2^63)", low=1,
+         high=MAX_N, kind="integer", name="n")
 STREAM = Spec("answer as server-sent events", kind="boolean", name="stream")
 CHAT_LOGPROBS = Spec("return the logprob of every generated token", kind="boolean", name="logprobs")
 TOP_LOGPROBS = Spec("this many most likely alternatives with every token (needs logprobs)", low=0,
                     high=MAX_TOP_LOGPROBS, kind="integer", name="top_logprobs")
 COMPLETION_LOGPROBS = Spec("return logprobs, with this many most likely alternatives per token", low=0,
                            high=MAX_TOP_LOGPROBS, kind="integer", name="logprobs")
+ECHO = Spec("put the prompt before each choice's text (string prompts, without logprobs)", kind="boolean",
+            name="echo")
+BEST_OF = Spec("must be 1 or n: choosing the best of more samples than n is not supported", low=1, high=MAX_N,
+               kind="integer", name="best_of")
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A field we do not implement: `reason` is said in the 400; `neutral` values change nothing and pass."""
+
+    reason: str
+    neutral: tuple[Any, ...] = ()
+
+
+# The one table of OpenAI fields beyond those implemented (listed in docs/api.md). A null value is absent.
+NO_EFFECT: dict[str, str] = {
+    "user": "an end-user id, for the provider's abuse monitoring",
+    "safety_identifier": "an end-user id, for the provider's abuse monitoring",
+    "metadata": "tags for the provider's dashboard",
+    "store": "whether the provider keeps the completion",
+    "service_tier": "the provider's processing tier",
+    "prompt_cache_key": "a routing hint for the provider's prompt cache (the prefix cache is automatic)",
+}
+_TOOLS = "tool and function calling is not supported yet"
+_STRUCTURED = "structured output is not supported yet (only {\"type\": \"text\"})"
+REFUSED: dict[str, Refused] = {
+    "response_format": Refused(_STRUCTURED, ({"type": "text"},)),
+    "tools": Refused(_TOOLS, ([],)),
+    "tool_choice": Refused(_TOOLS, ("none",)),
+    "functions": Refused(_TOOLS, ([],)),
+    "function_call": Refused(_TOOLS, ("none",)),
+    "parallel_tool_calls": Refused(_TOOLS),
+    "prediction": Refused("predicted outputs are not supported"),
+    "audio": Refused("audio output is not supported"),
+    "modalities": Refused("only text output is supported ([\"text\"])", (["text"],)),
+    "reasoning_effort": Refused("reasoning effort is not supported"),
+    "verbosity": Refused("verbosity is not supported"),
+    "web_search_options": Refused("web search is not supported"),
+    "suffix": Refused("text after the completion (insertion) is not supported", ("",)),
+}
+STREAM_OPTIONS_NO_EFFECT = {"include_obfuscation": "random padding against length side channels"}
+_COMMON_FIELDS = {"model", "n", "stream", "stream_options", *_SAMPLING_FIELDS}
+ROUTE_FIELDS: dict[str, set[str]] = {
+    "chat": _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs"},
+    "completion": _COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"},
+}
+
+
+def check_fields(body: dict[str, Any], kind: str) -> None:
+    """ApiError 400 naming the first field of `body` that route `kind` neither implements nor can ignore."""
+    implemented = ROUTE_FIELDS[kind]
+    for name, value in body.items():
+        if name in implemented or name in NO_EFFECT:
+            continue
+        refused = REFUSED.get(name)
+        if refused is None:
+            raise ApiError(f"Unrecognized request argument supplied: {name}"[:1000], param=name)
+        if value is not None and not any(value == neutral for neutral in refused.neutral):
+            raise ApiError(f"{name}: {refused.reason}", param=name)
 
 
 @dataclass
@@ -42,13 +106,18 @@ class ApiOptions:
     include_usage: bool
     model: str
     created: int
-    n: int = 1  # choices per prompt
+    n: int = 1  # choices per prompt; choice index = prompt index * n + i
     logprobs: bool = False  # the client asked for logprobs
     top_logprobs: int = 0  # and this many alternatives per token
+    echo: list[str] = field(default_factory=list)  # with echo: each prompt's text, put before its choices' text
 
     @property
     def object_name(self) -> str:
         return "chat.completion" if self.kind == "chat" else "text_completion"
+
+    def echo_text(self, index: int) -> str:
+        """The text choice `index` starts with: its prompt with echo, else nothing."""
+        return self.echo[index // self.n] if self.echo else ""
 
     def logprob_formatter(self) -> LogprobFormatter:
         """A fresh formatter for one choice's logprobs."""
@@ -56,12 +125,7 @@ class ApiOptions:
 
 
 def _sampling(body: dict[str, Any]) -> dict[str, Any]:
-    for name, default in _UNSUPPORTED_UNLESS_DEFAULT.items():
-        value = body.get(name)
-        if value is not None and value != default:
-            raise ApiError(f"{name}={value!r} is not supported", param=name)
-    sampling = {ours: body[theirs] for theirs, ours in _SAMPLING_FIELDS.items() if body.get(theirs) is not None}
-    return sampling
+    return {ours: body[theirs] for theirs, ours in _SAMPLING_FIELDS.items() if body.get(theirs) is not None}
 
 
 def _chat_logprobs(body: dict[str, Any], sampling: dict[str, Any]) -> tuple[bool, int]:
@@ -88,16 +152,31 @@ def _completion_logprobs(body: dict[str, Any], sampling: dict[str, Any]) -> tupl
 
 
 def _options(body: dict[str, Any], kind: str, served_model: str) -> ApiOptions:
+    check_fields(body, kind)
     model = body.get("model")
     if model is not None and model != served_model:
-        raise ApiError(f"the model {model!r} does not exist; this server serves {served_model!r}", 404, "model",
-                       "model_not_found")
+        raise model_not_found(model, served_model)
     stream = STREAM.read(body, False)
-    stream_options = body.get("stream_options") or {}
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not stream:
+        raise ApiError("stream_options is only allowed with stream: true", param="stream_options")
+    stream_options = stream_options or {}
     if not isinstance(stream_options, dict):
         raise ApiError("stream_options must be an object", param="stream_options")
-    return ApiOptions(kind, stream, bool(stream_options.get("include_usage")), served_model, int(time.time()),
-                      n=N.read(body, 1))
+    for name in stream_options:
+        if name != "include_usage" and name not in STREAM_OPTIONS_NO_EFFECT:
+            raise ApiError(f"Unrecognized request argument supplied: stream_options.{name}"[:1000],
+                           param="stream_options")
+    include_usage = stream_options.get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise ApiError("stream_options.include_usage must be a boolean", param="stream_options")
+    return ApiOptions(kind, stream, bool(include_usage), served_model, int(time.time()), n=N.read(body, 1))
+
+
+def model_not_found(model: Any, served_model: str) -> ApiError:
+    """OpenAI's 404 for a model id this server does not serve."""
+    return ApiError(f"the model {model!r} does not exist; this server serves {served_model!r}"[:1000], 404,
+                    "model", "model_not_found")
 
 
 def _content_text(content: Any, index: int) -> str:
@@ -129,19 +208,43 @@ def parse_chat(body: dict[str, Any], rid: str, served_model: str) -> tuple[Gener
     return GenerateRequest(rid=rid, messages=turns, sampling=sampling), options
 
 
-def parse_completion(body: dict[str, Any], rid: str, served_model: str) -> tuple[GenerateRequest, ApiOptions]:
-    """A /v1/completions body as a GenerateRequest plus response options."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in value)
+
+
+def _prompts(prompt: Any) -> list[str | list[int]]:
+    """OpenAI's four prompt forms (a string, token ids, a list of strings, a list of token-id lists) as a list
+    of prompts; a list may mix strings and token-id lists."""
+    if isinstance(prompt, str) or _is_token_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_ids(p) for p in prompt):
+        return list(prompt)
+    raise ApiError("prompt must be a string, a non-empty list of token ids, or a non-empty list of those",
+                   param="prompt")
+
+
+def parse_completion(body: dict[str, Any], rid: str,
+                     served_model: str) -> tuple[list[GenerateRequest], ApiOptions]:
+    """A /v1/completions body as one GenerateRequest per prompt (each with `rid`) plus response options."""
     options = _options(body, "completion", served_model)
+    prompts = _prompts(body.get("prompt"))
+    if len(prompts) * options.n > MAX_CHOICES:
+        raise ApiError(f"{len(prompts)} prompts × n={options.n} is more than {MAX_CHOICES} choices",
+                       param="prompt")
+    best_of = BEST_OF.read(body, 1)
+    if best_of not in (1, options.n):
+        raise ApiError(f"best_of={best_of!r} is not supported: it must be 1 or n", param="best_of")
     sampling = _sampling(body)
     options.logprobs, options.top_logprobs = _completion_logprobs(body, sampling)
-    if isinstance(prompt, str):
-        return GenerateRequest(rid=rid, text=prompt, sampling=sampling), options
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return GenerateRequest(rid=rid, input_ids=prompt, sampling=sampling), options
-    raise ApiError("prompt must be a string, a list of token ids, or a list with one of those", param="prompt")
+    if ECHO.read(body, False):
+        if options.logprobs:
+            raise ApiError("echo with logprobs needs prompt logprobs, not supported yet", param="echo")
+        if not all(isinstance(p, str) for p in prompts):
+            raise ApiError("echo needs text prompts: the entry does not know the text of token ids", param="echo")
+        options.echo = [p for p in prompts if isinstance(p, str)]
+    return [GenerateRequest(rid=rid, text=p, sampling=sampling) if isinstance(p, str)
+            else GenerateRequest(rid=rid, input_ids=p, sampling=sampling) for p in prompts], options
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
@@ -151,14 +254,15 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def choices_usage(lasts: list[RequestOutput]) -> dict[str, Any]:
-    """Usage of the n choices of one prompt, given each choice's last output.
+def choices_usage(lasts: list[RequestOutput], n: int = 1) -> dict[str, Any]:
+    """Usage of a response, given each choice's last output (prompt-major: the n choices of each prompt).
 
-    Completion tokens add up; the prompt is counted once, and so are its cached tokens (the least any choice
-    found cached: choices that reused a sibling's just-computed prefix do not make the prompt cheaper).
+    Completion tokens add up; each prompt is counted once, and so are its cached tokens (the least any of its
+    choices found cached: choices that reused a sibling's just-computed prefix do not make it cheaper).
     """
-    return usage(lasts[0].prompt_tokens, sum(out.completion_tokens for out in lasts),
-                 min(out.cached_tokens for out in lasts))
+    groups = [lasts[i:i + n] for i in range(0, len(lasts), n)]
+    return usage(sum(group[0].prompt_tokens for group in groups), sum(out.completion_tokens for out in lasts),
+                 sum(min(out.cached_tokens for out in group) for group in groups))
 
 
 def full_response(rid: str, options: ApiOptions, choices: list[list[RequestOutput]]) -> dict[str, Any]:
@@ -174,10 +278,11 @@ def full_response(rid: str, options: ApiOptions, choices: list[list[RequestOutpu
         if options.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text}
         else:
-            choice["text"] = text
+            choice["text"] = options.echo_text(index) + text
         body_choices.append(choice)
     return {"id": response_id(rid, options), "object": options.object_name, "created": options.created,
-            "model": options.model, "choices": body_choices, "usage": choices_usage([c[-1] for c in choices])}
+            "model": options.model, "choices": body_choices,
+            "usage": choices_usage([c[-1] for c in choices], options.n)}
 
 
 def response_id(rid: str, options: ApiOptions) -> str:
@@ -187,15 +292,12 @@ def response_id(rid: str, options: ApiOptions) -> str:
 
 def stream_chunk(rid: str, options: ApiOptions, text: str | None, finish: FinishReason | None,
                  first: bool = False, index: int = 0, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One streamed chunk of choice `index`; a choice's first chat chunk carries the assistant role."""
+    """One streamed chunk of choice `index`; a choice's `first` completion chunk starts with the echo."""
     choice: dict[str, Any] = {"index": index, "finish_reason": finish.type if finish else None}
     if options.kind == "chat":
-        delta: dict[str, Any] = {"role": "assistant"} if first else {}
-        if text is not None:
-            delta["content"] = text
-        choice["delta"] = delta
+        choice["delta"] = {} if text is None else {"content": text}
     else:
-        choice["text"] = text or ""
+        choice["text"] = (options.echo_text(index) if first else "") + (text or "")
     choice["logprobs"] = logprobs
     if finish is not None:
         choice["matched_stop"] = finish.matched
@@ -207,9 +309,16 @@ def stream_chunk(rid: str, options: ApiOptions, text: str | None, finish: Finish
     return chunk
 
 
+def role_chunk(rid: str, options: ApiOptions, index: int) -> dict[str, Any]:
+    """The first chunk of chat choice `index`: only the role, as OpenAI sends it (content follows)."""
+    chunk = stream_chunk(rid, options, None, None, index=index)
+    chunk["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+    return chunk
+
+
 def usage_chunk(rid: str, options: ApiOptions, lasts: list[RequestOutput]) -> dict[str, Any]:
     """The last streamed chunk when stream_options.include_usage is set: no choices, only usage."""
     chunk = stream_chunk(rid, options, None, None)
     chunk["choices"] = []
-    chunk["usage"] = choices_usage(lasts)
+    chunk["usage"] = choices_usage(lasts, options.n)
     return chunk

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible routes: `/v1/chat/completions`, `/v1/completions`, `/v1/models`."""
+"""The OpenAI-compatible routes: `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/v1/models/{id}`."""
 
 from __future__ import annotations
 
@@ -16,12 +16,13 @@ from actors.entry.request_flow import EntryService
 from bus.messages import GenerateRequest, RequestOutput
 from bus.subjects import new_rid
 
-Parser = Callable[[dict[str, Any], str, str], tuple[GenerateRequest, oai.ApiOptions]]
+Parser = Callable[[dict[str, Any], str, str], tuple[list[GenerateRequest], oai.ApiOptions]]
 
 
 async def stream_events(group: ChoiceGroup, options: oai.ApiOptions) -> AsyncIterator[str]:
     """The SSE stream of a response: every choice's chunks merged, usage (if asked) once all finished, [DONE].
 
+    A chat choice starts with a chunk that carries only the role, as OpenAI's does; its content follows.
     An error in any choice is sent as an error event and ends the stream (aborting the other choices).
     """
     rid = group.rid
@@ -35,11 +36,14 @@ async def stream_events(group: ChoiceGroup, options: oai.ApiOptions) -> AsyncIte
                 yield sse(out.error.body())
                 failed = True
                 break
+            first = index not in started
+            started.add(index)
+            if first and options.kind == "chat":
+                yield sse(oai.role_chunk(rid, options, index))
             has_logprobs = options.logprobs and bool(out.logprobs)
-            if index not in started or out.text or out.finish is not None or has_logprobs:
-                yield sse(oai.stream_chunk(rid, options, out.text, out.finish, first=index not in started,
-                                           index=index, logprobs=formatters[index].format(out.logprobs)))
-                started.add(index)
+            if (first and options.kind != "chat") or out.text or out.finish is not None or has_logprobs:
+                yield sse(oai.stream_chunk(rid, options, out.text, out.finish, first=first, index=index,
+                                           logprobs=formatters[index].format(out.logprobs)))
             if out.is_last:
                 lasts[index] = out
     if not failed and options.include_usage:
@@ -51,29 +55,48 @@ def openai_routes(service: EntryService) -> list[Route]:
     """The OpenAI routes over `service`."""
 
     async def openai_endpoint(request: Request, parse: Parser) -> Response:
-        gen_req, options = parse(await read_json(request), new_rid(), service.served_model)
-        group = await ChoiceGroup.start(service, request, gen_req, options.n)
+        prompts, options = parse(await read_json(request), new_rid(), service.served_model)
+        group = await ChoiceGroup.start(service, request, prompts, options.n)
         if not options.stream:
-            return JSONResponse(oai.full_response(gen_req.rid, options, await group.collect(request)))
+            return JSONResponse(oai.full_response(group.rid, options, await group.collect(request)))
         return StreamingResponse(stream_events(group, options), media_type="text/event-stream")
+
+    def parse_chat(body: dict[str, Any], rid: str, served_model: str) -> tuple[list[GenerateRequest],
+                                                                              oai.ApiOptions]:
+        gen_req, options = oai.parse_chat(body, rid, served_model)
+        return [gen_req], options
 
     @handles_errors
     async def chat_completions(request: Request) -> Response:
-        return await openai_endpoint(request, oai.parse_chat)
+        return await openai_endpoint(request, parse_chat)
 
     @handles_errors
     async def completions(request: Request) -> Response:
         return await openai_endpoint(request, oai.parse_completion)
 
+    async def card() -> dict[str, Any]:
+        info = await service.scheduler_info()
+        return {"id": service.served_model, "object": "model", "created": 0, "owned_by": "ringserve",
+                "max_model_len": info.context_length}
+
     @handles_errors
     async def models(request: Request) -> Response:
-        info = await service.scheduler_info()
-        card = {"id": service.served_model, "object": "model", "created": 0, "owned_by": "ringserve",
-                "max_model_len": info.context_length}
-        return JSONResponse({"object": "list", "data": [card]})
+        return JSONResponse({"object": "list", "data": [await card()]})
 
+    @handles_errors
+    async def model(request: Request) -> Response:
+        model_id = request.path_params["model"]
+        if model_id != service.served_model:
+            raise oai.model_not_found(model_id, service.served_model)
+        return JSONResponse(await card())
+
+    # The id may hold slashes (`org/name`; clients send them as %2F, which arrives decoded): matched as a path,
+    # but named `{model}` as in the OpenAPI document.
+    model_route = Route("/v1/models/{model:path}", model, methods=["GET"])
+    model_route.path = "/v1/models/{model}"
     return [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
+        model_route,
     ]

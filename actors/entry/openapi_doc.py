@@ -9,12 +9,12 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from actors.entry.openai_protocol import CHAT_LOGPROBS, COMPLETION_LOGPROBS, N, STREAM, TOP_LOGPROBS
+from actors.entry.openai_protocol import (BEST_OF, CHAT_LOGPROBS, COMPLETION_LOGPROBS, ECHO, MAX_CHOICES, N,
+                                         NO_EFFECT, STREAM, STREAM_OPTIONS_NO_EFFECT, TOP_LOGPROBS)
 from bus.params import SPECS
 
 JSON = "application/json"
 RID = {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}
-_INT = {"type": "integer"}
 _BOOL = {"type": "boolean"}
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
 
@@ -26,8 +26,13 @@ _OPENAI_COMMON: dict[str, Any] = {
     "model": {"type": "string", "description": "must be the served model's id if given"},
     "n": N.json_schema(),
     "stream": STREAM.json_schema(),
-    "stream_options": {"type": "object", "properties": {"include_usage": _BOOL}},
+    "stream_options": {"type": "object", "description": "only with stream: true", "properties": {
+        "include_usage": _BOOL,
+        **{name: {"description": f"accepted, no effect ({what})"} for name, what in STREAM_OPTIONS_NO_EFFECT.items()}},
+        "additionalProperties": False},
     **_OPENAI_SAMPLING,
+    # accepted and ignored; the refused fields (openai_protocol.REFUSED) and unknown ones are a 400
+    **{name: {"description": f"accepted, no effect ({what})"} for name, what in NO_EFFECT.items()},
 }
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
@@ -46,11 +51,13 @@ SCHEMAS: dict[str, Any] = {
         "top_logprobs": TOP_LOGPROBS.json_schema(),
         **_OPENAI_COMMON}},
     "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": {
-        "prompt": {"oneOf": [{"type": "string"}, {**_TOKEN_IDS, "minItems": 1},
-                             {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string"}}]},
+        "prompt": {"description": f"one prompt, or a list of prompts: n choices each, at most {MAX_CHOICES} in all",
+                   "oneOf": [{"type": "string"}, {**_TOKEN_IDS, "minItems": 1},
+                             {"type": "array", "minItems": 1, "items": {
+                                 "oneOf": [{"type": "string"}, {**_TOKEN_IDS, "minItems": 1}]}}]},
         "logprobs": COMPLETION_LOGPROBS.json_schema(),
-        "echo": {"type": "boolean", "enum": [False]},
-        "best_of": {**_INT, "enum": [1]},
+        "echo": ECHO.json_schema(),
+        "best_of": BEST_OF.json_schema(),
         **_OPENAI_COMMON}},
     "GenerateRequest": {"type": "object", "properties": {
         "text": {"type": "string"},
@@ -113,6 +120,7 @@ def openapi_document(served_model: str | None = None) -> dict[str, Any]:
         "/v1/completions": _post("OpenAI completion", "CompletionRequest", "Object", *_BODY_ERRORS, 404,
                                  stream=True),
         "/v1/models": _get("the served model", "Object", 401, 503),
+        "/v1/models/{model}": _get("the served model's card; 404 for any other id", "Object", 401, 404, 503),
         "/generate": _post("native generation", "GenerateRequest", "Object", *_BODY_ERRORS, stream=True),
         "/health": _get("200 while every role heartbeats", "Object", 503, public=True),
         "/health_generate": _get("one token through the whole ring", "Object", 401, 503),
@@ -137,6 +145,8 @@ def openapi_document(served_model: str | None = None) -> dict[str, Any]:
                                                       "description": "the key in RINGSERVE_API_KEY, if set"}}},
         "security": [{"bearer": []}],
     })
+    doc["paths"]["/v1/models/{model}"]["get"]["parameters"] = [
+        {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
     if served_model:
         for name in ("ChatCompletionRequest", "CompletionRequest"):
             doc["components"]["schemas"][name]["properties"]["model"]["enum"] = [served_model]

@@ -18,6 +18,7 @@ from actors.launcher.trace_buffer import (
 from actors.launcher.trace_cmd import add_trace_command, trace_command
 from actors.engine.config import EngineConfig
 from actors.entry.settings import add_entry_arguments, entry_argv
+from actors.scheduler.admission import add_admission_arguments, admission_argv
 from bus.credentials import CredentialsError
 from bus.embedded_server import EmbeddedNatsServer
 from bus.subjects import Subjects
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--detokenizer-shards", type=int, default=1, help="detokenizer processes (rids are sharded)")
     EngineConfig.add_arguments(serve)
     add_entry_arguments(serve)  # HTTP limits and CORS; the API key comes from $RINGSERVE_API_KEY, never a flag
+    add_admission_arguments(serve)  # the scheduler's caps on live requests, in total and per NATS client
     serve.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for every actor")
     serve.add_argument("--watchdog-timeout", type=float, default=DEFAULT_WATCHDOG_SECONDS,
                        help="fail-stop when a running actor sends no heartbeat for this many seconds")
@@ -69,7 +71,7 @@ def actor_specs(args: argparse.Namespace, served_name: str, trace: TraceBuffer |
     engine = EngineConfig.from_args(args).to_argv()
     specs = [ActorSpec("scheduler", 0, "actors.scheduler", [*common, "--model", args.model, "--rank", "0",
                                                             "--detokenizer-shards", str(args.detokenizer_shards),
-                                                            *engine])]
+                                                            *admission_argv(args), *engine])]
     specs += [ActorSpec("tokenizer", i, "actors.tokenizer", [*common, "--model", args.model])
               for i in range(args.tokenizer_workers)]
     specs += [ActorSpec("detokenizer", i, "actors.detokenizer", [*common, "--model", args.model, "--shard", str(i)])

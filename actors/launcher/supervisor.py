@@ -46,6 +46,28 @@ class ActorSpec:
         return f"{self.role}{self.rank}"
 
 
+def exit_cause(returncode: int) -> str:
+    """Why a process ended, from its `Popen.returncode` (negative: the signal that killed it)."""
+    if returncode >= 0:
+        return f"exited with code {returncode}"
+    number = -returncode
+    try:
+        name = signal.Signals(number).name
+    except ValueError:
+        name = f"signal {number}"
+    cause = f"exited with code {returncode}: it was killed by {name} (signal {number})"
+    if number == signal.SIGKILL:
+        cause += (": often the kernel's out-of-memory killer (see `dmesg` or the container's OOMKilled status);"
+                  " check the memory limit, or give the KV cache less with --max-total-tokens or"
+                  " --mem-fraction-static")
+    return cause
+
+
+def describe_exit(name: str, pid: int, returncode: int) -> str:
+    """The log line's subject for a process that ended: `actor NAME (pid N) ...`."""
+    return f"actor {name} (pid {pid}) {exit_cause(returncode)}"
+
+
 class Supervisor:
     """Owns the actor processes of one deployment."""
 
@@ -115,7 +137,7 @@ class Supervisor:
     def _dead_actor(self) -> str | None:
         for name, proc in {**self._watched, **self._procs}.items():
             if proc.poll() is not None:
-                return f"actor {name} (pid {proc.pid}) exited with code {proc.returncode}"
+                return describe_exit(name, proc.pid, proc.returncode)
         return None
 
     async def _wait_ready(self, ready: set[tuple[str, int]], wanted: set[tuple[str, int]],

@@ -13,6 +13,7 @@ import argparse  # noqa: E402
 
 from actors.common.runtime import add_bus_arguments, run_actor  # noqa: E402
 from actors.engine.config import EngineConfig  # noqa: E402
+from actors.scheduler.admission import add_admission_arguments, admission_from_args  # noqa: E402
 
 
 def main() -> None:
@@ -23,6 +24,7 @@ def main() -> None:
     parser.add_argument("--model", required=True, help="model name, .gguf file or model directory")
     parser.add_argument("--rank", type=int, default=0, help="tensor-parallel rank")
     parser.add_argument("--detokenizer-shards", type=int, default=1, help="number of detokenizer shards")
+    add_admission_arguments(parser)
     EngineConfig.add_arguments(parser)
     args = parser.parse_args()
     try:
@@ -37,8 +39,9 @@ def main() -> None:
     torch.set_num_threads(startup_threads(config))
     from actors.scheduler.actor import scheduler_main
 
-    run_actor("scheduler", args, lambda ctx: scheduler_main(ctx, args.model, config, args.detokenizer_shards),
-              rank=args.rank)
+    admission = admission_from_args(args)
+    run_actor("scheduler", args,
+              lambda ctx: scheduler_main(ctx, args.model, config, args.detokenizer_shards, admission), rank=args.rank)
 
 
 if __name__ == "__main__":

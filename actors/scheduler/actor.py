@@ -5,6 +5,11 @@ the bus stays responsive during the forward pass -> publish that step's token ro
 detokenizer shard. The engine is touched only between steps, from this loop, so it needs no locks, and only
 through `EngineInterface`: its rows are already the wire's `TokenRow`s. When the engine falls idle the loop
 calls its `on_idle` once.
+
+Admission (`admission.py`): every request arrives here, from HTTP and from NATS clients alike, so the caps on
+live requests (in total, and per NATS client by the `c~rid` prefix) are checked here, before the engine sees
+the request; one over a cap is answered at once with a 503 (`retry_after` 1) on its output subject. A slot is
+freed when the request's final row is published (finish, abort, error) or when the engine rejects it.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ from actors.common.runtime import ActorContext
 from actors.engine.config import EngineConfig
 from actors.engine.interface import EngineInterface
 from actors.scheduler import request_spans
+from actors.scheduler.admission import Admission
 from bus.connection import Delivery
-from bus.errors import server_error
+from bus.errors import ApiError, server_error
 from bus.messages import (
     AbortRequest, Accepted, BatchTokenOutput, ControlCommand, ControlReply, FinishReason, InfoQuery, RequestOutput,
     SchedulerInfo, TokenizedRequest, TokenRow,
@@ -35,13 +41,18 @@ from observability.logging import log_event
 log = logging.getLogger("scheduler")
 ABORT_MEMORY_SECONDS = 60.0
 CONTROL_ACTIONS = ("flush_cache", "abort_all", "pause", "continue")
+REFUSAL_LOG_SECONDS = 1.0  # admission refusals are logged at most this often (a flood would flood the log)
 
 
 class SchedulerActor:
     """Bridges the bus and the engine."""
 
-    def __init__(self, ctx: ActorContext, engine: EngineInterface, detokenizer_shards: int) -> None:
+    def __init__(self, ctx: ActorContext, engine: EngineInterface, detokenizer_shards: int,
+                 admission: Admission | None = None) -> None:
         self._ctx = ctx
+        self._admission = admission if admission is not None else Admission()  # (an empty one is falsy)
+        self._refusals_unlogged = 0
+        self._refusal_logged_at = float("-inf")
         self._shards = detokenizer_shards
         self._engine = engine
         self._inbox: list[tuple[str, Any]] = []
@@ -154,16 +165,38 @@ class SchedulerActor:
                                      completion_tokens=0, finish=FinishReason(type="abort")))
             else:
                 self._spans.queued(item)
-                try:
-                    error = self._engine.add_request(item)
-                except Exception as exc:  # one request's failure must not stop the loop
-                    log.exception("adding %s failed", item.rid)
-                    error = server_error(f"the scheduler could not add the request: {exc!r}"[:1000])
+                error = self._add(item)
                 if error is not None:
                     self._spans.rejected(item.rid, error.message)
                     await self._ctx.bus.publish(self._ctx.subjects.output(item.rid),
                                                 RequestOutput(rid=item.rid, error=error))
         return rows
+
+    def _add(self, item: TokenizedRequest) -> ApiError | None:
+        """Admit `item` and hand it to the engine; the error that refuses or rejects it (its slot then freed)."""
+        duplicate = item.rid in self._admission  # a live rid again: the engine rejects it, and it takes no slot
+        if not duplicate:
+            refusal = self._admission.admit(item.rid)
+            if refusal is not None:
+                self._log_refusal(refusal)
+                return refusal
+        try:
+            error = self._engine.add_request(item)
+        except Exception as exc:  # one request's failure must not stop the loop
+            log.exception("adding %s failed", item.rid)
+            error = server_error(f"the scheduler could not add the request: {exc!r}"[:1000])
+        if error is not None and not duplicate:
+            self._admission.release(item.rid)
+        return error
+
+    def _log_refusal(self, refusal: ApiError) -> None:
+        self._refusals_unlogged += 1
+        now = time.monotonic()
+        if now - self._refusal_logged_at >= REFUSAL_LOG_SECONDS:
+            log_event(log, logging.WARNING, "refused requests over an admission cap",
+                      refused=self._refusals_unlogged, live=len(self._admission), last=refusal.message)
+            self._refusals_unlogged = 0
+            self._refusal_logged_at = now
 
     def _control(self, action: str, rows: list[TokenRow]) -> ControlReply:
         if action == "flush_cache":
@@ -186,6 +219,8 @@ class SchedulerActor:
         by_shard: dict[int, list[TokenRow]] = defaultdict(list)
         now = tracing.now_ns() if tracing.enabled() else 0
         for out in outputs:
+            if out.finish is not None:  # its final row (finish, abort, error): the request's slot is free
+                self._admission.release(out.rid)
             if out.decode is not None:  # a request's first row
                 out.traceparent = self._spans.traceparent(out.rid)
             self._spans.output(out, now)
@@ -205,6 +240,7 @@ class SchedulerActor:
         for row in too_large:
             log_event(log, logging.ERROR, "a token row exceeds max_payload; ending its request", rid=row.rid)
             self._engine.abort(row.rid)
+            self._admission.release(row.rid)
             error = FinishReason(type="error", error=server_error("the request's output exceeds the bus payload limit"))
             final = TokenRow(rid=row.rid, token_ids=[], prompt_tokens=row.prompt_tokens,
                              completion_tokens=row.completion_tokens, finish=error)
@@ -212,8 +248,9 @@ class SchedulerActor:
             await self._ctx.bus.publish(subject, BatchTokenOutput(step, [final]))
 
 
-async def scheduler_main(ctx: ActorContext, model: str, config: EngineConfig, shards: int) -> dict[str, Any]:
+async def scheduler_main(ctx: ActorContext, model: str, config: EngineConfig, shards: int,
+                         admission: Admission | None = None) -> dict[str, Any]:
     """Entry point for the runtime: load the model, subscribe, start the loop."""
     from actors.engine.engine import Engine
 
-    return await SchedulerActor(ctx, Engine.from_source(resolve_model(model), config), shards).start()
+    return await SchedulerActor(ctx, Engine.from_source(resolve_model(model), config), shards, admission).start()
