@@ -28,7 +28,9 @@ class GenerateRequest:
 
     Exactly one of `text`, `messages` (chat template applied) or `input_ids` is set. `sampling` holds the
     raw parameters as the client sent them, under SGLang's names (declared in `bus.params.SamplingParams`);
-    the tokenizer validates them.
+    the tokenizer validates them. With `messages`, `add_generation_prompt` opens the assistant's turn after
+    them, and `continue_final_message` instead continues the last message (the assistant's) where its text
+    ends; at most one of the two may be true.
     Subscribe to `{ns}.out.{rid}` before publishing, or the first outputs may be missed.
     """
 
@@ -37,6 +39,8 @@ class GenerateRequest:
     messages: list[ChatMessage] | None = None
     input_ids: list[int] | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
+    add_generation_prompt: bool = True  # messages only: end the prompt with the assistant's turn header
+    continue_final_message: bool = False  # messages only: continue the last (assistant) message, no new turn
 
 
 @dataclass
@@ -91,21 +95,25 @@ class BatchTokenOutput:
 
 @dataclass
 class TopLogprob:
-    """One candidate token and its logprob."""
+    """One candidate token and its logprob. `bytes` are the token's raw bytes (a byte-level token's text is
+    U+FFFD when it holds part of a character; its bytes are exact), None when the sender did not know them."""
 
     token_id: int
     token: str
     logprob: float
+    bytes: list[int] | None = None
 
 
 @dataclass
 class TokenLogprob:
-    """A generated token's logprob and, if asked for, the most likely alternatives at its position."""
+    """A generated token's logprob and, if asked for, the most likely alternatives at its position.
+    `bytes` as in TopLogprob: the token's raw bytes, which reassemble a character split over tokens."""
 
     token_id: int
     token: str
     logprob: float
     top: list[TopLogprob] = field(default_factory=list)
+    bytes: list[int] | None = None
 
 
 @dataclass

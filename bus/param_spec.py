@@ -103,19 +103,24 @@ class Spec:
                 raise self._bad(f"a string or a list of {self.range_text()}", value)
             return list(dict.fromkeys(stops))
         if self.shape == TOKEN_IDS:
-            if not isinstance(value, list) or len(value) > limit or not all(
-                    _is_int(t) and 0 <= t < vocab_size for t in value):
+            if not isinstance(value, list) or len(value) > limit:
                 raise self._bad(f"a list of at most {limit} token ids in [0, {vocab_size})", value)
+            bad = [t for t in value if not (_is_int(t) and 0 <= t < vocab_size)]
+            if bad:
+                raise ApiError(f"{self.error_name}: {_listed(bad)} not token ids in [0, {vocab_size})",
+                               param=self.error_name)
             return list(value)
         assert self.shape == LOGIT_BIAS, self.shape
         if not isinstance(value, dict) or len(value) > limit:
             raise self._bad(f"an object of at most {limit} token ids", value)
+        bad_keys = [key for key in value if (token := _token_key(key)) is None or not 0 <= token < vocab_size]
+        if bad_keys:
+            raise ApiError(f"{self.error_name}: the keys {_listed(bad_keys)} are not token ids in [0, {vocab_size})",
+                           param=self.error_name)
         bias: dict[int, float] = {}
         for key, amount in value.items():
             token = _token_key(key)
-            if token is None or not 0 <= token < vocab_size:
-                raise ApiError(f"{self.error_name} key {key!r} is not a token id in [0, {vocab_size})"[:MAX_ERROR_CHARS],
-                               param=self.error_name)
+            assert token is not None
             if (isinstance(amount, bool) or not isinstance(amount, (int, float)) or not math.isfinite(amount)
                     or abs(amount) > LOGIT_BIAS_LIMIT):
                 raise self._bad(f"biases in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]", amount)
@@ -141,6 +146,12 @@ class Spec:
                 schema["maximum"] = plain_number(self.high)
         schema["description"] = self.doc
         return schema
+
+
+def _listed(values: list[Any], most: int = 10) -> str:
+    """Up to `most` values for an error message (each cut short), and how many more there were."""
+    shown = ", ".join(repr(v)[:40] for v in values[:most])
+    return shown + (f" and {len(values) - most} more" if len(values) > most else "")
 
 
 def _token_key(key: Any) -> int | None:

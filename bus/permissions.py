@@ -5,15 +5,16 @@ One deployment (namespace `ns`) has six internal roles and any number of outside
 | role        | may publish                                          | may subscribe                               |
 |-------------|------------------------------------------------------|---------------------------------------------|
 | launcher    | nothing                                              | ready, heartbeat                            |
-| entry       | submit, `abort.*`, info, command, ANN                | `out.*`, heartbeat                          |
-| tokenizer   | tokenized, OUT, ANN, entry's and clients' inboxes    | submit, `client.*.submit`                   |
+| entry       | submit, `abort.*`, info, command, tokenize, ANN      | `out.*`, heartbeat                          |
+| tokenizer   | tokenized, OUT, ANN, entry's and clients' inboxes    | submit, `client.*.submit`, tokenize         |
 | scheduler   | `tokens.*`, OUT, ANN, entry's and tokenizer's inboxes | tokenized, `abort.*`, `client.*.abort.*`, info, command |
 | detokenizer | OUT, ANN                                             | `tokens.*`                                  |
 | trace_exporter | ANN, JS (the span stream's JetStream API)        | `spans.>`                                   |
 | client `c`  | `client.c.submit`, `client.c.abort.*`                | `client.c.out.*`                            |
 
 (all subjects under `{ns}.`; OUT = `out.*` and `client.*.out.*`; ANN = ready and heartbeat; info, command =
-`control.scheduler.*`). Replies go only to the requesters' inboxes, never to a reply subject a sender chose:
+`control.scheduler.*`; tokenize = `tokenizer.tokenize`, request/reply for `/v1/tokenize` and `/v1/detokenize`,
+answered in the entry's inbox). Replies go only to the requesters' inboxes, never to a reply subject a sender chose:
 the server allows publishing there and nowhere else (no `allow_responses`), and the bus checks each reply
 against the inbox of the subject the request came on (a client's submission is answered in that client's
 inbox only, see `reply_inbox`). Entry,
@@ -70,12 +71,13 @@ def role_permissions(namespace: str, role: str) -> Permissions:
         return Permissions(publish=(*span_stream_api(s), *announce), subscribe=(s.spans_filter(), inbox))
     announce = (*announce, s.spans(role)) if role in ROLES else announce  # traced actors store their spans
     if role == "entry":
-        return Permissions(publish=(s.submit, s.abort_any, s.scheduler_info, s.scheduler_command, *announce),
+        return Permissions(publish=(s.submit, s.abort_any, s.scheduler_info, s.scheduler_command, s.tokenize,
+                                    *announce),
                            subscribe=(f"{ns}.out.*", s.heartbeat, inbox))
     if role == "tokenizer":
         replies = (inbox_prefix(ns, "entry") + ".>", f"_INBOX.{ns}.client.*.>")
         return Permissions(publish=(s.tokenized, *outputs, *announce, *replies),
-                           subscribe=(s.submit, s.client_submit_any, inbox))
+                           subscribe=(s.submit, s.client_submit_any, s.tokenize, inbox))
     if role == "scheduler":
         replies = (inbox_prefix(ns, "entry") + ".>", inbox_prefix(ns, "tokenizer") + ".>")
         return Permissions(publish=(f"{ns}.tokens.*", *outputs, *announce, *replies),

@@ -26,6 +26,10 @@ from bus.subjects import Subjects, validate_rid
 from observability.logging import log_event
 
 log = logging.getLogger("bus")
+# The reason of an operator's abort (`/abort_request`, any rid, live or not): the scheduler does not keep such an
+# abort for a request that has not arrived (only the entry's own aborts can overtake their request on the bus),
+# so aborting a rid that is not live does not refuse a later request that reuses it.
+OPERATOR_ABORT = "abort_request"
 
 
 class RingUnavailable(Exception):

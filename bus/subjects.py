@@ -13,6 +13,7 @@ Layout (namespace `ns`, default "ringserve"):
 | `{ns}.control.heartbeat`     | Heartbeat          | every actor -> entry, launcher (liveness)         |
 | `{ns}.control.scheduler.info`| (request/reply)    | anyone -> scheduler rank 0, replies SchedulerInfo |
 | `{ns}.control.scheduler.command`| ControlCommand  | operator -> scheduler rank 0, replies ControlReply |
+| `{ns}.tokenizer.tokenize`    | TokenizeQuery      | entry -> tokenizers (queue group), replies TokenizeReply |
 | `{ns}.client.{c}.submit`     | GenerateRequest    | NATS client `c` -> tokenizers (queue group)       |
 | `{ns}.client.{c}.out.{rid}`  | RequestOutput      | detokenizer/tokenizer/scheduler -> client `c`     |
 | `{ns}.client.{c}.abort.{rid}`| AbortRequest       | client `c` -> scheduler                           |
@@ -155,6 +156,11 @@ class Subjects:
         return f"{self.namespace}.abort.*"
 
     @property
+    def tokenize(self) -> str:
+        """Request/reply: tokenize a prompt or detokenize ids (TokenizeQuery -> TokenizeReply, bus/tokenize_messages.py)."""
+        return f"{self.namespace}.tokenizer.tokenize"
+
+    @property
     def ready(self) -> str:
         return f"{self.namespace}.control.ready"
 
@@ -200,7 +206,7 @@ def subject_template(subject: str) -> str:
     """The low-cardinality template of a concrete subject, without the namespace: what tracing names spans by.
 
     `ns.out.abc` -> `out.{rid}`, `ns.tokens.0` -> `tokens.{shard}`, `ns.client.c.out.r` -> `client.{client}.out.{rid}`,
-    `ns.req.submit` -> `req.submit`, a reply inbox -> `_INBOX`; anything else -> `(other)`.
+    `ns.req.submit` -> `req.submit`, `ns.tokenizer.tokenize` -> `tokenizer.tokenize`, a reply inbox -> `_INBOX`; anything else -> `(other)`.
     """
     parts = subject.split(".")
     if parts[0] in ("_INBOX", "$JS"):
@@ -210,6 +216,8 @@ def subject_template(subject: str) -> str:
         return "(other)"
     if rest[0] in ("req", "control"):
         return ".".join(rest)
+    if rest == ["tokenizer", "tokenize"]:
+        return "tokenizer.tokenize"
     if rest[0] == "client" and len(rest) == 4 and rest[2] in ("out", "abort"):
         return f"client.{{client}}.{rest[2]}.{{rid}}"
     if rest[0] == "client" and len(rest) == 3 and rest[2] == "submit":

@@ -187,17 +187,23 @@ def _field_default(f: dataclasses.Field) -> str:
 
 
 def messages() -> str:
-    """Every dataclass defined in `bus/messages.py`, in file order: its doc's first paragraph and its fields."""
-    module = importlib.import_module("bus.messages")
+    """Every dataclass defined in `bus/messages.py` (then `bus/tokenize_messages.py`), in file order: its doc's
+    first paragraph and its fields."""
+    seen: set[type] = set()
+    return "\n\n".join(_module_messages(name, seen) for name in ("bus.messages", "bus.tokenize_messages"))
+
+
+def _module_messages(module_name: str, seen: set[type]) -> str:
+    module = importlib.import_module(module_name)
     dataclasses_here = [obj for obj in vars(module).values() if inspect.isclass(obj) and dataclasses.is_dataclass(obj)]
     own = [c for c in dataclasses_here if c.__module__ == module.__name__]
     source_order = {name: i for i, name in enumerate(re.findall(r"^class (\w+)", inspect.getsource(module), re.M))}
     own.sort(key=lambda c: source_order.get(c.__name__, len(source_order)))
     # wire types the messages are built from but that live in another bus module (bus/params.py, bus/errors.py)
     imported = [c for c in dataclasses_here if c.__module__ != module.__name__ and c.__module__.startswith("bus.")]
-    parts = [_message_section(cls) for cls in own]
-    parts += [_message_section(cls) for cls in imported]
-    return "\n\n".join(parts)
+    fresh = [cls for cls in own + imported if cls not in seen]  # each type once, where it first appears
+    seen.update(fresh)
+    return "\n\n".join(_message_section(cls) for cls in fresh)
 
 
 def _message_section(cls: type) -> str:

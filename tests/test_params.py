@@ -58,7 +58,7 @@ def test_defaults_come_from_the_declaration() -> None:
 def test_openapi_schema_has_every_parameter_with_its_range() -> None:
     schemas = openapi_document()["components"]["schemas"]
     native = schemas["GenerateRequest"]["properties"]["sampling_params"]["properties"]
-    assert set(native) == set(SPECS)
+    assert set(native) == set(SPECS) | {"n"}  # n: the entry runs the samples (ChoiceGroup)
     chat = schemas["ChatCompletionRequest"]["properties"]
     for alias, name in openai_names().items():
         assert chat[alias] == SPECS[name].json_schema()
@@ -80,3 +80,13 @@ def test_validated_params_are_the_wire_struct() -> None:
     params = check({"max_new_tokens": 7, "logit_bias": {"5": 1.5}, "stop": "x", "seed": 3})
     req = TokenizedRequest("r", [1, 2], params)
     assert decode(encode(req), TokenizedRequest) == req
+
+
+def test_errors_name_every_bad_logit_bias_key_and_token_id() -> None:
+    with pytest.raises(ApiError) as err:
+        check({"logit_bias": {"5": 1, "²": 1, "1000": 2, "-3": 1}})
+    assert all(k in err.value.message for k in ("'²'", "'1000'", "'-3'")) and "'5'" not in err.value.message
+    assert err.value.param == "logit_bias"
+    with pytest.raises(ApiError) as err:
+        check({"stop_token_ids": [1, 1000, 2, 5000]})
+    assert "1000" in err.value.message and "5000" in err.value.message and err.value.param == "stop_token_ids"

@@ -93,7 +93,7 @@ MSG = [{"role": "user", "content": "hello"}]
     ("/v1/completions", {"prompt": ""}, "prompt"),
     ("/v1/completions", {"prompt": {"a": 1}}, "prompt"),
     ("/generate", {"text": "hi", "rid": "bad.rid"}, "rid"),
-    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": -3}}, "max_tokens"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": -3}}, "max_new_tokens"),
 ])
 def test_invalid_requests_get_openai_400_and_the_server_keeps_working(
         smollm_server: ServerHandle, path: str, body: dict, param: str) -> None:
@@ -119,7 +119,8 @@ def test_generate_native_stream_and_non_stream(smollm_server: ServerHandle) -> N
     body = {"text": "Once upon a time", "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
     full = httpx.post(smollm_server.base_url + "/generate", json=body, timeout=60).json()
     assert len(full["output_ids"]) == 12 and full["meta_info"]["finish_reason"]["type"] == "length"
-    with httpx.stream("POST", smollm_server.base_url + "/generate", json={**body, "stream": True}, timeout=60) as r:
+    with httpx.stream("POST", smollm_server.base_url + "/generate", json={**body, "stream": True, "stream_deltas": True},
+                      timeout=60) as r:
         events = list(sse_events(r))
     assert events[-1] == "[DONE]"
     assert "".join(e["text"] for e in events[:-1]) == full["text"]

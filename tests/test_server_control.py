@@ -111,6 +111,14 @@ def test_abort_request_by_rid(base: str) -> None:
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "rid"
 
 
+def test_aborting_a_rid_that_is_not_live_does_not_refuse_it_later(base: str) -> None:
+    assert post(base, "/abort_request", {"rid": "reused-rid-1"}).json()["success"] is True  # nothing live
+    reply = post(base, "/generate", {"rid": "reused-rid-1", "text": "Hello",
+                                     "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["meta_info"]["finish_reason"]["type"] == "length"
+
+
 def test_abort_request_by_rid_aborts_every_choice(base: str) -> None:
     events, reply = _abort_running_stream(base, lambda rid: {"rid": rid}, {**LONG, "n": 2})
     assert reply.json()["success"] is True and len(reply.json()["rids"]) == 3

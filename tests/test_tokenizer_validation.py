@@ -77,3 +77,39 @@ def test_chat_template_and_prompt_forms() -> None:
                 GenerateRequest(rid="r", input_ids=[encoder.vocab_size]), GenerateRequest(rid="r", text="")):
         with pytest.raises(ApiError):
             encoder.encode(bad)
+
+
+def test_chat_template_switches() -> None:
+    from actors.common.model_source import load_tokenizer, resolve_model
+    from actors.tokenizer.prompt import PromptEncoder
+    from bus.messages import ChatMessage, GenerateRequest
+
+    tokenizer = load_tokenizer(resolve_model("SmolLM2-135M-Instruct"))
+    encoder = PromptEncoder(tokenizer)
+    turns = [ChatMessage("user", "Name a fruit."), ChatMessage("assistant", "The fruit is")]
+    dicts = [{"role": m.role, "content": m.content} for m in turns]
+
+    def template(**kw) -> list[int]:
+        return tokenizer.encode(tokenizer.apply_chat_template(dicts, tokenize=False, **kw), add_special_tokens=False)
+
+    continued = encoder.encode(GenerateRequest(rid="r", messages=turns, add_generation_prompt=False,
+                                               continue_final_message=True))
+    assert continued == template(add_generation_prompt=False, continue_final_message=True)
+    assert tokenizer.decode(continued).endswith("<|im_start|>assistant\nThe fruit is")
+    closed = encoder.encode(GenerateRequest(rid="r", messages=turns, add_generation_prompt=False))
+    assert tokenizer.decode(closed).endswith("The fruit is<|im_end|>\n")
+    opened = encoder.encode(GenerateRequest(rid="r", messages=turns))
+    assert tokenizer.decode(opened).endswith("The fruit is<|im_end|>\n<|im_start|>assistant\n")
+    user_only = [ChatMessage("user", "Hi")]
+    assert tokenizer.decode(encoder.encode(GenerateRequest(rid="r", messages=user_only, add_generation_prompt=False))
+                            ).endswith("Hi<|im_end|>\n")
+
+    for bad in (GenerateRequest(rid="r", messages=turns, continue_final_message=True),  # with add_generation_prompt
+                GenerateRequest(rid="r", messages=user_only, add_generation_prompt=False, continue_final_message=True),
+                GenerateRequest(rid="r", text="x", add_generation_prompt=False, continue_final_message=True)):
+        with pytest.raises(ApiError) as err:
+            encoder.encode(bad)
+        assert err.value.param == "continue_final_message"
+    with pytest.raises(ApiError) as err:
+        encoder.encode(GenerateRequest(rid="r", messages=turns, add_generation_prompt="no"))  # type: ignore[arg-type]
+    assert err.value.param == "add_generation_prompt"

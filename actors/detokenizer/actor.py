@@ -14,6 +14,7 @@ from actors.common.model_source import load_tokenizer, resolve_model
 from actors.common.runtime import ActorContext
 from actors.detokenizer import spans as detokenize_spans
 from actors.detokenizer.incremental import IncrementalDecoder
+from actors.detokenizer.token_bytes import TokenBytes
 from bus.connection import Delivery
 from bus.errors import server_error
 from bus.messages import BatchTokenOutput, RequestOutput, TokenLogprob, TokenRow, TopLogprob
@@ -29,6 +30,7 @@ class DetokenizerActor:
         self._ctx = ctx
         self._shard = shard
         self._tokenizer = load_tokenizer(resolve_model(model))
+        self._token_bytes = TokenBytes(self._tokenizer)  # logprobs' raw token bytes
         self._decoders: dict[str, IncrementalDecoder] = {}
         self._next_seq: dict[str, int] = {}  # per live rid: the seq of its next output
         self._spans = detokenize_spans.create()  # no-ops unless tracing is on
@@ -86,10 +88,18 @@ class DetokenizerActor:
         """The row's logprobs with each token's text (one decode per token: only rows that asked pay for it)."""
         if not row.logprobs:
             return []
-        text = self._token_text
-        return [TokenLogprob(token_id=t, token=text(t), logprob=lp,
-                             top=[TopLogprob(i, text(i), v) for i, v in zip(ids, values)])
-                for t, lp, ids, values in zip(row.token_ids, row.logprobs, row.top_ids, row.top_logprobs)]
+        text, raw = self._token_text, self._token_bytes
+
+        def top(token_id: int, logprob: float) -> TopLogprob:
+            token = text(token_id)
+            return TopLogprob(token_id, token, logprob, bytes=raw(token_id, token))
+
+        out = []
+        for t, lp, ids, values in zip(row.token_ids, row.logprobs, row.top_ids, row.top_logprobs):
+            token = text(t)
+            out.append(TokenLogprob(token_id=t, token=token, logprob=lp, top=[top(i, v) for i, v in zip(ids, values)],
+                                    bytes=raw(t, token)))
+        return out
 
     def _token_text(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id])

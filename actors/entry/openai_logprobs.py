@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from bus.messages import TokenLogprob
+from bus.messages import TokenLogprob, TopLogprob
 
 # what OpenAI reports for a token the sampler could never pick (JSON has no -Infinity)
 FLOOR_LOGPROB = -9999.0
@@ -21,13 +21,14 @@ def finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else FLOOR_LOGPROB
 
 
-def token_bytes(token: str) -> list[int]:
-    """The UTF-8 byte values of a token's text, as OpenAI's `bytes` field."""
-    return list(token.encode("utf-8", errors="replace"))
+def token_bytes(token: str, raw: list[int] | None = None) -> list[int]:
+    """OpenAI's `bytes` field: the token's raw bytes as the detokenizer found them (exact for a token that
+    holds part of a character), else the UTF-8 byte values of its text (outputs of older detokenizers)."""
+    return list(raw) if raw is not None else list(token.encode("utf-8", errors="replace"))
 
 
-def _chat_entry(token: str, logprob: float) -> dict[str, Any]:
-    return {"token": token, "logprob": finite(logprob), "bytes": token_bytes(token)}
+def _chat_entry(entry: TokenLogprob | TopLogprob) -> dict[str, Any]:
+    return {"token": entry.token, "logprob": finite(entry.logprob), "bytes": token_bytes(entry.token, entry.bytes)}
 
 
 class LogprobFormatter:
@@ -48,8 +49,7 @@ class LogprobFormatter:
         if not self.requested:
             return None
         if self.kind == "chat":
-            return {"content": [{**_chat_entry(e.token, e.logprob),
-                                 "top_logprobs": [_chat_entry(t.token, t.logprob) for t in e.top]}
+            return {"content": [{**_chat_entry(e), "top_logprobs": [_chat_entry(t) for t in e.top]}
                                 for e in entries]}
         offsets = []
         for entry in entries:

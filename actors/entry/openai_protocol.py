@@ -79,7 +79,8 @@ REFUSED: dict[str, Refused] = {
 STREAM_OPTIONS_NO_EFFECT = {"include_obfuscation": "random padding against length side channels"}
 _COMMON_FIELDS = {"model", "n", "stream", "stream_options", *_SAMPLING_FIELDS}
 ROUTE_FIELDS: dict[str, set[str]] = {
-    "chat": _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs"},
+    "chat": _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "add_generation_prompt",
+                              "continue_final_message"},
     "completion": _COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"},
 }
 
@@ -205,7 +206,11 @@ def parse_chat(body: dict[str, Any], rid: str, served_model: str) -> tuple[Gener
     options = _options(body, "chat", served_model)
     sampling = _sampling(body)
     options.logprobs, options.top_logprobs = _chat_logprobs(body, sampling)
-    return GenerateRequest(rid=rid, messages=turns, sampling=sampling), options
+    # vLLM's chat-template switches; the tokenizer rejects both true and a final message not the assistant's
+    template = {name: Spec(doc, kind="boolean", name=name).read(body, default) for name, doc, default in (
+        ("add_generation_prompt", "end the prompt with the assistant's turn header", True),
+        ("continue_final_message", "continue the final (assistant) message instead of opening a new turn", False))}
+    return GenerateRequest(rid=rid, messages=turns, sampling=sampling, **template), options
 
 
 def _is_token_ids(value: Any) -> bool:

@@ -19,7 +19,7 @@ from actors.entry.metrics import RequestMetrics
 from actors.entry.settings import DEFAULT_MAX_QUEUED_REQUESTS
 from bus.codec import encode
 from bus.messages import ControlReply, GenerateRequest, InfoQuery, RequestOutput, SchedulerInfo
-from bus.ring_client import RequestStream, RingClient, RingUnavailable
+from bus.ring_client import OPERATOR_ABORT, RequestStream, RingClient, RingUnavailable
 from bus.subjects import InvalidRidError, new_rid, validate_rid
 from actors.entry import request_trace
 from observability import tracing
@@ -263,7 +263,7 @@ class EntryService:
             raise ApiError(str(exc), param="rid") from exc
         rids = [rid, *self.groups.get(rid, [])]
         for each in rids:
-            await self.client.abort(each, "abort_request")
+            await self.client.abort(each, OPERATOR_ABORT)
         return rids
 
     async def health_generate(self) -> None:

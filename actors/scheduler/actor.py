@@ -34,6 +34,7 @@ from bus.messages import (
     AbortRequest, Accepted, BatchTokenOutput, ControlCommand, ControlReply, FinishReason, InfoQuery, RequestOutput,
     SchedulerInfo, TokenizedRequest, TokenRow,
 )
+from bus.ring_client import OPERATOR_ABORT
 from bus.subjects import SCHEDULER_QUEUE, InvalidRidError, detokenizer_shard, validate_ring_rid
 from observability import tracing
 from observability.logging import log_event
@@ -95,7 +96,7 @@ class SchedulerActor:
             rid = self._ctx.subjects.rid_of(delivery.subject)
         except InvalidRidError:
             return
-        self._inbox.append(("abort", rid))
+        self._inbox.append(("abort", (rid, msg.reason != OPERATOR_ABORT)))
         self._wake.set()
 
     async def _on_info(self, query: InfoQuery, delivery: Delivery) -> SchedulerInfo:
@@ -148,11 +149,12 @@ class SchedulerActor:
             self._early_aborts.popitem(last=False)
         for kind, item in inbox:
             if kind == "abort":
-                row = self._engine.abort(item)
-                if row is None:
-                    self._early_aborts[item] = now
-                else:
+                rid, may_precede = item
+                row = self._engine.abort(rid)
+                if row is not None:
                     rows.append(row)
+                elif may_precede:  # the entry's own abort overtook its request: end the request when it comes
+                    self._early_aborts[rid] = now
             elif kind == "control":
                 action, done = item
                 reply = self._control(action, rows)

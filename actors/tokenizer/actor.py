@@ -1,5 +1,6 @@
 """Tokenizer actor: `{ns}.req.submit` and `{ns}.client.*.submit` -> validate + tokenize -> `{ns}.req.tokenized`,
-errors to the request's output subject.
+errors to the request's output subject; and `{ns}.tokenizer.tokenize` (request/reply) -> the entry's
+`/v1/tokenize` and `/v1/detokenize`, encoded by the same PromptEncoder as generation.
 
 Several tokenizer processes may serve one deployment: they share the submit subject through a queue group.
 """
@@ -14,12 +15,13 @@ from actors.common.model_source import load_config, load_tokenizer, resolve_mode
 from actors.common.runtime import ActorContext
 from actors.tokenizer.prompt import PromptEncoder
 from actors.tokenizer.validation import validate_sampling
-from bus.codec import DecodeError, peek_field
+from bus.codec import DecodeError, encode, peek_field
 from bus.connection import Delivery
 from bus.errors import ApiError, server_error
 from bus.messages import Accepted, GenerateRequest, RequestOutput, TokenizedRequest
 from bus.permissions import reply_inbox
 from bus.subjects import TOKENIZER_QUEUE, InvalidRidError, scoped_rid, validate_rid
+from bus.tokenize_messages import TokenizeQuery, TokenizeReply
 from observability import tracing
 from observability.logging import log_event
 
@@ -40,7 +42,7 @@ class TokenizerActor:
     def __init__(self, ctx: ActorContext, model: str) -> None:
         self._ctx = ctx
         source = resolve_model(model)
-        tokenizer = load_tokenizer(source)
+        self._tokenizer = tokenizer = load_tokenizer(source)
         config = load_config(source)
         self._encoder = PromptEncoder(tokenizer)
         self._context_length = int(config.max_position_embeddings)
@@ -53,6 +55,8 @@ class TokenizerActor:
         await self._ctx.bus.subscribe(self._ctx.subjects.client_submit_any, GenerateRequest, self._on_submit,
                                       queue=TOKENIZER_QUEUE, reply_inbox=lambda subject: reply_inbox(namespace, subject),
                                       on_malformed=self._on_malformed)
+        await self._ctx.bus.subscribe(self._ctx.subjects.tokenize, TokenizeQuery, self._on_tokenize,
+                                      queue=TOKENIZER_QUEUE, on_malformed=self._on_malformed_query)
         return {"context_length": self._context_length, "eos_token_ids": self._eos_ids}
 
     async def _on_malformed(self, data: bytes, error: DecodeError, delivery: Delivery) -> Accepted | None:
@@ -71,6 +75,48 @@ class TokenizerActor:
         if not self._own_rid(req, delivery):
             return None
         return await self._answer(req, delivery, await self._forward(req, delivery.traceparent))
+
+    async def _on_tokenize(self, query: TokenizeQuery, delivery: Delivery) -> TokenizeReply:
+        """Answer a tokenize or detokenize query; a rejected one is answered with its error."""
+        try:
+            reply = self._tokenize(query)
+        except ApiError as exc:
+            reply = TokenizeReply(error=exc)
+        except Exception as exc:  # a bug must still answer, or the entry waits for its timeout
+            log.exception("tokenize query failed")
+            reply = TokenizeReply(error=server_error(f"tokenizing failed: {exc!r}"[:1000]))
+        reply.max_model_len = self._context_length
+        if len(encode(reply)) + 1024 > self._ctx.bus.max_payload:
+            reply = TokenizeReply(max_model_len=self._context_length, error=ApiError(
+                "the answer exceeds the bus payload limit", 413, param="tokens" if query.token_ids else "prompt"))
+        return reply
+
+    async def _on_malformed_query(self, data: bytes, error: DecodeError, delivery: Delivery) -> TokenizeReply:
+        where = str(error).split(":", 1)[0].removeprefix("TokenizeQuery.")
+        return TokenizeReply(max_model_len=self._context_length,
+                             error=ApiError(f"malformed tokenize query: {error}"[:1000], param=where[:100]))
+
+    def _tokenize(self, query: TokenizeQuery) -> TokenizeReply:
+        given = [name for name in ("text", "messages", "token_ids") if getattr(query, name) is not None]
+        if len(given) != 1:
+            raise ApiError("give exactly one of prompt, messages or tokens", param="prompt")
+        if query.token_ids is not None:
+            vocab = self._encoder.vocab_size
+            for i, t in enumerate(query.token_ids):
+                if not 0 <= t < vocab:
+                    raise ApiError(f"tokens[{i}] = {t} is not a token id in [0, {vocab})", param="tokens")
+            return TokenizeReply(text=self._tokenizer.decode(query.token_ids, skip_special_tokens=False))
+        if query.messages is not None:
+            if query.add_special_tokens:  # the chat template holds the special tokens; generation adds none
+                raise ApiError("add_special_tokens is not supported with messages: the chat template adds them",
+                               param="add_special_tokens")
+            req = GenerateRequest(rid="tokenize", messages=query.messages,
+                                  add_generation_prompt=query.add_generation_prompt,
+                                  continue_final_message=query.continue_final_message)
+            return TokenizeReply(tokens=self._encoder.encode(req))
+        assert query.text is not None
+        add_special = True if query.add_special_tokens is None else query.add_special_tokens
+        return TokenizeReply(tokens=list(self._tokenizer.encode(query.text, add_special_tokens=add_special)))
 
     def _own_rid(self, req: GenerateRequest, delivery: Delivery) -> bool:
         """Check `req.rid`; a submission on `{ns}.client.{c}.submit` is client c's, so its rid becomes the scoped

@@ -153,8 +153,8 @@ def test_the_scheduler_refuses_over_a_cap_and_frees_slots_on_finish_abort_and_re
 
         await actor._publish([engine.finish("alice~a")])  # a final row frees the slot
         assert actor._admission.client_live("alice") == 1 and len(actor._admission) == 3
-        assert await apply(("abort", "alice~b")) == [] and actor._admission.client_live("alice") == 0
-        assert await apply(("abort", "alice~never")) == [] and len(actor._admission) == 2  # an early abort
+        assert await apply(("abort", ("alice~b", True))) == [] and actor._admission.client_live("alice") == 0
+        assert await apply(("abort", ("alice~never", True))) == [] and len(actor._admission) == 2  # an early abort
         assert await apply(req("alice~d"), req("alice~e")) == []  # the client may submit again
         assert actor._admission.client_live("alice") == 2 and len(actor._admission) == 4
         await actor._publish(engine.abort_all())

@@ -32,7 +32,7 @@ S = {  # one concrete subject of each kind in the subject table, and some that n
     "submit": f"{NS}.req.submit", "tokenized": f"{NS}.req.tokenized", "tokens": f"{NS}.tokens.0",
     "out": f"{NS}.out.r1", "abort": f"{NS}.abort.r1", "ready": f"{NS}.control.ready",
     "heartbeat": f"{NS}.control.heartbeat", "info": f"{NS}.control.scheduler.info",
-    "command": f"{NS}.control.scheduler.command",
+    "command": f"{NS}.control.scheduler.command", "tokenize": f"{NS}.tokenizer.tokenize",
     **{f"{c}_{kind}": f"{NS}.client.{c}.{kind}" + ("" if kind == "submit" else ".r1")
        for c in ("alice", "bob") for kind in ("submit", "out", "abort")},
     "all": ">", "ns_all": f"{NS}.>", "out_any": f"{NS}.out.*", "client_out_any": f"{NS}.client.*.out.*",
@@ -45,7 +45,7 @@ ANNOUNCE = {"ready", "heartbeat"}
 # The least-privilege table, written out independently of bus/permissions.py.
 MAY_PUBLISH = {
     "launcher": set(),
-    "entry": {"submit", "abort", "info", "command"} | ANNOUNCE,
+    "entry": {"submit", "abort", "info", "command", "tokenize"} | ANNOUNCE,
     "tokenizer": {"tokenized", "inbox_entry", "inbox_alice", "inbox_bob"} | OUTPUTS | ANNOUNCE,  # + its answers
     "scheduler": {"tokens", "inbox_entry", "inbox_tokenizer"} | OUTPUTS | ANNOUNCE,
     "detokenizer": OUTPUTS | ANNOUNCE,
@@ -55,7 +55,7 @@ MAY_PUBLISH = {
 MAY_SUBSCRIBE = {
     "launcher": {"ready", "heartbeat", "inbox_launcher"},
     "entry": {"out", "out_any", "heartbeat", "inbox_entry"},
-    "tokenizer": {"submit", "alice_submit", "bob_submit", "inbox_tokenizer"},
+    "tokenizer": {"submit", "alice_submit", "bob_submit", "tokenize", "inbox_tokenizer"},
     "scheduler": {"tokenized", "abort", "alice_abort", "bob_abort", "info", "command", "inbox_scheduler"},
     "detokenizer": {"tokens", "inbox_detokenizer"},
     "alice": {"alice_out", "inbox_alice"},

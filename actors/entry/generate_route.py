@@ -1,0 +1,169 @@
+"""SGLang's native `POST /generate`: one prompt or a batch (`text` or `input_ids` as a list), `n` samples of
+each (`sampling_params.n`), errors under the native parameter names, and SGLang's streaming shape.
+
+One prompt with n = 1 answers one object `{"text", "output_ids", "meta_info"}`; a batch or n > 1 answers a
+flat list of them, prompt-major as SGLang orders it (result p * n + i is sample i of prompt p, run as rid
+`{rid}-{p * n + i}` with seed + i; see `actors/entry/choices.py`). Streamed, every chunk carries the text and
+output ids generated so far (cumulative, as SGLang clients read them), or only the new ones with
+`"stream_deltas": true`; chunks of a batch or of n > 1 say which result they belong to in `index`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+from dataclasses import asdict
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from actors.entry.choices import ChoiceGroup
+from actors.entry.http_common import handles_errors, read_json, sse
+from actors.entry.openai_logprobs import finite
+from actors.entry.openai_protocol import MAX_CHOICES, N, STREAM
+from actors.entry.request_flow import EntryService
+from bus.errors import ApiError
+from bus.messages import GenerateRequest, RequestOutput, TokenLogprob
+from bus.param_spec import Spec
+from bus.params import SPECS
+from bus.subjects import InvalidRidError, new_rid, validate_rid
+
+DEFAULT_GENERATE_MAX_NEW_TOKENS = 128
+# SGLang takes these next to sampling_params; here they are sampling parameters
+_TOP_LEVEL_SAMPLING = ("return_logprob", "top_logprobs_num")
+STREAM_DELTAS = Spec("streamed: send only the text and output ids new in each chunk, not everything so far",
+                     kind="boolean", name="stream_deltas")
+# OpenAI name -> native name, for the parameters whose names differ (the tokenizer reports the OpenAI name)
+NATIVE_NAMES: dict[str, str] = {alias: name for name, spec in SPECS.items() for alias in (spec.openai or ())
+                                if alias != name}
+_OPENAI_NAME = re.compile(r"\b(" + "|".join(map(re.escape, NATIVE_NAMES)) + r")\b") if NATIVE_NAMES else None
+
+
+def native_error(error: ApiError) -> ApiError:
+    """`error` as /generate reports it: `param` (and the names in the message) under the native names."""
+    if error.param not in NATIVE_NAMES or _OPENAI_NAME is None:
+        return error
+    message = _OPENAI_NAME.sub(lambda m: NATIVE_NAMES[m.group(1)], error.message)
+    return dataclasses.replace(error, message=message, param=NATIVE_NAMES[error.param])
+
+
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+def _prompts(body: dict[str, Any]) -> tuple[list[tuple[str | None, list[int] | None]], bool]:
+    """The (text, input_ids) of every prompt, and whether the body is a batch (a list of prompts)."""
+    text, input_ids = body.get("text"), body.get("input_ids")
+    text_batch = isinstance(text, list)
+    ids_batch = isinstance(input_ids, list) and bool(input_ids) and all(isinstance(p, list) for p in input_ids)
+    if text_batch or ids_batch:
+        if text is not None and input_ids is not None:
+            raise ApiError("give exactly one of text or input_ids", param="input_ids")
+    if text_batch:
+        if not text or not all(isinstance(t, str) for t in text):
+            raise ApiError("text must be a string or a non-empty list of strings", param="text")
+        return [(t, None) for t in text], True
+    if ids_batch:
+        if not all(_is_ids(ids) for ids in input_ids):
+            raise ApiError("input_ids must be a list of integers or a non-empty list of such lists",
+                           param="input_ids")
+        return [(None, list(ids)) for ids in input_ids], True
+    if text is not None and not isinstance(text, str):
+        raise ApiError("text must be a string or a non-empty list of strings", param="text")
+    if input_ids is not None and not _is_ids(input_ids):
+        raise ApiError("input_ids must be a list of integers or a non-empty list of such lists", param="input_ids")
+    return [(text, input_ids)], False
+
+
+def parse_generate(body: dict[str, Any]) -> tuple[list[GenerateRequest], int, bool]:
+    """A /generate body as its prompts' GenerateRequests (all with the response's rid), n, and whether the
+    answer is a list. Shapes only; the tokenizer validates the sampling values."""
+    try:
+        rid = validate_rid(body["rid"]) if body.get("rid") is not None else new_rid()
+    except InvalidRidError as exc:
+        raise ApiError(str(exc), param="rid") from exc
+    sampling = body.get("sampling_params") or {}
+    if not isinstance(sampling, dict):
+        raise ApiError("sampling_params must be an object", param="sampling_params")
+    sampling = dict(sampling)
+    n = N.read(sampling, 1)
+    sampling.pop("n", None)
+    sampling.setdefault("max_new_tokens", DEFAULT_GENERATE_MAX_NEW_TOKENS)
+    for name in _TOP_LEVEL_SAMPLING:
+        if body.get(name) is not None:
+            sampling.setdefault(name, body[name])
+    prompts, batch = _prompts(body)
+    if len(prompts) * n > MAX_CHOICES:
+        raise ApiError(f"{len(prompts)} prompts × n={n} is more than {MAX_CHOICES} results",
+                       param="n" if n > 1 else ("text" if body.get("text") is not None else "input_ids"))
+    gen_reqs = [GenerateRequest(rid=rid, text=text, input_ids=ids, sampling=dict(sampling)) for text, ids in prompts]
+    return gen_reqs, n, batch or n > 1
+
+
+def _logprob_meta(entries: list[TokenLogprob]) -> dict[str, Any]:
+    """SGLang's logprob fields of meta_info: `[logprob, token_id, text]` per token, and per alternative."""
+    return {"output_token_logprobs": [[finite(e.logprob), e.token_id, e.token] for e in entries],
+            "output_top_logprobs": [[[finite(t.logprob), t.token_id, t.token] for t in e.top] for e in entries]}
+
+
+def generate_route(service: EntryService) -> Route:
+    """`POST /generate` over `service`."""
+
+    async def answer(request: Request) -> Response:
+        body = await read_json(request)
+        gen_reqs, n, listed = parse_generate(body)
+        stream = STREAM.read(body, False)
+        deltas = STREAM_DELTAS.read(body, False)
+        wants_logprobs = bool(gen_reqs[0].sampling.get("return_logprob") or gen_reqs[0].sampling.get("top_logprobs_num"))
+        group = await ChoiceGroup.start(service, request, gen_reqs, n)
+        rids = [choice.stream.rid for choice in group.choices]
+
+        def meta(index: int, out: RequestOutput, entries: list[TokenLogprob]) -> dict[str, Any]:
+            info = {"id": rids[index], "finish_reason": asdict(out.finish) if out.finish else None,
+                    "prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
+                    "cached_tokens": out.cached_tokens}
+            return {**info, **_logprob_meta(entries)} if wants_logprobs else info
+
+        if not stream:
+            results = [{"text": "".join(out.text for out in outputs),
+                        "output_ids": [t for out in outputs for t in out.token_ids],
+                        "meta_info": meta(i, outputs[-1], [e for out in outputs for e in out.logprobs])}
+                       for i, outputs in enumerate(await group.collect(request))]
+            return JSONResponse(results if listed else results[0])
+
+        async def events() -> AsyncIterator[str]:
+            texts = ["" for _ in rids]
+            ids: list[list[int]] = [[] for _ in rids]
+            logprobs: list[list[TokenLogprob]] = [[] for _ in rids]
+            async with contextlib.aclosing(group.merged()) as outputs:
+                async for index, out in outputs:
+                    if out.error is not None:
+                        yield sse(native_error(out.error).body())
+                        break
+                    if deltas:
+                        chunk = {"text": out.text, "output_ids": out.token_ids,
+                                 "meta_info": meta(index, out, out.logprobs)}
+                    else:
+                        texts[index] += out.text
+                        ids[index] += out.token_ids
+                        logprobs[index] += out.logprobs
+                        chunk = {"text": texts[index], "output_ids": list(ids[index]),
+                                 "meta_info": meta(index, out, logprobs[index])}
+                    if listed:
+                        chunk["index"] = index
+                    yield sse(chunk)
+            yield sse("[DONE]")
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @handles_errors
+    async def generate(request: Request) -> Response:
+        try:
+            return await answer(request)
+        except ApiError as exc:
+            raise native_error(exc) from None
+
+    return Route("/generate", generate, methods=["POST"])
