@@ -55,6 +55,8 @@ class SamplingParams:
     ignore_eos: bool = param(False, "do not stop at the model's EOS tokens (stop_token_ids still stop)")
     skip_special_tokens: bool = param(True, "leave special tokens out of the text")
     no_stop_trim: bool = param(False, "keep the matched stop string at the end of the text")
+    truncate_prompt_tokens: int | None = param(None, "keep only the last this many prompt tokens (vLLM's option)",
+                                               low=1, default_doc="none (the whole prompt)")
     return_logprob: bool = param(False, "return the logprob of every generated token", openai=(),
                                  default_doc="false (true when top_logprobs_num > 0)")
     top_logprobs_num: int = param(0, "return this many most likely alternatives with every token", low=0,

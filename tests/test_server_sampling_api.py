@@ -173,3 +173,14 @@ def test_n_stream_disconnect_aborts_every_choice(smollm_server: ServerHandle) ->
         assert server_info(base)["num_running_reqs"] == 2
     info = wait_until_idle(base, timeout=10)
     assert info["num_running_reqs"] == 0 and info["num_waiting_reqs"] == 0, info
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(client: openai.OpenAI) -> None:
+    prompt = "one two three four five six seven eight nine ten"
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+    cut = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                    extra_body={"truncate_prompt_tokens": 3})
+    assert full.usage.prompt_tokens > 3 and cut.usage.prompt_tokens == 3
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body={"truncate_prompt_tokens": 0})
+    assert err.value.body["param"] == "truncate_prompt_tokens"

@@ -15,6 +15,7 @@ from actors.common.model_source import load_config, load_tokenizer, resolve_mode
 from actors.common.runtime import ActorContext
 from actors.tokenizer.prompt import PromptEncoder
 from actors.tokenizer.validation import validate_sampling
+from bus.params import SPECS
 from bus.codec import DecodeError, encode, peek_field
 from bus.connection import Delivery
 from bus.errors import ApiError, server_error
@@ -141,6 +142,9 @@ class TokenizerActor:
         with tracing.span("tokenize", attributes={"ringserve.rid": req.rid}) as span:
             try:
                 input_ids = self._encoder.encode(req)
+                keep = SPECS["truncate_prompt_tokens"].read(req.sampling, None)
+                if keep is not None:
+                    input_ids = input_ids[-keep:]
                 sampling = validate_sampling(
                     req.sampling, len(input_ids), self._context_length, self._encoder.vocab_size, self._eos_ids
                 )
