@@ -41,6 +41,7 @@ class GenerateRequest:
     sampling: dict[str, Any] = field(default_factory=dict)
     add_generation_prompt: bool = True  # messages only: end the prompt with the assistant's turn header
     continue_final_message: bool = False  # messages only: continue the last (assistant) message, no new turn
+    openai_names: bool = False  # errors name parameters as OpenAI bodies do (max_tokens), not natively
 
 
 @dataclass

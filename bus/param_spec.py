@@ -51,8 +51,12 @@ class Spec:
 
     @property
     def error_name(self) -> str:
-        """The name an error reports in `param`: the OpenAI name where there is one."""
+        """The name an OpenAI client knows this parameter by (its first OpenAI name where there is one)."""
         return self.openai[0] if self.openai else self.name
+
+    def label(self, openai: bool) -> str:
+        """The name errors report in `param` and messages: the OpenAI one for OpenAI bodies, else the native."""
+        return self.error_name if openai else self.name
 
     def range_text(self) -> str:
         """The accepted range, as the docs and error messages print it."""
@@ -68,62 +72,64 @@ class Spec:
         high = "inf)" if self.high is None else f"{plain_number(self.high)}]"
         return f"{'(' if self.low_open or self.low is None else '['}{low}, {high}"
 
-    def check(self, value: Any, vocab_size: int = 2**63) -> Any:
-        """`value` (not None) as this parameter's type, or ApiError 400 naming the parameter."""
-        return self._composite(value, vocab_size) if self.shape else self._scalar(value)
+    def check(self, value: Any, vocab_size: int = 2**63, openai: bool = True) -> Any:
+        """`value` (not None) as this parameter's type, or ApiError 400 naming the parameter (`openai`: by its
+        OpenAI name, see `label`)."""
+        name = self.label(openai)
+        return self._composite(value, vocab_size, name) if self.shape else self._scalar(value, name)
 
     def read(self, body: dict[str, Any], default: Any) -> Any:
         """`body[name]` checked, or `default` when it is missing or null."""
         value = body.get(self.name)
         return default if value is None else self.check(value)
 
-    def _bad(self, what: str, value: Any) -> ApiError:
-        return ApiError(f"{self.error_name} must be {what}, got {value!r}"[:MAX_ERROR_CHARS], param=self.error_name)
+    @staticmethod
+    def _bad(name: str, what: str, value: Any) -> ApiError:
+        return ApiError(f"{name} must be {what}, got {value!r}"[:MAX_ERROR_CHARS], param=name)
 
-    def _scalar(self, value: Any) -> Any:
+    def _scalar(self, value: Any, name: str) -> Any:
         if self.kind == "boolean":
             if not isinstance(value, bool):
-                raise self._bad("a boolean", value)
+                raise self._bad(name, "a boolean", value)
             return value
         if self.kind == "integer" and not _is_int(value):
-            raise self._bad("an integer" + (f" in {self.range_text()}" if self.range_text() else ""), value)
+            raise self._bad(name, "an integer" + (f" in {self.range_text()}" if self.range_text() else ""), value)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise self._bad("a finite number", value)
+            raise self._bad(name, "a finite number", value)
         low, high = self.low, self.high
         if (low is not None and (value < low or (self.low_open and value == low))) or (high is not None and value > high):
-            raise self._bad(f"in {self.range_text()}", value)
+            raise self._bad(name, f"in {self.range_text()}", value)
         return value if self.kind == "integer" else float(value)
 
-    def _composite(self, value: Any, vocab_size: int) -> Any:
+    def _composite(self, value: Any, vocab_size: int, name: str) -> Any:
         limit = self.max_items or 0
         if self.shape == STOP_STRINGS:
             stops = [value] if isinstance(value, str) else value
             if (not isinstance(stops, list) or len(stops) > limit
                     or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops)):
-                raise self._bad(f"a string or a list of {self.range_text()}", value)
+                raise self._bad(name, f"a string or a list of {self.range_text()}", value)
             return list(dict.fromkeys(stops))
         if self.shape == TOKEN_IDS:
             if not isinstance(value, list) or len(value) > limit:
-                raise self._bad(f"a list of at most {limit} token ids in [0, {vocab_size})", value)
+                raise self._bad(name, f"a list of at most {limit} token ids in [0, {vocab_size})", value)
             bad = [t for t in value if not (_is_int(t) and 0 <= t < vocab_size)]
             if bad:
-                raise ApiError(f"{self.error_name}: {_listed(bad)} not token ids in [0, {vocab_size})",
-                               param=self.error_name)
+                raise ApiError(f"{name}: {_listed(bad)} not token ids in [0, {vocab_size})", param=name)
             return list(value)
         assert self.shape == LOGIT_BIAS, self.shape
         if not isinstance(value, dict) or len(value) > limit:
-            raise self._bad(f"an object of at most {limit} token ids", value)
+            raise self._bad(name, f"an object of at most {limit} token ids", value)
         bad_keys = [key for key in value if (token := _token_key(key)) is None or not 0 <= token < vocab_size]
         if bad_keys:
-            raise ApiError(f"{self.error_name}: the keys {_listed(bad_keys)} are not token ids in [0, {vocab_size})",
-                           param=self.error_name)
+            raise ApiError(f"{name}: the keys {_listed(bad_keys)} are not token ids in [0, {vocab_size})",
+                           param=name)
         bias: dict[int, float] = {}
         for key, amount in value.items():
             token = _token_key(key)
             assert token is not None
             if (isinstance(amount, bool) or not isinstance(amount, (int, float)) or not math.isfinite(amount)
                     or abs(amount) > LOGIT_BIAS_LIMIT):
-                raise self._bad(f"biases in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]", amount)
+                raise self._bad(name, f"biases in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]", amount)
             bias[token] = float(amount)
         return bias
 

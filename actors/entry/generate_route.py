@@ -11,8 +11,6 @@ output ids generated so far (cumulative, as SGLang clients read them), or only t
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import re
 from dataclasses import asdict
 from typing import Any, AsyncIterator
 
@@ -28,7 +26,6 @@ from actors.entry.request_flow import EntryService
 from bus.errors import ApiError
 from bus.messages import GenerateRequest, RequestOutput, TokenLogprob
 from bus.param_spec import Spec
-from bus.params import SPECS
 from bus.subjects import InvalidRidError, new_rid, validate_rid
 
 DEFAULT_GENERATE_MAX_NEW_TOKENS = 128
@@ -36,20 +33,6 @@ DEFAULT_GENERATE_MAX_NEW_TOKENS = 128
 _TOP_LEVEL_SAMPLING = ("return_logprob", "top_logprobs_num")
 STREAM_DELTAS = Spec("streamed: send only the text and output ids new in each chunk, not everything so far",
                      kind="boolean", name="stream_deltas")
-# OpenAI name -> native name, for the parameters whose names differ (the tokenizer reports the OpenAI name)
-NATIVE_NAMES: dict[str, str] = {alias: name for name, spec in SPECS.items() for alias in (spec.openai or ())
-                                if alias != name}
-_OPENAI_NAME = re.compile(r"\b(" + "|".join(map(re.escape, NATIVE_NAMES)) + r")\b") if NATIVE_NAMES else None
-
-
-def native_error(error: ApiError) -> ApiError:
-    """`error` as /generate reports it: `param` (and the names in the message) under the native names."""
-    if error.param not in NATIVE_NAMES or _OPENAI_NAME is None:
-        return error
-    message = _OPENAI_NAME.sub(lambda m: NATIVE_NAMES[m.group(1)], error.message)
-    return dataclasses.replace(error, message=message, param=NATIVE_NAMES[error.param])
-
-
 def _is_ids(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
@@ -141,7 +124,7 @@ def generate_route(service: EntryService) -> Route:
             async with contextlib.aclosing(group.merged()) as outputs:
                 async for index, out in outputs:
                     if out.error is not None:
-                        yield sse(native_error(out.error).body())
+                        yield sse(out.error.body())
                         break
                     if deltas:
                         chunk = {"text": out.text, "output_ids": out.token_ids,
@@ -159,11 +142,4 @@ def generate_route(service: EntryService) -> Route:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    @handles_errors
-    async def generate(request: Request) -> Response:
-        try:
-            return await answer(request)
-        except ApiError as exc:
-            raise native_error(exc) from None
-
-    return Route("/generate", generate, methods=["POST"])
+    return Route("/generate", handles_errors(answer), methods=["POST"])

@@ -210,7 +210,7 @@ def parse_chat(body: dict[str, Any], rid: str, served_model: str) -> tuple[Gener
     template = {name: Spec(doc, kind="boolean", name=name).read(body, default) for name, doc, default in (
         ("add_generation_prompt", "end the prompt with the assistant's turn header", True),
         ("continue_final_message", "continue the final (assistant) message instead of opening a new turn", False))}
-    return GenerateRequest(rid=rid, messages=turns, sampling=sampling, **template), options
+    return GenerateRequest(rid=rid, messages=turns, sampling=sampling, openai_names=True, **template), options
 
 
 def _is_token_ids(value: Any) -> bool:
@@ -248,8 +248,8 @@ def parse_completion(body: dict[str, Any], rid: str,
         if not all(isinstance(p, str) for p in prompts):
             raise ApiError("echo needs text prompts: the entry does not know the text of token ids", param="echo")
         options.echo = [p for p in prompts if isinstance(p, str)]
-    return [GenerateRequest(rid=rid, text=p, sampling=sampling) if isinstance(p, str)
-            else GenerateRequest(rid=rid, input_ids=p, sampling=sampling) for p in prompts], options
+    return [GenerateRequest(rid=rid, text=p, sampling=sampling, openai_names=True) if isinstance(p, str)
+            else GenerateRequest(rid=rid, input_ids=p, sampling=sampling, openai_names=True) for p in prompts], options
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:

@@ -146,8 +146,8 @@ class TokenizerActor:
                 if keep is not None:
                     input_ids = input_ids[-keep:]
                 sampling = validate_sampling(
-                    req.sampling, len(input_ids), self._context_length, self._encoder.vocab_size, self._eos_ids
-                )
+                    req.sampling, len(input_ids), self._context_length, self._encoder.vocab_size, self._eos_ids,
+                    req.openai_names)
             except ApiError as exc:
                 tracing.set_error(span, f"invalid request: {exc}")
                 return exc

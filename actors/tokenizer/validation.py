@@ -14,9 +14,11 @@ from bus.params import SPECS, SamplingParams, default_of
 
 
 def validate_sampling(
-    raw: dict[str, Any], prompt_tokens: int, context_length: int, vocab_size: int, eos_token_ids: list[int]
+    raw: dict[str, Any], prompt_tokens: int, context_length: int, vocab_size: int, eos_token_ids: list[int],
+    openai_names: bool = True,
 ) -> SamplingParams:
-    """Check every raw parameter and fill defaults; raise ApiError on the first bad one.
+    """Check every raw parameter and fill defaults; raise ApiError on the first bad one, naming it by its
+    OpenAI name (`openai_names`) or its native one.
 
     Without `max_new_tokens` the request may use the rest of the context window. Normalised: a top_k of 0 or at
     or above the vocabulary size is off (-1); EOS ids join `stop_token_ids` unless `ignore_eos`;
@@ -25,10 +27,10 @@ def validate_sampling(
     unknown = sorted((str(name) for name in set(raw) - SPECS.keys()))
     if unknown:
         raise ApiError(f"unknown sampling parameter {unknown[0]!r}"[:1000], param=unknown[0][:200])
-    values = {name: default_of(name) if raw.get(name) is None else spec.check(raw[name], vocab_size)
+    values = {name: default_of(name) if raw.get(name) is None else spec.check(raw[name], vocab_size, openai_names)
               for name, spec in SPECS.items()}
     params = SamplingParams(**values)
-    _check_lengths(params, prompt_tokens, context_length)
+    _check_lengths(params, prompt_tokens, context_length, openai_names)
     if params.top_k == 0 or params.top_k >= vocab_size:
         params.top_k = -1
     if not params.ignore_eos:
@@ -37,9 +39,9 @@ def validate_sampling(
     return params
 
 
-def _check_lengths(params: SamplingParams, prompt_tokens: int, context_length: int) -> None:
+def _check_lengths(params: SamplingParams, prompt_tokens: int, context_length: int, openai_names: bool) -> None:
     """max_new_tokens fits the context (and defaults to what is left of it); min_new_tokens <= max_new_tokens."""
-    max_name, min_name = SPECS["max_new_tokens"].error_name, SPECS["min_new_tokens"].error_name
+    max_name, min_name = SPECS["max_new_tokens"].label(openai_names), SPECS["min_new_tokens"].label(openai_names)
     if params.max_new_tokens is None:
         remaining = context_length - prompt_tokens
         if remaining < 1:
