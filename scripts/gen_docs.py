@@ -101,7 +101,7 @@ def _flag_help(action: argparse.Action) -> str:
                        "choices": action.choices}
     choices = list(action.choices) if action.choices else None
     if action.dest == "attention_backend":
-        choices = _installable_backends() or choices
+        choices = ["auto", *_installable_backends()]
         if choices:
             text += " (" + ", ".join(choices) + "; a backend other than torch only when its package is installed)"
             choices = None

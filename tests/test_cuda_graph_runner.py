@@ -86,14 +86,15 @@ def test_padded_replay_gives_the_eager_logits_and_kv(hf: Any, backend: str) -> N
     pool_eager = engine.pool.k.clone()
     engine.pool.k.copy_(pool_before)
     replayed = graphs.replay(batch.rows, batch.starts)
-    # the input ids were gathered from the device-side id table: each request's last sampled token, and
-    # request 0's again for the three padding rows
+    # the input ids were gathered from the device-side id table: each request's last sampled token, and the
+    # scratch row's 0 for the three padding rows
     last = [r.ids[-1] for r in batch.reqs]
-    assert graphs.inputs.input_ids[:8].tolist() == last + [last[0]] * 3
+    assert graphs.inputs.input_ids[:8].tolist() == last + [0] * 3
     assert engine.table.ids[batch.rows, batch.starts].tolist() == last
     assert replayed.shape == eager.shape == (5, hf.config.vocab_size)
     torch.testing.assert_close(replayed, eager, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(engine.pool.k, pool_eager, atol=1e-5, rtol=1e-5)
+    scratch = engine.pool.scratch_slot
+    torch.testing.assert_close(engine.pool.k[:, :scratch], pool_eager[:, :scratch], atol=1e-5, rtol=1e-5)
     assert torch.equal(replayed.argmax(-1), eager.argmax(-1))
     engine.finish(batch, engine.launch(batch))
     engine.check_integrity()
@@ -116,6 +117,41 @@ def test_engine_with_graph_runner_matches_transformers(hf: Any, overlap: str) ->
     assert graphed.stats().kv_running_tokens == 0
 
 
+def test_padding_rows_write_only_the_scratch_slot_under_overlap(hf: Any) -> None:
+    """Three requests on a graph of size four, overlap on: the padding row runs on the scratch row (one key,
+    the scratch slot), never on a request's row or slot, and the tokens and every request's KV are those of
+    the same engine without graphs."""
+    prompts3 = prompts()[:3]
+    reqs = [TokenizedRequest(f"r{i}", p, greedy(MAX_NEW)) for i, p in enumerate(prompts3)]
+    plain = engine_for(hf, device="cpu", max_total_tokens=256, overlap_schedule="on")
+    graphed = with_graph_runner(engine_for(hf, device="cpu", max_total_tokens=256, overlap_schedule="on"),
+                                "torch", 4)
+    graphs, backend = graphed.runner.graphs, graphed.runner.backend
+    assert graphs is not None and graphs.sizes == [1, 2, 4]
+    replays: list[tuple[int, list[int], list[int], list[int]]] = []
+    prepare = backend.prepare_for_replay
+
+    def recording(bs: int, info: Any) -> None:
+        replays.append((bs, info.req_rows.tolist(), info.out_slots.tolist(), list(info.kv_lens_cpu)))
+        prepare(bs, info)
+
+    backend.prepare_for_replay = recording  # type: ignore[method-assign]
+    out_plain, out_graphed = run_to_completion(plain, reqs), run_to_completion(graphed, reqs)
+    assert graphed.overlapped_steps > 0
+    for i, p in enumerate(prompts3):
+        assert tokens_of(out_graphed[f"r{i}"]) == tokens_of(out_plain[f"r{i}"])
+        assert_greedy_matches(hf, p, hf_greedy(hf, p, MAX_NEW, None), tokens_of(out_graphed[f"r{i}"]))
+    scratch_row, scratch_slot = graphed.table.scratch_row, graphed.pool.scratch_slot
+    padded = [r for r in replays if r[0] == 4]
+    assert padded, "three decoding requests replay the graph of size four"
+    for bs, rows, slots, kv_lens in padded:
+        assert rows[3] == scratch_row and slots[3] == scratch_slot and kv_lens[3] == 1
+        assert scratch_row not in rows[:3] and scratch_slot not in slots[:3]
+    torch.testing.assert_close(graphed.pool.k[:, :scratch_slot], plain.pool.k[:, :scratch_slot], atol=1e-5,
+                               rtol=1e-5)
+    graphed.check_integrity()
+
+
 def test_graph_settings_come_from_the_engine_config() -> None:
     assert EngineConfig(device="cpu").graph_max_bs() == 0, "no graphs on cpu"
     assert EngineConfig(device="cuda", disable_cuda_graph=True).graph_max_bs() == 0
@@ -123,6 +159,13 @@ def test_graph_settings_come_from_the_engine_config() -> None:
     assert "--cuda-graph-max-bs" in EngineConfig(cuda_graph_max_bs=8).to_argv()
     with pytest.raises(ValueError):
         EngineConfig(cuda_graph_max_bs=0)
+
+
+def test_attention_backend_auto_is_torch_off_cuda() -> None:
+    assert EngineConfig(device="cpu").resolved_attention_backend() == "torch"
+    assert EngineConfig(device="cpu", attention_backend="triton").resolved_attention_backend() == "triton"
+    expected = "triton" if "triton" in backend_names() else "torch"
+    assert EngineConfig(device="cuda").resolved_attention_backend() == expected
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="capturing CUDA graphs needs a CUDA device")

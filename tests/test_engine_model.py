@@ -23,7 +23,7 @@ class PagedRunner:
         self.model = model
         pool = KVPool(config.num_hidden_layers, 256, config.num_key_value_heads, head_dim_of(config),
                       dtype=torch.float32, device=torch.device("cpu"))
-        self.table = TokenTable(num_seqs, 128, torch.device("cpu"))
+        self.table = TokenTable(num_seqs, 128, torch.device("cpu"), pool.scratch_slot)
         self.backend = TorchPagedBackend(pool.k, pool.v, config.num_attention_heads)
         self.rows = [self.table.assign() for _ in range(num_seqs)]
         self.lengths = [0] * num_seqs

@@ -73,3 +73,31 @@ def test_extend_matches_dense_attention(shape: list[tuple[int, int]]) -> None:
         torch.testing.assert_close(v_pool[layer, out_slots[b]], values[b][-n:])
         start += n
     assert k_pool[0].abs().sum() == 0, "only the requested layer is written"
+
+
+def test_replan_guard_waits_for_the_last_plan_of_the_same_wrapper_only() -> None:
+    """FlashInfer's plan race: a wrapper is planned again only after the copy its last plan queued has run."""
+    from kernels.attention.plan_guard import ReplanGuard
+
+    log: list[str] = []
+
+    class FakeEvent:
+        count = 0
+
+        def __init__(self) -> None:
+            FakeEvent.count += 1
+            self.name = f"e{FakeEvent.count}"
+
+        def record(self) -> None:
+            log.append(f"record {self.name}")
+
+        def synchronize(self) -> None:
+            log.append(f"wait {self.name}")
+
+    guard = ReplanGuard(FakeEvent)
+    guard.plan("decode", lambda: log.append("plan decode 1"))
+    guard.plan("prefill", lambda: log.append("plan prefill 1"))
+    guard.plan("decode", lambda: log.append("plan decode 2"))
+    guard.plan("decode", lambda: log.append("plan decode 3"))
+    assert log == ["plan decode 1", "record e1", "plan prefill 1", "record e2",
+                   "wait e1", "plan decode 2", "record e3", "wait e3", "plan decode 3", "record e4"]

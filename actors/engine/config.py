@@ -37,8 +37,9 @@ class EngineConfig:
         "device for weights and KV cache: auto (cuda when available, else cpu), cpu, cuda or cuda:N"))
     dtype: str = field(default="auto", metadata=_flag(
         "weight and KV dtype: auto (float32 on cpu, bfloat16 on cuda)", choices=DTYPE_CHOICES))
-    attention_backend: str = field(default="torch", metadata=_flag(
-        "attention kernels over the paged KV cache", choices=backend_names()))
+    attention_backend: str = field(default="auto", metadata=_flag(
+        "attention kernels over the paged KV cache: auto (triton on cuda when installed, else torch)",
+        choices=("auto",) + backend_names()))
     quantization: str = field(default="none", metadata=_flag(
         "weight quantization: none (exact), int8 (per-channel int8 weights, CPU), auto (int8 when a start-up "
         "micro-benchmark finds it faster on this CPU)", choices=QUANTIZATION_CHOICES))
@@ -101,6 +102,14 @@ class EngineConfig:
         if self.dtype != "auto":
             return self.dtype
         return "float32" if self.resolved_device() == "cpu" else "bfloat16"
+
+    def resolved_attention_backend(self) -> str:
+        """The concrete backend: `auto` is triton on cuda when it is installed (the torch backend's graph path
+        gathers the table's full width for every row and layer), torch otherwise."""
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        on_cuda = self.resolved_device().startswith("cuda")
+        return "triton" if on_cuda and "triton" in backend_names() else "torch"
 
     def overlap_enabled(self) -> bool:
         """Whether the engine runs the overlap loop (`overlap_schedule`, auto = on cuda only)."""

@@ -1,16 +1,20 @@
 """CUDA-graph-captured decode: capture the model's decode forward once per batch size, replay it each step.
 
 Batch sizes form a ladder, 1, 2, 4, 8, then steps of 8 up to `max_bs` (which is always included). A decode
-batch of `n` requests runs the graph of the smallest captured size `bs >= n`: the extra `bs - n` rows repeat
-request 0 (same table row, position, token, length and output slot), so they read real data and write the
-same K/V as that request, and their logits are dropped. Inputs live in one set of static buffers
-(`GraphInputs`): `replay` takes table rows and positions, gathers the input ids into the static buffer on
-the device from `TokenTable.ids` (where the step before, possibly still in flight, wrote its sampled tokens)
-and copies the positions in; the attention backend keeps its metadata in its own static buffers through the
-three graph hooks of `AttentionBackend`, so this runner knows nothing of a particular backend.
+batch of `n` requests runs the graph of the smallest captured size `bs >= n`; the extra `bs - n` rows are
+padding on the token table's scratch row (`TokenTable.scratch_row`): position 0, a KV length of 1, their K/V
+written to the pool's scratch slot, which no request owns. So a padding row never writes a request's KV (two
+rows writing one slot would race on a GPU) and attends over one key, not a request's whole context; its
+logits are dropped. Inputs live in one set of static buffers (`GraphInputs`): `replay` takes table rows and
+positions, gathers the input ids into the static buffer on the device from `TokenTable.ids` (where the step
+before, possibly still in flight, wrote its sampled tokens) and copies the positions in; the attention
+backend keeps its metadata in its own static buffers through the three graph hooks of `AttentionBackend`, so
+this runner knows nothing of a particular backend. Every graph writes its logits into one shared
+`[max_bs, vocab]` buffer.
 
-Graphs are captured largest first, sharing one memory pool, with a progress bar. Prefill and mixed batches,
-and decode batches above `max_bs`, run eagerly (the model runner decides, with `can_run`).
+Graphs are captured largest first, sharing one memory pool, with a progress bar; the capture's dummy
+forwards run on the scratch row too, so a runner may be built while requests hold KV. Prefill and mixed
+batches, and decode batches above `max_bs`, run eagerly (the model runner decides, with `can_run`).
 
 Without CUDA (or with `capture=False`) nothing is captured: `replay` runs the same padded static-buffer
 forward eagerly, so the padding and buffer logic can be checked against the plain eager forward on a CPU.
@@ -48,13 +52,15 @@ class GraphInputs:
     input_ids: torch.Tensor  # [max_bs] int64
     positions: torch.Tensor  # [max_bs] int64
     logits_index: torch.Tensor  # [max_bs] int64, arange: every decode row samples
+    logits: torch.Tensor  # [max_bs, V] what every graph writes (one buffer, not one per size)
 
     @classmethod
-    def allocate(cls, max_bs: int, device: torch.device) -> GraphInputs:
+    def allocate(cls, max_bs: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> GraphInputs:
         return cls(
             input_ids=torch.zeros(max_bs, dtype=torch.int64, device=device),
             positions=torch.zeros(max_bs, dtype=torch.int64, device=device),
             logits_index=torch.arange(max_bs, dtype=torch.int64, device=device),
+            logits=torch.zeros(max_bs, vocab_size, dtype=dtype, device=device),
         )
 
 
@@ -70,10 +76,7 @@ class CudaGraphRunner:
         capture: bool | None = None,
         progress: bool = True,
     ) -> None:
-        """`capture`: None = capture when the table is on a CUDA device; False = eager replay (any device).
-
-        Capture runs dummy forwards that write K/V to slot 0, so build the runner before any request runs.
-        """
+        """`capture`: None = capture when the table is on a CUDA device; False = eager replay (any device)."""
         if not backend.supports_cuda_graph:
             raise ValueError(f"{type(backend).__name__} does not implement the CUDA-graph hooks")
         self.model = model
@@ -87,11 +90,11 @@ class CudaGraphRunner:
         if capture and self.device.type != "cuda":
             raise ValueError("capturing CUDA graphs needs the model on a CUDA device")
         self.captured = capture
-        self.inputs = GraphInputs.allocate(self.max_bs, self.device)
+        embed = model.model.embed_tokens.weight
+        self.inputs = GraphInputs.allocate(self.max_bs, model.config.vocab_size, embed.dtype, self.device)
         backend.init_graph_buffers(self.max_bs, table.table)
         self.meta: dict[int, AttentionMetadata] = {bs: backend.prepare_for_capture(bs) for bs in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}  # [bs, V] logits each graph writes
         if capture:
             self._capture_all(progress)
 
@@ -109,9 +112,19 @@ class CudaGraphRunner:
         device. The tensor is a view of a static output buffer: read it before the next replay."""
         n = len(req_rows)
         bs = self.padded_size(n)
-        pad = bs - n
-        pos = list(positions) + [positions[0]] * pad
-        rows = list(req_rows) + [req_rows[0]] * pad
+        self._fill_inputs(bs, list(req_rows), list(positions))
+        if self.captured:
+            self.graphs[bs].replay()
+        else:
+            self._forward(bs)
+        return self.inputs.logits[:n]
+
+    def _fill_inputs(self, bs: int, req_rows: list[int], positions: list[int]) -> None:
+        """Copy a step's inputs into the static buffers, padding `req_rows`/`positions` to `bs` rows on the
+        scratch row (position 0, one key)."""
+        pad = bs - len(req_rows)
+        pos = positions + [0] * pad
+        rows = req_rows + [self.table.scratch_row] * pad
         kv_lens_cpu = [p + 1 for p in pos]
         host = to_device([pos, rows, kv_lens_cpu], self.device)  # [3, bs], one non-blocking copy
         pos_t, rows_t = host[0], host[1]
@@ -126,15 +139,12 @@ class CudaGraphRunner:
             kv_lens=host[2],
         )
         self.backend.prepare_for_replay(bs, info)
-        if self.captured:
-            self.graphs[bs].replay()
-            return self.outputs[bs][:n]
-        return self._forward(bs)[:n]
 
     def _forward(self, bs: int) -> torch.Tensor:
-        """The static-buffer forward of size `bs` (what a graph captures)."""
+        """The static-buffer forward of size `bs` (what a graph captures): logits into the shared buffer."""
         i = self.inputs
-        return self.model(i.input_ids[:bs], i.positions[:bs], self.backend, self.meta[bs], i.logits_index[:bs])
+        logits = self.model(i.input_ids[:bs], i.positions[:bs], self.backend, self.meta[bs], i.logits_index[:bs])
+        return i.logits[:bs].copy_(logits)
 
     def _capture_all(self, progress: bool) -> None:
         pool = torch.cuda.graph_pool_handle()
@@ -143,6 +153,7 @@ class CudaGraphRunner:
         bar = tqdm(sizes, desc="Capturing CUDA graphs", unit="graph", disable=not progress)
         for bs in bar:
             bar.set_postfix(bs=bs)
+            self._fill_inputs(bs, [], [])  # every row padding: the dummy forwards touch only the scratch slot
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm up: compile kernels, settle allocations, outside the graph
@@ -150,6 +161,6 @@ class CudaGraphRunner:
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self.outputs[bs] = self._forward(bs)
+                self._forward(bs)
             self.graphs[bs] = graph
         torch.cuda.synchronize(self.device)

@@ -73,14 +73,16 @@ class Engine:
         per_token = KVPool.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, head_dim, dtype)
         num_slots = config.kv_pool_tokens(per_token, self.context_length)
         self.pool = KVPool(mc.num_hidden_layers, num_slots, mc.num_key_value_heads, head_dim, dtype, self.device)
-        self.table = TokenTable(config.max_running_requests, min(self.context_length, num_slots), self.device)
+        self.table = TokenTable(config.max_running_requests, min(self.context_length, num_slots), self.device,
+                                self.pool.scratch_slot)
         prefix_cache = create_prefix_cache(not config.disable_radix_cache, self.device)
         self.cache = CacheManager(num_slots, prefix_cache, self.table, self.device)
         chunk = config.chunked_prefill_size if config.chunking else 0
         self.prefill = PrefillManager(self.cache, config.max_prefill_tokens, chunk, config.schedule_policy,
                                       config.max_running_requests)
         self.decode = DecodeManager(self.cache, self.context_length)
-        self.runner = ModelRunner(model, self.pool, self.table, config.attention_backend, config.graph_max_bs())
+        self.runner = ModelRunner(model, self.pool, self.table, config.resolved_attention_backend(),
+                                  config.graph_max_bs())
         self.runner.thread_tuner = tuner_for(config)
         self._quantization = quantization_report(model)
         self._thread_choices: dict[str, int] = {}

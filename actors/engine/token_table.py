@@ -6,6 +6,10 @@ Both tables live on the engine's device: attention backends index `table` withou
 its input ids from `ids` on the device. A request's known tokens are written to its `ids` row at admission;
 after that each step writes the tokens it samples there itself, so the next step can read them before the
 host has seen them.
+
+One more row, `scratch_row`, is never handed out: every column of it maps to a scratch slot that no request
+owns, with token id 0. Padding rows of a CUDA-graph batch run on it (position 0, one key), so they neither
+write nor read any request's KV.
 """
 
 from __future__ import annotations
@@ -18,11 +22,15 @@ from kernels.host_copy import to_device
 
 
 class TokenTable:
-    """`table` and `ids`, both `[max_requests, max_len]` int64, plus a free list of rows."""
+    """`table` and `ids`, both `[max_requests + 1, max_len]` int64 (the last row is `scratch_row`), plus a free
+    list of rows."""
 
-    def __init__(self, max_requests: int, max_len: int, device: torch.device) -> None:
-        self.table = torch.zeros((max_requests, max_len), dtype=torch.int64, device=device)
-        self.ids = torch.zeros((max_requests, max_len), dtype=torch.int64, device=device)
+    def __init__(self, max_requests: int, max_len: int, device: torch.device, scratch_slot: int) -> None:
+        """`scratch_slot`: the KV pool's slot that no request owns (`KVPool.scratch_slot`)."""
+        self.table = torch.zeros((max_requests + 1, max_len), dtype=torch.int64, device=device)
+        self.ids = torch.zeros((max_requests + 1, max_len), dtype=torch.int64, device=device)
+        self.scratch_row = max_requests
+        self.table[self.scratch_row] = scratch_slot
         self._free_rows = list(range(max_requests - 1, -1, -1))
 
     @property

@@ -59,8 +59,8 @@ class AttentionBackend(ABC):
     `init_graph_buffers` allocates static metadata buffers for the largest captured batch,
     `prepare_for_capture(bs)` returns metadata that reads only (views of) those buffers, filled with dummy
     values, and `prepare_for_replay(bs, info)` copies a real step's metadata into them before each replay.
-    The runner pads a batch to a captured size by repeating its first request (same row, length and output
-    slot), so padded rows read real data and write the same K/V as that request.
+    The runner pads a batch to a captured size with rows on the token table's scratch row (one key, output
+    slot the pool's scratch slot), so padding rows touch no request's KV.
     """
 
     supports_cuda_graph: bool = False  # whether the three graph hooks are implemented
@@ -94,8 +94,8 @@ class AttentionBackend(ABC):
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
     def prepare_for_capture(self, bs: int) -> AttentionMetadata:
-        """Metadata for a decode batch of `bs` dummy rows (request row 0, one key, output slot 0) that reads
-        only the static buffers; the same object serves every replay of size `bs`."""
+        """Metadata for a decode batch of `bs` rows that reads only the static buffers; the same object serves
+        every replay of size `bs`. The runner fills the buffers (`prepare_for_replay`) before any forward."""
         raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
 
     def prepare_for_replay(self, bs: int, info: ForwardInfo) -> None:

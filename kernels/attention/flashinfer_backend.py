@@ -8,7 +8,9 @@ known), `kv_indices` the rows flattened on the device by a Triton kernel, and ev
 `prepare` plans the decode wrapper when every request brings one token and the prefill wrapper (causal,
 queries aligned to the end of each request's keys) otherwise; `forward` stores the new K/V and calls `run()`.
 For CUDA graphs there is one decode wrapper per captured batch size (FlashInfer fixes the batch size of a
-graph-mode wrapper), all over the same static index buffers, re-planned before each replay.
+graph-mode wrapper), all over the same static index buffers, re-planned before each replay. Every `plan()`
+goes through a `ReplanGuard` (a wrapper is never re-planned before its last plan's copy ran) and gets its host
+index tensors in pinned memory.
 
 FlashInfer's kernels take float16/bfloat16 only. GPU only; imported only when the backend is created.
 """
@@ -22,7 +24,8 @@ import flashinfer
 import torch
 
 from kernels.attention.backend import AttentionBackend, AttentionMetadata, ForwardInfo
-from kernels.host_copy import to_device
+from kernels.attention.plan_guard import ReplanGuard
+from kernels.host_copy import host_to_device, to_device
 from kernels.triton.kv_indices import build_kv_indices
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace (split-KV partial results)
@@ -57,39 +60,39 @@ class FlashInferBackend(AttentionBackend):
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores, backend=KERNELS)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=KERNELS)
         self._graph: dict[str, Any] = {}
+        self._guard = ReplanGuard(torch.cuda.Event)
 
     def _layout(self, info: ForwardInfo, indices: torch.Tensor | None = None,
                 indptr_dev: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`kv_indptr` (host int32 `[B + 1]`), `kv_indices` (device int32) and `last_page_len` (host, ones)."""
         batch = len(info.kv_lens_cpu)
-        indptr = torch.zeros(batch + 1, dtype=torch.int32)
-        indptr[1:] = torch.tensor(info.kv_lens_cpu, dtype=torch.int32).cumsum(0)
+        indptr = _running_sum(info.kv_lens_cpu)
         total = int(indptr[-1])
         kv_lens = info.kv_lens if info.kv_lens is not None else to_device(info.kv_lens_cpu, self.device)
         if indptr_dev is None:
-            indptr_dev = to_device(indptr.tolist(), self.device, torch.int32)
+            indptr_dev = host_to_device(indptr, self.device)
         else:  # the static buffer: entry 0 stays 0, the rest is the running sum, computed on the device
             indptr_dev[1 : batch + 1].copy_(torch.cumsum(kv_lens, 0, dtype=torch.int32))
         if indices is None:
             indices = torch.empty(total, dtype=torch.int32, device=self.device)
         build_kv_indices(info.token_table, info.req_rows, indptr_dev, kv_lens, indices)
-        return indptr, indices[:total], torch.ones(batch, dtype=torch.int32)
+        return indptr, indices[:total], torch.ones(batch, dtype=torch.int32).pin_memory()
 
     def _plan_decode(self, wrapper: Any, indptr: torch.Tensor, indices: torch.Tensor, last: torch.Tensor) -> None:
-        wrapper.plan(indptr, indices, last, num_qo_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                     head_dim=self.head_dim, page_size=1, q_data_type=self.k_pool.dtype,
-                     kv_data_type=self.k_pool.dtype)
+        self._guard.plan(id(wrapper), lambda: wrapper.plan(
+            indptr, indices, last, num_qo_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, page_size=1, q_data_type=self.k_pool.dtype, kv_data_type=self.k_pool.dtype))
 
     def prepare(self, info: ForwardInfo) -> FlashInferMetadata:
         indptr, indices, last = self._layout(info)
         if max(info.q_lens_cpu) == 1:
             self._plan_decode(self._decode, indptr, indices, last)
             return FlashInferMetadata(out_slots=info.out_slots, wrapper=self._decode)
-        qo_indptr = torch.zeros(len(info.q_lens_cpu) + 1, dtype=torch.int32)
-        qo_indptr[1:] = torch.tensor(info.q_lens_cpu, dtype=torch.int32).cumsum(0)
-        self._prefill.plan(qo_indptr, indptr, indices, last, num_qo_heads=self.num_heads,
-                           num_kv_heads=self.num_kv_heads, head_dim_qk=self.head_dim, page_size=1, causal=True,
-                           q_data_type=self.k_pool.dtype, kv_data_type=self.k_pool.dtype)
+        qo_indptr = _running_sum(info.q_lens_cpu)
+        self._guard.plan(id(self._prefill), lambda: self._prefill.plan(
+            qo_indptr, indptr, indices, last, num_qo_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            head_dim_qk=self.head_dim, page_size=1, causal=True, q_data_type=self.k_pool.dtype,
+            kv_data_type=self.k_pool.dtype))
         return FlashInferMetadata(out_slots=info.out_slots, wrapper=self._prefill)
 
     def forward(
@@ -117,9 +120,9 @@ class FlashInferBackend(AttentionBackend):
             paged_kv_indptr_buffer=g["indptr"][: bs + 1], paged_kv_indices_buffer=g["indices"],
             paged_kv_last_page_len_buffer=g["last"][:bs], backend=KERNELS)
         g["wrappers"][bs] = wrapper
-        # Dummy rows: one key each, slot 0 (the runner captures before any request runs).
-        indptr = torch.arange(bs + 1, dtype=torch.int32)
-        self._plan_decode(wrapper, indptr, g["indices"][:bs].zero_(), torch.ones(bs, dtype=torch.int32))
+        # A graph-mode wrapper must be planned once before capture; the runner re-plans it for real rows.
+        indptr = torch.arange(bs + 1, dtype=torch.int32).pin_memory()
+        self._plan_decode(wrapper, indptr, g["indices"][:bs].zero_(), torch.ones(bs, dtype=torch.int32).pin_memory())
         return FlashInferMetadata(out_slots=g["out_slots"][:bs], wrapper=wrapper)
 
     def prepare_for_replay(self, bs: int, info: ForwardInfo) -> None:
@@ -127,3 +130,10 @@ class FlashInferBackend(AttentionBackend):
         g["out_slots"][:bs].copy_(info.out_slots)
         indptr, indices, last = self._layout(info, indices=g["indices"], indptr_dev=g["indptr"])
         self._plan_decode(g["wrappers"][bs], indptr, indices, last)
+
+
+def _running_sum(lengths: list[int]) -> torch.Tensor:
+    """`[0, l0, l0 + l1, ...]` as a pinned host int32 tensor (FlashInfer's indptr arguments)."""
+    out = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    out[1:] = torch.tensor(lengths, dtype=torch.int32).cumsum(0)
+    return out.pin_memory()

@@ -95,8 +95,15 @@ def test_graphs_on_and_off_give_the_same_tokens(case: dict[str, Any], backend: s
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_overlap_loop_gives_the_same_tokens(case: dict[str, Any], backend: str) -> None:
-    """On cuda the overlap loop is the default; the plain loop runs the same kernels on the same inputs."""
+    """On cuda the overlap loop is the default; the plain loop runs the same kernels on the same inputs, but
+    its batches may differ in size (a request finished by a stop leaves one step later), which changes bf16
+    split-KV rounding in FlashInfer: bf16 runs are compared for closeness, float32 runs exactly."""
     dtype = torch.bfloat16 if backend == "flashinfer" else torch.float32
     need(backend, dtype)
-    assert generate(case, backend, dtype, graphs=True, overlap="on") == generate(
-        case, backend, dtype, graphs=True, overlap="off")
+    overlapped = generate(case, backend, dtype, graphs=True, overlap="on")
+    plain = generate(case, backend, dtype, graphs=True, overlap="off")
+    if dtype == torch.float32:
+        assert overlapped == plain
+        return
+    for prompt, a, b in zip(case["prompts"], plain, overlapped):
+        assert_greedy_close(case["ref"], prompt, a, b, tol=BF16_TOL)
