@@ -68,7 +68,10 @@ class TokenRow:
     """One request's new tokens in one scheduler step.
 
     `logprobs[i]` is the logprob of `token_ids[i]`; `top_ids[i]`/`top_logprobs[i]` its most likely
-    alternatives (empty unless the request asked for logprobs).
+    alternatives (empty unless the request asked for logprobs). With `return_prompt_ids` or `logprob_start_len`
+    the request's first row carries its prompt (`prompt_ids`); with `logprob_start_len`, the logprobs of the
+    prompt's last `len(prompt_logprobs)` tokens (None for the prompt's first token, which nothing predicts),
+    their 1-based ranks in the vocabulary (0 there) and alternatives.
     """
 
     rid: str
@@ -82,6 +85,11 @@ class TokenRow:
     logprobs: list[float] = field(default_factory=list)
     top_ids: list[list[int]] = field(default_factory=list)
     top_logprobs: list[list[float]] = field(default_factory=list)
+    prompt_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    prompt_ranks: list[int] = field(default_factory=list)
+    prompt_top_ids: list[list[int]] = field(default_factory=list)
+    prompt_top_logprobs: list[list[float]] = field(default_factory=list)
     # first row only, with tracing on: the request's trace context, so the detokenizer's span joins its trace
     traceparent: str | None = None
 
@@ -107,14 +115,16 @@ class TopLogprob:
 
 @dataclass
 class TokenLogprob:
-    """A generated token's logprob and, if asked for, the most likely alternatives at its position.
-    `bytes` as in TopLogprob: the token's raw bytes, which reassemble a character split over tokens."""
+    """A token's logprob and, if asked for, the most likely alternatives at its position.
+    `bytes` as in TopLogprob: the token's raw bytes, which reassemble a character split over tokens. A prompt
+    token also has its 1-based `rank` in the vocabulary; the prompt's first token has neither logprob nor rank."""
 
     token_id: int
     token: str
-    logprob: float
+    logprob: float | None
     top: list[TopLogprob] = field(default_factory=list)
     bytes: list[int] | None = None
+    rank: int | None = None
 
 
 @dataclass
@@ -137,6 +147,10 @@ class RequestOutput:
     error: ApiError | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     queue_time: float | None = None  # first output only: seconds the request waited in the scheduler's queue
+    # first output only: with logprob_start_len, the prompt's tokens from there on with their logprobs; with
+    # return_prompt_ids (or logprob_start_len), the prompt's token ids
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=list)
 
     @property
     def is_last(self) -> bool:

@@ -29,7 +29,8 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 class SamplingParams:
     """Validated sampling parameters; everything that affects the model is fixed here."""
 
-    max_new_tokens: int = param(doc="tokens to generate at most", low=1, openai=("max_tokens", "max_completion_tokens"),
+    max_new_tokens: int = param(doc="tokens to generate at most; 0 scores the prompt only (with logprob_start_len)",
+                                low=0, openai=("max_tokens", "max_completion_tokens"),
                                 default_doc="the rest of the context window (128 in /generate)")
     min_new_tokens: int = param(0, "no stop token or stop string ends the request before this many tokens", low=0,
                                 openai=("min_tokens",), default_doc="0 (at most max_tokens)")
@@ -61,6 +62,16 @@ class SamplingParams:
                                  default_doc="false (true when top_logprobs_num > 0)")
     top_logprobs_num: int = param(0, "return this many most likely alternatives with every token", low=0,
                                   high=MAX_TOP_LOGPROBS, openai=())
+    logprob_start_len: int = param(-1, "with return_logprob: also return the logprobs of the prompt's tokens from "
+                                   "this position on (the first token's is null); -1 = none", low=-1, openai=())
+
+    return_prompt_ids: bool = param(False, "return the prompt's token ids with the first output",
+                                    openai=("return_token_ids",))
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether the engine computes logprobs of prompt tokens (`logprob_start_len` on)."""
+        return self.return_logprob and self.logprob_start_len >= 0
 
     @property
     def uses_penalties(self) -> bool:

@@ -202,3 +202,24 @@ def _gumbel(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     # 23 bits as an odd multiple of 2**-24: exact in float32 and strictly inside (0, 1), so both logs are finite.
     u = ((h >> 9) * 2 + 1).float() * 2.0**-24
     return -torch.log(-torch.log(u))
+
+
+@dataclass
+class ScoredTokens:
+    """Logprobs of given tokens (prompt tokens) under raw logits: each one's, its 1-based rank, the top k."""
+
+    logprobs: torch.Tensor  # [E] float32
+    ranks: torch.Tensor  # [E] int64, 1 = the most likely token
+    top_ids: torch.Tensor | None  # [E, K] int64, None when k is 0
+    top_logprobs: torch.Tensor | None  # [E, K] float32
+
+
+def score_tokens(logits: torch.Tensor, targets: torch.Tensor, k: int) -> ScoredTokens:
+    """Score `targets` `[E]` under `logits` `[E, V]` (raw log-softmax, as `sample`'s logprobs)."""
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    chosen = raw.gather(1, targets[:, None])  # [E, 1]
+    ranks = (raw > chosen).sum(dim=-1) + 1
+    if k <= 0:
+        return ScoredTokens(chosen.squeeze(1), ranks, None, None)
+    top_logprobs, top_ids = raw.topk(min(k, raw.shape[-1]), dim=-1)
+    return ScoredTokens(chosen.squeeze(1), ranks, top_ids, top_logprobs)

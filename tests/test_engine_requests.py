@@ -45,7 +45,7 @@ def test_invalid_requests_are_rejected_with_the_numbers(hf: Any) -> None:
     assert big.add_request(TokenizedRequest("e", PROMPT, greedy(251))) is None
     no_tokenizer = engine.add_request(TokenizedRequest("f", PROMPT, greedy(4, stop=["x"])))
     assert no_tokenizer is not None and no_tokenizer.code == 500
-    assert engine.add_request(TokenizedRequest("g", PROMPT, greedy(0))) is not None
+    assert engine.add_request(TokenizedRequest("g", PROMPT, greedy(-1))) is not None
 
     stats = engine.stats()
     assert (stats.num_waiting_reqs, stats.kv_running_tokens, stats.kv_total_tokens, stats.context_length) == (

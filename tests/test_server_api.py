@@ -84,7 +84,7 @@ MSG = [{"role": "user", "content": "hello"}]
     (CHAT, {"messages": MSG, "top_p": 0}, "top_p"),
     (CHAT, {"messages": MSG, "top_p": 1.01}, "top_p"),
     (CHAT, {"messages": MSG, "top_k": 1.5}, "top_k"),
-    (CHAT, {"messages": MSG, "max_tokens": 0}, "max_tokens"),
+    (CHAT, {"messages": MSG, "max_tokens": -1}, "max_tokens"),
     (CHAT, {"messages": MSG, "max_tokens": 10_000_000}, "max_tokens"),
     (CHAT, {"messages": []}, "messages"),
     (CHAT, {"messages": MSG, "stream": True, "top_k": "x"}, "top_k"),

@@ -52,7 +52,7 @@ def test_n_answers_a_flat_list_with_seed_plus_i(smollm_server: ServerHandle) -> 
 
 
 def test_errors_name_the_native_parameter(smollm_server: ServerHandle) -> None:
-    for sampling, param in (({"max_new_tokens": 0}, "max_new_tokens"),
+    for sampling, param in (({"max_new_tokens": -1}, "max_new_tokens"),
                             ({"max_new_tokens": 4, "min_new_tokens": 9}, "min_new_tokens"),
                             ({"max_new_tokens": 10**6}, "max_new_tokens"),
                             ({"top_logprobs_num": 99}, "top_logprobs_num"),
@@ -63,7 +63,7 @@ def test_errors_name_the_native_parameter(smollm_server: ServerHandle) -> None:
         assert error["param"] == param, (sampling, error)
         assert "max_tokens" not in error["message"] and "min_tokens" not in error["message"], error
     chat = httpx.post(smollm_server.base_url + "/v1/chat/completions", timeout=60,
-                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0})
+                      json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1})
     assert chat.json()["error"]["param"] == "max_tokens"  # the OpenAI routes keep the OpenAI names
 
 

@@ -27,7 +27,7 @@ def check(raw: dict, prompt_tokens: int = 10) -> SamplingParams:
     ({"top_k": 2.5}, "top_k"),
     ({"top_k": -5}, "top_k"),
     ({"top_k": "3"}, "top_k"),
-    ({"max_new_tokens": 0}, "max_tokens"),
+    ({"max_new_tokens": -1}, "max_tokens"),
     ({"max_new_tokens": 5.0}, "max_tokens"),
     ({"max_new_tokens": 91}, "max_tokens"),
     ({"seed": -1}, "seed"),

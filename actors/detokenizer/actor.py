@@ -80,13 +80,19 @@ class DetokenizerActor:
         text = decoder.feed(row.token_ids, row.finish)
         if row.finish is not None:
             del self._decoders[row.rid]
+        scored_ids = row.prompt_ids[len(row.prompt_ids) - len(row.prompt_logprobs):]  # the scored tail
         return RequestOutput(rid=row.rid, text=text, token_ids=row.token_ids, prompt_tokens=row.prompt_tokens,
                              completion_tokens=row.completion_tokens, cached_tokens=row.cached_tokens,
-                             finish=row.finish, logprobs=self._logprobs(row), queue_time=row.queue_time)
+                             finish=row.finish, queue_time=row.queue_time,
+                             logprobs=self._logprobs(row.token_ids, row.logprobs, row.top_ids, row.top_logprobs),
+                             prompt_logprobs=self._logprobs(scored_ids, row.prompt_logprobs, row.prompt_top_ids,
+                                                            row.prompt_top_logprobs, row.prompt_ranks),
+                             prompt_token_ids=row.prompt_ids)
 
-    def _logprobs(self, row: TokenRow) -> list[TokenLogprob]:
-        """The row's logprobs with each token's text (one decode per token: only rows that asked pay for it)."""
-        if not row.logprobs:
+    def _logprobs(self, token_ids: list[int], logprobs: list[float | None], top_ids: list[list[int]],
+                  top_logprobs: list[list[float]], ranks: list[int] | None = None) -> list[TokenLogprob]:
+        """Tokens' logprobs with each token's text (one decode per token: only rows that asked pay for it)."""
+        if not logprobs:
             return []
         text, raw = self._token_text, self._token_bytes
 
@@ -95,10 +101,11 @@ class DetokenizerActor:
             return TopLogprob(token_id, token, logprob, bytes=raw(token_id, token))
 
         out = []
-        for t, lp, ids, values in zip(row.token_ids, row.logprobs, row.top_ids, row.top_logprobs):
+        for k, (t, lp, ids, values) in enumerate(zip(token_ids, logprobs, top_ids, top_logprobs)):
             token = text(t)
+            rank = (ranks[k] or None) if ranks else None  # 0: the prompt's first token, which has no rank
             out.append(TokenLogprob(token_id=t, token=token, logprob=lp, top=[top(i, v) for i, v in zip(ids, values)],
-                                    bytes=raw(t, token)))
+                                    bytes=raw(t, token), rank=rank))
         return out
 
     def _token_text(self, token_id: int) -> str:

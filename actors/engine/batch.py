@@ -41,6 +41,16 @@ class Batch:
     def sampling_reqs(self) -> list[Req]:
         return [req for req, s in zip(self.reqs, self.samples) if s]
 
+    def prompt_logit_spans(self) -> list[tuple[int, int, int]]:
+        """`(row b, first position, count)` for each prefill row whose computed positions score prompt tokens
+        it wants logprobs of (`logprob_start_len`); empty for most batches."""
+        spans = []
+        for b in range(self.num_decode, len(self.reqs)):
+            first, count = self.reqs[b].prompt_logit_span(self.starts[b], self.extend_lens[b])
+            if count:
+                spans.append((b, first, count))
+        return spans
+
 
 @dataclass
 class ForwardOutput:
@@ -57,8 +67,21 @@ class ForwardOutput:
     logprobs_cpu: torch.Tensor | None = None  # [S]
     top_ids_cpu: torch.Tensor | None = None  # [S, K]
     top_logprobs_cpu: torch.Tensor | None = None  # [S, K]
+    prompt: PromptScores | None = None  # when some row scores prompt tokens (`Batch.prompt_logit_spans`)
 
     def wait(self) -> None:
         """Block until the host copies are complete."""
         if self.copy_done is not None:
             self.copy_done.synchronize()
+
+
+@dataclass
+class PromptScores:
+    """Prompt tokens scored by one step, on the host: the rows of `spans` (`Batch.prompt_logit_spans`) in
+    order, `count` entries each."""
+
+    spans: list[tuple[int, int, int]]
+    logprobs_cpu: torch.Tensor  # [E] float32
+    ranks_cpu: torch.Tensor  # [E] int64
+    top_ids_cpu: torch.Tensor | None  # [E, K]
+    top_logprobs_cpu: torch.Tensor | None  # [E, K]

@@ -57,10 +57,11 @@ class CacheManager:
     def admit(self, req: Req) -> None:
         """Give `req` a table row holding the longest cached prefix of its tokens (locked while it runs).
 
-        At least the last token is left uncached: the forward must compute it to sample the next one.
+        At least the last token is left uncached: the forward must compute it to sample the next one (and
+        every token whose logits score a prompt logprob still to come, `Req.prefix_limit`).
         """
         assert req.device_len == req.seq_len, "a request is admitted with all its tokens applied"
-        handle, slots = self.prefix_cache.match_prefix(req.ids[: req.seq_len - 1])
+        handle, slots = self.prefix_cache.match_prefix(req.ids[: req.prefix_limit])
         self.prefix_cache.lock(handle)
         req.row = self.table.assign()
         self.table.write(req.row, 0, slots)

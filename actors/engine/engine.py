@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from actors.engine.batch import Batch, ForwardOutput
+from actors.engine.batch import Batch, ForwardOutput, PromptScores
 from actors.engine.cache_manager import CacheManager
 from actors.engine.config import EngineConfig
 from actors.engine.decode import DecodeManager
@@ -139,8 +139,11 @@ class Engine:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             return ApiError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="input_ids")
-        if params.max_new_tokens < 1:
-            return ApiError(f"max_new_tokens must be at least 1, got {params.max_new_tokens}", param="max_new_tokens")
+        if params.max_new_tokens < 0:
+            return ApiError(f"max_new_tokens must be at least 0, got {params.max_new_tokens}", param="max_new_tokens")
+        if params.wants_prompt_logprobs and params.logprob_start_len >= len(ids):
+            return ApiError(f"logprob_start_len must be less than the prompt's {len(ids)} tokens, got "
+                            f"{params.logprob_start_len}", param="logprob_start_len")
         total = len(ids) + params.max_new_tokens
         for limit, what in ((self.context_length, "the context length"), (self.num_slots, "the KV pool")):
             if total > limit:
@@ -251,11 +254,17 @@ class Engine:
         logprobs = out.logprobs_cpu.tolist() if out.logprobs_cpu is not None else None
         top_ids = out.top_ids_cpu.tolist() if out.top_ids_cpu is not None else None
         top_lps = out.top_logprobs_cpu.tolist() if out.top_logprobs_cpu is not None else None
+        if out.prompt is not None:
+            self._gather_prompt_scores(batch, out.prompt)
         rows: list[TokenRow] = []
         for k, req in enumerate(batch.sampling_reqs):
             # Finished by a stop at the step before (launched before that one was applied), or aborted while
             # this step was in flight: the token is one too many; the request's slots are already freed.
             if self.live.get(req.rid) is not req:
+                continue
+            if req.params.max_new_tokens == 0:  # the prompt is scored: nothing to generate
+                self._release(req)
+                rows.append(self._output(req, [], FinishReason("length")))
                 continue
             token = tokens[k]
             req.ids.append(token)
@@ -274,6 +283,23 @@ class Engine:
                 row.top_logprobs = [top_lps[k][:n] if top_lps and n else []]
             rows.append(row)
         return rows
+
+    def _gather_prompt_scores(self, batch: Batch, scores: PromptScores) -> None:
+        """Add a step's scored prompt tokens to their requests (their first row carries them)."""
+        logprobs, ranks = scores.logprobs_cpu.tolist(), scores.ranks_cpu.tolist()
+        top_ids = scores.top_ids_cpu.tolist() if scores.top_ids_cpu is not None else None
+        top_lps = scores.top_logprobs_cpu.tolist() if scores.top_logprobs_cpu is not None else None
+        at = 0
+        for b, _, count in scores.spans:
+            req, end = batch.reqs[b], at + count
+            acc = req.prompt_logprobs
+            if acc is not None and self.live.get(req.rid) is req:
+                n = req.params.top_logprobs_num
+                acc.logprobs += logprobs[at:end]
+                acc.ranks += ranks[at:end]
+                acc.top_ids += [t[:n] for t in top_ids[at:end]] if top_ids and n else [[] for _ in range(count)]
+                acc.top_logprobs += [t[:n] for t in top_lps[at:end]] if top_lps and n else [[] for _ in range(count)]
+            at = end
 
     def abort(self, rid: str) -> TokenRow | None:
         """Drop a waiting or running request now and free its KV; its final row, or None if `rid` is not live."""
@@ -356,7 +382,15 @@ class Engine:
         if first and req.admitted:  # the hit rate counts prompts that reached the prefix cache
             self._prompt_tokens += req.prompt_len
             self._cached_tokens += req.cached_tokens
-        return TokenRow(rid=req.rid, token_ids=token_ids, prompt_tokens=req.prompt_len,
-                        completion_tokens=req.output_len, cached_tokens=req.cached_tokens, finish=finish,
-                        decode=req.params.decode_params() if first else None,
-                        queue_time=req.queue_time if first else None)
+        row = TokenRow(rid=req.rid, token_ids=token_ids, prompt_tokens=req.prompt_len,
+                       completion_tokens=req.output_len, cached_tokens=req.cached_tokens, finish=finish,
+                       decode=req.params.decode_params() if first else None,
+                       queue_time=req.queue_time if first else None)
+        scored = req.prompt_logprobs
+        complete = scored is not None and len(scored.logprobs) == req.prompt_len - scored.start
+        if first and (req.params.return_prompt_ids or complete):
+            row.prompt_ids = req.ids[: req.prompt_len]
+        if first and complete:
+            row.prompt_logprobs, row.prompt_ranks = scored.logprobs, scored.ranks
+            row.prompt_top_ids, row.prompt_top_logprobs = scored.top_ids, scored.top_logprobs
+        return row

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from actors.engine.batch import Batch, ForwardOutput
+from actors.engine.batch import Batch, ForwardOutput, PromptScores
 from actors.engine.cuda_graph import CudaGraphRunner
 from actors.engine.kv_pool import KVPool
 from actors.engine.llama import Attention, LlamaForCausalLM, RMSNorm
@@ -23,7 +23,7 @@ from actors.engine.thread_tuner import ThreadTuner
 from actors.engine.token_table import TokenTable
 from kernels.attention import AttentionBackend, ForwardInfo, create_backend
 from kernels.host_copy import to_device
-from kernels.sampling import sample
+from kernels.sampling import sample, score_tokens
 
 
 class ModelRunner:
@@ -60,18 +60,27 @@ class ModelRunner:
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)
             started = time.perf_counter()
-        # One new token per request, each sampling (a 1-token chunk that does not sample runs eagerly).
+        spans = batch.prompt_logit_spans()
+        # One new token per request, each sampling (a 1-token chunk that does not sample runs eagerly); a
+        # 1-token chunk never scores a prompt token (it is the prompt's last, which predicts the output).
         if self.graphs is not None and all(batch.samples) and self.graphs.can_run(batch.extend_lens):
             logits = self.graphs.replay(batch.rows, batch.starts)
         else:
-            logits = self._forward_eager(batch)
-        out = self._sample(batch, logits)
+            logits = self._forward_eager(batch, spans)
+        num_sampling = sum(batch.samples)
+        out = self._sample(batch, logits[:num_sampling])
+        if spans:
+            out.prompt = self._score_prompt(batch, spans, logits[num_sampling:])
+        if self.device.type == "cuda":  # after every host copy of this step was queued
+            out.copy_done = torch.cuda.Event()
+            out.copy_done.record()
         if tuner is not None:  # on the CPU the step has run by now: its wall time is its cost
             tuner.record(batch.num_tokens, threads, time.perf_counter() - started)
         return out
 
-    def _forward_eager(self, batch: Batch) -> torch.Tensor:
-        """Logits `[S, V]` of the batch's sampling rows, through `backend.prepare` and the model."""
+    def _forward_eager(self, batch: Batch, spans: list[tuple[int, int, int]] | None = None) -> torch.Tensor:
+        """Logits `[S + E, V]`: of the batch's sampling rows, then of the `E` positions in `spans` (prompt
+        tokens to score, `Batch.prompt_logit_spans`), through `backend.prepare` and the model."""
         table_rows = batch.rows
         positions = [p for start, n in zip(batch.starts, batch.extend_lens) for p in range(start, start + n)]
         row_of_token = [row for row, n in zip(table_rows, batch.extend_lens) for _ in range(n)]
@@ -89,7 +98,11 @@ class ModelRunner:
         )
         input_ids = self.table.ids[rows_t, positions_t]
         ends = torch.tensor(batch.extend_lens, dtype=torch.int64).cumsum(0) - 1
-        logits_index = to_device(ends[torch.tensor(batch.samples, dtype=torch.bool)].tolist(), device)
+        index = ends[torch.tensor(batch.samples, dtype=torch.bool)].tolist()
+        for b, first, count in spans or ():
+            offset = int(ends[b]) - batch.extend_lens[b] + 1 - batch.starts[b]  # flat index of position 0
+            index += range(offset + first, offset + first + count)
+        logits_index = to_device(index, device)
         meta = self.backend.prepare(info)
         return self.model(input_ids, positions_t, self.backend, meta, logits_index)
 
@@ -115,10 +128,21 @@ class ModelRunner:
             top_ids_cpu=None if out.top_ids is None else out.top_ids.to("cpu", non_blocking=non_blocking),
             top_logprobs_cpu=None if out.top_logprobs is None else out.top_logprobs.to("cpu", non_blocking=non_blocking),
         )
-        if non_blocking:
-            result.copy_done = torch.cuda.Event()
-            result.copy_done.record()
         return result
+
+
+    def _score_prompt(self, batch: Batch, spans: list[tuple[int, int, int]], logits: torch.Tensor) -> PromptScores:
+        """Score the prompt tokens that the logits of `spans`' positions predict (the token after each)."""
+        targets = [batch.reqs[b].ids[p + 1] for b, first, count in spans for p in range(first, first + count)]
+        k = max(batch.reqs[b].params.top_logprobs_num for b, _, _ in spans)
+        scored = score_tokens(logits, to_device(targets, self.device), k)
+        non_blocking = self.device.type == "cuda"
+
+        def host(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to("cpu", non_blocking=non_blocking)
+
+        return PromptScores(spans, host(scored.logprobs), host(scored.ranks), host(scored.top_ids),
+                            host(scored.top_logprobs))  # type: ignore[arg-type]
 
 
 def use_triton_kernels(model: LlamaForCausalLM) -> None:

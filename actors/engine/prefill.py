@@ -127,7 +127,7 @@ class PrefillManager:
 
     def _ordered(self) -> list[Req]:
         if self.policy == "lpm" and 1 < len(self.waiting) <= LPM_MAX_QUEUE:
-            match = {id(r): self.cache.prefix_cache.match_prefix(r.ids[: r.seq_len - 1])[0].cached_len
+            match = {id(r): self.cache.prefix_cache.match_prefix(r.ids[: r.prefix_limit])[0].cached_len
                      for r in self.waiting}
             return sorted(self.waiting, key=lambda r: -match[id(r)])
         return list(self.waiting)

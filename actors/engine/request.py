@@ -39,9 +39,30 @@ class Req:
     arrived_at: float = field(default_factory=time.monotonic)
     queue_time: float | None = None  # seconds from arrival to first admission, once admitted
     device_len: int = field(init=False)  # len(ids) + the token in flight, advanced when a sampling step launches
+    # logprob_start_len: the prompt tokens' logprobs, gathered chunk by chunk until the first row carries them
+    prompt_logprobs: PromptLogprobs | None = None
 
     def __post_init__(self) -> None:
         self.device_len = len(self.ids)
+        if self.params.wants_prompt_logprobs:
+            self.prompt_logprobs = PromptLogprobs(self.params.logprob_start_len)
+
+    @property
+    def prefix_limit(self) -> int:
+        """How many of its tokens admission may take from the prefix cache: all but the last, or, while its
+        prompt logprobs are still to come, none past the first position whose logits they need."""
+        if self.prompt_logprobs is not None and not self.first_row_sent:
+            return min(self.prompt_logprobs.first_logit, self.seq_len - 1)
+        return self.seq_len - 1
+
+    def prompt_logit_span(self, start: int, n: int) -> tuple[int, int]:
+        """Of the positions `[start, start + n)` a step computes, those whose logits score a prompt token this
+        request wants the logprob of: `(first position, count)`, count 0 when none."""
+        if self.prompt_logprobs is None or self.first_row_sent:
+            return start, 0
+        first = max(start, self.prompt_logprobs.first_logit)
+        last = min(start + n, self.prompt_len - 1)  # position prompt_len - 1 predicts the first output token
+        return first, max(last - first, 0)
 
     @property
     def seq_len(self) -> int:
@@ -73,3 +94,26 @@ class Req:
             penalties=self.penalties, seed=self.seed, position=position,
             num_top_logprobs=p.top_logprobs_num if p.return_logprob else -1,
         )
+
+
+@dataclass
+class PromptLogprobs:
+    """Prompt tokens' logprobs from `start` on; the logits at position `p` score token `p + 1`, so token
+    `start` (or 1, when `start` is 0: the first token has no logprob) needs the logits at `first_logit`."""
+
+    start: int
+    logprobs: list[float | None] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.start == 0:  # nothing predicts the first token
+            self.logprobs.append(None)
+            self.ranks.append(0)
+            self.top_ids.append([])
+            self.top_logprobs.append([])
+
+    @property
+    def first_logit(self) -> int:
+        return max(self.start, 1) - 1

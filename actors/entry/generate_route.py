@@ -30,7 +30,7 @@ from bus.subjects import InvalidRidError, new_rid, validate_rid
 
 DEFAULT_GENERATE_MAX_NEW_TOKENS = 128
 # SGLang takes these next to sampling_params; here they are sampling parameters
-_TOP_LEVEL_SAMPLING = ("return_logprob", "top_logprobs_num")
+_TOP_LEVEL_SAMPLING = ("return_logprob", "top_logprobs_num", "logprob_start_len")
 STREAM_DELTAS = Spec("streamed: send only the text and output ids new in each chunk, not everything so far",
                      kind="boolean", name="stream_deltas")
 def _is_ids(value: Any) -> bool:
@@ -86,10 +86,16 @@ def parse_generate(body: dict[str, Any]) -> tuple[list[GenerateRequest], int, bo
     return gen_reqs, n, batch or n > 1
 
 
-def _logprob_meta(entries: list[TokenLogprob]) -> dict[str, Any]:
-    """SGLang's logprob fields of meta_info: `[logprob, token_id, text]` per token, and per alternative."""
-    return {"output_token_logprobs": [[finite(e.logprob), e.token_id, e.token] for e in entries],
-            "output_top_logprobs": [[[finite(t.logprob), t.token_id, t.token] for t in e.top] for e in entries]}
+def _logprob_meta(entries: list[TokenLogprob], prompt: list[TokenLogprob]) -> dict[str, Any]:
+    """SGLang's logprob fields of meta_info: `[logprob, token_id, text]` per token, and per alternative; the
+    prompt's from `logprob_start_len` on (the first token's logprob null, its alternatives null)."""
+    def top(e: TokenLogprob) -> list[list[Any]] | None:
+        return None if e.logprob is None else [[finite(t.logprob), t.token_id, t.token] for t in e.top]
+
+    return {"input_token_logprobs": [[finite(e.logprob), e.token_id, e.token] for e in prompt],
+            "input_top_logprobs": [top(e) for e in prompt],
+            "output_token_logprobs": [[finite(e.logprob), e.token_id, e.token] for e in entries],
+            "output_top_logprobs": [top(e) for e in entries]}
 
 
 def generate_route(service: EntryService) -> Route:
@@ -101,19 +107,24 @@ def generate_route(service: EntryService) -> Route:
         stream = STREAM.read(body, False)
         deltas = STREAM_DELTAS.read(body, False)
         wants_logprobs = bool(gen_reqs[0].sampling.get("return_logprob") or gen_reqs[0].sampling.get("top_logprobs_num"))
+        wants_prompt_ids = gen_reqs[0].sampling.get("return_prompt_ids") is True
         group = await ChoiceGroup.start(service, request, gen_reqs, n)
         rids = [choice.stream.rid for choice in group.choices]
 
-        def meta(index: int, out: RequestOutput, entries: list[TokenLogprob]) -> dict[str, Any]:
-            info = {"id": rids[index], "finish_reason": asdict(out.finish) if out.finish else None,
-                    "prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-                    "cached_tokens": out.cached_tokens}
-            return {**info, **_logprob_meta(entries)} if wants_logprobs else info
+        def meta(index: int, out: RequestOutput, entries: list[TokenLogprob], first: RequestOutput) -> dict[str, Any]:
+            """`first`: the request's first output, which carries what is said of its prompt."""
+            info: dict[str, Any] = {"id": rids[index], "finish_reason": asdict(out.finish) if out.finish else None,
+                                    "prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
+                                    "cached_tokens": out.cached_tokens}
+            if wants_prompt_ids:
+                info["prompt_token_ids"] = first.prompt_token_ids
+            return {**info, **_logprob_meta(entries, first.prompt_logprobs)} if wants_logprobs else info
 
         if not stream:
             results = [{"text": "".join(out.text for out in outputs),
                         "output_ids": [t for out in outputs for t in out.token_ids],
-                        "meta_info": meta(i, outputs[-1], [e for out in outputs for e in out.logprobs])}
+                        "meta_info": meta(i, outputs[-1], [e for out in outputs for e in out.logprobs],
+                                          outputs[0])}
                        for i, outputs in enumerate(await group.collect(request))]
             return JSONResponse(results if listed else results[0])
 
@@ -121,20 +132,22 @@ def generate_route(service: EntryService) -> Route:
             texts = ["" for _ in rids]
             ids: list[list[int]] = [[] for _ in rids]
             logprobs: list[list[TokenLogprob]] = [[] for _ in rids]
+            firsts: dict[int, RequestOutput] = {}
             async with contextlib.aclosing(group.merged()) as outputs:
                 async for index, out in outputs:
                     if out.error is not None:
                         yield sse(out.error.body())
                         break
+                    first = firsts.setdefault(index, out)
                     if deltas:
                         chunk = {"text": out.text, "output_ids": out.token_ids,
-                                 "meta_info": meta(index, out, out.logprobs)}
+                                 "meta_info": meta(index, out, out.logprobs, out)}
                     else:
                         texts[index] += out.text
                         ids[index] += out.token_ids
                         logprobs[index] += out.logprobs
                         chunk = {"text": texts[index], "output_ids": list(ids[index]),
-                                 "meta_info": meta(index, out, logprobs[index])}
+                                 "meta_info": meta(index, out, logprobs[index], first)}
                     if listed:
                         chunk["index"] = index
                     yield sse(chunk)

@@ -16,8 +16,11 @@ from bus.messages import TokenLogprob, TopLogprob
 FLOOR_LOGPROB = -9999.0
 
 
-def finite(logprob: float) -> float:
-    """`logprob` as a JSON-safe number: -inf (and NaN) become FLOOR_LOGPROB."""
+def finite(logprob: float | None) -> float | None:
+    """`logprob` as a JSON-safe number: -inf (and NaN) become FLOOR_LOGPROB; None (the prompt's first token,
+    which nothing predicts) stays null."""
+    if logprob is None:
+        return None
     return logprob if math.isfinite(logprob) else FLOOR_LOGPROB
 
 
@@ -58,6 +61,22 @@ class LogprobFormatter:
         return {
             "tokens": [e.token for e in entries],
             "token_logprobs": [finite(e.logprob) for e in entries],
-            "top_logprobs": [{t.token: finite(t.logprob) for t in e.top} for e in entries] if self.top else None,
+            "top_logprobs": [{t.token: finite(t.logprob) for t in e.top} if e.logprob is not None else None
+                             for e in entries] if self.top else None,
             "text_offset": offsets,
         }
+
+
+def vllm_prompt_logprobs(entries: list[TokenLogprob]) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, null for the first, else `{token id: {logprob, rank,
+    decoded_token}}` holding the token itself and its alternatives (1-based ranks)."""
+    out: list[dict[str, Any] | None] = []
+    for e in entries:
+        if e.logprob is None:
+            out.append(None)
+            continue
+        item = {str(t.token_id): {"logprob": finite(t.logprob), "rank": rank, "decoded_token": t.token}
+                for rank, t in enumerate(e.top, 1)}
+        item[str(e.token_id)] = {"logprob": finite(e.logprob), "rank": e.rank, "decoded_token": e.token}
+        out.append(item)
+    return out

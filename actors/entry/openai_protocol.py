@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bus.errors import ApiError
-from actors.entry.openai_logprobs import LogprobFormatter
+from actors.entry.openai_logprobs import LogprobFormatter, vllm_prompt_logprobs
 from bus.messages import ChatMessage, FinishReason, GenerateRequest, RequestOutput, TokenLogprob
 from bus.param_spec import Spec
 from bus.params import MAX_TOP_LOGPROBS, openai_names
@@ -36,8 +36,11 @@ TOP_LOGPROBS = Spec("this many most likely alternatives with every token (needs 
                     high=MAX_TOP_LOGPROBS, kind="integer", name="top_logprobs")
 COMPLETION_LOGPROBS = Spec("return logprobs, with this many most likely alternatives per token", low=0,
                            high=MAX_TOP_LOGPROBS, kind="integer", name="logprobs")
-ECHO = Spec("put the prompt before each choice's text (string prompts, without logprobs)", kind="boolean",
-            name="echo")
+ECHO = Spec("put the prompt before each choice's text (string prompts); with logprobs, the prompt's tokens and "
+            "their logprobs come first (the first token's null)", kind="boolean", name="echo")
+PROMPT_LOGPROBS = Spec("vLLM's: each prompt token's logprob with this many alternatives, as prompt_logprobs (the "
+                       "first token's null); not with stream", low=0, high=MAX_TOP_LOGPROBS, kind="integer",
+                       name="prompt_logprobs")
 BEST_OF = Spec("must be 1 or n: choosing the best of more samples than n is not supported", low=1, high=MAX_N,
                kind="integer", name="best_of")
 
@@ -80,8 +83,8 @@ STREAM_OPTIONS_NO_EFFECT = {"include_obfuscation": "random padding against lengt
 _COMMON_FIELDS = {"model", "n", "stream", "stream_options", *_SAMPLING_FIELDS}
 ROUTE_FIELDS: dict[str, set[str]] = {
     "chat": _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "add_generation_prompt",
-                              "continue_final_message"},
-    "completion": _COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of"},
+                              "continue_final_message", "prompt_logprobs"},
+    "completion": _COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of", "prompt_logprobs"},
 }
 
 
@@ -111,6 +114,9 @@ class ApiOptions:
     logprobs: bool = False  # the client asked for logprobs
     top_logprobs: int = 0  # and this many alternatives per token
     echo: list[str] = field(default_factory=list)  # with echo: each prompt's text, put before its choices' text
+    echo_logprobs: bool = False  # echo with logprobs: the prompt tokens' logprobs come before the choice's
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs: the prompt tokens' logprobs in their own field
+    token_ids: bool = False  # vLLM's return_token_ids: the prompt's and each choice's token ids
 
     @property
     def object_name(self) -> str:
@@ -119,6 +125,10 @@ class ApiOptions:
     def echo_text(self, index: int) -> str:
         """The text choice `index` starts with: its prompt with echo, else nothing."""
         return self.echo[index // self.n] if self.echo else ""
+
+    def entries(self, out: RequestOutput) -> list[TokenLogprob]:
+        """The logprob entries of one output of a choice: with echo, the prompt's (first output only) first."""
+        return out.prompt_logprobs + out.logprobs if self.echo_logprobs else out.logprobs
 
     def logprob_formatter(self) -> LogprobFormatter:
         """A fresh formatter for one choice's logprobs."""
@@ -150,6 +160,21 @@ def _completion_logprobs(body: dict[str, Any], sampling: dict[str, Any]) -> tupl
     sampling["return_logprob"] = True
     sampling["top_logprobs_num"] = k
     return True, k
+
+
+def _prompt_logprobs(body: dict[str, Any], sampling: dict[str, Any], options: ApiOptions) -> None:
+    """vLLM's `prompt_logprobs: k`: score the prompt from its first token, with k alternatives (the same k as
+    the output's, when logprobs are also asked for: the engine takes one count for both)."""
+    k = PROMPT_LOGPROBS.read(body, None)
+    if k is None:
+        return
+    if options.stream:
+        raise ApiError("prompt_logprobs is not supported with stream: true", param="prompt_logprobs")
+    if options.logprobs and k != options.top_logprobs:
+        raise ApiError(f"prompt_logprobs ({k}) must equal the number of output alternatives asked for "
+                       f"({options.top_logprobs})", param="prompt_logprobs")
+    sampling.update(return_logprob=True, top_logprobs_num=k, logprob_start_len=0)
+    options.prompt_logprobs = True
 
 
 def _options(body: dict[str, Any], kind: str, served_model: str) -> ApiOptions:
@@ -205,7 +230,9 @@ def parse_chat(body: dict[str, Any], rid: str, served_model: str) -> tuple[Gener
         turns.append(ChatMessage(role=message["role"], content=_content_text(message.get("content"), i)))
     options = _options(body, "chat", served_model)
     sampling = _sampling(body)
+    options.token_ids = sampling.get("return_prompt_ids") is True
     options.logprobs, options.top_logprobs = _chat_logprobs(body, sampling)
+    _prompt_logprobs(body, sampling, options)
     # vLLM's chat-template switches; the tokenizer rejects both true and a final message not the assistant's
     template = {name: Spec(doc, kind="boolean", name=name).read(body, default) for name, doc, default in (
         ("add_generation_prompt", "end the prompt with the assistant's turn header", True),
@@ -241,13 +268,16 @@ def parse_completion(body: dict[str, Any], rid: str,
     if best_of not in (1, options.n):
         raise ApiError(f"best_of={best_of!r} is not supported: it must be 1 or n", param="best_of")
     sampling = _sampling(body)
+    options.token_ids = sampling.get("return_prompt_ids") is True
     options.logprobs, options.top_logprobs = _completion_logprobs(body, sampling)
+    _prompt_logprobs(body, sampling, options)
     if ECHO.read(body, False):
-        if options.logprobs:
-            raise ApiError("echo with logprobs needs prompt logprobs, not supported yet", param="echo")
         if not all(isinstance(p, str) for p in prompts):
             raise ApiError("echo needs text prompts: the entry does not know the text of token ids", param="echo")
         options.echo = [p for p in prompts if isinstance(p, str)]
+        if options.logprobs:
+            sampling["logprob_start_len"] = 0
+            options.echo_logprobs = True
     return [GenerateRequest(rid=rid, text=p, sampling=sampling, openai_names=True) if isinstance(p, str)
             else GenerateRequest(rid=rid, input_ids=p, sampling=sampling, openai_names=True) for p in prompts], options
 
@@ -275,7 +305,7 @@ def full_response(rid: str, options: ApiOptions, choices: list[list[RequestOutpu
     body_choices = []
     for index, outputs in enumerate(choices):
         finish = outputs[-1].finish
-        entries: list[TokenLogprob] = [e for out in outputs for e in out.logprobs]
+        entries: list[TokenLogprob] = [e for out in outputs for e in options.entries(out)]
         choice: dict[str, Any] = {"index": index, "finish_reason": finish.type if finish else None,
                                   "matched_stop": finish.matched if finish else None,
                                   "logprobs": options.logprob_formatter().format(entries)}
@@ -284,10 +314,21 @@ def full_response(rid: str, options: ApiOptions, choices: list[list[RequestOutpu
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = options.echo_text(index) + text
+            if options.prompt_logprobs:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(outputs[0].prompt_logprobs)
+            if options.token_ids:
+                choice["prompt_token_ids"] = outputs[0].prompt_token_ids
+        if options.token_ids:
+            choice["token_ids"] = [t for out in outputs for t in out.token_ids]
         body_choices.append(choice)
-    return {"id": response_id(rid, options), "object": options.object_name, "created": options.created,
+    body = {"id": response_id(rid, options), "object": options.object_name, "created": options.created,
             "model": options.model, "choices": body_choices,
             "usage": choices_usage([c[-1] for c in choices], options.n)}
+    if options.kind == "chat" and options.prompt_logprobs:  # vLLM: one prompt, so on the response
+        body["prompt_logprobs"] = vllm_prompt_logprobs(choices[0][0].prompt_logprobs)
+    if options.kind == "chat" and options.token_ids:
+        body["prompt_token_ids"] = choices[0][0].prompt_token_ids
+    return body
 
 
 def response_id(rid: str, options: ApiOptions) -> str:
@@ -296,14 +337,20 @@ def response_id(rid: str, options: ApiOptions) -> str:
 
 
 def stream_chunk(rid: str, options: ApiOptions, text: str | None, finish: FinishReason | None,
-                 first: bool = False, index: int = 0, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One streamed chunk of choice `index`; a choice's `first` completion chunk starts with the echo."""
+                 first: bool = False, index: int = 0, logprobs: dict[str, Any] | None = None,
+                 out: RequestOutput | None = None) -> dict[str, Any]:
+    """One streamed chunk of choice `index`; a choice's `first` completion chunk starts with the echo. With
+    return_token_ids, the chunk carries `out`'s new token ids, and a choice's first chunk the prompt's."""
     choice: dict[str, Any] = {"index": index, "finish_reason": finish.type if finish else None}
     if options.kind == "chat":
         choice["delta"] = {} if text is None else {"content": text}
     else:
         choice["text"] = (options.echo_text(index) if first else "") + (text or "")
     choice["logprobs"] = logprobs
+    if options.token_ids and out is not None:
+        choice["token_ids"] = out.token_ids
+        if first and out.prompt_token_ids:
+            choice["prompt_token_ids"] = out.prompt_token_ids
     if finish is not None:
         choice["matched_stop"] = finish.matched
     chunk: dict[str, Any] = {"id": response_id(rid, options), "object": f"{options.object_name}.chunk"

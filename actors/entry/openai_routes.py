@@ -40,10 +40,11 @@ async def stream_events(group: ChoiceGroup, options: oai.ApiOptions) -> AsyncIte
             started.add(index)
             if first and options.kind == "chat":
                 yield sse(oai.role_chunk(rid, options, index))
-            has_logprobs = options.logprobs and bool(out.logprobs)
+            entries = options.entries(out)
+            has_logprobs = options.logprobs and bool(entries)
             if (first and options.kind != "chat") or out.text or out.finish is not None or has_logprobs:
                 yield sse(oai.stream_chunk(rid, options, out.text, out.finish, first=first, index=index,
-                                           logprobs=formatters[index].format(out.logprobs)))
+                                           logprobs=formatters[index].format(entries), out=out))
             if out.is_last:
                 lasts[index] = out
     if not failed and options.include_usage:

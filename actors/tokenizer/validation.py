@@ -36,7 +36,20 @@ def validate_sampling(
     if not params.ignore_eos:
         params.stop_token_ids += [t for t in eos_token_ids if t not in params.stop_token_ids]
     params.return_logprob = params.return_logprob or params.top_logprobs_num > 0
+    _check_prompt_logprobs(params, prompt_tokens)
     return params
+
+
+def _check_prompt_logprobs(params: SamplingParams, prompt_tokens: int) -> None:
+    """`logprob_start_len` asks for logprobs, and falls inside the prompt."""
+    start = params.logprob_start_len
+    if start < 0:
+        return
+    if not params.return_logprob:
+        raise ApiError("logprob_start_len needs return_logprob", param="logprob_start_len")
+    if start >= prompt_tokens:
+        raise ApiError(f"logprob_start_len must be less than the prompt's {prompt_tokens} tokens, got {start}",
+                       param="logprob_start_len")
 
 
 def _check_lengths(params: SamplingParams, prompt_tokens: int, context_length: int, openai_names: bool) -> None:
