@@ -1,4 +1,6 @@
-"""Device compute for the engine: attention backends over the paged KV pool, and token sampling.
+"""Device compute for the engine: attention backends over the paged KV pool, token sampling, and grammar
+masks for constrained decoding.
 
-Modules here import only torch: nothing in `kernels` knows about actors, the bus or transformers.
+Nothing in `kernels` knows about actors or the bus. Modules import torch; the optional packages (triton,
+flashinfer, xgrammar) are imported only by the backend modules that need them, when such a backend is made.
 """

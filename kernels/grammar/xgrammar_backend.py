@@ -1,0 +1,209 @@
+"""The xgrammar grammar backend: TokenizerInfo from a Hugging Face tokenizer, compiler, per-request matchers.
+
+- `json_object` is xgrammar's JSON-schema grammar for `{"type": "object"}` (any object, nested values any JSON),
+  as vLLM does: xgrammar's builtin JSON grammar also accepts a top-level array.
+- `json_schema` uses xgrammar's strict mode (properties and items the schema does not list are refused unless
+  it says otherwise), whatever the request's OpenAI `strict` flag says.
+- JSON is compact by default (`any_whitespace=False`: `{"a": 1, "b": [2]}`): fixed keys become forced text for
+  jump-forward, and a small model cannot loop on whitespace. `regex` and `ebnf` (GBNF/xgrammar EBNF with a
+  `root` rule) are compiled as given.
+- The tokenizer's special tokens other than the stop tokens are blanked in the vocabulary xgrammar sees, so
+  no mask ever allows them (xgrammar would otherwise read `<|im_start|>` as literal text inside a string).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+from kernels.grammar import CompiledGrammar, GrammarCompiler, GrammarError, GrammarMatcher, GrammarSpec
+from kernels.grammar.torch_bitmask import set_allowed
+
+_LABELS = {"json_object": "JSON object", "json_schema": "JSON schema", "regex": "regex", "ebnf": "EBNF grammar"}
+# xgrammar's C++ errors start with "[12:50:58] /project/cpp/file.cc:123: " and may carry a failed check.
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
+_CHECK_FAILED = re.compile(r"^Check failed: \(.*?\) is false:\s*")
+
+
+def build_tokenizer_info(tokenizer: Any, vocab_size: int | None = None,
+                         stop_token_ids: Sequence[int] | None = None) -> xgr.TokenizerInfo:
+    """xgrammar's view of `tokenizer`, with masks `vocab_size` wide (the model's vocabulary).
+
+    Stop tokens default to the tokenizer's eos. Special tokens that are not stops are blanked, which makes
+    xgrammar treat them as special (never allowed); ids past the tokenizer's vocabulary are special as well.
+    """
+    stops = [int(t) for t in stop_token_ids] if stop_token_ids else [int(tokenizer.eos_token_id)]
+    base = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
+    size = base.vocab_size
+    specials = set(getattr(tokenizer, "all_special_ids", ()))
+    for token_id, added in getattr(tokenizer, "added_tokens_decoder", {}).items():
+        if getattr(added, "special", False):
+            specials.add(int(token_id))
+    specials = {t for t in specials if 0 <= t < size} - set(stops)
+    if not specials:
+        return base
+    vocab = [""] * size
+    for token, token_id in tokenizer.get_vocab().items():
+        if token_id < size:
+            vocab[token_id] = token
+    for token_id in specials:
+        vocab[token_id] = ""
+    return xgr.TokenizerInfo.from_vocab_and_metadata(vocab, base.dump_metadata())
+
+
+def _grammar_error(spec: GrammarSpec, exc: Exception) -> GrammarError:
+    detail = _CHECK_FAILED.sub("", _LOG_PREFIX.sub("", str(exc).strip()))
+    return GrammarError(f"invalid {_LABELS[spec.kind]}: {detail}", spec.kind)
+
+
+class XGrammarMatcher(GrammarMatcher):
+    """A request's matcher over an xgrammar `GrammarMatcher`, tracking the accepted tokens for rebuilds."""
+
+    def __init__(self, matcher: xgr.GrammarMatcher, accepted: list[int] | None = None) -> None:
+        self._matcher = matcher
+        self._accepted: list[int] = accepted if accepted is not None else []
+        self._stops = tuple(matcher.stop_token_ids)
+
+    def accept_token(self, token_id: int) -> bool:
+        if self._matcher.is_terminated() or not self._matcher.accept_token(int(token_id)):
+            return False
+        self._accepted.append(int(token_id))
+        return True
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self._matcher.is_terminated():  # xgrammar raises here; a step in flight may still ask
+            set_allowed(bitmask, row, self._stops)
+        else:
+            self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        return self._matcher.is_terminated()
+
+    def is_completed(self) -> bool:
+        return self._matcher.is_completed()
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens < 0 or num_tokens > len(self._accepted):
+            raise ValueError(f"cannot roll back {num_tokens} of {len(self._accepted)} accepted tokens")
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
+            del self._accepted[-num_tokens:]
+
+    def jump_forward(self) -> str:
+        if self._matcher.is_terminated():
+            return ""
+        return self._matcher.find_jump_forward_string()
+
+    def jump_forward_tokens(self) -> list[int]:
+        if self._matcher.is_terminated():
+            return []
+        return self._matcher.find_jump_forward_tokens()
+
+    def copy(self) -> XGrammarMatcher:
+        return XGrammarMatcher(self._matcher.fork(), list(self._accepted))
+
+    def reset(self) -> None:
+        self._matcher.reset()
+        self._accepted.clear()
+
+    @property
+    def accepted_tokens(self) -> tuple[int, ...]:
+        return tuple(self._accepted)
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return self._stops
+
+
+class XGrammarCompiled(CompiledGrammar):
+    """An xgrammar `CompiledGrammar` for one spec."""
+
+    def __init__(self, spec: GrammarSpec, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:
+        self.spec = spec
+        self.compile_seconds = 0.0
+        self._compiled = compiled
+        self._vocab_size = vocab_size
+
+    def matcher(self, accepted_tokens: Sequence[int] = ()) -> XGrammarMatcher:
+        matcher = XGrammarMatcher(xgr.GrammarMatcher(self._compiled))
+        for position, token in enumerate(accepted_tokens):
+            if not matcher.accept_token(token):
+                raise GrammarError(f"token {token} at position {position} does not match the grammar",
+                                   self.spec.kind)
+        return matcher
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self._compiled.memory_size_bytes)
+
+
+class XGrammarCompiler(GrammarCompiler):
+    """Compiles specs with xgrammar for one tokenizer (see the module docstring for the choices made).
+
+    `max_threads` is xgrammar's own parallelism inside one compilation; `compile_threads` is how many
+    compilations `compile_async` runs at once. xgrammar releases the GIL while it compiles.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int | None = None, *,
+                 stop_token_ids: Sequence[int] | None = None, any_whitespace: bool = False,
+                 cache_size: int = 256, compile_threads: int = 2, max_threads: int = 2) -> None:
+        super().__init__(cache_size=cache_size, compile_threads=compile_threads)
+        self.tokenizer_info = build_tokenizer_info(tokenizer, vocab_size, stop_token_ids)
+        self.any_whitespace = any_whitespace
+        # Our LRU bounds what is kept; xgrammar's own cache would grow without bound.
+        self._xgr = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer_info.vocab_size
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The stop tokens every matcher of this compiler ends on."""
+        return tuple(self.tokenizer_info.stop_token_ids)
+
+    def _check(self, spec: GrammarSpec) -> None:
+        try:
+            if spec.kind == "json_schema":
+                xgr.Grammar.from_json_schema(self._schema_text(spec), any_whitespace=self.any_whitespace,
+                                             strict_mode=True)
+            elif spec.kind == "regex":
+                xgr.Grammar.from_regex(spec.source)
+            elif spec.kind == "ebnf":
+                xgr.Grammar.from_ebnf(spec.source, root_rule_name="root")
+        except (RuntimeError, ValueError) as exc:
+            raise _grammar_error(spec, exc) from None
+
+    def _compile(self, spec: GrammarSpec) -> XGrammarCompiled:
+        try:
+            if spec.kind == "json_object":
+                compiled = self._xgr.compile_json_schema('{"type": "object"}', any_whitespace=self.any_whitespace,
+                                                         strict_mode=False)
+            elif spec.kind == "json_schema":
+                compiled = self._xgr.compile_json_schema(self._schema_text(spec),
+                                                         any_whitespace=self.any_whitespace, strict_mode=True)
+            elif spec.kind == "regex":
+                compiled = self._xgr.compile_regex(spec.source)
+            else:
+                compiled = self._xgr.compile_grammar(spec.source, root_rule_name="root")
+        except (RuntimeError, ValueError) as exc:
+            raise _grammar_error(spec, exc) from None
+        return XGrammarCompiled(spec, compiled, self.vocab_size)
+
+    @staticmethod
+    def _schema_text(spec: GrammarSpec) -> str:
+        """The schema, checked to be JSON here first: Python's message is clearer than xgrammar's."""
+        try:
+            json.loads(spec.source)
+        except ValueError as exc:
+            raise GrammarError(f"invalid JSON schema: not valid JSON ({exc})", spec.kind) from None
+        return spec.source
