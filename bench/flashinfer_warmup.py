@@ -1,17 +1,27 @@
-"""JIT-build FlashInfer's kernels for the shapes the GPU check uses, so the tests and benchmarks that follow
-load them instead of compiling (`bench/gpu_check.sh` runs this in the background while other tests run).
+"""JIT-build FlashInfer's kernels for the shapes the GPU check uses, so that the tests and benchmarks after it load
+them instead of compiling (`bench/gpu_check.sh` runs this first, in the background, while other checks run).
 
-Builds happen on first use and are cached under `$FLASHINFER_WORKSPACE_BASE`; each shape here runs one
-prefill and one decode step through the `flashinfer` attention backend (bf16, head_dim 64; GQA groups 2, 3
-and 4: the tiny test Llama, SmolLM2 and the 1B Llama).
+`flashinfer-python` ships no compiled kernels: without its prebuilt `flashinfer-jit-cache` package (not
+carried), each kernel module is compiled with nvcc and ninja on first use, minutes on one GPU host, and
+cached under `$FLASHINFER_WORKSPACE_BASE` (`$MAX_JOBS` compiles at once). Each shape here runs one prefill and
+one decode step through the `flashinfer` attention backend (bf16, head_dim 64; GQA groups 2, 3 and 4: the
+tiny test Llama, SmolLM2 and the 1B Llama). It prints what the build needs first, then the time each shape
+was ready at, and exits 1 with the traceback when a build fails.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 import time
+import traceback
+
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: make `kernels.` importable
 
 SHAPES = ((4, 2), (9, 3), (32, 8))  # (query heads, KV heads), head_dim 64
 HEAD_DIM, SLOTS = 64, 256
@@ -36,10 +46,24 @@ def warm(num_heads: int, num_kv_heads: int, dtype: torch.dtype = torch.bfloat16)
     torch.cuda.synchronize()
 
 
+def environment() -> str:
+    """One line: what the JIT build uses (a missing nvcc or ninja is the usual failure)."""
+    names = ("CUDA_HOME", "FLASHINFER_CUDA_ARCH_LIST", "MAX_JOBS", "FLASHINFER_WORKSPACE_BASE")
+    tools = " ".join(f"{tool}={shutil.which(tool) or 'MISSING'}" for tool in ("nvcc", "ninja", "c++"))
+    return f"flashinfer warm-up: {tools} " + " ".join(f"{n}={os.environ.get(n, '')}" for n in names)
+
+
 def main() -> int:
+    """Warm every shape; 0 when all are built, 1 at the first failure."""
+    print(environment(), flush=True)
     start = time.perf_counter()
     for heads in SHAPES:
-        warm(*heads)
+        try:
+            warm(*heads)
+        except Exception:  # the log is all the GPU check gets back: say why in it
+            traceback.print_exc()
+            print(f"flashinfer warm-up: {heads} failed after {time.perf_counter() - start:.0f} s", flush=True)
+            return 1
         print(f"flashinfer warm-up: {heads} ready after {time.perf_counter() - start:.0f} s", flush=True)
     return 0
 

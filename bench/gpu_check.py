@@ -1,246 +1,183 @@
-"""Decode speed on one GPU: ringserve's engine with each attention backend, CUDA graphs off and on (with graphs,
-the overlap loop off and on), next to transformers `generate` on the same GPU and the HBM roofline.
-`bench/gpu_check.sh` runs it (with the GPU tests first); it prints a table and writes JSON.
+"""The GPU check's measurements, ordered by information per second and never lost: greedy equality of the engine
+with transformers on SmolLM2, then decode tok/s at batch 1 and 32 with CUDA graphs off and on (phase `core`),
+then the rest: other batch sizes, the overlap loop off, a 1B Llama's shape (phase `rest`). Each figure sits
+next to transformers `generate` on the same GPU and the HBM roofline (`bench/gpu_check_measure.py`).
 
-Models have random weights in a real shape (speed does not depend on the values): SmolLM2-135M and a
-1B-parameter Llama (Llama-3.2-1B's shape, plain RoPE). For each batch size `bs`, `bs` requests with
-`--prompt-len`-token prompts are prefilled, then `--steps` decode steps are timed after `--warmup` more
-(every request has `min_new_tokens` set so none stops early). Decode tok/s = bs * steps / seconds, engine
-scheduling and host work included.
-
-Roofline at batch `bs`: one decode step must read every weight once (embedding rows aside; a tied LM head
-counts once) plus every request's cached K/V, so step time >= bytes / bandwidth, with the bandwidth measured
-here as a device-to-device copy (bytes read + written / time). Roofline tok/s = bs / that time.
+The driver (the default mode) imports no torch: for each phase, then each backend, it starts a child process
+(`--one-backend NAME`), so a sticky CUDA error in one backend leaves the later ones a clean context. A child
+checks the time budget before each piece (one model, backend, graphs, overlap and batch size), estimating its
+cost from what the pieces before it took, records "skipped: budget" instead of overrunning, and appends each
+row as soon as it is measured (`bench/gpu_check_budget.py`): `<out>.jsonl`, with `<out>` (summary JSON) and
+`<out>.txt` (the table) rewritten after every row. A child that fails or is killed becomes a row too.
+`bench/gpu_check.sh` runs it between the GPU tests.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from pathlib import Path
 
-MODELS: dict[str, dict[str, Any]] = {
-    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                         rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True),
-    "llama-1b": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                     num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-                     rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True),
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: make `bench.` importable
+
+from bench.gpu_check_budget import Budget, Piece, ResultLog, Row, render_table, run_children, run_pieces  # noqa: E402
+
+MODEL_NAMES = ("smollm2-135m", "llama-1b")  # the shapes in bench/gpu_check_measure.py's MODELS
+EQUALITY_MODEL = "smollm2-135m"
+HF = "transformers"  # a pseudo-backend: transformers `generate`, the baseline
+PHASES = ("core", "rest")
+CHILD_START = 12.0  # seconds: a fresh process imports torch and transformers, makes a CUDA context, measures
+MODEL_COST = {"smollm2-135m": 1.0, "llama-1b": 2.5}  # relative seconds of one piece, for the priors
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (the driver's and a child's)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {list(MODELS)}")
-    p.add_argument("--backends", default="triton,flashinfer,torch",
-                   help="attention backends (those not installed are skipped); torch runs eager only")
-    p.add_argument("--batch-sizes", default="1,8,32,128")
+    p.add_argument("--models", default=",".join(MODEL_NAMES), help=f"comma-separated, from {list(MODEL_NAMES)}")
+    p.add_argument("--backends", default=f"triton,flashinfer,torch,{HF}",
+                   help=f"attention backends, one child process each (those not installed are recorded as such); "
+                        f"torch runs eager only; {HF} is the generate baseline")
+    p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated, from {list(PHASES)}")
+    p.add_argument("--batch-sizes", default="1,8,32,128", help="every batch size measured")
+    p.add_argument("--core-batch-sizes", default="1,32", help="those measured first (phase core)")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--steps", type=int, default=32)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    p.add_argument("--no-hf", action="store_true", help="skip the transformers generate baseline")
-    p.add_argument("--out", default="gpu_check.json", help="JSON results file")
-    p.add_argument("--pytest-log", default="", help="a pytest log whose summary line goes into the JSON")
-    p.add_argument("--time-budget", type=float, default=330.0, help="seconds; later runs are skipped past it")
+    p.add_argument("--no-hf", action="store_true", help=f"drop the {HF} baseline from --backends")
+    p.add_argument("--out", default="gpu_check.json", help="summary JSON; rows go to .jsonl, the table to .txt")
+    p.add_argument("--append", action="store_true", help="add to the rows already in --out's .jsonl")
+    p.add_argument("--pytest-log", action="append", default=[], help="a pytest log whose result lines go into "
+                                                                      "the summary (repeatable)")
+    p.add_argument("--time-budget", type=float, default=330.0, help="seconds for this whole run")
+    p.add_argument("--min-child-seconds", type=float, default=20.0,
+                   help="a child process is not started with less time than this left")
+    p.add_argument("--one-backend", default="", help=argparse.SUPPRESS)  # child mode: this backend only
+    p.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)  # child: absolute, epoch s
     args = p.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]
-    args.backends = [b for b in args.backends.split(",") if b]
+    args.backends = [b for b in args.backends.split(",") if b and not (args.no_hf and b == HF)]
+    args.phases = [ph for ph in args.phases.split(",") if ph]
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b]
-    unknown = [m for m in args.models if m not in MODELS]
-    if unknown:
-        p.error(f"unknown models {unknown}; choose from {list(MODELS)}")
+    args.core_batch_sizes = [int(b) for b in args.core_batch_sizes.split(",") if b]
+    for what, given, allowed in (("models", args.models, MODEL_NAMES), ("phases", args.phases, PHASES)):
+        if unknown := [x for x in given if x not in allowed]:
+            p.error(f"unknown {what} {unknown}; choose from {list(allowed)}")
     return args
 
 
-def copy_bandwidth(torch: Any, gib: float = 2.0, repeats: int = 10) -> float:
-    """Device-to-device copy bandwidth in bytes/s (bytes read + written)."""
-    n = int(gib * 2**30) // 4
-    src = torch.empty(n, dtype=torch.float32, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    seconds = start.elapsed_time(end) / 1000 / repeats
-    del src, dst
-    return 2 * n * 4 / seconds
+def variants(backend: str) -> list[tuple[bool, bool]]:
+    """(graphs, overlap) pairs measured for `backend`: eager, graphs with the overlap loop (the CUDA default),
+    graphs without it; the torch backend, the reference, eager only."""
+    if backend == "torch":
+        return [(False, True)]
+    return [(False, True), (True, True), (True, False)]
 
 
-def weight_bytes(model: Any) -> int:
-    """Bytes of every distinct parameter tensor (a tied LM head once)."""
-    seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
+def guess(key: Row) -> float:
+    """A prior of a piece's seconds, engine build and graph capture included; `Budget` rescales it by what the
+    pieces before it took."""
+    scale = MODEL_COST.get(key.get("model", ""), 1.0)
+    bs = key.get("bs", 1)
+    if key["kind"] == "equality":
+        return 30.0
+    if key["kind"] == "hf":
+        return scale * (3.0 + bs / 64)
+    return scale * (4.0 + bs / 32) + (3.0 if key.get("graphs") else 0.0)
 
 
-def kv_bytes_per_token(cfg: Any, element_size: int) -> int:
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * element_size
+def plan(backend: str, phase: str, args: argparse.Namespace) -> list[Row]:
+    """The keys of a backend's pieces in one phase, most informative first.
+
+    core: greedy equality on SmolLM2, then the first model at the core batch sizes, eager and with graphs
+    (and the overlap loop). rest: everything else of models x batch sizes x variants, core batch sizes of each
+    model first, the first model first.
+    """
+    core_bs = [b for b in args.batch_sizes if b in args.core_batch_sizes] or args.batch_sizes[:1]
+    keys: list[Row] = []
+    if backend == HF:
+        for mi, model in enumerate(args.models):
+            for bs in sorted(args.batch_sizes, key=lambda b: (b not in core_bs, args.batch_sizes.index(b))):
+                is_core = mi == 0 and bs in core_bs
+                if is_core == (phase == "core"):
+                    keys.append({"kind": "hf", "model": model, "backend": HF, "bs": bs})
+        return keys
+    core_variants = variants(backend)[:2]
+    if phase == "core":
+        keys.append({"kind": "equality", "model": EQUALITY_MODEL, "backend": backend, "graphs": True,
+                     "overlap": True})
+    for mi, model in enumerate(args.models):
+        for bs in sorted(args.batch_sizes, key=lambda b: (b not in core_bs, args.batch_sizes.index(b))):
+            for graphs, overlap in variants(backend):
+                is_core = mi == 0 and bs in core_bs and (graphs, overlap) in core_variants
+                if is_core == (phase == "core"):
+                    keys.append({"kind": "speed", "model": model, "backend": backend, "graphs": graphs,
+                                 "overlap": overlap, "bs": bs})
+    return keys
 
 
-def roofline_tok_s(bs: int, weights: int, kv_per_token: int, mean_kv_len: float, bandwidth: float) -> float:
-    step_bytes = weights + bs * mean_kv_len * kv_per_token
-    return bs / (step_bytes / bandwidth)
+def job_weight(backend: str, phase: str, args: argparse.Namespace) -> float:
+    """The prior seconds of one child: start-up and the device check, then its pieces' guesses."""
+    return CHILD_START + sum(guess(key) for key in plan(backend, phase, args))
 
 
-def bench_engine(model: Any, backend: str, graphs: bool, overlap: bool, args: argparse.Namespace,
-                 vocab: int) -> dict[int, float]:
-    """Decode tok/s of the engine at each batch size (one engine, graphs captured once up to the largest)."""
-    import torch
-
-    from actors.engine.config import EngineConfig
-    from actors.engine.engine import Engine
-    from bus.messages import TokenizedRequest, SamplingParams
-
-    max_bs = max(args.batch_sizes)
-    new_tokens = args.warmup + args.steps + 2
-    config = EngineConfig(device="cuda", dtype=args.dtype, attention_backend=backend, disable_cuda_graph=not graphs,
-                          cuda_graph_max_bs=max_bs, max_running_requests=max_bs,
-                          max_total_tokens=max_bs * (args.prompt_len + new_tokens) + 64,
-                          max_prefill_tokens=max(8192, max_bs * args.prompt_len), chunked_prefill_size=0,
-                          disable_radix_cache=True, overlap_schedule="on" if overlap else "off")
-    engine = Engine(model, config)
-    gen = torch.Generator().manual_seed(0)
-    result: dict[int, float] = {}
-    for bs in args.batch_sizes:
-        params = SamplingParams(max_new_tokens=new_tokens, min_new_tokens=new_tokens, temperature=0.0)
-        for i in range(bs):
-            ids = torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist()
-            assert engine.add_request(TokenizedRequest(f"b{bs}-{i}", ids, params)) is None
-        while engine.stats().num_waiting_reqs:  # prefill (first tokens)
-            engine.step()
-        for _ in range(args.warmup):
-            engine.step()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            engine.step()  # each step waits for its tokens on the host, as serving does
-        torch.cuda.synchronize()
-        result[bs] = bs * args.steps / (time.perf_counter() - start)
-        engine.abort_all()
-    del engine
-    torch.cuda.empty_cache()
-    return result
+def child_command(args: argparse.Namespace, job: Row, deadline: float) -> list[str]:
+    """The command line of the child process that runs `job` (one backend in one phase)."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--one-backend", job["backend"], "--phases", job["phase"],
+           "--deadline", f"{deadline:.3f}", "--out", args.out, "--models", ",".join(args.models),
+           "--batch-sizes", ",".join(map(str, args.batch_sizes)),
+           "--core-batch-sizes", ",".join(map(str, args.core_batch_sizes)), "--prompt-len", str(args.prompt_len),
+           "--warmup", str(args.warmup), "--steps", str(args.steps), "--dtype", args.dtype]
+    for log in args.pytest_log:
+        cmd += ["--pytest-log", log]
+    return cmd
 
 
-def bench_hf(hf: Any, args: argparse.Namespace, vocab: int) -> dict[int, float]:
-    """transformers `generate` decode tok/s: (time for 1 + steps tokens - time for 1 token) per batch size."""
-    import torch
-
-    gen = torch.Generator().manual_seed(0)
-    result: dict[int, float] = {}
-
-    def timed(ids: Any, n: int) -> float:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, min_new_tokens=n,
-                    pad_token_id=0)
-        torch.cuda.synchronize()
-        return time.perf_counter() - start
-
-    for bs in args.batch_sizes:
-        ids = torch.randint(3, vocab, (bs, args.prompt_len), generator=gen).cuda()
-        timed(ids, 2)  # warm-up
-        decode = timed(ids, 1 + args.steps) - timed(ids, 1)
-        result[bs] = bs * args.steps / decode
-    return result
+def drive(args: argparse.Namespace, command_for: Callable[[Row, float], list[str]] | None = None,
+          clock: Callable[[], float] = time.time) -> int:
+    """The driver: one child per (phase, backend), phase by phase; 1 if any child failed, else 0."""
+    log = ResultLog(args.out, args.pytest_log, fresh=not args.append)
+    budget = Budget(clock() + args.time_budget, clock=clock)
+    jobs = [{"phase": phase, "backend": backend, "weight": round(job_weight(backend, phase, args), 1)}
+            for phase in args.phases for backend in args.backends]
+    failed = run_children(jobs, command_for or (lambda job, deadline: child_command(args, job, deadline)), log,
+                          budget, min_seconds=args.min_child_seconds)
+    print(render_table(log.rows()), end="")
+    print(f"gpu_check.py: {failed} of {len(jobs)} child processes failed; rows in {log.jsonl_path}, summary in "
+          f"{log.json_path}, table in {log.table_path}")
+    return 1 if failed else 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def child(args: argparse.Namespace) -> int:
+    """A child: every piece of one backend in the given phases, each checked against the deadline first."""
+    log = ResultLog(args.out, args.pytest_log)
+    backend = args.one_backend
+    base = {"phase": ",".join(args.phases)}
+    budget = Budget(args.deadline, history=log.rows())
     import torch
 
     if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device; nothing to measure")
+        log.add({**base, "kind": "meta", "backend": backend, "status": "error", "error": "no CUDA device"})
         return 2
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from actors.engine.weights import model_from_hf
+    from bench.gpu_check_measure import Bench
     from kernels.attention import backend_names
 
-    t0 = time.perf_counter()
-    dtype = getattr(torch, args.dtype)
-    bandwidth = copy_bandwidth(torch)
-    report: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "dtype": args.dtype, "copy_bandwidth_GBps": bandwidth / 1e9, "prompt_len": args.prompt_len,
-        "steps": args.steps, "backends_installed": list(backend_names()), "models": {}, "skipped": [],
-    }
-    rows: list[tuple[str, ...]] = []
-    for name in args.models:
-        cfg = LlamaConfig(**MODELS[name], initializer_range=0.02)
-        torch.manual_seed(0)
-        with torch.device("cuda"):
-            hf = LlamaForCausalLM(cfg).to(dtype).eval()
-        state = hf.state_dict()
-        model = model_from_hf(cfg, state, "cuda")
-        weights = weight_bytes(model)
-        kv_tok = kv_bytes_per_token(cfg, torch.finfo(dtype).bits // 8)
-        mean_kv = args.prompt_len + args.warmup + args.steps / 2
-        entry: dict[str, Any] = {"params": sum(p.numel() for p in hf.parameters()), "weight_bytes": weights,
-                                 "roofline_tok_s": {}, "engine": {}, "hf_generate": {}}
-        for bs in args.batch_sizes:
-            entry["roofline_tok_s"][bs] = roofline_tok_s(bs, weights, kv_tok, mean_kv, bandwidth)
-        if not args.no_hf:
-            entry["hf_generate"] = bench_hf(hf, args, cfg.vocab_size)
-        del hf, model
-        for backend in args.backends:
-            if backend not in backend_names():
-                report["skipped"].append(f"{name}/{backend}: not installed")
-                continue
-            # eager, then graphs without and with the overlap loop (the cuda default)
-            variants = [(False, True)] if backend == "torch" else [(False, True), (True, False), (True, True)]
-            for graphs, overlap in variants:
-                key = f"{backend}{'+graphs' if graphs else ''}{'+overlap' if overlap else ''}"
-                if time.perf_counter() - t0 > args.time_budget:
-                    report["skipped"].append(f"{name}/{key}: time budget spent")
-                    continue
-                try:  # a fresh model each time: the triton backend swaps in its own RMSNorm modules
-                    model = model_from_hf(cfg, state, "cuda")
-                    entry["engine"][key] = bench_engine(model, backend, graphs, overlap, args, cfg.vocab_size)
-                    del model
-                except Exception as exc:  # one backend failing must not hide the others' figures
-                    report["skipped"].append(f"{name}/{key}: {exc!r}"[:500])
-        report["models"][name] = entry
-        del state
-        torch.cuda.empty_cache()
-        for bs in args.batch_sizes:
-            roof = entry["roofline_tok_s"][bs]
-            hf_tok = entry["hf_generate"].get(bs)
-            for key, speeds in entry["engine"].items():
-                tok = speeds[bs]
-                rows.append((name, key, str(bs), f"{tok:,.0f}", f"{tok / hf_tok:.2f}x" if hf_tok else "-",
-                             f"{100 * tok / roof:.0f}%"))
-            rows.append((name, "transformers", str(bs), f"{hf_tok:,.0f}" if hf_tok else "-", "1.00x", "-"))
-            rows.append((name, "roofline", str(bs), f"{roof:,.0f}", "-", "100%"))
-    if args.pytest_log:
-        try:
-            with open(args.pytest_log) as log:
-                report["pytest"] = [ln.strip() for ln in log if ln.strip().endswith("s") and (
-                    " passed" in ln or " failed" in ln or " skipped" in ln or " error" in ln)]
-        except OSError as exc:
-            report["pytest"] = f"unreadable: {exc}"
-    report["seconds"] = time.perf_counter() - t0
-    header = ("model", "engine", "bs", "decode tok/s", "vs HF", "of roofline")
-    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
-    print(f"{report['gpu']}  {args.dtype}  copy bandwidth {bandwidth / 1e9:,.0f} GB/s  {report['date']}")
-    for r in [header] + rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
-    for s in report["skipped"]:
-        print("skipped:", s)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
-    print(f"wrote {args.out} ({report['seconds']:.0f} s)")
-    return 0
+    if backend != HF and backend not in backend_names():
+        log.add({**base, "kind": "meta", "backend": backend, "status": "skipped: not installed"})
+        return 0
+    bench = Bench(args)
+    pieces = [Piece({"kind": "meta", "backend": backend}, 5.0, bench.meta)]
+    for phase in args.phases:
+        pieces += [Piece(key, guess(key), lambda key=key: bench.run(key)) for key in plan(backend, phase, args)]
+    return run_pieces(pieces, budget, log, base)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Driver or child, by `--one-backend`."""
+    args = parse_args(argv)
+    return child(args) if args.one_backend else drive(args)
 
 
 if __name__ == "__main__":
