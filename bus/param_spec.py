@@ -34,7 +34,8 @@ def plain_number(value: float) -> int | float:
 
 @dataclass(frozen=True)
 class Spec:
-    """One parameter: `kind` ("integer", "number", "boolean") or a composite `shape`, bounds (`low_open`: `low`
+    """One parameter: `kind` ("integer", "number", "boolean", "string": `max_items` characters at most) or a
+    composite `shape`, bounds (`low_open`: `low`
     itself is excluded), a one-line `doc`, and `openai`, the names an OpenAI body uses for it (None: the same
     name; empty: not taken from OpenAI bodies directly). `name` and `kind` are filled from the declaring field."""
 
@@ -60,6 +61,8 @@ class Spec:
 
     def range_text(self) -> str:
         """The accepted range, as the docs and error messages print it."""
+        if self.kind == "string":
+            return f"≤ {self.max_items} characters"
         if self.shape == STOP_STRINGS:
             return f"≤ {self.max_items} non-empty strings of ≤ {MAX_STOP_CHARS} characters"
         if self.shape == TOKEN_IDS:
@@ -88,6 +91,10 @@ class Spec:
         return ApiError(f"{name} must be {what}, got {value!r}"[:MAX_ERROR_CHARS], param=name)
 
     def _scalar(self, value: Any, name: str) -> Any:
+        if self.kind == "string":
+            if not isinstance(value, str) or not 0 < len(value) <= (self.max_items or MAX_ERROR_CHARS):
+                raise self._bad(name, f"a non-empty string of {self.range_text()}", value)
+            return value
         if self.kind == "boolean":
             if not isinstance(value, bool):
                 raise self._bad(name, "a boolean", value)
@@ -144,6 +151,8 @@ class Spec:
             schema = {"type": "object", "maxProperties": self.max_items, "propertyNames": {"pattern": "^[0-9]{1,19}$"},
                       "additionalProperties": {"type": "number", "minimum": -LOGIT_BIAS_LIMIT,
                                                "maximum": LOGIT_BIAS_LIMIT}}
+        elif self.kind == "string":
+            schema = {"type": "string", "minLength": 1, "maxLength": self.max_items}
         else:
             schema = {"type": self.kind}
             if self.low is not None:
@@ -177,7 +186,7 @@ def param(default: Any = dataclasses.MISSING, doc: str = "", **spec: Any) -> Any
     return field(default=default, metadata=meta)
 
 
-_KINDS = {"int": "integer", "float": "number", "bool": "boolean", "int | None": "integer"}
+_KINDS = {"int": "integer", "float": "number", "bool": "boolean", "int | None": "integer", "str | None": "string"}
 
 
 def specs_of(cls: type) -> dict[str, Spec]:

@@ -23,6 +23,8 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_SEED = 2**63 - 1
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_GRAMMAR_CHARS = 65536
+GRAMMAR_PARAMS = ("json_schema", "regex", "ebnf")  # the output constraints; a request takes at most one
 
 
 @dataclass
@@ -65,8 +67,21 @@ class SamplingParams:
     logprob_start_len: int = param(-1, "with return_logprob: also return the logprobs of the prompt's tokens from "
                                    "this position on (the first token's is null); -1 = none", low=-1, openai=())
 
+    json_schema: str | None = param(None, "constrain the output to JSON valid under this JSON schema (given as a "
+                                    "string); {\"type\": \"object\"} asks for any JSON object",
+                                    max_items=MAX_GRAMMAR_CHARS, openai=(), default_doc="none")
+    regex: str | None = param(None, "constrain the output to a full match of this regular expression",
+                              max_items=MAX_GRAMMAR_CHARS, openai=(), default_doc="none")
+    ebnf: str | None = param(None, "constrain the output to this EBNF grammar (xgrammar's GBNF dialect, start rule "
+                             "root)", max_items=MAX_GRAMMAR_CHARS, openai=(), default_doc="none")
     return_prompt_ids: bool = param(False, "return the prompt's token ids with the first output",
                                     openai=("return_token_ids",))
+
+    @property
+    def grammar(self) -> tuple[str, str] | None:
+        """The output constraint as `(kind, source)` (kind one of GRAMMAR_PARAMS), or None."""
+        return next(((name, getattr(self, name)) for name in GRAMMAR_PARAMS if getattr(self, name) is not None),
+                    None)
 
     @property
     def wants_prompt_logprobs(self) -> bool:

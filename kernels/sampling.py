@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.grammar.torch_bitmask import apply_bitmask
 from kernels.host_copy import to_device
 
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (dividing by tiny temperatures gives inf/NaN)
@@ -75,17 +76,24 @@ class SampleOutput:
     top_logprobs: torch.Tensor | None  # [B, K] float32
 
 
-def sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SampleOutput:
+def sample(logits: torch.Tensor, rows: Sequence[SamplingRow],
+           mask: tuple[torch.Tensor, Sequence[int]] | None = None) -> SampleOutput:
     """Pick one token per row of `logits` `[B, V]`; also records each chosen token in its row's PenaltyState.
 
-    Rows that did not ask for logprobs still get values in the returned tensors; callers read the rows
-    (and the first `num_top_logprobs` columns) they asked for.
+    `mask` = (packed bitmask `[B, W]`, constrained rows): an output constraint's allowed tokens, applied to
+    those rows only, after penalties and bias and before temperature and the draw. Logprobs are of the raw
+    logits, before any of that (the mask too). Rows that did not ask for logprobs still get values in the
+    returned tensors; callers read the rows (and the first `num_top_logprobs` columns) they asked for.
     """
     if logits.dim() != 2 or logits.shape[0] != len(rows):
         raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
     if not rows:
         return SampleOutput(torch.zeros(0, dtype=torch.long, device=logits.device), None, None, None)
     x = _process(logits.float(), rows)  # [B, V], a new tensor whenever anything was changed
+    if mask is not None:
+        if x.data_ptr() == logits.data_ptr():
+            x = x.clone()  # the raw logits stay unmasked, for the logprobs
+        apply_bitmask(x, mask[0], list(mask[1]))
     sampled = [b for b, r in enumerate(rows) if r.temperature >= GREEDY_BELOW]
     if len(sampled) == len(rows):
         tokens = _draw(x, rows)

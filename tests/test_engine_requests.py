@@ -89,7 +89,7 @@ def test_a_failing_forward_or_stop_check_ends_only_its_requests(hf: Any) -> None
     assert engine.add_request(TokenizedRequest("b", [9, 8, 7], greedy(5))) is None
     real_forward = engine.runner.forward
 
-    def broken(batch: Any) -> Any:
+    def broken(batch: Any, mask: Any = None) -> Any:
         raise RuntimeError("device fell over")
 
     engine.runner.forward = broken  # type: ignore[method-assign]

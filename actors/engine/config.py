@@ -70,6 +70,11 @@ class EngineConfig:
         "plan and launch decode step N+1 before applying step N's tokens, so the host's work hides behind the "
         "device's: auto (on cuda; on a CPU the forward blocks and nothing would overlap), on, off",
         choices=OVERLAP_CHOICES))
+    grammar_compile_timeout: float = field(default=30.0, metadata=_flag(
+        "seconds an output constraint (json_schema, regex, ebnf) may take to compile before its request fails; "
+        "compiling never delays other requests"))
+    disable_jump_forward: bool = field(default=False, metadata=_flag(
+        "decode the tokens an output constraint forces one step each, instead of appending them at once"))
 
     def __post_init__(self) -> None:
         for name in ("max_prefill_tokens", "max_running_requests", "cuda_graph_max_bs"):
@@ -78,6 +83,8 @@ class EngineConfig:
         for name in ("max_total_tokens", "torch_threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}")
         if not 0 <= self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be in [0, 1), got {self.mem_fraction_static}")
         for f in dataclasses.fields(self):

@@ -34,6 +34,7 @@ from actors.engine.batch import Batch, ForwardOutput, PromptScores
 from actors.engine.cache_manager import CacheManager
 from actors.engine.config import EngineConfig
 from actors.engine.decode import DecodeManager
+from actors.engine.grammar import GrammarManager
 from actors.engine.kv_pool import KVPool
 from actors.engine.llama import LlamaForCausalLM, head_dim_of
 from actors.engine.model_runner import ModelRunner
@@ -47,9 +48,11 @@ from actors.engine.token_table import TokenTable
 from actors.engine.interface import StepPlan
 from bus.errors import ApiError, server_error
 from bus.messages import FinishReason, SchedulerInfo, TokenizedRequest, TokenRow
+from kernels.host_copy import to_device
 from kernels.sampling import PenaltyState
 from observability.logging import log_event
 
+IDLE_COMPILE_WAIT = 0.05  # seconds a step with nothing to run waits for a grammar compilation
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 log = logging.getLogger("engine")
 
@@ -89,6 +92,9 @@ class Engine:
         self.paused = False
         self.steps = 0
         self.stop_checker = StopChecker(tokenizer, self.context_length)
+        self.grammars = GrammarManager(tokenizer, self.vocab_size, config.grammar_compile_timeout)
+        self.jump_forward = not config.disable_jump_forward and prefix_cache.caches
+        self.jump_forward_tokens = 0  # tokens appended by jump-forward, without a decode step each
         self.live: dict[str, Req] = {}
         self.num_retractions = 0
         self._last_batch: Batch | None = None
@@ -126,8 +132,13 @@ class Engine:
         req = Req(request.rid, len(request.input_ids), list(request.input_ids), params, seed)
         if params.uses_penalties:
             req.penalties = PenaltyState(request.input_ids, self.vocab_size, self.device)
+        if params.grammar is not None:  # waits outside the queues until its grammar is compiled
+            error = self.grammars.submit(req)
+            if error is not None:
+                return error
+        else:
+            self.prefill.add(req)
         self.live[req.rid] = req
-        self.prefill.add(req)
         return None
 
     def _validate(self, request: TokenizedRequest) -> ApiError | None:
@@ -158,7 +169,8 @@ class Engine:
     def has_work(self) -> bool:
         """True while a step's tokens are still to be applied, or requests wait or run and the engine is not
         paused."""
-        return bool(self._inflight or (not self.paused and (len(self.prefill) or len(self.decode))))
+        return bool(self._inflight or len(self.grammars)
+                    or (not self.paused and (len(self.prefill) or len(self.decode))))
 
     def step(self) -> list[TokenRow]:
         """Schedule, run and finish one step; one output row per request that produced a token (in the overlap
@@ -167,16 +179,33 @@ class Engine:
         If the forward fails, every request of the batch ends with an "error" finish and the engine goes on.
         """
         self.steps += 1
+        rows = self._admit_compiled()
         if self.overlap:
-            return self._step_overlapped()
-        batch = self._last_batch = self.schedule()
-        if batch is None:
+            rows += self._step_overlapped()
+        else:
+            batch = self._last_batch = self.schedule()
+            if batch is not None:
+                try:
+                    out = self.launch(batch)
+                except Exception as exc:
+                    return rows + self._fail_batch(batch, exc)
+                rows += self.finish(batch, out)
+        if self._last_batch is None and self._inflight is None:  # idle but for grammars still compiling
+            self.grammars.wait(IDLE_COMPILE_WAIT)
+        return rows
+
+    def _admit_compiled(self) -> list[TokenRow]:
+        """Queue the constrained requests whose grammar is ready; end those whose grammar failed."""
+        if not self.grammars.pending:
             return []
-        try:
-            out = self.launch(batch)
-        except Exception as exc:
-            return self._fail_batch(batch, exc)
-        return self.finish(batch, out)
+        ready, failed = self.grammars.collect()
+        for req in ready:
+            self.prefill.add(req)
+        rows = []
+        for req, error in failed:
+            del self.live[req.rid]
+            rows.append(self._output(req, [], FinishReason("error", error=error)))
+        return rows
 
     def _step_overlapped(self) -> list[TokenRow]:
         prev, self._inflight = self._inflight, None
@@ -184,7 +213,8 @@ class Engine:
             return self.finish(*prev) if prev is not None else []
         rows: list[TokenRow] = []
         drained = False
-        if prev is not None and self.decode.must_retract():  # retraction needs every token applied
+        # Retraction needs every token applied, and so does a constrained request's next mask.
+        if prev is not None and (self.decode.must_retract() or any(r.matcher for r in prev[0].sampling_reqs)):
             rows, prev, drained = self.finish(*prev), None, True
         batch = self._last_batch = self.schedule()
         if batch is not None:
@@ -237,7 +267,7 @@ class Engine:
         sampling request has one more token on the device, prefill chunks' KV is offered to the prefix cache
         (their token ids are known here; the device computes the KV before any later step reads it), and
         requests whose prefill completes start running, so the next step can decode them."""
-        out = self.runner.forward(batch)
+        out = self.runner.forward(batch, self.grammars.bitmask(batch.sampling_reqs))
         for i, (req, samples) in enumerate(zip(batch.reqs, batch.samples)):
             if samples:
                 req.device_len += 1
@@ -267,15 +297,17 @@ class Engine:
                 rows.append(self._output(req, [], FinishReason("length")))
                 continue
             token = tokens[k]
+            if not self.grammars.accept(req, token):
+                rows.append(self._fail(req, f"the output constraint rejected the sampled token {token}"))
+                continue
+            new = [token]
             req.ids.append(token)
-            try:
-                finish = self.stop_checker.check(req)
-            except Exception as exc:  # one request's bad stop check must not end the others
-                log.exception("stop check failed for %s", req.rid)
-                finish = FinishReason("error", error=server_error(f"checking the stop conditions failed: {exc!r}"))
+            finish = self._check_stop(req)
+            if finish is None and self.jump_forward:
+                finish = self._jump_forward(req, new)
             if finish is not None:
                 self._release(req)
-            row = self._output(req, [token], finish)
+            row = self._output(req, new, finish)
             if logprobs is not None and req.params.return_logprob:
                 n = req.params.top_logprobs_num
                 row.logprobs = [logprobs[k]]
@@ -283,6 +315,41 @@ class Engine:
                 row.top_logprobs = [top_lps[k][:n] if top_lps and n else []]
             rows.append(row)
         return rows
+
+    def _check_stop(self, req: Req) -> FinishReason | None:
+        """The stop checker's verdict on `req`'s newest token; a grammar that has ended ends the request."""
+        try:
+            finish = self.stop_checker.check(req)
+        except Exception as exc:  # one request's bad stop check must not end the others
+            log.exception("stop check failed for %s", req.rid)
+            return FinishReason("error", error=server_error(f"checking the stop conditions failed: {exc!r}"))
+        if finish is None and req.matcher is not None and req.matcher.is_terminated():
+            finish = FinishReason("stop", matched=req.ids[-1])
+        return finish
+
+    def _jump_forward(self, req: Req, new: list[int]) -> FinishReason | None:
+        """Append the tokens `req`'s grammar forces next (to `new` too), checking stops after each. The
+        request then re-enters the prefill queue, to compute them in one extend step: its computed KV goes to
+        the prefix cache, and admission takes it back from there."""
+        room = min(req.params.max_new_tokens - req.output_len, self.context_length - req.seq_len)
+        forced = self.grammars.forced_tokens(req, room)
+        finish = None
+        for token in forced:
+            req.ids.append(token)
+            new.append(token)
+            if req.penalties is not None:
+                req.penalties.record(to_device([token], self.device))
+            finish = self._check_stop(req)
+            if finish is not None:
+                break
+        if forced:
+            self.jump_forward_tokens += len(new) - 1
+            req.device_len = req.seq_len
+            if finish is None:
+                self.decode.remove(req)
+                self.cache.cache_req(req, finished=True)
+                self.prefill.add(req, front=True)
+        return finish
 
     def _gather_prompt_scores(self, batch: Batch, scores: PromptScores) -> None:
         """Add a step's scored prompt tokens to their requests (their first row carries them)."""
@@ -361,8 +428,8 @@ class Engine:
 
     def _release(self, req: Req, keep_kv: bool = True) -> None:
         """Take `req` out of every queue; cache its KV (unless it may be garbage) and free the rest."""
-        if not self.decode.remove(req):
-            self.prefill.remove(req)
+        if not self.decode.remove(req) and not self.prefill.remove(req):
+            self.grammars.remove(req)
         if req.row is not None:
             if keep_kv:
                 self.cache.cache_req(req, finished=True)

@@ -51,9 +51,10 @@ class ModelRunner:
         (actors/engine/thread_tuner.py); steps of `fixed_from_tokens` tokens or more use the most."""
         self.thread_tuner = ThreadTuner(options, fixed_from_tokens)
 
-    def forward(self, batch: Batch) -> ForwardOutput:
+    def forward(self, batch: Batch, mask: tuple[torch.Tensor, list[int]] | None = None) -> ForwardOutput:
         """Compute the batch's tokens and sample the next token of each sampling row (recorded in
-        `TokenTable.ids`); all queued on the device, nothing waited for."""
+        `TokenTable.ids`); all queued on the device, nothing waited for. `mask`: the packed grammar bitmask of
+        the sampling rows and which of them it constrains (`GrammarManager.bitmask`)."""
         tuner = self.thread_tuner
         if tuner is not None:
             threads = tuner.choose(batch.num_tokens)
@@ -68,7 +69,7 @@ class ModelRunner:
         else:
             logits = self._forward_eager(batch, spans)
         num_sampling = sum(batch.samples)
-        out = self._sample(batch, logits[:num_sampling])
+        out = self._sample(batch, logits[:num_sampling], mask)
         if spans:
             out.prompt = self._score_prompt(batch, spans, logits[num_sampling:])
         if self.device.type == "cuda":  # after every host copy of this step was queued
@@ -106,7 +107,8 @@ class ModelRunner:
         meta = self.backend.prepare(info)
         return self.model(input_ids, positions_t, self.backend, meta, logits_index)
 
-    def _sample(self, batch: Batch, logits: torch.Tensor) -> ForwardOutput:
+    def _sample(self, batch: Batch, logits: torch.Tensor,
+                mask: tuple[torch.Tensor, list[int]] | None = None) -> ForwardOutput:
         """Sample the sampling rows' next tokens, write them to `TokenTable.ids` and start their copy to the
         host."""
         device = self.device
@@ -114,7 +116,7 @@ class ModelRunner:
         if not rows:  # a step of prefill chunks only
             empty = torch.empty(0, dtype=torch.int64)
             return ForwardOutput(tokens=empty.to(device), tokens_cpu=empty)
-        out = sample(logits, rows)
+        out = sample(logits, rows, mask)
         # Each row's new token goes right after the ones it computed: the next step reads it there.
         sampled = [b for b, s in enumerate(batch.samples) if s]
         where = to_device([[batch.reqs[b].row for b in sampled],

@@ -39,6 +39,7 @@ class Req:
     arrived_at: float = field(default_factory=time.monotonic)
     queue_time: float | None = None  # seconds from arrival to first admission, once admitted
     device_len: int = field(init=False)  # len(ids) + the token in flight, advanced when a sampling step launches
+    matcher: Any = None  # a GrammarMatcher while the request has an output constraint (actors/engine/grammar.py)
     # logprob_start_len: the prompt tokens' logprobs, gathered chunk by chunk until the first row carries them
     prompt_logprobs: PromptLogprobs | None = None
 

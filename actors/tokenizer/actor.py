@@ -14,6 +14,7 @@ from typing import Any
 from actors.common.model_source import load_config, load_tokenizer, resolve_model
 from actors.common.runtime import ActorContext
 from actors.tokenizer.prompt import PromptEncoder
+from actors.tokenizer.grammar_check import GrammarChecker
 from actors.tokenizer.validation import validate_sampling
 from bus.params import SPECS
 from bus.codec import DecodeError, encode, peek_field
@@ -48,6 +49,7 @@ class TokenizerActor:
         self._encoder = PromptEncoder(tokenizer)
         self._context_length = int(config.max_position_embeddings)
         self._eos_ids = eos_token_ids(config, tokenizer)
+        self._grammars = GrammarChecker(tokenizer, int(config.vocab_size))
 
     async def start(self) -> dict[str, Any]:
         namespace = self._ctx.subjects.namespace
@@ -148,6 +150,7 @@ class TokenizerActor:
                 sampling = validate_sampling(
                     req.sampling, len(input_ids), self._context_length, self._encoder.vocab_size, self._eos_ids,
                     req.openai_names)
+                await self._grammars.check(sampling, req.openai_names)
             except ApiError as exc:
                 tracing.set_error(span, f"invalid request: {exc}")
                 return exc

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from bus.errors import ApiError
-from bus.params import SPECS, SamplingParams, default_of
+from bus.params import GRAMMAR_PARAMS, SPECS, SamplingParams, default_of
 
 
 def validate_sampling(
@@ -37,6 +37,9 @@ def validate_sampling(
         params.stop_token_ids += [t for t in eos_token_ids if t not in params.stop_token_ids]
     params.return_logprob = params.return_logprob or params.top_logprobs_num > 0
     _check_prompt_logprobs(params, prompt_tokens)
+    constraints = [name for name in GRAMMAR_PARAMS if getattr(params, name) is not None]
+    if len(constraints) > 1:
+        raise ApiError(f"give at most one output constraint, got {' and '.join(constraints)}", param=constraints[1])
     return params
 
 

@@ -1,0 +1,45 @@
+"""The tokenizer's check of a request's output constraint (JSON schema, regex, EBNF) before admission.
+
+The constraint is parsed by the same grammar backend the engine compiles it with (`kernels.grammar`), so an
+invalid one is a 400 naming its parameter and never reaches the scheduler. Parsing is cached per constraint
+and runs off the event loop; the backend is loaded on the first constrained request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from bus.errors import ApiError
+from bus.params import SamplingParams
+
+
+class GrammarChecker:
+    """Checks `SamplingParams.grammar` with a compiler for this tokenizer and the model's vocabulary."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._compiler: Any = None
+
+    async def check(self, params: SamplingParams, openai_names: bool) -> None:
+        """ApiError 400 naming the constraint's parameter (`response_format` for an OpenAI body's JSON schema)
+        when it does not parse."""
+        grammar = params.grammar
+        if grammar is None:
+            return
+        from kernels.grammar import GrammarError, GrammarSpec
+
+        kind, source = grammar
+        try:
+            await asyncio.to_thread(self._compiler_for().check, GrammarSpec(kind, source))
+        except GrammarError as exc:
+            param = "response_format" if openai_names and kind == "json_schema" else kind
+            raise ApiError(str(exc)[:1000], param=param) from exc
+
+    def _compiler_for(self) -> Any:
+        if self._compiler is None:
+            from kernels.grammar import make_compiler
+
+            self._compiler = make_compiler(self._tokenizer, self._vocab_size, compile_threads=1)
+        return self._compiler
