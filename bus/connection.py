@@ -52,6 +52,10 @@ class PayloadTooLarge(ValueError):
     """The encoded message exceeds the server's max_payload; nothing was sent."""
 
 
+PING_INTERVAL = 1.0  # seconds between client pings
+MAX_OUTSTANDING_PINGS = 2
+
+
 class BusConnection:
     """Typed publish/subscribe/request over one nats-py client."""
 
@@ -68,7 +72,7 @@ class BusConnection:
         credentials: NatsCredentials | None = None,
         inbox_prefix: str | None = None,
     ) -> "BusConnection":
-        """Connect to `url`; `on_closed` runs if the connection is lost for good (the actor should exit).
+        """Connect to `url` (a comma-separated list of a cluster's nodes); `on_closed` runs if the connection is lost for good (the actor should exit).
 
         `credentials`: user/password, .creds file and TLS (None: unauthenticated). `inbox_prefix`: where this
         connection's request replies arrive (bus/permissions.py gives each role its own; default `_INBOX`).
@@ -82,8 +86,12 @@ class BusConnection:
                 await on_closed()
 
         client = await nats.connect(
-            servers=[url],
+            servers=[u.strip() for u in url.split(",") if u.strip()],  # a cluster: any of its nodes
             name=name,
+            # A hung node answers no pings: after PING_INTERVAL * (MAX_OUTSTANDING_PINGS + 1) s (3 s) the client
+            # drops it and reconnects to another node (nats-py's defaults take minutes).
+            ping_interval=PING_INTERVAL,
+            max_outstanding_pings=MAX_OUTSTANDING_PINGS,
             error_cb=error_cb,
             closed_cb=closed_cb,
             max_reconnect_attempts=max_reconnect_attempts,

@@ -3,11 +3,17 @@
 Owns one `IncrementalDecoder` per live rid of its shard, created from the first row of a request (which
 carries the request's DecodeParams) and deleted on the row that finishes it, so every end path (finish,
 abort, error) frees the state. Stop strings are decided by the scheduler; the decoder trims the one it is told.
+
+A lost step message must not shorten a text silently or leave its stream waiting: a row's tokens start at
+output index `completion_tokens - len(token_ids)`, so a row that does not start where the request's tokens so
+far end, and a row of a request whose first row (with its DecodeParams) never came, end that request at once
+with a 503 error. Its later rows are dropped (a bounded memory of such rids).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from typing import Any
 
 from actors.common.model_source import load_tokenizer, resolve_model
@@ -21,6 +27,7 @@ from bus.messages import BatchTokenOutput, RequestOutput, TokenLogprob, TokenRow
 from observability.logging import log_event
 
 log = logging.getLogger("detokenizer")
+MAX_BROKEN_RIDS = 10_000
 
 
 class DetokenizerActor:
@@ -33,10 +40,12 @@ class DetokenizerActor:
         self._token_bytes = TokenBytes(self._tokenizer)  # logprobs' raw token bytes
         self._decoders: dict[str, IncrementalDecoder] = {}
         self._next_seq: dict[str, int] = {}  # per live rid: the seq of its next output
+        self._received: dict[str, int] = {}  # per live rid: output tokens decoded so far
+        self._broken: OrderedDict[str, None] = OrderedDict()  # rids ended for lost rows: drop what still comes
         self._spans = detokenize_spans.create()  # no-ops unless tracing is on
 
     async def start(self) -> dict[str, Any]:
-        self._ctx.live_rids = lambda: len(self._decoders.keys() | self._next_seq.keys())
+        self._ctx.live_rids = lambda: len(self._decoders.keys() | self._next_seq.keys() | self._received.keys())
         subject = self._ctx.subjects.tokens(self._shard)
         await self._ctx.bus.subscribe(subject, BatchTokenOutput, self._on_batch, queue=f"detokenizer-{self._shard}")
         self._ctx.on_stop.append(self._close_spans)
@@ -62,6 +71,22 @@ class DetokenizerActor:
             self._spans.after(row, output)
 
     def _decode_row(self, row: TokenRow) -> RequestOutput | None:
+        if row.rid in self._broken:
+            return None
+        lost = self._lost_tokens(row)
+        if lost is not None:
+            self._forget(row.rid)
+            self._broken[row.rid] = None
+            while len(self._broken) > MAX_BROKEN_RIDS:
+                self._broken.popitem(last=False)
+            log_event(log, logging.ERROR, "rows of a request were lost on the bus; ending it", rid=row.rid,
+                      detail=lost)
+            return RequestOutput(rid=row.rid, prompt_tokens=row.prompt_tokens, completion_tokens=row.completion_tokens,
+                                 error=server_error(f"part of the output was lost in transit ({lost}); retry", 503))
+        if row.finish is None:
+            self._received[row.rid] = row.completion_tokens
+        else:
+            self._received.pop(row.rid, None)
         if row.finish is not None and row.finish.type == "error":
             self._decoders.pop(row.rid, None)
             return RequestOutput(rid=row.rid, prompt_tokens=row.prompt_tokens, completion_tokens=row.completion_tokens,
@@ -69,10 +94,8 @@ class DetokenizerActor:
         decoder = self._decoders.get(row.rid)
         if decoder is None:
             if row.decode is None:
-                if row.finish is None:
-                    log_event(log, logging.WARNING, "tokens for an unknown request dropped", rid=row.rid)
-                    return None
-                # finished before its first row reached us (an abort while waiting): nothing to decode
+                # finished before its first row (an abort while it waited): nothing to decode; the rows it
+                # may have had are ruled out by `_lost_tokens`
                 return RequestOutput(rid=row.rid, prompt_tokens=row.prompt_tokens,
                                      completion_tokens=row.completion_tokens, cached_tokens=row.cached_tokens,
                                      finish=row.finish, queue_time=row.queue_time)
@@ -107,6 +130,23 @@ class DetokenizerActor:
             out.append(TokenLogprob(token_id=t, token=token, logprob=lp, top=[top(i, v) for i, v in zip(ids, values)],
                                     bytes=raw(t, token), rank=rank))
         return out
+
+    def _lost_tokens(self, row: TokenRow) -> str | None:
+        """What is missing before `row`, or None when it follows on from the request's last row."""
+        start = row.completion_tokens - len(row.token_ids)
+        received = self._received.get(row.rid)
+        if received is None:  # the request's first row here
+            if row.decode is None and (row.finish is None or row.completion_tokens > 0):
+                return "its first row never arrived"
+            received = 0
+        if start != received:
+            return f"tokens {received}..{start - 1} of its output never arrived"
+        return None
+
+    def _forget(self, rid: str) -> None:
+        """Drop a request's decode state (its output seq goes with the error output, in `_on_batch`)."""
+        self._decoders.pop(rid, None)
+        self._received.pop(rid, None)
 
     def _token_text(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id])
