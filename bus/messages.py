@@ -16,10 +16,17 @@ from bus.params import DecodeParams, SamplingParams
 
 @dataclass
 class ChatMessage:
-    """One chat turn, already flattened to text."""
+    """One chat turn, its content flattened to text.
+
+    An assistant turn may hold `tool_calls`, each OpenAI's `{"id", "type": "function", "function": {"name",
+    "arguments"}}` with `arguments` a JSON text; a `role: "tool"` turn answers the call `tool_call_id`.
+    """
 
     role: str
     content: str
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+    tool_call_id: str | None = None
+    name: str | None = None  # the author's name (OpenAI's optional `name`)
 
 
 @dataclass
@@ -30,7 +37,10 @@ class GenerateRequest:
     raw parameters as the client sent them, under SGLang's names (declared in `bus.params.SamplingParams`);
     the tokenizer validates them. With `messages`, `add_generation_prompt` opens the assistant's turn after
     them, and `continue_final_message` instead continues the last message (the assistant's) where its text
-    ends; at most one of the two may be true.
+    ends; at most one of the two may be true. `tools` (messages only) are the function tools the model may
+    call, as OpenAI's `{"type": "function", "function": {"name", "description", "parameters"}}`: the tokenizer
+    renders them through the chat template (or its default tool prompt); enforcing and parsing calls is the
+    sender's part (the HTTP entry's).
     Subscribe to `{ns}.out.{rid}` before publishing, or the first outputs may be missed.
     """
 
@@ -42,6 +52,7 @@ class GenerateRequest:
     add_generation_prompt: bool = True  # messages only: end the prompt with the assistant's turn header
     continue_final_message: bool = False  # messages only: continue the last (assistant) message, no new turn
     openai_names: bool = False  # errors name parameters as OpenAI bodies do (max_tokens), not natively
+    tools: list[dict[str, Any]] | None = None  # messages only: function tools to render in the prompt
 
 
 @dataclass

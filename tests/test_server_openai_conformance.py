@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from actors.entry.openai_protocol import NO_EFFECT, REFUSED, STREAM_OPTIONS_NO_EFFECT
+from actors.entry.openai_protocol import NO_EFFECT, REFUSED, ROUTE_FIELDS, STREAM_OPTIONS_NO_EFFECT
 from tests.server_helpers import ServerHandle, sse_events
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -192,36 +192,40 @@ def test_seed_near_2_63_wraps_for_each_choice(client: openai.OpenAI) -> None:
 
 
 REFUSED_VALUES = {
-    "response_format": {"type": "json_object"}, "tools": [{"type": "function", "function": {"name": "f"}}],
+    "tools": [{"type": "function", "function": {"name": "f"}}],
     "tool_choice": "auto", "functions": [{"name": "f"}], "function_call": "auto", "parallel_tool_calls": True,
     "prediction": {"type": "content", "content": "x"}, "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"], "reasoning_effort": "low", "verbosity": "low",
     "web_search_options": {}, "suffix": " and so on",
 }
-NEUTRAL_VALUES = {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
+NEUTRAL_VALUES = {"tools": [], "tool_choice": "none",
                   "modalities": ["text"], "suffix": ""}
 NO_EFFECT_VALUES = {"user": "user-42", "safety_identifier": "h42", "metadata": {"k": "v"}, "store": False,
                     "service_tier": "auto", "prompt_cache_key": "k1"}
 
 
-@pytest.mark.parametrize("name", sorted(REFUSED))
-@pytest.mark.parametrize("path, body", [(CHAT, {"messages": MSG}), (COMPLETIONS, {"prompt": "hi"})],
-                         ids=["chat", "completions"])
+# a REFUSED field is refused where its route does not implement it (chat implements the tool fields)
+REFUSED_CASES = [(path, body, name) for kind, path, body in (("chat", CHAT, {"messages": MSG}),
+                                                             ("completion", COMPLETIONS, {"prompt": "hi"}))
+                 for name in sorted(REFUSED) if name not in ROUTE_FIELDS[kind]]
+
+
+@pytest.mark.parametrize("path, body, name", REFUSED_CASES,
+                         ids=[f"{'chat' if p == CHAT else 'completions'}-{n}" for p, _, n in REFUSED_CASES])
 def test_refused_fields_are_a_400_naming_them(smollm_server: ServerHandle, path: str, body: dict,
                                               name: str) -> None:
     error = assert_400(post(smollm_server, path, {**body, "max_tokens": 1, name: REFUSED_VALUES[name]}), name)
     assert name in error["message"]
 
 
-def test_openai_client_gets_a_400_for_tools(client: openai.OpenAI) -> None:
+def test_openai_client_gets_a_400_for_tools_on_completions(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=1, tools=[
-            {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
-    assert err.value.body["param"] == "tools" and "not supported yet" in err.value.body["message"]
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=1, extra_body={"tools": [
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]})
+    assert err.value.body["param"] == "tools" and "chat/completions only" in err.value.body["message"]
     with pytest.raises(openai.BadRequestError) as err:
-        client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=1,
-                                       response_format={"type": "json_object"})
-    assert err.value.body["param"] == "response_format"
+        client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=1, functions=[{"name": "f"}])
+    assert err.value.body["param"] == "functions" and "use tools" in err.value.body["message"]
 
 
 @pytest.mark.parametrize("path, body, key", [(CHAT, {"messages": MSG}, ("message", "content")),

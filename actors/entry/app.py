@@ -74,7 +74,7 @@ def build_app(service: EntryService, settings: EntrySettings | None = None) -> S
                                         allow_methods=["GET", "POST", "OPTIONS"],
                                         allow_headers=["Authorization", "Content-Type"]))
     return Starlette(routes=[
-        *openai_routes(service),
+        *openai_routes(service, settings.tool_call_parser),
         generate_route(service),
         Route("/health", health, methods=["GET"]),
         metrics_route(service),

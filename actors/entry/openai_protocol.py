@@ -7,7 +7,9 @@ are sampling parameters, and under which native name, comes from their declarati
 Every top-level field of a body is one of: a field we implement (the sampling parameters of `bus.params`, the
 entry's Specs below, and each route's own fields), a field that changes nothing (`NO_EFFECT`: accepted), or
 a field that would change the output and that we do not implement (`REFUSED`: 400 naming it, unless it has a
-value that changes nothing). Anything else is a 400 naming the field, as OpenAI answers.
+value that changes nothing). Anything else is a 400 naming the field, as OpenAI answers. The output
+constraints (`response_format`, vLLM's `guided_*`) and the tool fields are read in `tool_request`, tool calls
+put into responses by `tool_response`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ from typing import Any
 
 from bus.errors import ApiError
 from actors.entry.openai_logprobs import LogprobFormatter, vllm_prompt_logprobs
-from bus.messages import ChatMessage, FinishReason, GenerateRequest, RequestOutput, TokenLogprob
+from actors.entry.tool_parsers import DEFAULT_PARSER
+from actors.entry.tool_request import GUIDED_FIELDS, ToolPlan, output_constraint, parse_messages, parse_tools
+from actors.entry.tool_response import tool_message
+from bus.messages import FinishReason, GenerateRequest, RequestOutput, TokenLogprob
 from bus.param_spec import Spec
 from bus.params import MAX_TOP_LOGPROBS, openai_names
 
@@ -62,15 +67,16 @@ NO_EFFECT: dict[str, str] = {
     "service_tier": "the provider's processing tier",
     "prompt_cache_key": "a routing hint for the provider's prompt cache (the prefix cache is automatic)",
 }
-_TOOLS = "tool and function calling is not supported yet"
-_STRUCTURED = "structured output is not supported yet (only {\"type\": \"text\"})"
+_TOOLS = "tool calling is supported on /v1/chat/completions only"
+_FUNCTIONS = "the deprecated functions API is not supported: use tools and tool_choice"
+# Refused where a route does not implement them: the tool fields are chat's (ROUTE_FIELDS), so these entries
+# answer /v1/completions.
 REFUSED: dict[str, Refused] = {
-    "response_format": Refused(_STRUCTURED, ({"type": "text"},)),
     "tools": Refused(_TOOLS, ([],)),
     "tool_choice": Refused(_TOOLS, ("none",)),
-    "functions": Refused(_TOOLS, ([],)),
-    "function_call": Refused(_TOOLS, ("none",)),
     "parallel_tool_calls": Refused(_TOOLS),
+    "functions": Refused(_FUNCTIONS, ([],)),
+    "function_call": Refused(_FUNCTIONS, ("none",)),
     "prediction": Refused("predicted outputs are not supported"),
     "audio": Refused("audio output is not supported"),
     "modalities": Refused("only text output is supported ([\"text\"])", (["text"],)),
@@ -80,10 +86,11 @@ REFUSED: dict[str, Refused] = {
     "suffix": Refused("text after the completion (insertion) is not supported", ("",)),
 }
 STREAM_OPTIONS_NO_EFFECT = {"include_obfuscation": "random padding against length side channels"}
-_COMMON_FIELDS = {"model", "n", "stream", "stream_options", *_SAMPLING_FIELDS}
+_COMMON_FIELDS = {"model", "n", "stream", "stream_options", "response_format", *GUIDED_FIELDS, *_SAMPLING_FIELDS}
 ROUTE_FIELDS: dict[str, set[str]] = {
     "chat": _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "add_generation_prompt",
-                              "continue_final_message", "prompt_logprobs"},
+                              "continue_final_message", "prompt_logprobs", "tools", "tool_choice",
+                              "parallel_tool_calls"},
     "completion": _COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of", "prompt_logprobs"},
 }
 
@@ -117,6 +124,8 @@ class ApiOptions:
     echo_logprobs: bool = False  # echo with logprobs: the prompt tokens' logprobs come before the choice's
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs: the prompt tokens' logprobs in their own field
     token_ids: bool = False  # vLLM's return_token_ids: the prompt's and each choice's token ids
+    tools: ToolPlan | None = None  # chat with tools the model may call: the calls are read out of the text
+    constraint_param: str | None = None  # the body field the output constraint came from, named in its errors
 
     @property
     def object_name(self) -> str:
@@ -205,31 +214,23 @@ def model_not_found(model: Any, served_model: str) -> ApiError:
                     "model", "model_not_found")
 
 
-def _content_text(content: Any, index: int) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(f"messages[{index}].content: only text parts are supported", param="messages")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise ApiError(f"messages[{index}].content must be a string or a list of text parts", param="messages")
+def _constrain(body: dict[str, Any], sampling: dict[str, Any], options: ApiOptions) -> None:
+    """Put the body's output constraint (response_format, guided_*, a forced tool call) into `sampling`."""
+    constraint = output_constraint(body, options.tools)
+    if constraint is not None:
+        native, value, options.constraint_param = constraint
+        sampling[native] = value
 
 
-def parse_chat(body: dict[str, Any], rid: str, served_model: str) -> tuple[GenerateRequest, ApiOptions]:
-    """A /v1/chat/completions body as a GenerateRequest plus response options."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError("messages must be a non-empty list", param="messages")
-    turns = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise ApiError(f"messages[{i}] must be an object with a string role", param="messages")
-        turns.append(ChatMessage(role=message["role"], content=_content_text(message.get("content"), i)))
+def parse_chat(body: dict[str, Any], rid: str, served_model: str,
+               tool_parser: str = DEFAULT_PARSER) -> tuple[GenerateRequest, ApiOptions]:
+    """A /v1/chat/completions body as a GenerateRequest plus response options; `tool_parser` reads the calls
+    of `tool_choice: "auto"` out of the text."""
+    turns = parse_messages(body.get("messages"))
     options = _options(body, "chat", served_model)
+    options.tools = parse_tools(body, tool_parser)
     sampling = _sampling(body)
+    _constrain(body, sampling, options)
     options.token_ids = sampling.get("return_prompt_ids") is True
     options.logprobs, options.top_logprobs = _chat_logprobs(body, sampling)
     _prompt_logprobs(body, sampling, options)
@@ -237,7 +238,8 @@ def parse_chat(body: dict[str, Any], rid: str, served_model: str) -> tuple[Gener
     template = {name: Spec(doc, kind="boolean", name=name).read(body, default) for name, doc, default in (
         ("add_generation_prompt", "end the prompt with the assistant's turn header", True),
         ("continue_final_message", "continue the final (assistant) message instead of opening a new turn", False))}
-    return GenerateRequest(rid=rid, messages=turns, sampling=sampling, openai_names=True, **template), options
+    return GenerateRequest(rid=rid, messages=turns, sampling=sampling, openai_names=True,
+                           tools=options.tools.tools if options.tools else None, **template), options
 
 
 def _is_token_ids(value: Any) -> bool:
@@ -268,6 +270,7 @@ def parse_completion(body: dict[str, Any], rid: str,
     if best_of not in (1, options.n):
         raise ApiError(f"best_of={best_of!r} is not supported: it must be 1 or n", param="best_of")
     sampling = _sampling(body)
+    _constrain(body, sampling, options)
     options.token_ids = sampling.get("return_prompt_ids") is True
     options.logprobs, options.top_logprobs = _completion_logprobs(body, sampling)
     _prompt_logprobs(body, sampling, options)
@@ -310,7 +313,9 @@ def full_response(rid: str, options: ApiOptions, choices: list[list[RequestOutpu
                                   "matched_stop": finish.matched if finish else None,
                                   "logprobs": options.logprob_formatter().format(entries)}
         text = "".join(out.text for out in outputs)
-        if options.kind == "chat":
+        if options.kind == "chat" and options.tools is not None:
+            choice["message"], choice["finish_reason"] = tool_message(options.tools, text, choice["finish_reason"])
+        elif options.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = options.echo_text(index) + text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import Request
@@ -13,10 +14,37 @@ from actors.entry import openai_protocol as oai
 from actors.entry.choices import ChoiceGroup
 from actors.entry.http_common import handles_errors, read_json, sse
 from actors.entry.request_flow import EntryService
+from actors.entry.tool_parsers import DEFAULT_PARSER
+from actors.entry.tool_response import ToolCallStream
+from bus.errors import ApiError
 from bus.messages import GenerateRequest, RequestOutput
 from bus.subjects import new_rid
 
 Parser = Callable[[dict[str, Any], str, str], tuple[list[GenerateRequest], oai.ApiOptions]]
+CONSTRAINT_PARAMS = {"response_format", "json_schema", "regex", "ebnf"}  # how the ring names a bad constraint
+
+
+def tool_chunks(rid: str, options: oai.ApiOptions, stream: ToolCallStream, out: RequestOutput, index: int,
+                logprobs: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The chunks of one output of a chat choice that may call tools: its settled deltas (content, tool calls;
+    the output's logprobs and token ids on the first), then the finish on a chunk of its own."""
+    deltas = stream.feed(out.text)
+    finish = None
+    if out.finish is not None:
+        tail, finish_type = stream.finish(out.finish.type)
+        deltas += tail
+        finish = dataclasses.replace(out.finish, type=finish_type)
+    if not deltas and (logprobs is not None or (options.token_ids and out.token_ids)):
+        deltas = [{"content": ""}]
+    chunks = []
+    for i, delta in enumerate(deltas):
+        chunk = oai.stream_chunk(rid, options, None, None, index=index, logprobs=None if i else logprobs,
+                                 out=None if i else out)
+        chunk["choices"][0]["delta"] = delta
+        chunks.append(chunk)
+    if finish is not None:
+        chunks.append(oai.stream_chunk(rid, options, None, finish, index=index))
+    return chunks
 
 
 async def stream_events(group: ChoiceGroup, options: oai.ApiOptions) -> AsyncIterator[str]:
@@ -27,6 +55,7 @@ async def stream_events(group: ChoiceGroup, options: oai.ApiOptions) -> AsyncIte
     """
     rid = group.rid
     formatters = [options.logprob_formatter() for _ in group.choices]
+    tool_streams = {c.index: ToolCallStream(options.tools) for c in group.choices} if options.tools else {}
     started: set[int] = set()
     lasts: dict[int, RequestOutput] = {}
     failed = False
@@ -42,7 +71,11 @@ async def stream_events(group: ChoiceGroup, options: oai.ApiOptions) -> AsyncIte
                 yield sse(oai.role_chunk(rid, options, index))
             entries = options.entries(out)
             has_logprobs = options.logprobs and bool(entries)
-            if (first and options.kind != "chat") or out.text or out.finish is not None or has_logprobs:
+            if index in tool_streams:
+                for chunk in tool_chunks(rid, options, tool_streams[index], out, index,
+                                         formatters[index].format(entries) if has_logprobs else None):
+                    yield sse(chunk)
+            elif (first and options.kind != "chat") or out.text or out.finish is not None or has_logprobs:
                 yield sse(oai.stream_chunk(rid, options, out.text, out.finish, first=first, index=index,
                                            logprobs=formatters[index].format(entries), out=out))
             if out.is_last:
@@ -52,19 +85,24 @@ async def stream_events(group: ChoiceGroup, options: oai.ApiOptions) -> AsyncIte
     yield sse("[DONE]")
 
 
-def openai_routes(service: EntryService) -> list[Route]:
-    """The OpenAI routes over `service`."""
+def openai_routes(service: EntryService, tool_parser: str = DEFAULT_PARSER) -> list[Route]:
+    """The OpenAI routes over `service`; `tool_parser` names the parser of tool calls (`tool_parsers.PARSERS`)."""
 
     async def openai_endpoint(request: Request, parse: Parser) -> Response:
         prompts, options = parse(await read_json(request), new_rid(), service.served_model)
-        group = await ChoiceGroup.start(service, request, prompts, options.n)
+        try:
+            group = await ChoiceGroup.start(service, request, prompts, options.n)
+        except ApiError as exc:  # the tokenizer names the native constraint; the client sent another field
+            if options.constraint_param and exc.param in CONSTRAINT_PARAMS:
+                exc.param = options.constraint_param
+            raise
         if not options.stream:
             return JSONResponse(oai.full_response(group.rid, options, await group.collect(request)))
         return StreamingResponse(stream_events(group, options), media_type="text/event-stream")
 
     def parse_chat(body: dict[str, Any], rid: str, served_model: str) -> tuple[list[GenerateRequest],
                                                                               oai.ApiOptions]:
-        gen_req, options = oai.parse_chat(body, rid, served_model)
+        gen_req, options = oai.parse_chat(body, rid, served_model, tool_parser)
         return [gen_req], options
 
     @handles_errors

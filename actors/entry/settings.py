@@ -10,6 +10,8 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
+from actors.entry.tool_parsers import DEFAULT_PARSER, PARSERS
+
 API_KEY_ENV = "RINGSERVE_API_KEY"
 ADMIN_API_KEY_ENV = "RINGSERVE_ADMIN_API_KEY"  # guards the operator routes (flush, pause, abort) on its own
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
@@ -32,6 +34,7 @@ class EntrySettings:
     cors_allow_origins: list[str] = field(default_factory=list)
     allowed_hosts: list[str] = field(default_factory=list)  # empty: derived from `host`, see resolved_allowed_hosts
     body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT
+    tool_call_parser: str = DEFAULT_PARSER  # reads tool calls out of chat output (tool_choice auto)
     api_key: str | None = field(default=None, repr=False)  # never printed
     admin_api_key: str | None = field(default=None, repr=False)
 
@@ -54,6 +57,7 @@ class EntrySettings:
                        max_request_bytes=args.max_request_bytes, max_queued_requests=args.max_queued_requests,
                        stall_timeout=args.stall_timeout, cors_allow_origins=parse_origins(args.cors_allow_origins),
                        allowed_hosts=parse_origins(args.allowed_hosts), body_read_timeout=args.body_read_timeout,
+                       tool_call_parser=args.tool_call_parser,
                        api_key=env.get(API_KEY_ENV) or None, admin_api_key=env.get(ADMIN_API_KEY_ENV) or None)
         settings.validate()
         return settings
@@ -68,6 +72,8 @@ class EntrySettings:
             raise ValueError("--stall-timeout must be > 0")
         if not self.body_read_timeout > 0:
             raise ValueError("--body-read-timeout must be > 0")
+        if self.tool_call_parser not in PARSERS:
+            raise ValueError(f"--tool-call-parser must be one of {', '.join(PARSERS)}")
 
 
 def parse_origins(value: str | None) -> list[str]:
@@ -92,6 +98,9 @@ def add_entry_arguments(parser: argparse.ArgumentParser) -> None:
                              "names when --host is a loopback address, else any); others get 421")
     parser.add_argument("--body-read-timeout", type=float, default=DEFAULT_BODY_READ_TIMEOUT,
                         help="seconds a client may take to send its request body; slower uploads get 408")
+    parser.add_argument("--tool-call-parser", default=DEFAULT_PARSER, choices=sorted(PARSERS),
+                        help="how chat output is read for tool calls with tool_choice auto: hermes "
+                             "(<tool_call>{...}</tool_call>) or llama3_json (bare JSON objects)")
 
 
 def entry_argv(args: argparse.Namespace) -> list[str]:
@@ -99,7 +108,8 @@ def entry_argv(args: argparse.Namespace) -> list[str]:
     argv = ["--max-request-bytes", str(args.max_request_bytes),
             "--max-queued-requests", str(args.max_queued_requests),
             "--stall-timeout", repr(float(args.stall_timeout)),
-            "--body-read-timeout", repr(float(args.body_read_timeout))]
+            "--body-read-timeout", repr(float(args.body_read_timeout)),
+            "--tool-call-parser", args.tool_call_parser]
     if args.cors_allow_origins:
         argv += ["--cors-allow-origins", args.cors_allow_origins]
     if args.allowed_hosts:

@@ -1,13 +1,105 @@
-"""Turns a request's prompt (text, chat messages or token ids) into the token ids the model sees."""
+"""Turns a request's prompt (text, chat messages or token ids) into the token ids the model sees.
+
+Tools (`GenerateRequest.tools`) go to the chat template as `tools=` when the template uses them; its messages
+then keep their `tool_calls` (arguments decoded to objects, as Hugging Face templates expect), `tool_call_id`
+and `name`. A template that does not know tools (SmolLM2's) gets the default tool prompt instead, Hermes-style:
+a `# Tools` section at the end of the system message (a new system message if there is none) lists the tools
+as JSON inside `<tools></tools>` and asks for each call as `<tool_call>{"name": ..., "arguments": {...}}
+</tool_call>`; an assistant turn's calls are written that way after its text, and a tool result's text is put
+inside `<tool_response></tool_response>`.
+"""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from bus.errors import ApiError
-from bus.messages import GenerateRequest
+from bus.messages import ChatMessage, GenerateRequest
 
 CHAT_ROLES = {"system", "user", "assistant", "tool", "developer"}
+DEFAULT_TOOL_PROMPT = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> \
+XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+def template_uses_tools(template: Any) -> bool:
+    """Whether a chat template (its Jinja source, or a dict of named ones) reads the `tools` variable."""
+    if isinstance(template, dict):
+        return any(template_uses_tools(t) for t in template.values())
+    if not isinstance(template, str):
+        return False
+    import jinja2
+    from jinja2 import meta
+
+    try:
+        return "tools" in meta.find_undeclared_variables(jinja2.Environment().parse(template))
+    except jinja2.TemplateError:
+        return "tools" in template
+
+
+def _check_tools(tools: Any) -> list[dict[str, Any]]:
+    """`GenerateRequest.tools` as sent over NATS: a list of function tools, each with a name."""
+    ok = isinstance(tools, list) and all(
+        isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
+        for t in tools)
+    if not ok:
+        raise ApiError("tools must be a list of {\"type\": \"function\", \"function\": {\"name\", ...}}",
+                       param="tools")
+    return tools
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def native_turn(message: ChatMessage) -> dict[str, Any]:
+    """A message for a template that knows tools: `tool_calls` with their arguments as objects."""
+    turn: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        turn["tool_calls"] = [{**call, "function": {**call.get("function", {}), "arguments": _arguments(
+            call.get("function", {}).get("arguments", "{}"))}} for call in message.tool_calls]
+    if message.tool_call_id is not None:
+        turn["tool_call_id"] = message.tool_call_id
+    if message.name is not None:
+        turn["name"] = message.name
+    return turn
+
+
+def default_turn(message: ChatMessage) -> dict[str, Any]:
+    """A message for a template that does not know tools: calls and results written as text, Hermes-style."""
+    content = message.content
+    if message.role == "tool":
+        content = f"<tool_response>\n{content}\n</tool_response>"
+    for call in message.tool_calls:
+        function = call.get("function", {})
+        body = json.dumps({"name": function.get("name"), "arguments": _arguments(function.get("arguments", "{}"))},
+                          ensure_ascii=False)
+        content += ("\n" if content else "") + f"<tool_call>\n{body}\n</tool_call>"
+    return {"role": message.role, "content": content}
+
+
+def with_default_tool_prompt(turns: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`turns` with the default tool prompt ending the system message (prepended as one if there is none)."""
+    section = DEFAULT_TOOL_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+    if turns and turns[0]["role"] == "system":
+        system = turns[0]["content"]
+        return [{**turns[0], "content": f"{system}\n\n{section}" if system else section}, *turns[1:]]
+    return [{"role": "system", "content": section}, *turns]
 
 
 class PromptEncoder:
@@ -16,6 +108,7 @@ class PromptEncoder:
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
+        self.template_tools = template_uses_tools(getattr(tokenizer, "chat_template", None))
 
     def encode(self, req: GenerateRequest) -> list[int]:
         """Token ids for the one prompt form that `req` sets; raises ApiError otherwise."""
@@ -26,6 +119,8 @@ class PromptEncoder:
             return self._encode_chat(req)
         if req.continue_final_message:
             raise ApiError("continue_final_message needs a chat prompt (messages)", param="continue_final_message")
+        if req.tools:
+            raise ApiError("tools need a chat prompt (messages)", param="tools")
         if req.input_ids is not None:
             ids = req.input_ids
             if not ids or not all(0 <= t < self.vocab_size for t in ids):
@@ -42,6 +137,8 @@ class PromptEncoder:
         for i, message in enumerate(req.messages):
             if message.role not in CHAT_ROLES:
                 raise ApiError(f"messages[{i}].role {message.role!r} is not one of {sorted(CHAT_ROLES)}", param="messages")
+            if not all(isinstance(call.get("function"), dict) for call in message.tool_calls):
+                raise ApiError(f"messages[{i}].tool_calls: each needs a function object", param="messages")
         for name in ("add_generation_prompt", "continue_final_message"):
             if not isinstance(getattr(req, name), bool):
                 raise ApiError(f"{name} must be a boolean", param=name)
@@ -53,11 +150,20 @@ class PromptEncoder:
             if req.messages[-1].role != "assistant":
                 raise ApiError(f"continue_final_message needs the last message to be the assistant's, not "
                                f"{req.messages[-1].role!r}", param="continue_final_message")
-        turns = [{"role": m.role, "content": m.content} for m in req.messages]
+        tools = _check_tools(req.tools) if req.tools else None
+        extra: dict[str, Any] = {}
+        if self.template_tools:
+            turns = [native_turn(m) for m in req.messages]
+            if tools:
+                extra["tools"] = tools
+        else:
+            turns = [default_turn(m) for m in req.messages]
+            if tools:
+                turns = with_default_tool_prompt(turns, tools)
         try:
             text = self._tokenizer.apply_chat_template(
                 turns, add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message, tokenize=False)
+                continue_final_message=req.continue_final_message, tokenize=False, **extra)
         except Exception as exc:  # jinja templates raise arbitrary errors for unsupported conversations
             raise ApiError(f"the chat template rejected these messages: {exc}", param="messages") from exc
         return self._tokenizer.encode(text, add_special_tokens=False)
