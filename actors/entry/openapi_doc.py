@@ -10,7 +10,7 @@ import copy
 from typing import Any
 
 from actors.entry.openai_protocol import (BEST_OF, CHAT_LOGPROBS, COMPLETION_LOGPROBS, ECHO, MAX_CHOICES, N,
-                                         NO_EFFECT, STREAM, STREAM_OPTIONS_NO_EFFECT, TOP_LOGPROBS)
+                                         NO_EFFECT, PROMPT_LOGPROBS, STREAM, STREAM_OPTIONS_NO_EFFECT, TOP_LOGPROBS)
 from bus.params import SPECS
 
 JSON = "application/json"
@@ -31,14 +31,41 @@ _OPENAI_COMMON: dict[str, Any] = {
         **{name: {"description": f"accepted, no effect ({what})"} for name, what in STREAM_OPTIONS_NO_EFFECT.items()}},
         "additionalProperties": False},
     **_OPENAI_SAMPLING,
+    "response_format": {"description": "constrain the output: text (none), json_object, or json_schema", "oneOf": [
+        {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+        {"type": "object", "required": ["type", "json_schema"], "properties": {
+            "type": {"enum": ["json_schema"]},
+            "json_schema": {"type": "object", "required": ["name"], "properties": {
+                "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"}, "description": {"type": "string"},
+                "schema": {"type": "object"}, "strict": {"type": ["boolean", "null"]}}}}}]},
+    "guided_json": {"description": "vLLM's: a JSON schema (object or string) the output must match",
+                    "oneOf": [{"type": "object"}, {"type": "string", "minLength": 1}]},
+    "guided_regex": {"type": "string", "minLength": 1, "description": "vLLM's: a regex the output must match"},
+    "guided_grammar": {"type": "string", "minLength": 1, "description": "vLLM's: an EBNF grammar for the output"},
+    "guided_choice": {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1},
+                      "description": "vLLM's: the output is one of these strings"},
+    "prompt_logprobs": PROMPT_LOGPROBS.json_schema(),
     # accepted and ignored; the refused fields (openai_protocol.REFUSED) and unknown ones are a 400
     **{name: {"description": f"accepted, no effect ({what})"} for name, what in NO_EFFECT.items()},
 }
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
+_FUNCTION_NAME = {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"}
+_TOOL_CALL = {"type": "object", "required": ["id", "type", "function"], "properties": {
+    "id": {"type": "string"}, "type": {"enum": ["function"]},
+    "function": {"type": "object", "required": ["name", "arguments"],
+                 "properties": {"name": _FUNCTION_NAME, "arguments": {"type": "string"}}}}}
 _MESSAGE = {"type": "object", "required": ["role"], "properties": {
-    "role": {"type": "string", "enum": ["system", "user", "assistant"]},
-    "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}, {"type": "null"}]}}}
+    "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
+    "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}, {"type": "null"}]},
+    "name": {"type": "string"},
+    "tool_calls": {"type": "array", "items": _TOOL_CALL, "description": "an assistant turn's calls"},
+    "tool_call_id": {"type": "string", "description": "a tool turn: the call it answers"}}}
+_TOOL = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"enum": ["function"]},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": _FUNCTION_NAME, "description": {"type": "string"}, "parameters": {"type": "object"},
+        "strict": {"type": ["boolean", "null"]}}}}}
 
 SCHEMAS: dict[str, Any] = {
     "Error": {"type": "object", "required": ["error"], "properties": {"error": {
@@ -52,6 +79,12 @@ SCHEMAS: dict[str, Any] = {
                                                                       "instead of opening a new turn"},
         "logprobs": CHAT_LOGPROBS.json_schema(),
         "top_logprobs": TOP_LOGPROBS.json_schema(),
+        "tools": {"type": "array", "items": _TOOL, "description": "function tools the model may call"},
+        "tool_choice": {"oneOf": [{"enum": ["none", "auto", "required"]}, {
+            "type": "object", "required": ["type", "function"], "properties": {
+                "type": {"enum": ["function"]},
+                "function": {"type": "object", "required": ["name"], "properties": {"name": _FUNCTION_NAME}}}}]},
+        "parallel_tool_calls": {"type": "boolean", "description": "more than one call per turn (default true)"},
         **_OPENAI_COMMON}},
     "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": {
         "prompt": {"description": f"one prompt, or a list of prompts: n choices each, at most {MAX_CHOICES} in all",
@@ -73,6 +106,7 @@ SCHEMAS: dict[str, Any] = {
         "stream": STREAM.json_schema(),
         "return_logprob": _NATIVE_SAMPLING["return_logprob"],
         "top_logprobs_num": _NATIVE_SAMPLING["top_logprobs_num"],
+        "logprob_start_len": _NATIVE_SAMPLING["logprob_start_len"],
         "sampling_params": {"type": "object", "properties": {**_NATIVE_SAMPLING, "n": N.json_schema()}}},
         "oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}]},
     "AbortRequest": {"type": "object", "properties": {"rid": RID, "abort_all": _BOOL},
