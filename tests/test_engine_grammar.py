@@ -151,3 +151,18 @@ def test_aborts_while_compiling_and_mid_grammar_free_everything(model: Any, toke
     assert engine.abort("b") is not None and not engine.has_work()
     engine.check_integrity()
     assert engine.stats().kv_running_tokens == 0
+
+
+@pytest.mark.parametrize("jump_forward", [True, False])
+def test_retraction_keeps_the_matcher_state(model: Any, tokenizer: Any, jump_forward: bool) -> None:
+    """A pool too small for every request at once: retracted constrained requests resume where their grammar
+    was, and every output still obeys the schema."""
+    engine = engine_for(model, tokenizer, max_total_tokens=96, disable_jump_forward=not jump_forward)
+    schema = json.dumps(SCHEMA)
+    reqs = [TokenizedRequest(f"r{i}", prompt(i), constrained(temperature=1.0, seed=i, json_schema=schema))
+            for i in range(5)]
+    out = run_to_completion(engine, reqs)
+    assert engine.num_retractions > 0
+    for req in reqs:
+        check_json(text_of(tokenizer, out[req.rid]))
+    assert engine.stats().kv_running_tokens == 0
