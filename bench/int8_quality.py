@@ -1,10 +1,14 @@
-"""Quality cost of `--quantization int8`: greedy agreement with float32 over a fixed prompt set.
+"""Quality cost of each quantized kernel: greedy agreement with float32 over a fixed prompt set.
 
-Runs the engine in-process twice on the same chat prompts (float32, then int8 weights) and reports, per
-prompt, how many leading tokens agree and whether the whole greedy continuation is identical. The prompts run
-as one batch, or with `--sequential` one at a time (batch-1 decode takes int8's single-row kernel).
+Runs the engine in-process on the same chat prompts, first in float32, then once per quantized kernel applied
+to every linear at every batch size (`q8_0` and `q4_1`/`q4_0`, our group kernels, which `--quantization int8`
+and `int4` run; `int_mm`, the per-row int8 path; the 4-bit kernels keep the LM head at `q8_0`, as `int4`
+does, unless `--head-too`), and reports, per prompt, how many leading tokens agree and
+whether the whole greedy continuation is identical. A server's per-host plan runs float32 at the step sizes
+where a kernel is slower, which can only agree more. The prompts run as one batch, or with `--sequential` one
+at a time (batch-1 decode).
 
-    .venv/bin/python bench/int8_quality.py --max-tokens 64
+    .venv/bin/python bench/int8_quality.py --max-tokens 64 [--kernels q8_0 q4_1 int_mm] [--verbose]
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ from actors.common.model_source import DEFAULT_MODEL, resolve_model
 from actors.engine.config import EngineConfig
 from actors.engine.engine import Engine
 from bus.messages import TokenizedRequest, SamplingParams
+from kernels.quantization import linear_shapes, quantize_linears
+
+METHOD_OF = {"q8_0": "int8", "int_mm": "int8", "q4_1": "int4", "q4_0": "int4"}
 
 PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.", "List three colors.",
@@ -41,32 +48,53 @@ def generate(engine: Engine, prompts: list[list[int]], max_tokens: int, sequenti
     return [out[f"q{i}"] for i in range(len(prompts))]
 
 
+def agreement(exact: list[list[int]], quant: list[list[int]], verbose: bool) -> tuple[int, int, int]:
+    """(identical continuations, tokens agreeing before the first divergence, tokens), printing each prompt's."""
+    same, prefix_total, total = 0, 0, 0
+    for prompt, a, b in zip(PROMPTS, exact, quant):
+        prefix = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        same += a == b
+        prefix_total += prefix
+        total += len(a)
+        if verbose:
+            print(f"{prefix:4d}/{len(a):<4d} {'identical' if a == b else 'diverges'}  {prompt}")
+    return same, prefix_total, total
+
+
 def main() -> None:
-    """Print the agreement table and the summary line."""
+    """Print one summary line per kernel (and with --verbose its per-prompt table)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--kernels", nargs="+", default=["q8_0", "q4_1", "q4_0", "int_mm"], choices=list(METHOD_OF))
     parser.add_argument("--sequential", action="store_true",
                         help="run the prompts one at a time (batch-1 decode) instead of all together")
+    parser.add_argument("--verbose", action="store_true", help="print every prompt's agreement")
+    parser.add_argument("--head-too", action="store_true", help="4-bit kernels quantize the LM head to 4 bits too")
     args = parser.parse_args()
     source = resolve_model(args.model)
-    results = {}
-    for method in ("none", "int8"):
-        engine = Engine.from_source(source, EngineConfig(device="cpu", dtype="float32", quantization=method,
-                                                         max_total_tokens=16384))
+    exact: list[list[int]] = []
+    for kernel in ["none", *args.kernels]:
+        engine = Engine.from_source(source, EngineConfig(device="cpu", dtype="float32", max_total_tokens=16384))
+        if kernel != "none":
+            model = engine.runner.model
+            plan = {shape: {1: kernel} for shape in linear_shapes(model)}
+            head = model.lm_head
+            if METHOD_OF[kernel] == "int4" and not args.head_too:
+                plan[(head.out_features, head.in_features)] = {1: "q8_0"}
+            quantize_linears(model, METHOD_OF[kernel], plan)
         prompts = [engine.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                         tokenize=True, return_dict=False) for p in PROMPTS]
         with torch.no_grad():
-            results[method] = generate(engine, prompts, args.max_tokens, args.sequential)
-    same, prefix_total, total = 0, 0, 0
-    for prompt, exact, quant in zip(PROMPTS, results["none"], results["int8"]):
-        prefix = next((i for i, (a, b) in enumerate(zip(exact, quant)) if a != b), min(len(exact), len(quant)))
-        same += exact == quant
-        prefix_total += prefix
-        total += len(exact)
-        print(f"{prefix:4d}/{len(exact):<4d} {'identical' if exact == quant else 'diverges'}  {prompt}")
-    print(f"int8 vs float32 greedy: {same}/{len(PROMPTS)} continuations identical; "
-          f"{prefix_total}/{total} tokens agree before the first divergence ({prefix_total / total:.0%})")
+            out = generate(engine, prompts, args.max_tokens, args.sequential)
+        if kernel == "none":
+            exact = out
+            continue
+        same, prefix_total, total = agreement(exact, out, args.verbose)
+        head = " (4-bit head)" if args.head_too and METHOD_OF[kernel] == "int4" else ""
+        print(f"{kernel}{head} vs float32 greedy: {same}/{len(PROMPTS)} continuations identical; "
+              f"{prefix_total}/{total} tokens agree before the first divergence ({prefix_total / total:.0%})",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -1,134 +1,233 @@
-"""Int8 linear layers behind one small interface, swapped into a model from outside.
+"""Quantized linear layers behind one small interface, swapped into a model from outside, each call running the
+kernel measured fastest on this host for its shape and row count.
 
-`quantize_linears(model, method)` replaces the model's `nn.Linear` layers (projections and LM head) with
-quantized ones; the model code knows nothing of it (gpt-fast's approach). One method so far:
+`quantize_linears(model, method, plan)` replaces the model's `nn.Linear` layers (projections and LM head) with
+`QuantLinear`s; the model code knows nothing of it (gpt-fast's approach). Methods and their kernels:
 
-- `int8`: per-output-channel symmetric int8 weights; activations quantized to int8 on each call with one
-  scale per row (per token). Several rows: symmetric 8-bit, multiplied by `torch._int_mm` (int8 x int8 ->
-  int32) and rescaled. One row (batch-1 decode): fbgemm's dynamic linear, whose single activation range is then
-  that row's (7-bit asymmetric, so its AVX2 u8*s8 pair sums cannot saturate int16), because it is ~2x faster
-  there, the LM head most of all. On AVX2 CPUs int8 is ~3x faster than float32 at batch 1, where decode is
-  bound by reading weights. Scaling per row, not per batch (fbgemm's dynamic linear alone gives a whole batch
-  one range), means a token's output never depends on the other rows of a multi-row batch, and the
-  attention-sink token, whose activations are hundreds of times larger than the rest, no longer flattens
-  every other token of a prefill to a few levels. torch marks fbgemm's quantized-tensor API deprecated; both
-  kernels sit in `Int8Linear` alone, so they can be swapped (torchao) in one place.
+- `int8`: `q8_0`, our C++ group kernel (`kernels.cpu`: int8 weights with an fp16 scale per 32 input values,
+  activations quantized to int8 per block of 32, AVX-512 VNNI or AVX2), or `int_mm`: per-output-channel int8
+  weights with one activation scale per row, multiplied by `torch._int_mm` (fbgemm's dynamic linear for a
+  single row). `int_mm` has no fast path on AVX2 CPUs without VNNI, where it is a scalar loop (10-25x slower
+  than float32 at 8-32 rows), and its per-row scales cost quality (SmolLM2 greedy agreement 26% of tokens).
+- `int4`: `q4_1`, our group kernel with 4-bit weights, an fp16 scale and min per 32 (llama.cpp's Q4_1). The
+  LM head stays int8, as llama.cpp's 4-bit files keep it (SmolLM2's Q4_1 GGUF has a Q8_0 embedding/head):
+  on SmolLM2 a 4-bit head cut greedy agreement with float32 from 54% of tokens to 22%.
+- Every method may also run `float32` (the layer then keeps its float32 weight as well).
 
-`int8_speedup(...)` times float32 against int8 on the model's own shapes, so a server can choose per machine,
-and `measure_kernel_plan(...)` does so per row count: on CPUs whose int8 matmul is slow (AVX2 without VNNI,
-where `torch._int_mm` is a scalar loop) multi-row steps can run 10-25x slower in int8 than in float32. A layer
-given a plan (`KernelPlan`: row-count bucket -> "int8" or "float32") keeps its float32 weight as well and runs
-each call with the kernel measured faster for that many rows, so int8 never makes a step slower than float32.
+A `KernelPlan` maps each linear shape `(out, in)` to its kernel per row-count bucket (`rows.bit_length()`;
+more rows than the largest bucket follow it). `measure_kernel_plan` times every candidate side by side on the
+model's own shapes at the row counts the server runs and keeps the fastest that is not slower than float32,
+so `--quantization` never makes a step slower; the result is cached on disk per host
+(`kernels.cpu.plan_cache`). A token's output never depends on the other rows of its batch: every kernel
+scales activations per row (or per row and block).
 """
 
 from __future__ import annotations
 
-import time
+import logging
 import warnings
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-METHODS = ("int8",)
-# rows.bit_length() -> "int8" or "float32"; more rows than the largest bucket follow that bucket
-KernelPlan = dict[int, str]
+import kernels.cpu as cpu_kernels
+from kernels.cpu import plan_cache
+from kernels.cpu.packing import PackedWeight, pack
+
+log = logging.getLogger("kernels.quantization")
+METHODS = ("int8", "int4")
+# candidates per method in order of quality (a better one wins a near tie, see choose_kernel)
+CANDIDATES = {"int8": ("q8_0", "int_mm"), "int4": ("q4_1",)}
+GROUP_KERNELS = ("q8_0", "q4_0", "q4_1")
+HEAD_NAMES = ("lm_head",)  # linears int4 keeps at int8
+FLOAT_MARGIN = 0.95  # a quantized kernel must measure at least 5% faster than float32 to be chosen (noise)
+NEAR_TIE = 1.10  # a better-quality kernel within 10% of the fastest is taken instead
+ShapePlan = dict[int, str]  # rows.bit_length() -> kernel
+KernelPlan = dict[tuple[int, int], ShapePlan]  # (out_features, in_features) -> its ShapePlan
 
 
-def plan_buckets(plan: KernelPlan) -> dict[str, str]:
-    """A plan as readable ranges, e.g. {"1-1 rows": "int8", "2-3 rows": "float32"} (for logs and stats)."""
-    return {f"{1 << (bits - 1)}-{(1 << bits) - 1} rows": kernel for bits, kernel in sorted(plan.items())}
+def default_kernel(method: str) -> str:
+    """The kernel a layer of `method` runs without a plan: our group kernel (its torch fallback if not built)."""
+    return {"int8": "q8_0", "int4": "q4_1"}[method]
 
 
-class Int8Linear(nn.Module):
-    """`y = x W^T + b` with W as per-channel int8 and x quantized per row to int8 on each call."""
+class QuantLinear(nn.Module):
+    """`y = x W^T + b` with W quantized; each call runs the kernel its `plan` names for that many rows."""
 
-    def __init__(self, linear: nn.Linear, plan: KernelPlan | None = None) -> None:
-        """`plan`, when it sends some row counts to float32, makes the layer keep the float32 weight too."""
+    def __init__(self, linear: nn.Linear, method: str = "int8", plan: ShapePlan | None = None,
+                 hold: tuple[str, ...] = ()) -> None:
+        """Keeps only the weight formats the plan's kernels (and `hold`'s, for timing) read: float32 too when
+        the plan has it."""
         super().__init__()
-        self.plan = plan or {}
+        if method not in METHODS:
+            raise ValueError(f"unknown quantization {method!r}; choose one of {list(METHODS)}")
+        self.method = method
+        self.plan = dict(plan or {})
+        self.default = default_kernel(method)
         self._top = max(self.plan, default=0)
-        keep_float = "float32" in self.plan.values()
-        self.register_buffer("weight_f", linear.weight.detach().float() if keep_float else None, persistent=False)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        kernels = (set(self.plan.values()) or {self.default}) | set(hold)
         weight = linear.weight.detach().float()
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float(), persistent=False)
+        # float32 weights are shared, not copied (a tied LM head keeps sharing the embedding's)
+        self.register_buffer("weight_f", weight if "float32" in kernels else None, persistent=False)
+        self.packed: dict[str, PackedWeight] = {k: pack(weight, k) for k in kernels if k in GROUP_KERNELS}
+        self._group_linear = cpu_kernels.linear()
+        self.qweight_t = self.scales = self._fbgemm = None
+        if "int_mm" in kernels:
+            self._prepare_int_mm(weight)
+
+    def _prepare_int_mm(self, weight: torch.Tensor) -> None:
         scales = (weight.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
         qweight = (weight / scales[:, None]).round_().clamp_(-127, 127).to(torch.int8)
-        # [in, out] as a transposed view of the [out, in] rows: the layout _int_mm reads fastest on the CPU
-        self.register_buffer("qweight_t", qweight.t(), persistent=False)
-        self.register_buffer("scales", scales, persistent=False)
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float(), persistent=False)
-        with warnings.catch_warnings():  # the deprecation is known; this class is the one place to swap it
+        self.qweight_t = qweight.t()  # [in, out] as a transposed view: the layout _int_mm reads fastest
+        self.scales = scales
+        with warnings.catch_warnings():  # the deprecation is known; this is the one place that uses it
             warnings.simplefilter("ignore", UserWarning)
             per_channel = torch._make_per_channel_quantized_tensor(
                 qweight, scales.double(), torch.zeros_like(scales, dtype=torch.int64), 0)
-        # the same int8 weights packed a second time for fbgemm's single-row kernel (int8 memory doubles, still
-        # half of float32's)
-        self._packed = torch.ops.quantized.linear_prepack(per_channel, self.bias)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        # fbgemm's single-row kernel (its one activation range is that row's: 7-bit asymmetric)
+        self._fbgemm = torch.ops.quantized.linear_prepack(per_channel, self.bias)
+
+    def kernel_for(self, rows: int) -> str:
+        """The kernel a call with `rows` rows runs."""
+        return self.plan.get(min(rows.bit_length(), self._top), self.default)
+
+    def run(self, rows: torch.Tensor, kernel: str) -> torch.Tensor:
+        """`rows` `[M, in]` float32 through `kernel` (one the layer holds the weights for)."""
+        if kernel == "float32":
+            return F.linear(rows, self.weight_f, self.bias)
+        if kernel in self.packed:
+            p = self.packed[kernel]
+            if torch.compiler.is_compiling():  # the custom op (with its fake) traces; the bare function not
+                return torch.ops.ringserve_cpu.group_linear(rows, p.qweight, p.scales, p.mins, self.bias,
+                                                            p.out_features, p.bits)
+            return self._group_linear(rows, p.qweight, p.scales, p.mins, self.bias, p.out_features, p.bits)
+        if kernel == "int_mm":
+            if rows.shape[0] == 1:
+                return torch.ops.quantized.linear_dynamic(rows, self._fbgemm, True)
+            row_scales = rows.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12).div_(127.0)
+            qrows = (rows / row_scales).round_().to(torch.int8)
+            y = torch._int_mm(qrows, self.qweight_t).float().mul_(row_scales).mul_(self.scales)
+            return y.add_(self.bias) if self.bias is not None else y
+        raise ValueError(f"this layer holds no weights for kernel {kernel!r}")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).float()
-        if self.weight_f is not None and self.plan.get(min(rows.shape[0].bit_length(), self._top)) == "float32":
-            y = F.linear(rows, self.weight_f, self.bias)
-        elif rows.shape[0] == 1:
-            y = torch.ops.quantized.linear_dynamic(rows, self._packed, True)
-        else:
-            row_scales = rows.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12).div_(127.0)
-            qrows = (rows / row_scales).round_().to(torch.int8)
-            y = torch._int_mm(qrows, self.qweight_t).float().mul_(row_scales).mul_(self.scales)
-            if self.bias is not None:
-                y.add_(self.bias)
+        y = self.run(rows.contiguous(), self.kernel_for(rows.shape[0]))
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
 
+Int8Linear = QuantLinear  # the name before int4 and the group kernels
+
+
+def linear_shapes(model: nn.Module) -> list[tuple[int, int]]:
+    """The distinct (out_features, in_features) of the model's `nn.Linear` layers."""
+    return sorted({(m.out_features, m.in_features) for m in model.modules() if isinstance(m, nn.Linear)})
+
+
+def layer_method(name: str, method: str) -> str:
+    """The method the linear called `name` is quantized with: int4 keeps the LM head at int8."""
+    return "int8" if method == "int4" and name.rpartition(".")[2] in HEAD_NAMES else method
+
+
 def quantize_linears(model: nn.Module, method: str, plan: KernelPlan | None = None) -> nn.Module:
-    """Replace every `nn.Linear` of `model` (on the CPU) by its `method` version, in place, each following
-    `plan` (see `Int8Linear`); returns `model`."""
+    """Replace every `nn.Linear` of `model` (on the CPU) by a `QuantLinear` of `method` (`layer_method`), in
+    place, each following its shape's entry of `plan` (without one: the method's default for every row count)."""
     if method not in METHODS:
         raise ValueError(f"unknown quantization {method!r}; choose one of {list(METHODS)}")
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     for name, module in targets:
         if module.weight.device.type != "cpu":
-            raise ValueError(f"int8 quantization runs on the CPU only; {name} is on {module.weight.device}")
+            raise ValueError(f"{method} quantization runs on the CPU only; {name} is on {module.weight.device}")
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Int8Linear(module, plan))
+        shape_plan = (plan or {}).get((module.out_features, module.in_features))
+        setattr(parent, child, QuantLinear(module, layer_method(name, method), shape_plan))
     return model
 
 
-def measure_kernel_plan(shapes: list[tuple[int, int]], max_rows: int, repeats: int = 3) -> KernelPlan:
-    """For each power-of-two row count up to `max_rows`, the faster of int8 and float32 over linears of `shapes`
-    (out, in), timed here; a bucket where int8 is not faster runs float32."""
-    layers = [nn.Linear(k, n, bias=False) for n, k in shapes]
-    quantized = [Int8Linear(layer) for layer in layers]
-    plan: KernelPlan = {}
-    rows = 1
-    while rows <= max_rows:
-        faster = _speedup(layers, quantized, shapes, rows, repeats) > 1.0
-        plan[rows.bit_length()] = "int8" if faster else "float32"
-        rows *= 2
-    return plan
+def candidates(method: str) -> tuple[str, ...]:
+    """Kernels timed for `method` on this host: float32 first, then the method's, in quality order. Our group
+    kernels only when compiled (their torch fallback is far slower than float32); `int_mm` needs fbgemm."""
+    out = ["float32"]
+    for kernel in CANDIDATES[method]:
+        if kernel in GROUP_KERNELS and not cpu_kernels.compiled():
+            continue
+        if kernel == "int_mm" and "fbgemm" not in torch.backends.quantized.supported_engines:
+            continue
+        out.append(kernel)
+    return tuple(out)
 
 
-def int8_speedup(shapes: list[tuple[int, int]], batch: int = 1, repeats: int = 20) -> float:
-    """Time of float32 over int8 for one pass through linears of `shapes` (out, in) at `batch` rows."""
-    layers = [nn.Linear(k, n, bias=False) for n, k in shapes]
-    return _speedup(layers, [Int8Linear(layer) for layer in layers], shapes, batch, repeats)
+def choose_kernel(times: dict[str, float], order: tuple[str, ...]) -> str:
+    """The kernel to run given seconds per call: float32 unless a quantized kernel beats it by the margin;
+    among those, the fastest, or the best-quality one (earliest in `order`) within `NEAR_TIE` of it."""
+    fast = {k: t for k, t in times.items() if k != "float32" and t <= FLOAT_MARGIN * times["float32"]}
+    if not fast:
+        return "float32"
+    best = min(fast.values())
+    return next(k for k in order if k in fast and fast[k] <= NEAR_TIE * best)
 
 
-def _speedup(layers: list[nn.Module], quantized: list[nn.Module], shapes: list[tuple[int, int]], batch: int,
-             repeats: int) -> float:
-    x = {k: torch.randn(batch, k) for _, k in shapes}
-
-    def timed(modules: list[nn.Module]) -> float:
+def measure_kernel_plan(shape_rows: dict[tuple[int, int], list[int]], method: str = "int8", rounds: int = 5,
+                        use_cache: bool = True) -> tuple[KernelPlan, dict[str, Any]]:
+    """Time every candidate kernel of `method` on each shape (out, in) at each of its row counts, here; returns
+    the plan (shape -> bucket -> kernel) and the measurements ({"times": {"out,in,rows": {kernel: seconds}},
+    "cached": bool}). Cached on disk by host, torch, kernels and thread count."""
+    order = candidates(method)
+    key = plan_cache.host_key({"method": method, "candidates": list(order),
+                               "shapes": sorted([list(s), sorted(r)] for s, r in shape_rows.items())})
+    stored = plan_cache.load(key) if use_cache else None
+    times: dict[str, dict[str, float]] = stored["times"] if stored else {}
+    if not stored:
         with torch.no_grad():
-            for module, (_, k) in zip(modules, shapes):  # warm-up
-                module(x[k])
-            start = time.perf_counter()
-            for _ in range(repeats):
-                for module, (_, k) in zip(modules, shapes):
-                    module(x[k])
-            return time.perf_counter() - start
+            for (n, k), row_counts in shape_rows.items():
+                layer = QuantLinear(nn.Linear(k, n, bias=False), method, hold=order)
+                for rows in sorted(set(row_counts)):
+                    x = torch.randn(rows, k)
+                    fns = {kernel: (lambda kernel=kernel: layer.run(x, kernel)) for kernel in order}
+                    times[f"{n},{k},{rows}"] = plan_cache.time_interleaved(fns, rounds)
+                del layer
+        if use_cache:
+            plan_cache.store(key, {"times": times})
+    plan: KernelPlan = {}
+    for entry, measured in times.items():
+        n, k, rows = (int(v) for v in entry.split(","))
+        plan.setdefault((n, k), {})[rows.bit_length()] = choose_kernel(measured, order)
+    return plan, {"times": times, "cached": bool(stored), "candidates": order}
 
-    return timed(layers) / timed(quantized)
+
+def speedup(times: dict[str, dict[str, float]], plan: KernelPlan, rows: int) -> float:
+    """Float32's time over the plan's for one pass through every measured shape at `rows` rows."""
+    base = chosen = 0.0
+    for entry, measured in times.items():
+        n, k, r = (int(v) for v in entry.split(","))
+        if r == rows:
+            base += measured["float32"]
+            chosen += measured[plan[(n, k)][r.bit_length()]]
+    return base / chosen if chosen else 1.0
+
+
+def plan_buckets(plan: ShapePlan) -> dict[str, str]:
+    """One shape's plan as readable ranges, adjacent buckets of one kernel merged, the last open-ended:
+    e.g. {"1-15 rows": "q8_0", "16+ rows": "float32"}."""
+    out: dict[str, str] = {}
+    items = sorted(plan.items())
+    start = 0
+    for i, (bits, kernel) in enumerate(items):
+        if i + 1 < len(items) and items[i + 1][1] == kernel:
+            continue
+        low = 1 << (items[start][0] - 1)
+        out[f"{low}+ rows" if i + 1 == len(items) else f"{low}-{(1 << bits) - 1} rows"] = kernel
+        start = i + 1
+    return out
+
+
+def plan_report(plan: KernelPlan) -> dict[str, str]:
+    """A whole plan for logs and `/get_server_info`: {"576->960 1-15 rows": "q8_0", ...} (in->out features)."""
+    return {f"{k}->{n} {rows}": kernel for (n, k), shape_plan in sorted(plan.items())
+            for rows, kernel in plan_buckets(shape_plan).items()}

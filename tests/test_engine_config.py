@@ -25,7 +25,7 @@ def test_flags_round_trip_through_the_launcher_argv() -> None:
     assert EngineConfig().to_argv() == []
 
 
-@pytest.mark.parametrize("argv", [["--attention-backend", "nope"], ["--dtype", "int3"], ["--quantization", "int4"],
+@pytest.mark.parametrize("argv", [["--attention-backend", "nope"], ["--dtype", "int3"], ["--quantization", "int3"],
                                   ["--schedule-policy", "random"]])
 def test_unknown_choices_are_refused_by_the_parser(argv: list[str]) -> None:
     with pytest.raises(SystemExit):

@@ -1,99 +1,144 @@
-"""Int8 weight quantization: close to float32, swapped in from outside the model, usable by the engine."""
+"""Quantized linears (int8, int4): close to float32, swapped in from outside the model, each call running the
+kernel the per-host plan measured fastest and never one slower than float32; the engine runs them."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from bus.messages import TokenizedRequest
+import kernels.cpu as cpu_kernels
 from actors.engine.weights import model_from_hf
-from kernels.quantization import Int8Linear, measure_kernel_plan, plan_buckets, quantize_linears
-from tests.engine_helpers import (
-    engine_for,
-    greedy,
-    run_to_completion,
-    tiny_hf_llama,
-    tokens_of,
+from bus.messages import TokenizedRequest
+from kernels.quantization import (
+    QuantLinear, choose_kernel, measure_kernel_plan, plan_buckets, plan_report, quantize_linears,
 )
+from tests.engine_helpers import engine_for, greedy, run_to_completion, tiny_hf_llama, tokens_of
+
+COMPILED = cpu_kernels.compiled()  # built (or found built) now, in the usual cache, before any test moves it
 
 
-def test_int8_linear_is_close_to_float() -> None:
+@pytest.fixture
+def plan_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Kernel plans measured by a test go to a temporary cache (the extension is already loaded)."""
+    monkeypatch.setenv("RINGSERVE_CACHE", str(tmp_path))
+    return tmp_path
+
+
+@pytest.mark.parametrize("method, kernel, tolerance", [("int8", "q8_0", 0.02), ("int8", "int_mm", 0.02),
+                                                       ("int4", "q4_1", 0.12)])
+def test_quantized_linears_are_close_to_float(method: str, kernel: str, tolerance: float) -> None:
     torch.manual_seed(0)
     linear = nn.Linear(64, 96, bias=True)
     x = torch.randn(5, 3, 64)
     expected = linear(x)
-    got = Int8Linear(linear)(x)
-    assert got.shape == expected.shape
-    relative = (got - expected).norm() / expected.norm()
-    assert relative < 0.02, relative
+    layer = QuantLinear(linear, method, {1: kernel})
+    got = layer(x)
+    assert got.shape == expected.shape and layer.kernel_for(15) == kernel
+    assert (got - expected).norm() / expected.norm() < tolerance
+    assert layer.weight_f is None  # without float32 in its plan no float copy is kept
 
 
-def test_int8_rows_do_not_depend_on_their_batch() -> None:
-    """Activations are scaled per row: a token with huge activations (an attention sink) in the same batch
-    changes nothing for the others."""
+@pytest.mark.parametrize("kernel", ["q8_0", "int_mm"])
+def test_rows_do_not_depend_on_their_batch(kernel: str) -> None:
+    """Activations are scaled per row (and block): a token with huge activations (an attention sink) in the
+    same batch changes nothing for the others."""
     torch.manual_seed(1)
-    quantized = Int8Linear(nn.Linear(64, 32, bias=False))
+    quantized = QuantLinear(nn.Linear(64, 32, bias=False), "int8", {1: kernel})
     x = torch.randn(4, 64)
     alone = quantized(x)
     sink = torch.zeros(1, 64)
     sink[0, 3] = 500.0
-    together = quantized(torch.cat([sink, x]))[1:]
-    assert torch.equal(together, alone)
-    # a single row runs fbgemm's kernel (its one range is that row's): same quantization grid up to rounding
-    single = quantized(x[2:3])
-    assert (single - alone[2:3]).norm() / alone[2:3].norm() < 0.02
+    assert torch.equal(quantized(torch.cat([sink, x]))[1:], alone)
+    # a single row (fbgemm's kernel for int_mm) is on the same grid up to rounding
+    assert (quantized(x[2:3]) - alone[2:3]).norm() / alone[2:3].norm() < 0.02
 
 
 def test_quantize_linears_replaces_every_projection_and_the_head() -> None:
     hf = tiny_hf_llama()
     model = model_from_hf(hf.config, hf.state_dict())
-    quantize_linears(model, "int8")
+    quantize_linears(model, "int4")
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
-    assert isinstance(model.lm_head, Int8Linear)
+    assert isinstance(model.lm_head, QuantLinear) and model.lm_head.method == "int8"  # int4 keeps the head int8
+    assert model.model.layers[0].mlp.down_proj.method == "int4"
     with pytest.raises(ValueError, match="int3"):
         quantize_linears(model, "int3")
 
 
-def test_the_engine_runs_int8_weights_with_logits_close_to_float32() -> None:
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_the_engine_runs_quantized_weights_with_logits_close_to_float32(method: str) -> None:
     hf = tiny_hf_llama()
     prompt = [5, 17, 42, 99, 7]
     exact = engine_for(hf, device="cpu")
     quantized = engine_for(hf, device="cpu")
-    quantize_linears(quantized.runner.model, "int8")
+    quantize_linears(quantized.runner.model, method)
     params = greedy(8, return_logprob=True, top_logprobs_num=5)
     a = run_to_completion(exact, [TokenizedRequest("a", prompt, params)])["a"]
     b = run_to_completion(quantized, [TokenizedRequest("b", prompt, params)])["b"]
     assert len(tokens_of(b)) == 8
-    # the first token's distribution (same context for both) barely moves
-    assert a[0].top_ids[0][:2] == b[0].top_ids[0][:2]
-    assert a[0].top_logprobs[0][0] == pytest.approx(b[0].top_logprobs[0][0], abs=0.25)
+    # the first token's distribution (same context for both) barely moves (int4's a little more: the top one)
+    top = 2 if method == "int8" else 1
+    assert a[0].top_ids[0][:top] == b[0].top_ids[0][:top]
+    assert a[0].top_logprobs[0][0] == pytest.approx(b[0].top_logprobs[0][0], abs=0.25 if method == "int8" else 0.5)
 
 
-def test_a_kernel_plan_runs_float32_where_int8_was_measured_slower() -> None:
+def test_a_plan_runs_float32_where_the_quantized_kernel_was_measured_slower() -> None:
     torch.manual_seed(3)
     linear = nn.Linear(64, 32)
-    layer = Int8Linear(linear, plan={1: "int8", 2: "float32"})  # 1 row: int8; 2-3 rows and more: float32
+    layer = QuantLinear(linear, "int8", {1: "q8_0", 2: "float32"})  # 1 row: q8_0; 2-3 rows and more: float32
     with torch.no_grad():
         for rows in (2, 3, 8):  # 8 rows: above the largest bucket, so it follows that bucket
             x = torch.randn(rows, 64)
             torch.testing.assert_close(layer(x), linear(x), rtol=0, atol=0)
         one = torch.randn(1, 64)
-        assert not torch.equal(layer(one), linear(one))  # int8 there
+        assert not torch.equal(layer(one), linear(one))  # quantized there
         torch.testing.assert_close(layer(one), linear(one), rtol=0.05, atol=0.05)
-    assert Int8Linear(linear).weight_f is None  # without float32 buckets no float copy is kept
 
 
-def test_int8_measures_its_kernels_and_reports_them() -> None:
+def test_the_choice_is_never_slower_than_float32_and_prefers_quality_in_a_near_tie() -> None:
+    order = ("float32", "q8_0", "int_mm")
+    assert choose_kernel({"float32": 1.0, "q8_0": 1.2, "int_mm": 0.5}, order) == "int_mm"
+    assert choose_kernel({"float32": 1.0, "q8_0": 0.97, "int_mm": 1.5}, order) == "float32"  # within the noise
+    assert choose_kernel({"float32": 1.0, "q8_0": 0.5, "int_mm": 0.47}, order) == "q8_0"  # better, 6% slower
+    assert choose_kernel({"float32": 1.0, "q8_0": 0.5, "int_mm": 0.2}, order) == "int_mm"
+    assert plan_buckets({1: "q8_0", 2: "q8_0", 3: "float32", 4: "q8_0"}) == {
+        "1-3 rows": "q8_0", "4-7 rows": "float32", "8+ rows": "q8_0"}
+    assert plan_report({(960, 576): {1: "q4_1"}}) == {"576->960 1+ rows": "q4_1"}
+
+
+def test_the_plan_is_measured_per_shape_and_row_count_then_cached(plan_dir: Path) -> None:
+    shapes = {(32, 64): [1, 2, 4, 8], (48, 64): [1, 2]}
+    plan, measured = measure_kernel_plan(shapes, "int8", rounds=1)
+    assert set(plan) == set(shapes) and set(plan[(32, 64)]) == {1, 2, 3, 4} and set(plan[(48, 64)]) == {1, 2}
+    assert {k for p in plan.values() for k in p.values()} <= set(measured["candidates"])
+    assert measured["candidates"][0] == "float32" and ("q8_0" in measured["candidates"]) == COMPILED
+    assert not measured["cached"] and list((plan_dir / "kernel_plans").glob("*.json"))
+    again, measured_again = measure_kernel_plan(shapes, "int8", rounds=1)
+    assert measured_again["cached"] and again == plan and measured_again["times"] == measured["times"]
+    for entry, times in measured["times"].items():  # whatever was chosen measured no slower than float32
+        n, k, rows = (int(v) for v in entry.split(","))
+        assert times[plan[(n, k)][rows.bit_length()]] <= times["float32"]
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_apply_quantization_measures_its_kernels_and_reports_them(method: str, plan_dir: Path) -> None:
     from actors.engine.config import EngineConfig
-    from actors.engine.quantize import apply_quantization, quantization_report
-    from actors.engine.weights import model_from_hf
+    from actors.engine.quantize import apply_quantization, plan_rows, quantization_report
 
-    plan = measure_kernel_plan([(32, 64)], max_rows=8, repeats=1)
-    assert set(plan) == {1, 2, 3, 4} and set(plan.values()) <= {"int8", "float32"}
-    model = model_from_hf(tiny_hf_llama().config, tiny_hf_llama().state_dict(), "cpu")
-    method, plan = apply_quantization(model, EngineConfig(device="cpu", quantization="int8"))
-    assert method == "int8" and plan
+    hf = tiny_hf_llama()
+    model = model_from_hf(hf.config, hf.state_dict(), "cpu")
+    config = EngineConfig(device="cpu", quantization=method, chunked_prefill_size=128)
+    rows = plan_rows(model, config)
+    assert all(r == [1, 2, 4, 8, 16, 32, 64, 128] for shape, r in rows.items() if shape != (hf.config.vocab_size,
+                                                                                          hf.config.hidden_size))
+    applied, plan = apply_quantization(model, config)
+    assert applied == method and set(plan) == set(rows)
     report = quantization_report(model)
-    assert report == plan_buckets(plan) and "1-1 rows" in report
-    assert quantization_report(model_from_hf(tiny_hf_llama().config, tiny_hf_llama().state_dict(), "cpu")) == {}
+    assert report["method"] == method and report["isa"] == cpu_kernels.isa()
+    assert {k: v for k, v in report.items() if k not in ("method", "isa")} == plan_report(plan)
+    assert any(" 1-" in key or " 1+" in key for key in report)
+    if method == "int4":  # the head's shape was measured among int8's kernels
+        assert set(model.lm_head.plan.values()) <= {"float32", "q8_0", "int_mm"}
+    assert quantization_report(model_from_hf(hf.config, hf.state_dict(), "cpu")) == {}

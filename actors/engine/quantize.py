@@ -1,56 +1,117 @@
-"""Apply `--quantization` to a loaded model: none, int8, or auto (int8 only if it measures faster here).
+"""Apply `--quantization` to a loaded model: none, int8, int4, or auto (int8 only if it measures faster here).
 
-With int8, which kernel runs is measured per row count at start-up (`measure_kernel_plan`): a step size where
-int8 is not faster on this CPU runs the float32 weights, so `--quantization int8` never makes a step slower.
+For int8 and int4, which kernel each linear shape runs is measured per row-count bucket at start-up
+(`measure_kernel_plan`, cached on disk per host) at the row counts the server runs: decode batches
+1, 2, 4, … 64 and prefill chunks up to `--chunked-prefill-size` (the LM head, which sees one row per request,
+up to 64). A bucket where no quantized kernel is faster on this CPU runs the float32 weights, so
+`--quantization` never makes a step slower.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from typing import Any
 
 from torch import nn
 
+import kernels.cpu as cpu_kernels
 from actors.engine.config import EngineConfig
 from kernels.quantization import (
-    Int8Linear, KernelPlan, int8_speedup, measure_kernel_plan, plan_buckets, quantize_linears,
+    KernelPlan, QuantLinear, layer_method, linear_shapes, measure_kernel_plan, plan_report, quantize_linears,
+    speedup,
 )
 from observability.logging import log_event
 
 log = logging.getLogger("engine")
 AUTO_MIN_SPEEDUP = 1.15  # int8 costs some quality; take it only for a clear win
 AUTO_BATCHES = (1, 16)
-PLAN_MAX_ROWS = 64  # row counts measured for the kernel plan; larger calls (prefill) follow the largest bucket
+DECODE_MAX_ROWS = 64  # decode batch sizes measured (powers of two up to this)
+PREFILL_MAX_ROWS = 1024  # prefill rows measured at most; larger calls follow the largest bucket
+HEAD_MAX_ROWS = 64  # the LM head runs one row per request: measuring it at prefill sizes would cost seconds
+
+
+def head_shape(model: nn.Module) -> tuple[int, int] | None:
+    """The LM head's (out, in), if the model has one as `lm_head`."""
+    head = getattr(model, "lm_head", None)
+    return (head.out_features, head.in_features) if isinstance(head, nn.Linear) else None
+
+
+def plan_rows(model: nn.Module, config: EngineConfig) -> dict[tuple[int, int], list[int]]:
+    """Row counts to measure per linear shape (out, in): powers of two up to the largest of the decode sizes
+    and the prefill chunk; the LM head's up to `HEAD_MAX_ROWS`."""
+    chunk = config.chunked_prefill_size if config.chunking else config.max_prefill_tokens
+    top = min(max(DECODE_MAX_ROWS, chunk), PREFILL_MAX_ROWS)
+    ladder = [1 << i for i in range(top.bit_length()) if 1 << i <= top]
+    if ladder[-1] < top:  # a chunk that is no power of two: measure its bucket at the next one
+        ladder.append(ladder[-1] * 2)
+    head = head_shape(model)
+    return {shape: [r for r in ladder if r <= HEAD_MAX_ROWS] if shape == head else ladder
+            for shape in linear_shapes(model)}
+
+
+def measure_plan(model: nn.Module, config: EngineConfig, method: str) -> tuple[KernelPlan, dict[str, Any]]:
+    """The model's kernel plan for `method`, measured (or read from the cache); with int4 the LM head's shape
+    is measured among int8's kernels (`layer_method`), unless another layer shares its shape."""
+    rows = plan_rows(model, config)
+    head = head_shape(model)
+    shapes = [(m.out_features, m.in_features) for n, m in model.named_modules()
+              if isinstance(m, nn.Linear) and layer_method(n, method) == method]
+    as_head = {s: r for s, r in rows.items() if s == head and s not in shapes and method != "int8"}
+    plan, measured = measure_kernel_plan({s: r for s, r in rows.items() if s not in as_head}, method)
+    if as_head:
+        head_plan, head_measured = measure_kernel_plan(as_head, "int8")
+        plan.update(head_plan)
+        measured = {**measured, "times": {**measured["times"], **head_measured["times"]},
+                    "cached": measured["cached"] and head_measured["cached"]}
+    return plan, measured
+
+
+def model_plan(model: nn.Module) -> KernelPlan:
+    """The kernel plan the model's quantized layers follow, per shape (empty when unquantized)."""
+    return {(m.out_features, m.in_features): m.plan for m in model.modules() if isinstance(m, QuantLinear)}
 
 
 def quantization_report(model: nn.Module) -> dict[str, str]:
-    """The kernel each step size's linears run, e.g. {"1-1 rows": "int8", "2-3 rows": "float32"}; {} unquantized."""
-    layer = next((m for m in model.modules() if isinstance(m, Int8Linear)), None)
+    """What `/get_server_info` shows as `quantization`: the method, the kernels' ISA path and the kernel each
+    linear shape runs per row count, e.g. {"method": "int8", "isa": "avx2", "576->960 1-31 rows": "q8_0",
+    "576->960 32+ rows": "float32", …}; {} unquantized."""
+    layer = next((m for m in model.modules() if isinstance(m, QuantLinear)), None)
     if layer is None:
         return {}
-    return plan_buckets(layer.plan) if layer.plan else {"any rows": "int8"}
+    plan = model_plan(model)
+    report = {"method": layer.method, "isa": cpu_kernels.isa()}
+    if not any(plan.values()):
+        return {**report, "any rows": layer.default}
+    return {**report, **plan_report(plan)}
 
 
 def apply_quantization(model: nn.Module, config: EngineConfig) -> tuple[str, KernelPlan]:
-    """Quantize `model` in place as `config` says; returns the method applied ("none" or "int8") and, for int8,
-    the kernel chosen per row-count bucket."""
+    """Quantize `model` in place as `config` says; returns the method applied ("none", "int8" or "int4") and
+    the kernel chosen per shape and row-count bucket."""
     method = config.quantization
     if method == "none":
         return "none", {}
     on_cpu = config.resolved_device() == "cpu" and config.resolved_dtype() == "float32"
-    shapes = sorted({(m.out_features, m.in_features) for m in model.modules() if isinstance(m, nn.Linear)})
+    if method == "auto" and not on_cpu:
+        return "none", {}
+    if not on_cpu:
+        raise ValueError(f"--quantization {method} needs --device cpu and float32 weights")
+    measured_as = "int8" if method == "auto" else method
+    start = time.perf_counter()
+    plan, measured = measure_plan(model, config, measured_as)
+    log_event(log, logging.INFO, f"{measured_as} kernels per linear shape and step size",
+              isa=cpu_kernels.isa(), cached=measured["cached"], seconds=round(time.perf_counter() - start, 2),
+              choices=", ".join(f"{k}: {v}" for k, v in plan_report(plan).items()))
     if method == "auto":
-        if not on_cpu:
-            return "none", {}
-        speedups = [int8_speedup(shapes, batch=b) for b in AUTO_BATCHES]
+        speedups = [speedup(measured["times"], plan, b) for b in AUTO_BATCHES]
         method = "int8" if min(speedups) >= AUTO_MIN_SPEEDUP else "none"
         log_event(log, logging.INFO, "quantization auto", chosen=method,
                   **{f"int8_speedup_batch{b}": round(s, 2) for b, s in zip(AUTO_BATCHES, speedups)})
         if method == "none":
             return "none", {}
-    if not on_cpu:
-        raise ValueError("--quantization int8 needs --device cpu and float32 weights")
-    plan = measure_kernel_plan(shapes, PLAN_MAX_ROWS)
-    log_event(log, logging.INFO, "int8 kernels per step size, as measured",
-              choices=", ".join(f"{k}: {v}" for k, v in plan_buckets(plan).items()))
+    if not cpu_kernels.compiled():
+        log_event(log, logging.WARNING, "CPU group kernels not built: quantized layers run torch's kernels or "
+                  "float32 where those are slower", method=method)
     quantize_linears(model, method, plan)
     return method, plan

@@ -1,0 +1,148 @@
+"""Our own CPU kernels: weight-only quantized GEMV/GEMM in groups of 32 (`qgemm.cpp`), as torch custom ops.
+
+`torch.ops.ringserve_cpu.group_linear(x, qweight, scales, mins, bias, out_features, bits)` computes
+`x @ W^T + bias` for a weight packed by `kernels.cpu.packing` (q8_0, q4_0 or q4_1), quantizing the rows of x
+to int8 per block of 32 on each call. The op's schema and fake (meta) implementation are defined here, so it
+traces into a `torch.compile` graph. Its CPU implementation is the C++ library, JIT-built on first use with
+`torch.utils.cpp_extension.load` (about 30 s, once per host and torch version) into
+`~/.cache/ringserve/torch_extensions` (or `$RINGSERVE_CACHE/torch_extensions`), or, when it cannot be
+built (no compiler, no ninja, a CPU without AVX2), the torch reference of the same math
+(`reference_group_linear`), which is slow: `compiled()` says which one runs, and the kernel plan never picks
+the fallback.
+
+Environment: `RINGSERVE_CPU_KERNELS=0` skips the build (the fallback runs); `RINGSERVE_CPU_ISA=avx2` forces
+the AVX2 path on a host that has AVX-512 VNNI (`set_isa` does the same at run time).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from kernels.cpu.packing import PackedWeight, pack, reference_group_linear
+
+__all__ = ["PackedWeight", "pack", "group_linear", "compiled", "isa", "best_isa", "set_isa", "cache_dir", "linear"]
+
+log = logging.getLogger("kernels.cpu")
+OP = "ringserve_cpu::group_linear"
+_SOURCE = Path(__file__).with_name("qgemm.cpp")
+
+_lib = torch.library.Library("ringserve_cpu", "DEF")
+_lib.define("group_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, int out_features, "
+            "int bits) -> Tensor")
+
+
+@torch.library.register_fake(OP)
+def _group_linear_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                       bias: torch.Tensor | None, out_features: int, bits: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], out_features))
+
+
+_state: dict[str, object | None] = {}
+_lock = threading.Lock()
+
+
+def cache_dir() -> Path:
+    """Where ringserve caches what it builds and measures: `$RINGSERVE_CACHE` or `~/.cache/ringserve`."""
+    configured = os.environ.get("RINGSERVE_CACHE")
+    return Path(configured) if configured else Path.home() / ".cache" / "ringserve"
+
+
+def _lacks_avx2() -> bool:
+    """True on an x86 CPU without AVX2, FMA or F16C (per /proc/cpuinfo), where the kernels cannot run."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False  # not Linux: let the build decide
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), None)
+    return flags is not None and not {"avx2", "fma", "f16c"} <= set(flags)
+
+
+def _build() -> object | None:
+    """Build (or find built) and load the library; its helper ops (`torch.ops.ringserve_qgemm`), or None."""
+    if os.environ.get("RINGSERVE_CPU_KERNELS", "1") == "0":
+        return None
+    if _lacks_avx2():
+        log.warning("CPU quantized kernels need AVX2, FMA and F16C; using the torch fallback")
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        build_dir = cache_dir() / "torch_extensions" / f"torch-{torch.__version__}"
+        build_dir.mkdir(parents=True, exist_ok=True)
+        # No -march=native: qgemm.cpp chooses AVX-512 VNNI or AVX2 per function at run time, so a build in a
+        # shared home directory serves every host. -fopenmp lets at::parallel_for use torch's OpenMP pool
+        # (the extension binds to the libgomp torch already loaded).
+        start = time.perf_counter()
+        cpp_extension.load(name="ringserve_qgemm", sources=[str(_SOURCE)], build_directory=str(build_dir),
+                           extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False,
+                           verbose=False)  # loads the library: its TORCH_LIBRARY blocks register the ops
+        module = torch.ops.ringserve_qgemm
+        seconds = time.perf_counter() - start
+        if seconds > 2:  # it was compiled now, not found built
+            log.info("CPU quantized kernels built in %.0f s into %s", seconds, build_dir)
+    except Exception as exc:  # no compiler, no ninja, a failed build: the torch fallback runs instead
+        log.warning("CPU quantized kernels not built (%s: %s); using the torch fallback", type(exc).__name__,
+                    str(exc).splitlines()[0] if str(exc) else "")
+        return None
+    forced = os.environ.get("RINGSERVE_CPU_ISA")
+    if forced:
+        module.set_isa(forced)
+    return module
+
+
+def _extension() -> object | None:
+    """The loaded library's helper ops (building it on first call), or None when only the fallback runs."""
+    if "module" not in _state:
+        with _lock:
+            if "module" not in _state:
+                module = _build()
+                if module is None:
+                    _lib.impl("group_linear", reference_group_linear, "CPU")
+                _state["module"] = module
+    return _state["module"]
+
+
+def compiled() -> bool:
+    """Whether the C++ kernels run (built and loaded); False means the slow torch fallback."""
+    return _extension() is not None
+
+
+def isa() -> str:
+    """The ISA path the kernels run: "avx512vnni", "avx2", or "torch" (the fallback)."""
+    module = _extension()
+    return module.isa() if module is not None else "torch"
+
+
+def best_isa() -> str:
+    """The fastest ISA path this CPU supports ("avx512vnni" or "avx2"; "torch" without the build)."""
+    module = _extension()
+    return module.best_isa() if module is not None else "torch"
+
+
+def set_isa(name: str) -> None:
+    """Run the "avx512vnni" or "avx2" path from now on (one the CPU supports; for tests and benchmarks)."""
+    module = _extension()
+    if module is None:
+        raise RuntimeError("the CPU kernels are not compiled; only the torch fallback runs")
+    module.set_isa(name)
+
+
+def group_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x` `[M, K]` (float32) times the packed weight, plus `bias`: `[M, out_features]` float32."""
+    _extension()
+    return torch.ops.ringserve_cpu.group_linear(x, packed.qweight, packed.scales, packed.mins, bias,
+                                                packed.out_features, packed.bits)
+
+
+def linear() -> object:
+    """`group_linear`'s op overload itself (`torch.ops.ringserve_cpu.group_linear.default`): called directly
+    it skips the overload resolution of `torch.ops...group_linear(...)`, which a batch-1 step of ~120 linears
+    notices."""
+    _extension()
+    return torch.ops.ringserve_cpu.group_linear.default
