@@ -4,11 +4,17 @@ A message is a dataclass; on the wire it is the msgpack map `{"type": <class nam
 `decode(data, Expected)` checks the type tag and every field's type, recursing into nested messages, so a
 malformed or hostile payload raises `DecodeError` instead of reaching actor code. Nothing is ever unpickled.
 Unknown fields are ignored (newer senders may add fields); missing fields take their defaults.
+
+JSON is accepted too, so tools without msgpack (the `nats` CLI) can send messages: a payload whose first byte
+is `{`, `[` or whitespace (never the first byte of a msgpack map) is read as JSON, either the same envelope
+`{"type": ..., "body": {...}}` or the bare body `{field: value}`. `is_json` tells a receiver which encoding a
+request used, so it can answer in the same one (`encode_json`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import types
 import typing
 from functools import lru_cache
@@ -39,12 +45,39 @@ def encode(msg: Any) -> bytes:
     return msgpack.packb({"type": type(msg).__name__, "body": to_wire(msg)}, use_bin_type=True)
 
 
-def decode(data: bytes, expected: type[T]) -> T:
-    """Decode bytes produced by `encode` into an `expected` instance, validating every field."""
+def encode_json(msg: Any) -> bytes:
+    """Encode a message dataclass as the JSON envelope `{"type", "body"}` (for requesters that sent JSON)."""
+    return json.dumps({"type": type(msg).__name__, "body": to_wire(msg)}, ensure_ascii=False).encode()
+
+
+def is_json(data: bytes) -> bool:
+    """Whether a payload is JSON text: it starts with `{`, `[` or whitespace, which no msgpack map does."""
+    return data[:1] in (b"{", b"[", b" ", b"\t", b"\r", b"\n")
+
+
+def _json_envelope(data: bytes, expected: type) -> Any:
+    """A JSON payload as an envelope: the envelope itself, or a bare body wrapped as one of `expected`."""
     try:
-        envelope = msgpack.unpackb(data, raw=False, strict_map_key=False)  # key types are checked by from_wire
-    except Exception as exc:  # msgpack raises several unrelated exception types
-        raise DecodeError(f"not msgpack: {exc}") from exc
+        value = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise DecodeError(f"not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise DecodeError(f"a JSON message must be an object, got {type(value).__name__}")
+    if "type" in value and "body" in value:
+        return value
+    return {"type": expected.__name__, "body": value}
+
+
+def decode(data: bytes, expected: type[T]) -> T:
+    """Decode bytes produced by `encode` (or JSON, see the module doc) into an `expected` instance, validating
+    every field."""
+    if is_json(data):
+        envelope = _json_envelope(data, expected)
+    else:
+        try:
+            envelope = msgpack.unpackb(data, raw=False, strict_map_key=False)  # key types are checked by from_wire
+        except Exception as exc:  # msgpack raises several unrelated exception types
+            raise DecodeError(f"not msgpack: {exc}") from exc
     if not isinstance(envelope, dict) or envelope.get("type") != expected.__name__:
         got = envelope.get("type") if isinstance(envelope, dict) else type(envelope).__name__
         raise DecodeError(f"expected message {expected.__name__}, got {got!r}")
@@ -55,7 +88,8 @@ def peek_field(data: bytes, name: str) -> Any:
     """Field `name` of a message's body, read without decoding the rest (None if absent or not msgpack): how a
     receiver names the request a malformed message was meant to be, so it can answer it with an error."""
     try:
-        envelope = msgpack.unpackb(data, raw=False, strict_map_key=False)
+        envelope = (_json_envelope(data, object) if is_json(data)
+                    else msgpack.unpackb(data, raw=False, strict_map_key=False))
     except Exception:
         return None
     body = envelope.get("body") if isinstance(envelope, dict) else None

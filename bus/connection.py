@@ -18,7 +18,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from bus.codec import DecodeError, decode, encode
+from bus.codec import DecodeError, decode, encode, encode_json, is_json
 from bus.credentials import NatsCredentials
 from bus.subjects import subject_template
 from observability import messaging, tracing
@@ -143,7 +143,8 @@ class BusConnection:
         """Deliver each decoded `msg_type` on `subject` to `handler(msg, delivery)`, in arrival order.
 
         If the message was a request and the handler returns a message, it is sent as the reply, but only to
-        the requester's own inbox: a reply subject outside `reply_inbox(message subject)` (default: anything
+        the requester's own inbox (encoded as the request was: msgpack, or JSON for a JSON request): a reply
+        subject outside `reply_inbox(message subject)` (default: anything
         under `_INBOX.`) is refused, so a sender cannot make this actor publish where it chose (a stream's API,
         another client's outputs). Undecodable payloads are logged and go to `on_malformed` (dropped without
         it); a failing handler is logged and does not stop delivery.
@@ -172,7 +173,8 @@ class BusConnection:
                     log_event(log, logging.WARNING, "refused a reply outside the requester's inbox",
                               subject=raw.subject, reply=raw.reply[:200], inbox=inbox)
                     return
-                await self.client.publish(raw.reply, encode(reply), headers={TRACEPARENT_HEADER: delivery.traceparent})
+                payload = encode_json(reply) if is_json(raw.data) else encode(reply)  # answer in the request's encoding
+                await self.client.publish(raw.reply, payload, headers={TRACEPARENT_HEADER: delivery.traceparent})
 
         async def on_msg(raw: Msg) -> None:
             tp = (raw.headers or {}).get(TRACEPARENT_HEADER)

@@ -209,8 +209,11 @@ class SchedulerInfo:
     overlap_schedule: bool = False  # the engine plans step N+1 before applying step N
     # torch threads each decode step size runs on, as the scheduler measured them (empty: fixed or not yet known)
     torch_threads: dict[str, int] = field(default_factory=dict)
-    # --quantization int8: the kernel each step size's linears run, as measured at start-up (empty: float32)
+    # --quantization int8/int4: the method, the ISA, and per linear shape and row count the kernel measured
+    # fastest at start-up (empty: float32)
     quantization: dict[str, str] = field(default_factory=dict)
+    # which weights serve: "1" for those loaded at start, then each update_weights_from_disk's (or the next number)
+    weight_version: str = ""
 
 
 @dataclass
@@ -218,26 +221,36 @@ class ControlCommand:
     """An operator command on `{ns}.control.scheduler.command` (request/reply, answered by `ControlReply`).
 
     `action`: "flush_cache" (drop every cached prefix no running request uses), "abort_all", "pause"
-    (stop stepping; running requests keep their KV, new ones queue), "continue".
+    (stop stepping; running requests keep their KV, new ones queue), "continue", or "update_weights_from_disk":
+    load the checkpoint at `model_path` (same architecture), swap it in and flush the prefix cache. Its `mode`
+    says what happens to the requests the engine holds: "wait" (they finish on the old weights; new ones wait
+    for the swap), "pause" (they pause, and resume on the new weights, their KV recomputed) or "abort" (they
+    are aborted). `weight_version` names the new weights (default: the next number).
     """
 
     action: str
+    model_path: str | None = None
+    mode: str = "wait"
+    weight_version: str | None = None
 
 
 @dataclass
 class ControlReply:
-    """The scheduler's answer to a ControlCommand."""
+    """The scheduler's answer to a ControlCommand; a command refused for its arguments carries the `error` (a 400,
+    or a 409 while another weight update runs), which the HTTP route answers with."""
 
     ok: bool
     message: str = ""
-    detail: dict[str, int] = field(default_factory=dict)
+    detail: dict[str, int | str] = field(default_factory=dict)
+    error: ApiError | None = None
 
 
 @dataclass
 class Heartbeat:
     """Every actor's sign of life, on `{ns}.control.heartbeat` every `interval` seconds.
 
-    `live_rids` counts the requests the actor holds per-request state for (0 when none is left behind).
+    `live_rids` counts the requests the actor holds per-request state for (0 when none is left behind). A
+    scheduler replica also sends its `load` (its replica id is `load.replica`).
     """
 
     role: str
@@ -245,6 +258,7 @@ class Heartbeat:
     pid: int
     interval: float
     live_rids: int = 0
+    load: ReplicaLoad | None = None
 
 
 @dataclass
@@ -266,3 +280,19 @@ class ActorReady:
     rank: int
     pid: int
     detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ReplicaLoad:
+    """A scheduler replica's load, in its heartbeat (`Heartbeat.load`): what the tokenizers route by and what
+    `/get_server_info`'s `replicas` shows. `draining`: it finishes what it holds and takes nothing new."""
+
+    replica: int
+    interval: float
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_used_tokens: int = 0
+    kv_total_tokens: int = 0
+    cache_hit_rate: float = 0.0
+    tp_size: int = 1
+    draining: bool = False

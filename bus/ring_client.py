@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
 from nats.aio.subscription import Subscription
 
@@ -22,7 +22,7 @@ from bus.errors import ApiError, server_error
 from bus.messages import (
     AbortRequest, Accepted, ControlCommand, ControlReply, GenerateRequest, RequestOutput,
 )
-from bus.subjects import Subjects, validate_rid
+from bus.subjects import Subjects, scoped_rid, validate_rid
 from observability.logging import log_event
 
 log = logging.getLogger("bus")
@@ -46,8 +46,11 @@ class RequestStream:
     """
 
     def __init__(self, bus: BusConnection, subjects: Subjects, rid: str, traceparent: str | None,
-                 stall_timeout: float | None = None) -> None:
+                 stall_timeout: float | None = None, submit_subject: str | None = None) -> None:
+        """`rid`: the rid inside the ring (`c~rid` for NATS client c's request, which it submits on
+        `submit_subject`, its `{ns}.client.{c}.submit`; default `{ns}.req.submit`)."""
         self.rid = rid
+        self._submit_subject = submit_subject or subjects.submit
         self.finished = False  # the reader has taken the terminal output, or the stream was aborted
         self.terminal: RequestOutput | None = None  # the terminal output the reader took
         self.stall_timeout = stall_timeout
@@ -69,7 +72,7 @@ class RequestStream:
 
         self._sub = await self._bus.subscribe(self._subjects.output(self.rid), RequestOutput, on_output)
         try:
-            await self._bus.request(self._subjects.submit, request, Accepted, timeout, self._traceparent)
+            await self._bus.request(self._submit_subject, request, Accepted, timeout, self._traceparent)
         except asyncio.TimeoutError as exc:
             # a late tokenizer may still take it: abort, or it would run with no one reading (a ghost request)
             await self.abort("submission timed out")
@@ -182,8 +185,11 @@ class RingClient:
     """Submits GenerateRequests over one bus connection."""
 
     def __init__(self, bus: BusConnection, subjects: Subjects, submit_timeout: float = 30.0,
-                 stall_timeout: float | None = None) -> None:
-        """`stall_timeout`: seconds a stream may go without output before it ends with an error (None: never)."""
+                 stall_timeout: float | None = None, client: str | None = None) -> None:
+        """`stall_timeout`: seconds a stream may go without output before it ends with an error (None: never).
+        `client`: submit as NATS client `client` on its own `{ns}.client.{c}.*` subjects (streams then carry the
+        scoped rid `c~rid`); None: on the unscoped subjects, as the entry does."""
+        self.client = validate_rid(client) if client is not None else None
         self.bus = bus
         self.subjects = subjects
         self.submit_timeout = submit_timeout
@@ -191,6 +197,9 @@ class RingClient:
 
     def stream(self, rid: str, traceparent: str | None = None) -> RequestStream:
         """A not yet submitted stream for `rid` (no bus traffic); `open` submits it."""
+        if self.client is not None:
+            return RequestStream(self.bus, self.subjects, scoped_rid(self.client, rid), traceparent,
+                                 self.stall_timeout, self.subjects.client_submit(self.client))
         return RequestStream(self.bus, self.subjects, validate_rid(rid), traceparent, self.stall_timeout)
 
     async def open(self, stream: RequestStream, request: GenerateRequest) -> None:
@@ -198,7 +207,8 @@ class RingClient:
 
         Raises RingUnavailable (the request aborted) if no tokenizer accepts it within `submit_timeout` seconds.
         """
-        if request.rid != stream.rid:
+        ring_rid = scoped_rid(self.client, request.rid) if self.client is not None else request.rid
+        if ring_rid != stream.rid:
             raise ValueError(f"request {request.rid!r} opened on the stream of {stream.rid!r}")
         await stream._open(request, self.submit_timeout)
 
@@ -212,7 +222,9 @@ class RingClient:
         """Ask the scheduler to stop request `rid` (any client's); raises InvalidRidError for a bad rid."""
         await self.bus.publish(self.subjects.abort(rid), AbortRequest(rid=rid, reason=reason), traceparent)
 
-    async def command(self, action: str, timeout: float = 5.0, traceparent: str | None = None) -> ControlReply:
-        """Send a ControlCommand to the scheduler and return its reply (raises asyncio.TimeoutError)."""
-        return await self.bus.request(self.subjects.scheduler_command, ControlCommand(action=action), ControlReply,
-                                      timeout, traceparent)
+    async def command(self, action: str, timeout: float = 5.0, traceparent: str | None = None,
+                      **arguments: Any) -> ControlReply:
+        """Send a ControlCommand (`arguments`: its other fields, e.g. `model_path`) to the scheduler and return
+        its reply (raises asyncio.TimeoutError)."""
+        return await self.bus.request(self.subjects.scheduler_command, ControlCommand(action=action, **arguments),
+                                      ControlReply, timeout, traceparent)

@@ -5,7 +5,8 @@ Layout (namespace `ns`, default "ringserve"):
 | subject                      | message            | publisher -> subscriber                           |
 |------------------------------|--------------------|---------------------------------------------------|
 | `{ns}.req.submit`            | GenerateRequest    | any client -> tokenizers (queue group)            |
-| `{ns}.req.tokenized`         | TokenizedRequest   | tokenizer -> scheduler rank 0 (queue group)       |
+| `{ns}.req.tokenized`         | TokenizedRequest   | tokenizer -> any scheduler replica (queue group)  |
+| `{ns}.req.tokenized.{r}`     | TokenizedRequest   | tokenizer -> scheduler replica `r` (routed)       |
 | `{ns}.tokens.{shard}`        | BatchTokenOutput   | scheduler -> detokenizer shard (one msg per step) |
 | `{ns}.out.{rid}`             | RequestOutput      | detokenizer/tokenizer/scheduler -> the requester  |
 | `{ns}.abort.{rid}`           | AbortRequest       | requester -> scheduler                            |
@@ -105,7 +106,16 @@ class Subjects:
 
     @property
     def tokenized(self) -> str:
+        """Tokenized requests for any scheduler replica (a queue group: the fallback when none is routed)."""
         return f"{self.namespace}.req.tokenized"
+
+    def tokenized_for(self, replica: int) -> str:
+        """Tokenized requests routed to scheduler replica `replica` (actors/tokenizer/router.py)."""
+        return f"{self.namespace}.req.tokenized.{int(replica)}"
+
+    @property
+    def tokenized_any_replica(self) -> str:
+        return f"{self.namespace}.req.tokenized.*"
 
     def tokens(self, shard: int) -> str:
         return f"{self.namespace}.tokens.{int(shard)}"

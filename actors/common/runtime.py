@@ -22,7 +22,7 @@ from typing import Any, Awaitable, Callable
 from actors.common.tracing_setup import start_tracing, stop_tracing
 from bus.connection import BusConnection
 from bus.credentials import PASSWORD_ENV, NatsCredentials, credentials_from_options
-from bus.messages import ActorReady, Heartbeat
+from bus.messages import ActorReady, Heartbeat, ReplicaLoad
 from bus.permissions import inbox_prefix
 from bus.subjects import Subjects
 from observability.logging import log_event, setup_logging
@@ -45,6 +45,8 @@ class ActorContext:
     on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     # how many requests this actor holds state for; reported in every heartbeat (0 for stateless actors)
     live_rids: Callable[[], int] = lambda: 0
+    # a scheduler replica's load, in its heartbeats (what the tokenizers route by); None for other roles
+    load: Callable[[], ReplicaLoad | None] = lambda: None
 
     def fail(self, reason: str) -> None:
         """Fail-stop: log why and end the process with exit code 1."""
@@ -125,7 +127,7 @@ async def _heartbeat(ctx: ActorContext) -> None:
     """Publish a Heartbeat every HEARTBEAT_SECONDS from the event loop: a stalled loop or process goes silent."""
     while True:
         beat = Heartbeat(role=ctx.role, rank=ctx.rank, pid=os.getpid(), interval=HEARTBEAT_SECONDS,
-                         live_rids=ctx.live_rids())
+                         live_rids=ctx.live_rids(), load=ctx.load())
         try:
             await ctx.bus.publish(ctx.subjects.heartbeat, beat)
         except Exception as exc:  # disconnected: the reconnect logic reports it; keep beating

@@ -461,3 +461,37 @@ class Engine:
             row.prompt_logprobs, row.prompt_ranks = scored.logprobs, scored.ranks
             row.prompt_top_ids, row.prompt_top_logprobs = scored.top_ids, scored.top_logprobs
         return row
+
+    def update_weights(self, checkpoint: Any, model_name: str, check_only: bool = False) -> int:
+        """Swap in the weights of `checkpoint` (an `actors.engine.weights.Checkpoint` of the same architecture)
+        in place, so CUDA graphs and kernels keep their tensors; `model_name` is what `stats()` reports from
+        then on. Raises `WeightMismatch` (a ValueError saying what differs) and changes nothing when it does not
+        fit; `check_only` only checks. Returns the KV slots the prefix-cache flush freed.
+
+        The KV of the old weights is not reused: requests holding KV (running, or part-way through a chunked
+        prefill) go back to the front of the queue and recompute theirs with the new weights (their output so
+        far is kept), and the prefix cache is flushed. Call with no step in flight (`has_work()` false, e.g.
+        after `pause`), between steps.
+        """
+        from actors.engine.request import PromptLogprobs
+        from actors.engine.weights import swap_weights
+
+        swap_weights(self.runner.model, checkpoint, check_only=True)
+        if check_only:
+            return 0
+        if self._inflight is not None:
+            raise RuntimeError("update_weights needs the step in flight applied first: pause, then wait until "
+                               "has_work() is false")
+        holding = [*self.decode.running, *([self.prefill.chunked] if self.prefill.chunked is not None else [])]
+        for req in reversed(holding):  # the oldest ends at the front of the queue
+            if not self.decode.remove(req):
+                self.prefill.remove(req)
+            self.cache.drop_req(req)
+            if req.prompt_logprobs is not None and not req.first_row_sent:  # scored again from the start
+                req.prompt_logprobs = PromptLogprobs(req.prompt_logprobs.start)
+            self.prefill.add(req, front=True)
+        swap_weights(self.runner.model, checkpoint)
+        self.model_name = model_name
+        if holding:
+            log_event(log, logging.INFO, "requests recompute their KV with the new weights", requests=len(holding))
+        return self.cache.flush()

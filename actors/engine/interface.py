@@ -10,7 +10,7 @@ Single-threaded by contract: the caller runs `step` and the other methods one at
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from bus.errors import ApiError
 from bus.messages import SchedulerInfo, TokenizedRequest, TokenRow
@@ -65,3 +65,9 @@ class EngineInterface(Protocol):
 
     def on_idle(self) -> None:
         """Called when the engine has fallen idle: a moment for self-checks and for settling measurements."""
+
+    def update_weights(self, checkpoint: Any, model_name: str, check_only: bool = False) -> int:
+        """Swap in a checkpoint of the same architecture (`actors.engine.weights.Checkpoint`, loaded by the caller
+        off the engine's thread) in place, recompute the KV of requests that hold some and flush the prefix cache;
+        the KV slots freed. Raises ValueError (nothing changed) when it does not fit; `check_only` only checks.
+        Only with no step in flight (`has_work()` false)."""

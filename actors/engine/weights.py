@@ -5,20 +5,31 @@ we then take its config and state dict. De-quantizing a GGUF takes most of a col
 kept as safetensors (fused projections, in the load dtype) in the cache next to the converted tokenizer, and
 a warm start reads that file directly. Our model is built on the meta device and the tensors are assigned
 into it, so no memory is spent on a random initialization.
+
+Weights swapped without a restart (`update_weights_from_disk`): `load_checkpoint` reads a new checkpoint on
+the CPU (while the old weights keep serving), `swap_weights` checks that it has the running model's
+architecture (config and every tensor's shape; `WeightMismatch` lists what differs) and copies it into the
+running model's tensors in place, so CUDA graphs and kernels that hold them see the new values; quantized layers
+(`--quantization`) are quantized again from the new float weights.
 """
 
 from __future__ import annotations
 
+import math
 import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
-from actors.common.model_source import ModelSource, cache_root, gguf_cache_key, load_config, publish_directory
-from actors.engine.llama import LlamaForCausalLM, fuse_hf_state_dict
+from actors.common.model_source import (
+    ModelSource, cache_root, gguf_cache_key, load_config, publish_directory, resolve_model,
+)
+from actors.engine.llama import LlamaForCausalLM, fuse_hf_state_dict, head_dim_of, rope_theta_of
 
 SUPPORTED_MODEL_TYPES = ("llama",)
 WEIGHTS_FILE = "model.safetensors"
@@ -79,3 +90,104 @@ def model_from_hf(
     model.load_state_dict(moved, strict=True, assign=True)
     model.tie_weights()
     return model.to(device).eval().requires_grad_(False)
+
+
+# config values a swapped-in checkpoint must share with the running model (beyond its tensors' shapes)
+ARCHITECTURE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                       "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings",
+                       "hidden_act")
+MAX_LISTED_MISMATCHES = 5
+
+
+class WeightMismatch(ValueError):
+    """A checkpoint that does not fit the running model (another architecture or other tensor shapes)."""
+
+
+@dataclass
+class Checkpoint:
+    """Weights read from disk for a swap: where from, their config, and our model's tensors (on the CPU)."""
+
+    path: str
+    config: Any
+    tensors: dict[str, torch.Tensor]
+
+
+def load_checkpoint(path: str, dtype: torch.dtype) -> Checkpoint:
+    """Read the checkpoint at `path` (a .gguf file, a safetensors directory, or the packaged default) on the CPU,
+    as our model's tensors (fused projections) in `dtype`. Raises FileNotFoundError or ValueError (an
+    unsupported model) saying what is wrong."""
+    model = load_model(resolve_model(path), dtype, "cpu")
+    return Checkpoint(path, model.config, dict(model.state_dict()))
+
+
+def _config_mismatches(running: Any, new: Any) -> list[str]:
+    out = []
+    for name in ARCHITECTURE_FIELDS:
+        a, b = getattr(running, name, None), getattr(new, name, None)
+        if a != b:
+            out.append(f"config {name} is {b!r}, the running model's {a!r}")
+    for name, read in (("head_dim", head_dim_of), ("rope_theta", rope_theta_of),
+                       ("rms_norm_eps", lambda c: float(c.rms_norm_eps))):
+        a, b = read(running), read(new)
+        if not math.isclose(a, b, rel_tol=1e-4):
+            out.append(f"config {name} is {b!r}, the running model's {a!r}")
+    return out
+
+
+def _quantized_layers(model: nn.Module) -> dict[str, nn.Module]:
+    from kernels.quantization import QuantLinear
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+
+
+def _expected_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint must give, with its shape (a quantized layer's as the float weight it came from)."""
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
+    for name, layer in _quantized_layers(model).items():
+        shapes[f"{name}.weight"] = (layer.out_features, layer.in_features)
+        if layer.bias is not None:
+            shapes[f"{name}.bias"] = (layer.out_features,)
+    return shapes
+
+
+def weight_mismatches(model: LlamaForCausalLM, checkpoint: Checkpoint) -> list[str]:
+    """What keeps `checkpoint` from replacing `model`'s weights (empty: it fits)."""
+    problems = _config_mismatches(model.config, checkpoint.config)
+    expected = _expected_shapes(model)
+    for name, shape in expected.items():
+        tensor = checkpoint.tensors.get(name)
+        if tensor is None:
+            problems.append(f"tensor {name} is missing")
+        elif tuple(tensor.shape) != shape:
+            problems.append(f"tensor {name} has shape {list(tensor.shape)}, the running model's {list(shape)}")
+    problems += [f"tensor {name} is not in the running model" for name in checkpoint.tensors if name not in expected]
+    return problems
+
+
+def swap_weights(model: LlamaForCausalLM, checkpoint: Checkpoint, check_only: bool = False) -> None:
+    """Copy `checkpoint`'s tensors into `model`'s in place (converted to their dtype and device); quantize the
+    quantized layers again. Raises WeightMismatch, before changing anything, when the checkpoint does not fit."""
+    problems = weight_mismatches(model, checkpoint)
+    if problems:
+        more = len(problems) - MAX_LISTED_MISMATCHES
+        raise WeightMismatch(f"{checkpoint.path} does not have the running model's architecture: "
+                             + "; ".join(problems[:MAX_LISTED_MISMATCHES]) + (f"; and {more} more" if more > 0 else ""))
+    if check_only:
+        return
+    with torch.no_grad():
+        for name, target in model.state_dict(keep_vars=True).items():
+            target.copy_(checkpoint.tensors[name])
+        for name, layer in _quantized_layers(model).items():
+            _requantize(model, name, layer, checkpoint.tensors)
+
+
+def _requantize(model: nn.Module, name: str, layer: Any, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Replace quantized layer `name` by one quantized from the checkpoint's float weight: the same method and
+    kernel plan."""
+    linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
+    linear.weight = nn.Parameter(tensors[f"{name}.weight"].float(), requires_grad=False)
+    if layer.bias is not None:
+        linear.bias = nn.Parameter(tensors[f"{name}.bias"].float(), requires_grad=False)
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, type(layer)(linear, layer.method, layer.plan))

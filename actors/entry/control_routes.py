@@ -3,7 +3,9 @@
 `/flush_cache`, `/pause_generation`, `/continue_generation` and `/abort_request` with `abort_all` send a
 `ControlCommand` to the scheduler (`{ns}.control.scheduler.command`); `/abort_request` with a `rid` publishes
 an `AbortRequest` on `{ns}.abort.{rid}`; `/health_generate` generates one token through the whole ring.
-Replies are `{"success", "message", **detail}`; a scheduler that does not answer gives 503. The routes that
+`/update_weights_from_disk` sends the `update_weights_from_disk` command (`model_path`, `mode` "wait", "pause" or
+"abort"; SGLang's `abort_all_requests: true` is mode "abort") and waits until the new weights serve; a
+checkpoint that does not fit is a 400 and the old weights keep serving. Replies are `{"success", "message", **detail}`; a scheduler that does not answer gives 503. The routes that
 change state take only `POST` with `Content-Type: application/json` (a body is optional), so a web page the
 operator visits cannot trigger them (a cross-origin JSON POST needs a CORS preflight).
 """
@@ -16,9 +18,34 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+import asyncio
+
 from bus.errors import ApiError
 from actors.entry.http_common import handles_errors, read_command
 from actors.entry.request_flow import EntryService
+from bus.messages import ControlCommand, ControlReply
+
+UPDATE_WEIGHTS_TIMEOUT = 600.0  # seconds to load a checkpoint and wait for the requests on the old weights
+
+
+def update_weights_command(body: dict[str, Any]) -> ControlCommand:
+    """The `update_weights_from_disk` command of a route body: ours (`model_path`, `mode`, `weight_version`)
+    or SGLang's (`abort_all_requests`); ApiError 400 for a field of the wrong type."""
+    model_path = body.get("model_path")
+    if not isinstance(model_path, str) or not model_path:
+        raise ApiError('give "model_path": the .gguf file or safetensors directory to load', param="model_path")
+    abort_all = body.get("abort_all_requests", False)
+    if not isinstance(abort_all, bool):
+        raise ApiError(f"abort_all_requests must be a boolean, got {abort_all!r}", param="abort_all_requests")
+    mode = body.get("mode", "abort" if abort_all else "wait")
+    if mode not in ("wait", "pause", "abort") or (abort_all and mode != "abort"):
+        raise ApiError(f'mode must be "wait", "pause" or "abort" (abort_all_requests means "abort"), got {mode!r}',
+                       param="mode")
+    version = body.get("weight_version")
+    if version is not None and not isinstance(version, str):
+        raise ApiError(f"weight_version must be a string, got {version!r}", param="weight_version")
+    return ControlCommand(action="update_weights_from_disk", model_path=model_path, mode=mode,
+                          weight_version=version)
 
 
 def control_routes(service: EntryService) -> list[Route]:
@@ -58,6 +85,19 @@ def control_routes(service: EntryService) -> list[Route]:
         return JSONResponse({"success": True, "message": f"abort sent for {', '.join(rids)}", "rids": rids})
 
     @handles_errors
+    async def update_weights_from_disk(request: Request) -> Response:
+        command = update_weights_command(await read_command(request))
+        bus, subjects = service.client.bus, service.client.subjects
+        try:
+            reply = await bus.request(subjects.scheduler_command, command, ControlReply, UPDATE_WEIGHTS_TIMEOUT)
+        except asyncio.TimeoutError as exc:
+            raise ApiError(f"the scheduler did not finish the update: {exc}", 503, type="server_error") from exc
+        if reply.error is not None:
+            raise reply.error
+        body: dict[str, Any] = {"success": reply.ok, "message": reply.message, **reply.detail}
+        return JSONResponse(body, status_code=200 if reply.ok else 500)
+
+    @handles_errors
     async def health_generate(request: Request) -> Response:
         await service.health_generate()
         return JSONResponse({"status": "ok"})
@@ -67,5 +107,6 @@ def control_routes(service: EntryService) -> list[Route]:
         Route("/pause_generation", pause_generation, methods=["POST"]),
         Route("/continue_generation", continue_generation, methods=["POST"]),
         Route("/abort_request", abort_request, methods=["POST"]),
+        Route("/update_weights_from_disk", update_weights_from_disk, methods=["POST"]),
         Route("/health_generate", health_generate, methods=["GET"]),
     ]

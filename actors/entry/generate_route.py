@@ -11,7 +11,6 @@ output ids generated so far (cumulative, as SGLang clients read them), or only t
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
@@ -20,7 +19,7 @@ from starlette.routing import Route
 
 from actors.entry.choices import ChoiceGroup
 from actors.entry.http_common import handles_errors, read_json, sse
-from actors.entry.openai_logprobs import finite
+from actors.entry.generate_meta import meta_info
 from actors.entry.openai_protocol import MAX_CHOICES, N, STREAM
 from actors.entry.request_flow import EntryService
 from bus.errors import ApiError
@@ -86,18 +85,6 @@ def parse_generate(body: dict[str, Any]) -> tuple[list[GenerateRequest], int, bo
     return gen_reqs, n, batch or n > 1
 
 
-def _logprob_meta(entries: list[TokenLogprob], prompt: list[TokenLogprob]) -> dict[str, Any]:
-    """SGLang's logprob fields of meta_info: `[logprob, token_id, text]` per token, and per alternative; the
-    prompt's from `logprob_start_len` on (the first token's logprob null, its alternatives null)."""
-    def top(e: TokenLogprob) -> list[list[Any]] | None:
-        return None if e.logprob is None else [[finite(t.logprob), t.token_id, t.token] for t in e.top]
-
-    return {"input_token_logprobs": [[finite(e.logprob), e.token_id, e.token] for e in prompt],
-            "input_top_logprobs": [top(e) for e in prompt],
-            "output_token_logprobs": [[finite(e.logprob), e.token_id, e.token] for e in entries],
-            "output_top_logprobs": [top(e) for e in entries]}
-
-
 def generate_route(service: EntryService) -> Route:
     """`POST /generate` over `service`."""
 
@@ -106,19 +93,13 @@ def generate_route(service: EntryService) -> Route:
         gen_reqs, n, listed = parse_generate(body)
         stream = STREAM.read(body, False)
         deltas = STREAM_DELTAS.read(body, False)
-        wants_logprobs = bool(gen_reqs[0].sampling.get("return_logprob") or gen_reqs[0].sampling.get("top_logprobs_num"))
-        wants_prompt_ids = gen_reqs[0].sampling.get("return_prompt_ids") is True
+        sampling = gen_reqs[0].sampling  # the choices differ only in rid and seed
         group = await ChoiceGroup.start(service, request, gen_reqs, n)
         rids = [choice.stream.rid for choice in group.choices]
 
         def meta(index: int, out: RequestOutput, entries: list[TokenLogprob], first: RequestOutput) -> dict[str, Any]:
             """`first`: the request's first output, which carries what is said of its prompt."""
-            info: dict[str, Any] = {"id": rids[index], "finish_reason": asdict(out.finish) if out.finish else None,
-                                    "prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-                                    "cached_tokens": out.cached_tokens}
-            if wants_prompt_ids:
-                info["prompt_token_ids"] = first.prompt_token_ids
-            return {**info, **_logprob_meta(entries, first.prompt_logprobs)} if wants_logprobs else info
+            return meta_info(rids[index], out, entries, first, sampling)
 
         if not stream:
             results = [{"text": "".join(out.text for out in outputs),

@@ -28,7 +28,8 @@ from bus.errors import ApiError
 # Routes anyone may call: liveness for load balancers, metrics, and the API description (no secrets in it).
 PUBLIC_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
 # Routes that change the server's state for everyone: guarded by the admin key when one is set.
-ADMIN_PATHS = frozenset({"/flush_cache", "/pause_generation", "/continue_generation", "/abort_request"})
+ADMIN_PATHS = frozenset({"/flush_cache", "/pause_generation", "/continue_generation", "/abort_request",
+                         "/update_weights_from_disk"})
 
 
 class BodyTooLarge(ApiError):

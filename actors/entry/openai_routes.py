@@ -116,7 +116,8 @@ def openai_routes(service: EntryService, tool_parser: str = DEFAULT_PARSER) -> l
     async def card() -> dict[str, Any]:
         info = await service.scheduler_info()
         return {"id": service.served_model, "object": "model", "created": 0, "owned_by": "ringserve",
-                "max_model_len": info.context_length}
+                "max_model_len": info.context_length, "root": info.model or service.served_model,
+                "weight_version": info.weight_version}
 
     @handles_errors
     async def models(request: Request) -> Response:

@@ -109,6 +109,13 @@ SCHEMAS: dict[str, Any] = {
         "logprob_start_len": _NATIVE_SAMPLING["logprob_start_len"],
         "sampling_params": {"type": "object", "properties": {**_NATIVE_SAMPLING, "n": N.json_schema()}}},
         "oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}]},
+    "UpdateWeightsRequest": {"type": "object", "required": ["model_path"], "properties": {
+        "model_path": {"type": "string", "minLength": 1, "description": "a .gguf file or safetensors directory of "
+                                                                         "the same architecture"},
+        "mode": {"enum": ["wait", "pause", "abort"], "description": "what happens to the requests the scheduler "
+                                                                     "holds (default wait)"},
+        "abort_all_requests": {"type": "boolean", "description": "SGLang's name for mode abort"},
+        "weight_version": {"type": "string", "description": "names the new weights (default: the next number)"}}},
     "AbortRequest": {"type": "object", "properties": {"rid": RID, "abort_all": _BOOL},
                      "description": "give rid, or abort_all: true"},
     "ControlReply": {"type": "object", "required": ["success", "message"],
@@ -135,6 +142,7 @@ _ERROR_TEXT = {400: "invalid request", 401: "missing or wrong API key", 404: "un
                408: "the body did not arrive in time", 413: "request body too large",
                415: "the body is not JSON (state-changing routes need Content-Type: application/json)",
                421: "the Host header names a host not served here", 499: "the client went away",
+               409: "another weight update is in progress",
                500: "the scheduler refused the command", 503: "busy (Retry-After) or the ring is not serving"}
 _BODY_ERRORS = (400, 401, 408, 413, 415, 421, 503)
 
@@ -175,6 +183,8 @@ def openapi_document(served_model: str | None = None) -> dict[str, Any]:
         "/pause_generation": _post("stop stepping", "Object", "ControlReply", *_BODY_ERRORS, 500, required=False),
         "/continue_generation": _post("resume stepping", "Object", "ControlReply", *_BODY_ERRORS, 500,
                                       required=False),
+        "/update_weights_from_disk": _post("swap in a checkpoint of the same architecture; flushes the prefix cache",
+                                           "UpdateWeightsRequest", "ControlReply", *_BODY_ERRORS, 409, 500),
         "/openapi.json": _get("this document", "Object", public=True),
         "/metrics": {"get": {"summary": "Prometheus metrics", "security": [], "responses": {"200": {
             "description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},

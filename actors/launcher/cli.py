@@ -7,21 +7,15 @@ import asyncio
 import logging
 import sys
 
-from actors.common.model_source import DEFAULT_MODEL, resolve_model
+from actors.common.model_source import DEFAULT_MODEL
 from actors.common.runtime import add_nats_auth_arguments
-from actors.launcher.nats_auth import plan_nats
 from actors.launcher.nats_config_cmd import add_nats_config_command, nats_config
-from actors.launcher.supervisor import DEFAULT_WATCHDOG_SECONDS, ActorSpec, Supervisor
-from actors.launcher.trace_buffer import (
-    TraceBuffer, actor_tracing_argv, add_trace_serve_arguments, plan_trace_buffer, read_hint, trace_exporter_specs,
-)
+from actors.launcher.submit_cmd import add_submit_command, submit_command
+from actors.launcher.supervisor import DEFAULT_WATCHDOG_SECONDS
+from actors.launcher.trace_buffer import add_trace_serve_arguments, read_hint
 from actors.launcher.trace_cmd import add_trace_command, trace_command
-from actors.engine.config import EngineConfig
-from actors.entry.settings import add_entry_arguments, entry_argv
-from actors.scheduler.admission import add_admission_arguments, admission_argv
-from bus.credentials import CredentialsError
-from bus.embedded_server import EmbeddedNatsServer
-from bus.subjects import Subjects
+from actors.entry.settings import add_entry_arguments
+from actors.scheduler.admission import add_admission_arguments
 from observability.logging import log_event, setup_logging
 
 log = logging.getLogger("launcher")
@@ -33,6 +27,17 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible API and /generate)",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_serve_arguments(serve)
+    add_nats_config_command(commands)
+    add_trace_command(commands)
+    add_submit_command(commands)
+    return parser
+
+
+def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
+    """The flags of `ringserve serve` (also the keyword arguments of `ringserve.Engine`)."""
+    from actors.engine.config import EngineConfig  # imports torch: only where the engine's flags are needed
+
     serve.add_argument("--model", default=DEFAULT_MODEL,
                        help="model to serve: the packaged default, a .gguf file, or a directory with config.json "
                             "and safetensors weights")
@@ -59,93 +64,42 @@ def build_parser() -> argparse.ArgumentParser:
                        help="fail-stop when a running actor sends no heartbeat for this many seconds")
     serve.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     add_trace_serve_arguments(serve)  # OpenTelemetry: --otlp-endpoint, --otlp-protocol, --trace-buffer, --trace-store
-    add_nats_config_command(commands)
-    add_trace_command(commands)
-    return parser
-
-
-def actor_specs(args: argparse.Namespace, served_name: str, trace: TraceBuffer | None = None) -> list[ActorSpec]:
-    """The processes of one deployment: scheduler rank 0, tokenizers, detokenizer shards, the entry (and the
-    trace exporter when `trace` buffers spans)."""
-    common = ["--log-level", args.log_level, *actor_tracing_argv(args)]
-    engine = EngineConfig.from_args(args).to_argv()
-    specs = [ActorSpec("scheduler", 0, "actors.scheduler", [*common, "--model", args.model, "--rank", "0",
-                                                            "--detokenizer-shards", str(args.detokenizer_shards),
-                                                            *admission_argv(args), *engine])]
-    specs += [ActorSpec("tokenizer", i, "actors.tokenizer", [*common, "--model", args.model])
-              for i in range(args.tokenizer_workers)]
-    specs += [ActorSpec("detokenizer", i, "actors.detokenizer", [*common, "--model", args.model, "--shard", str(i)])
-              for i in range(args.detokenizer_shards)]
-    specs.append(ActorSpec("entry", 0, "actors.entry", [*common, "--host", args.host, "--port", str(args.port),
-                                                        "--served-model-name", served_name,
-                                                        *entry_argv(args)], stage=1))
-    return specs + (trace_exporter_specs(trace, common) if trace is not None else [])
 
 
 def serve(args: argparse.Namespace) -> int:
     """`ringserve serve`: NATS (unless given), every actor, until Ctrl-C or an actor dies; the exit code."""
+    from actors.launcher.ring import Ring, RingError
+
     setup_logging("launcher", args.log_level)
     try:
-        source = resolve_model(args.model)
-        subjects = Subjects(args.namespace)
-    except (FileNotFoundError, ValueError) as exc:
+        ring = Ring(args)
+    except RingError as exc:
         print(f"ringserve: {exc}", file=sys.stderr)
         return 2
+    url, subjects, plan, trace = ring.url, ring.subjects, ring.plan, ring.trace
     try:
-        EngineConfig.from_args(args)
-    except ValueError as exc:
-        print(f"ringserve: {exc}", file=sys.stderr)
-        return 2
-    if args.tokenizer_workers < 1 or args.detokenizer_shards < 1:
-        print("ringserve: --tokenizer-workers and --detokenizer-shards must be >= 1", file=sys.stderr)
-        return 2
-    served_name = args.served_model_name or source.name
-    try:
-        trace = plan_trace_buffer(args)
-    except ValueError as exc:
-        print(f"ringserve: {exc}", file=sys.stderr)
-        return 2
-    try:
-        plan = plan_nats(args, subjects.namespace)
-    except (ValueError, CredentialsError) as exc:
-        print(f"ringserve: {exc}", file=sys.stderr)
-        return 2
-    url = plan.url  # never holds credentials
-    nats = None
-    try:
-        if not plan.external:
-            nats = EmbeddedNatsServer(port=plan.port,
-                                      extra_config=plan.authorization + trace.server_config(plan.external)).start()
-            if nats.process is not None:
-                log_event(log, logging.INFO, "started nats-server", pid=nats.process.pid, url=url)
-            if plan.generated is not None:
-                log_event(log, logging.INFO, "nats per-role users", credentials_dir=str(plan.generated.directory))
-                for name, path in plan.generated.client_files.items():
-                    log_event(log, logging.INFO, "nats client credentials", client=name, file=str(path))
+        ring.start_nats()
 
         def on_ready() -> None:
             if trace.on:
                 creds_dir = plan.generated.directory if plan.generated is not None else None
                 log_event(log, logging.INFO, "span buffer on; a request's waterfall",
                           command=read_hint(url, subjects.namespace, creds_dir))
-            print(f"ringserve is ready: http://{args.host}:{args.port} (model {served_name}, NATS {url})", flush=True)
+            print(f"ringserve is ready: http://{args.host}:{args.port} (model {ring.served_name}, NATS {url})",
+                  flush=True)
 
-        watched = {"nats-server": nats.process} if nats is not None and nats.process is not None else {}
-        specs = actor_specs(args, served_name, trace)
-        for spec in specs:
-            spec.args = [*plan.role_args(spec.role), *spec.args]
-        supervisor = Supervisor(specs, url, subjects, watched, args.watchdog_timeout,
-                                credentials=plan.launcher_credentials)
-        return asyncio.run(supervisor.run(args.startup_timeout, on_ready))
+        return asyncio.run(ring.supervisor().run(args.startup_timeout, on_ready))
     finally:
-        if nats is not None:
-            nats.stop()
-        plan.cleanup()
-        trace.cleanup()
+        ring.close()
 
 
 def main(argv: list[str] | None = None) -> None:
     """Console entry point."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["submit"]:  # a shell tool: answer without importing torch (the full parser's engine flags do)
+        parser = argparse.ArgumentParser(prog="ringserve")
+        add_submit_command(parser.add_subparsers(dest="command", required=True))
+        sys.exit(submit_command(parser.parse_args(argv)))
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         sys.exit(serve(args))
@@ -153,6 +107,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(nats_config(args))
     if args.command == "trace":
         sys.exit(trace_command(args))
+    if args.command == "submit":
+        sys.exit(submit_command(args))
 
 
 if __name__ == "__main__":

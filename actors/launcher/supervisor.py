@@ -86,14 +86,28 @@ class Supervisor:
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._watched = dict(watched or {})
         self._stop = asyncio.Event()
+        self._bus: BusConnection | None = None
 
     async def run(self, startup_timeout: float, on_ready: Callable[[], None]) -> int:
         """Run until a signal (exit 0) or an actor's death or a failed start (exit 1)."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._stop.set)
-        bus = await BusConnection.connect(self._nats_url, "launcher", credentials=self._credentials,
-                                          inbox_prefix=inbox_prefix(self._subjects.namespace, "launcher"))
+        try:
+            code = await self.start(startup_timeout)
+            if code is None:
+                on_ready()
+                code = await self.watch()
+            return code
+        finally:
+            await self.close()
+
+    async def start(self, startup_timeout: float) -> int | None:
+        """Start every actor, stage by stage, each stage once the one before is ready; None once all are ready,
+        else the exit code (0: stopped meanwhile, 1: an actor died or was not ready in time). `close` after."""
+        self._bus = bus = await BusConnection.connect(
+            self._nats_url, "launcher", credentials=self._credentials,
+            inbox_prefix=inbox_prefix(self._subjects.namespace, "launcher"))
         ready: set[tuple[str, int]] = set()
 
         async def on_actor_ready(msg: ActorReady, delivery: Delivery) -> None:
@@ -106,23 +120,34 @@ class Supervisor:
         await bus.subscribe(self._subjects.ready, ActorReady, on_actor_ready)
         await bus.subscribe(self._subjects.heartbeat, Heartbeat, on_heartbeat)
         await bus.flush()
-        try:
-            deadline = time.monotonic() + startup_timeout
-            code = None
-            for stage in sorted({spec.stage for spec in self._specs}):
-                stage_specs = [spec for spec in self._specs if spec.stage == stage]
-                for spec in stage_specs:
-                    self._spawn(spec)
-                code = await self._wait_ready(ready, {(s.role, s.rank) for s in stage_specs}, deadline)
-                if code is not None:
-                    break
-            if code is None:
-                on_ready()
-                code = await self._watch()
-            return code
-        finally:
-            self._terminate_all()
+        deadline = time.monotonic() + startup_timeout
+        for stage in sorted({spec.stage for spec in self._specs}):
+            stage_specs = [spec for spec in self._specs if spec.stage == stage]
+            for spec in stage_specs:
+                self._spawn(spec)
+            code = await self._wait_ready(ready, {(s.role, s.rank) for s in stage_specs}, deadline)
+            if code is not None:
+                return code
+        return None
+
+    async def watch(self) -> int:
+        """Watch the running actors until `stop` (exit code 0) or one dies or stalls (1, fail-stop)."""
+        return await self._watch()
+
+    def stop(self) -> None:
+        """Make `start` or `watch` return 0 soon (call on the supervisor's event loop)."""
+        self._stop.set()
+
+    async def close(self) -> None:
+        """Stop every actor (SIGTERM, SIGKILL after the grace period) and close the bus connection."""
+        self._terminate_all()
+        if self._bus is not None:
+            bus, self._bus = self._bus, None
             await bus.close()
+
+    def pids(self) -> dict[str, int]:
+        """Actor name (`scheduler0`, ...) -> process id, for the actors started."""
+        return {name: proc.pid for name, proc in self._procs.items()}
 
     def _spawn(self, spec: ActorSpec) -> None:
         argv = [sys.executable, "-m", spec.module, "--nats-url", self._nats_url,

@@ -10,6 +10,10 @@ Admission (`admission.py`): every request arrives here, from HTTP and from NATS 
 live requests (in total, and per NATS client by the `c~rid` prefix) are checked here, before the engine sees
 the request; one over a cap is answered at once with a 503 (`retry_after` 1) on its output subject. A slot is
 freed when the request's final row is published (finish, abort, error) or when the engine rejects it.
+
+Weights from disk (`update_weights_from_disk` on the control subject, `weight_update.py`): loaded in another
+thread, then swapped between steps once the engine's requests finished, paused or were aborted; requests
+arriving meanwhile are held here and run on the new weights.
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ from actors.engine.config import EngineConfig
 from actors.engine.interface import EngineInterface
 from actors.scheduler import request_spans
 from actors.scheduler.admission import Admission
+from actors.scheduler.weight_update import (
+    FIRST_WEIGHT_VERSION, UPDATE_WEIGHTS, PendingUpdate, WeightLoader, check_command, load_failure, refusal, swapped,
+)
 from bus.connection import Delivery
 from bus.errors import ApiError, server_error
 from bus.messages import (
@@ -41,7 +48,7 @@ from observability.logging import log_event
 
 log = logging.getLogger("scheduler")
 ABORT_MEMORY_SECONDS = 60.0
-CONTROL_ACTIONS = ("flush_cache", "abort_all", "pause", "continue")
+CONTROL_ACTIONS = ("flush_cache", "abort_all", "pause", "continue", UPDATE_WEIGHTS)
 REFUSAL_LOG_SECONDS = 1.0  # admission refusals are logged at most this often (a flood would flood the log)
 
 
@@ -49,8 +56,15 @@ class SchedulerActor:
     """Bridges the bus and the engine."""
 
     def __init__(self, ctx: ActorContext, engine: EngineInterface, detokenizer_shards: int,
-                 admission: Admission | None = None) -> None:
+                 admission: Admission | None = None, load_weights: WeightLoader | None = None) -> None:
+        """`load_weights`: reads a checkpoint for `update_weights_from_disk` (None: the command is refused)."""
         self._ctx = ctx
+        self._load_weights = load_weights
+        self._loading = False  # an update_weights_from_disk is under way (one at a time)
+        self._update: PendingUpdate | None = None  # its checkpoint, once loaded and checked
+        self._held: list[TokenizedRequest] = []  # requests that arrived during the update, added after the swap
+        self._weight_version = FIRST_WEIGHT_VERSION
+        self._swaps = 0
         self._admission = admission if admission is not None else Admission()  # (an empty one is falsy)
         self._refusals_unlogged = 0
         self._refusal_logged_at = float("-inf")
@@ -105,19 +119,92 @@ class SchedulerActor:
     async def _on_command(self, command: ControlCommand, delivery: Delivery) -> ControlReply:
         if command.action not in CONTROL_ACTIONS:
             return ControlReply(ok=False, message=f"unknown action {command.action!r}; one of {list(CONTROL_ACTIONS)}")
+        if command.action == UPDATE_WEIGHTS:
+            return await self._update_weights(command)
         done: asyncio.Future[ControlReply] = asyncio.get_running_loop().create_future()
         self._inbox.append(("control", (command.action, done)))
         self._wake.set()
         return await done
 
     def _snapshot(self) -> SchedulerInfo:
-        return dataclasses.replace(self._engine.stats(), rank=self._ctx.rank)
+        return dataclasses.replace(self._engine.stats(), rank=self._ctx.rank, weight_version=self._weight_version)
+
+    async def _update_weights(self, command: ControlCommand) -> ControlReply:
+        """Load the checkpoint (in another thread), then have the loop swap it in; the reply once it did."""
+        error = check_command(command, self._load_weights is not None, self._loading)
+        if error is not None:
+            return refusal(error)
+        self._loading = True
+        try:
+            started = time.monotonic()
+            log_event(log, logging.INFO, "loading new weights", model_path=command.model_path, mode=command.mode)
+            loop = asyncio.get_running_loop()
+            try:
+                checkpoint = await loop.run_in_executor(None, self._load_weights, command.model_path)
+            except Exception as exc:  # no such checkpoint, a model this engine cannot run, or a bug
+                log_event(log, logging.WARNING, "loading new weights failed", model_path=command.model_path,
+                          error=repr(exc)[:500])
+                return load_failure(command.model_path or "", exc)
+            log_event(log, logging.INFO, "loaded new weights", model_path=command.model_path,
+                      seconds=round(time.monotonic() - started, 2))
+            done: asyncio.Future[ControlReply] = loop.create_future()
+            self._inbox.append(("update", (command, checkpoint, done)))
+            self._wake.set()
+            return await done
+        finally:
+            self._loading = False
+
+    def _begin_update(self, command: ControlCommand, checkpoint: Any, done: asyncio.Future[ControlReply],
+                      rows: list[TokenRow]) -> None:
+        """Check the checkpoint against the running model, then stop feeding the engine until the swap."""
+        try:
+            self._engine.update_weights(checkpoint, command.model_path or "", check_only=True)
+        except ValueError as exc:
+            done.set_result(refusal(ApiError(str(exc)[:1000], param="model_path")))
+            return
+        update = PendingUpdate(command, checkpoint, done, self._info.paused, self._engine.live_rids())
+        if command.mode == "pause":
+            self._engine.pause()
+        elif command.mode == "abort":
+            rows.extend(self._engine.abort_all())
+        self._update = update
+
+    async def _maybe_swap(self) -> None:
+        """Swap the pending checkpoint in once the engine is ready: no step in flight and, unless paused, no
+        request left on the old weights; then hand the engine the requests held meanwhile."""
+        update = self._update
+        if update is None or self._engine.has_work():
+            return
+        if update.command.mode != "pause" and self._engine.live_rids():
+            return
+        self._update = None
+        command = update.command
+        try:
+            freed = await asyncio.get_running_loop().run_in_executor(
+                self._executor, self._engine.update_weights, update.checkpoint, command.model_path or "")
+        except Exception as exc:  # the check passed, so the weights may be half-copied: stop serving them
+            log.exception("swapping the weights failed")
+            update.done.set_result(ControlReply(ok=False, message=f"swapping the weights failed: {exc!r}"[:1000]))
+            self._ctx.fail(f"swapping the weights failed: {exc!r}")
+            return
+        self._swaps += 1
+        self._weight_version = command.weight_version or str(int(FIRST_WEIGHT_VERSION) + self._swaps)
+        if command.mode == "pause" and not update.was_paused:
+            self._engine.resume()
+        held, self._held = self._held, []
+        rows = [row for item in held if (row := await self._take(item)) is not None]
+        self._info = self._snapshot()
+        reply = swapped(update, self._weight_version, freed, len(held))
+        log_event(log, logging.INFO, "swapped the weights", **reply.detail)
+        update.done.set_result(reply)
+        await self._publish(rows)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         try:
             while not self._ctx.stopping.is_set():
                 await self._publish(await self._apply_inbox())
+                await self._maybe_swap()
                 self._info = self._snapshot()
                 if not self._engine.has_work():
                     self._check_when_idle()
@@ -150,7 +237,7 @@ class SchedulerActor:
         for kind, item in inbox:
             if kind == "abort":
                 rid, may_precede = item
-                row = self._engine.abort(rid)
+                row = self._engine.abort(rid) or self._abort_held(rid)
                 if row is not None:
                     rows.append(row)
                 elif may_precede:  # the entry's own abort overtook its request: end the request when it comes
@@ -160,19 +247,41 @@ class SchedulerActor:
                 reply = self._control(action, rows)
                 if not done.done():
                     done.set_result(reply)
-            elif item.rid in self._early_aborts:
-                self._spans.queued(item)
-                del self._early_aborts[item.rid]
-                rows.append(TokenRow(rid=item.rid, token_ids=[], prompt_tokens=len(item.input_ids),
-                                     completion_tokens=0, finish=FinishReason(type="abort")))
+            elif kind == "update":
+                self._begin_update(*item, rows)
+            elif self._update is not None:  # the weights are about to change: it runs on the new ones
+                self._held.append(item)
             else:
-                self._spans.queued(item)
-                error = self._add(item)
-                if error is not None:
-                    self._spans.rejected(item.rid, error.message)
-                    await self._ctx.bus.publish(self._ctx.subjects.output(item.rid),
-                                                RequestOutput(rid=item.rid, error=error))
+                row = await self._take(item)
+                if row is not None:
+                    rows.append(row)
         return rows
+
+    async def _take(self, item: TokenizedRequest) -> TokenRow | None:
+        """Hand a new request to the engine (an error goes to its output); its abort row if its abort came first."""
+        self._spans.queued(item)
+        if item.rid in self._early_aborts:
+            del self._early_aborts[item.rid]
+            return self._abort_row(item)
+        error = self._add(item)
+        if error is not None:
+            self._spans.rejected(item.rid, error.message)
+            await self._ctx.bus.publish(self._ctx.subjects.output(item.rid), RequestOutput(rid=item.rid, error=error))
+        return None
+
+    @staticmethod
+    def _abort_row(item: TokenizedRequest) -> TokenRow:
+        return TokenRow(rid=item.rid, token_ids=[], prompt_tokens=len(item.input_ids), completion_tokens=0,
+                        finish=FinishReason(type="abort"))
+
+    def _abort_held(self, rid: str) -> TokenRow | None:
+        """End a request held during a weight update (its abort row), or None if `rid` is not held."""
+        item = next((held for held in self._held if held.rid == rid), None)
+        if item is None:
+            return None
+        self._held.remove(item)
+        self._spans.queued(item)
+        return self._abort_row(item)
 
     def _add(self, item: TokenizedRequest) -> ApiError | None:
         """Admit `item` and hand it to the engine; the error that refuses or rejects it (its slot then freed)."""
@@ -205,7 +314,10 @@ class SchedulerActor:
             return ControlReply(ok=True, message="flushed the prefix cache",
                                 detail={"freed_tokens": self._engine.flush_cache()})
         if action == "abort_all":
-            aborted = self._engine.abort_all()
+            aborted = self._engine.abort_all() + [self._abort_row(item) for item in self._held]
+            for item in self._held:
+                self._spans.queued(item)
+            self._held = []
             rows.extend(aborted)
             return ControlReply(ok=True, message=f"aborted {len(aborted)} requests", detail={"aborted": len(aborted)})
         if action == "pause":
@@ -253,6 +365,11 @@ class SchedulerActor:
 async def scheduler_main(ctx: ActorContext, model: str, config: EngineConfig, shards: int,
                          admission: Admission | None = None) -> dict[str, Any]:
     """Entry point for the runtime: load the model, subscribe, start the loop."""
-    from actors.engine.engine import Engine
+    from actors.engine.engine import DTYPES, Engine
+    from actors.engine.weights import load_checkpoint
 
-    return await SchedulerActor(ctx, Engine.from_source(resolve_model(model), config), shards, admission).start()
+    def load_weights(path: str) -> Any:
+        return load_checkpoint(path, DTYPES[config.resolved_dtype()])
+
+    engine = Engine.from_source(resolve_model(model), config)
+    return await SchedulerActor(ctx, engine, shards, admission, load_weights).start()

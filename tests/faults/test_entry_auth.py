@@ -47,7 +47,7 @@ def test_requests_without_the_key_get_401(keyed_server: ServerHandle) -> None:
 def test_operator_routes_take_the_admin_key_and_only_it(keyed_server: ServerHandle) -> None:
     base = keyed_server.base_url
     with_key, with_admin = {"authorization": f"Bearer {KEY}"}, {"authorization": f"Bearer {ADMIN_KEY}"}
-    for path in ("/pause_generation", "/flush_cache", "/abort_request"):
+    for path in ("/pause_generation", "/flush_cache", "/abort_request", "/update_weights_from_disk"):
         refused = httpx.post(base + path, json={"abort_all": True}, headers=with_key, timeout=30)
         assert refused.status_code == 401 and "admin API key" in refused.json()["error"]["message"], path
     assert httpx.get(base + "/v1/models", headers=with_admin, timeout=30).status_code == 401

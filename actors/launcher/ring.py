@@ -1,0 +1,152 @@
+"""One deployment as `ringserve serve` starts it, for the CLI and for `ringserve.Engine`.
+
+`Ring(args)` checks the serve flags and plans everything (the model, the NATS URL and every role's
+credentials, the span buffer, the actor processes); `start_nats` starts the embedded nats-server (unless
+`--nats-url` names one), `supervisor` builds the `Supervisor` that starts and watches the actors, and `close`
+stops the server and deletes the private credential and trace directories. With `http=False` the ring has no
+entry actor: the scheduler, tokenizers and detokenizers only, for a caller that talks to the ring over NATS
+itself (the Python `Engine`, as the entry role). `serve_args` turns Python keyword arguments into the
+`argparse.Namespace` the serve flags would give.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+from actors.common.model_source import resolve_model
+from actors.engine.config import EngineConfig
+from actors.entry.settings import entry_argv
+from actors.launcher.nats_auth import NatsPlan, plan_nats
+from actors.launcher.supervisor import ActorSpec, Supervisor
+from actors.launcher.trace_buffer import TraceBuffer, actor_tracing_argv, plan_trace_buffer, trace_exporter_specs
+from actors.scheduler.admission import admission_argv
+from bus.credentials import CredentialsError, NatsCredentials
+from bus.embedded_server import EmbeddedNatsServer
+from bus.subjects import Subjects
+from observability.logging import log_event
+
+log = logging.getLogger("launcher")
+
+
+class RingError(ValueError):
+    """Serve flags that cannot make a ring (an unknown model, clashing NATS options, ...); says which."""
+
+
+def actor_specs(args: argparse.Namespace, served_name: str, trace: TraceBuffer | None = None,
+                http: bool = True) -> list[ActorSpec]:
+    """The processes of one deployment: scheduler rank 0, tokenizers, detokenizer shards, the entry (unless not
+    `http`) and the trace exporter when `trace` buffers spans."""
+    common = ["--log-level", args.log_level, *actor_tracing_argv(args)]
+    engine = EngineConfig.from_args(args).to_argv()
+    specs = [ActorSpec("scheduler", 0, "actors.scheduler", [*common, "--model", args.model, "--rank", "0",
+                                                            "--detokenizer-shards", str(args.detokenizer_shards),
+                                                            *admission_argv(args), *engine])]
+    specs += [ActorSpec("tokenizer", i, "actors.tokenizer", [*common, "--model", args.model])
+              for i in range(args.tokenizer_workers)]
+    specs += [ActorSpec("detokenizer", i, "actors.detokenizer", [*common, "--model", args.model, "--shard", str(i)])
+              for i in range(args.detokenizer_shards)]
+    if http:
+        specs.append(ActorSpec("entry", 0, "actors.entry", [*common, "--host", args.host, "--port", str(args.port),
+                                                            "--served-model-name", served_name,
+                                                            *entry_argv(args)], stage=1))
+    return specs + (trace_exporter_specs(trace, common) if trace is not None else [])
+
+
+class Ring:
+    """The plan of one deployment and the embedded nats-server it runs on."""
+
+    def __init__(self, args: argparse.Namespace, http: bool = True) -> None:
+        """Check `args` (the serve flags) and plan; raises RingError saying what is wrong."""
+        self.args = args
+        self.http = http
+        try:
+            self.source = resolve_model(args.model)
+            self.subjects = Subjects(args.namespace)
+            EngineConfig.from_args(args)
+        except (FileNotFoundError, ValueError) as exc:
+            raise RingError(str(exc)) from exc
+        if args.tokenizer_workers < 1 or args.detokenizer_shards < 1:
+            raise RingError("--tokenizer-workers and --detokenizer-shards must be >= 1")
+        self.served_name: str = args.served_model_name or self.source.name
+        try:
+            self.trace = plan_trace_buffer(args)
+        except ValueError as exc:
+            raise RingError(str(exc)) from exc
+        try:
+            self.plan: NatsPlan = plan_nats(args, self.subjects.namespace)
+        except (ValueError, CredentialsError) as exc:
+            self.trace.cleanup()
+            raise RingError(str(exc)) from exc
+        self.nats: EmbeddedNatsServer | None = None
+
+    @property
+    def url(self) -> str:
+        """The NATS URL (never with credentials in it)."""
+        return self.plan.url
+
+    def start_nats(self) -> None:
+        """Start the embedded nats-server (nothing on an external NATS) and log the clients' credentials files."""
+        plan = self.plan
+        if plan.external:
+            return
+        self.nats = EmbeddedNatsServer(port=plan.port,
+                                       extra_config=plan.authorization + self.trace.server_config(plan.external)).start()
+        if self.nats.process is not None:
+            log_event(log, logging.INFO, "started nats-server", pid=self.nats.process.pid, url=self.url)
+        if plan.generated is not None:
+            log_event(log, logging.INFO, "nats per-role users", credentials_dir=str(plan.generated.directory))
+            for name, path in plan.generated.client_files.items():
+                log_event(log, logging.INFO, "nats client credentials", client=name, file=str(path))
+
+    def credentials(self, role: str) -> NatsCredentials | None:
+        """The credentials an in-process caller acting as internal `role` connects with: the generated user of the
+        embedded server, else what the serve flags give the launcher (None: unauthenticated)."""
+        if self.plan.generated is not None:
+            return self.plan.generated.credentials(role)
+        return self.plan.launcher_credentials
+
+    def supervisor(self) -> Supervisor:
+        """The supervisor of this ring's actors (each with its role's credentials), watching the nats-server too."""
+        process = self.nats.process if self.nats is not None else None
+        watched = {"nats-server": process} if process is not None else {}
+        specs = actor_specs(self.args, self.served_name, self.trace, self.http)
+        for spec in specs:
+            spec.args = [*self.plan.role_args(spec.role), *spec.args]
+        return Supervisor(specs, self.url, self.subjects, watched, self.args.watchdog_timeout,
+                          credentials=self.plan.launcher_credentials)
+
+    def close(self) -> None:
+        """Stop the embedded nats-server; delete the private credential and span-store directories."""
+        if self.nats is not None:
+            self.nats.stop()
+            self.nats = None
+        self.plan.cleanup()
+        self.trace.cleanup()
+
+
+def serve_args(flags: dict[str, Any]) -> argparse.Namespace:
+    """The serve flags as `ringserve serve` would parse them, with `flags` (Python names: `max_running_requests`,
+    `disable_radix_cache=True`, ...) set; raises TypeError for a name that is not a serve flag and ValueError
+    for a value argparse would refuse."""
+    from actors.launcher.cli import add_serve_arguments
+
+    parser = argparse.ArgumentParser(prog="ringserve serve", add_help=False)
+    add_serve_arguments(parser)
+    actions = {action.dest: action for action in parser._actions}
+    args = parser.parse_args([])
+    for name, value in flags.items():
+        action = actions.get(name)
+        if action is None:
+            known = ", ".join(sorted(actions))
+            raise TypeError(f"unknown engine flag {name!r}; the flags of `ringserve serve` are: {known}")
+        if isinstance(value, str) and callable(action.type):
+            try:
+                value = action.type(value)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"{name}={value!r}: {exc}") from exc
+        if action.choices is not None and value not in action.choices:
+            raise ValueError(f"{name} must be one of {sorted(action.choices)}, got {value!r}")
+        setattr(args, name, value)
+    return args

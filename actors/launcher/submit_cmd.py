@@ -1,0 +1,150 @@
+"""`ringserve submit`: one request to a running ring over NATS, from the shell (no HTTP).
+
+    ringserve submit --creds client-c.json --text "Say hello" --max-new-tokens 32 --temperature 0 --stream
+
+The prompt is `--text`, `--messages JSON` (chat turns; the chat template is applied) or `--input-ids JSON`.
+Every native sampling parameter is a flag (`--temperature`, `--top-p`, `--stop` (repeatable), `--json-schema`,
+...: bus/params.py declares them; `--max-new-tokens` defaults to 128, as in /generate), and `--sampling JSON`
+gives any of them at once. With a client's credentials file (`ringserve serve --nats-client c` logs its path)
+the request goes on that client's subjects, and the file's notes give the URL and namespace. Output: the text
+at the end, or as it arrives with `--stream`, or each `RequestOutput` message as a JSON line with `--json`.
+An error answer is printed as the HTTP API's error body on stderr (exit code 1); no NATS or no ring is
+exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+from dataclasses import asdict
+from typing import Any
+
+from bus.codec import DecodeError, from_wire, to_wire
+from bus.errors import ApiError
+from bus.messages import ChatMessage, GenerateRequest
+from bus.param_spec import LOGIT_BIAS, STOP_STRINGS, TOKEN_IDS
+from bus.params import SPECS, default_of
+from bus.subjects import new_rid
+
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+def _json_arg(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+
+
+def add_submit_command(commands: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """Register the `submit` subcommand."""
+    cmd = commands.add_parser("submit", help="send one request to a running ring over NATS and print the answer",
+                              description=__doc__.split("\n\n")[0])
+    where = cmd.add_argument_group("ring")
+    where.add_argument("--nats-url", default=None, help="NATS URL (default: the credentials file's, else "
+                                                       "nats://127.0.0.1:4222)")
+    where.add_argument("--namespace", default=None, help="the ring's namespace (default: the credentials file's, "
+                                                        "else ringserve)")
+    where.add_argument("--creds", default=None, metavar="FILE",
+                       help="NATS credentials: a client's file (`--nats-client NAME` logs its path) or a NATS .creds")
+    where.add_argument("--client", default=None, metavar="NAME",
+                       help="submit as NATS client NAME (default: the credentials file's client, else unscoped)")
+    prompt = cmd.add_argument_group("prompt (one of)").add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--text", help="the prompt text")
+    prompt.add_argument("--messages", type=_json_arg, metavar="JSON",
+                        help='chat turns, e.g. \'[{"role": "user", "content": "Hi"}]\' (the chat template is applied)')
+    prompt.add_argument("--input-ids", type=_json_arg, metavar="JSON", help="the prompt's token ids, e.g. [1, 2, 3]")
+    sampling = cmd.add_argument_group("sampling (native names, bus/params.py; unset ones keep their defaults)")
+    for name, spec in SPECS.items():
+        flag = "--" + name.replace("_", "-")
+        if name == "max_new_tokens":
+            sampling.add_argument(flag, type=int, default=None, help=f"{spec.doc} (default 128)")
+        elif spec.shape == STOP_STRINGS:
+            sampling.add_argument(flag, action="append", default=None, metavar="TEXT", help=f"{spec.doc} (repeatable)")
+        elif spec.shape in (TOKEN_IDS, LOGIT_BIAS):
+            sampling.add_argument(flag, type=_json_arg, default=None, metavar="JSON", help=spec.doc)
+        elif spec.kind == "boolean" and default_of(name):  # on by default: the flag turns it off
+            sampling.add_argument("--no-" + name.replace("_", "-"), dest=name, action="store_const", const=False,
+                                  default=None, help=f"turn off: {spec.doc}")
+        elif spec.kind == "boolean":
+            sampling.add_argument(flag, action="store_const", const=True, default=None, help=spec.doc)
+        else:
+            kind = {"integer": int, "number": float}.get(spec.kind, str)
+            sampling.add_argument(flag, type=kind, default=None, help=spec.doc)
+    sampling.add_argument("--sampling", type=_json_arg, default=None, metavar="JSON",
+                          help="more sampling parameters as a JSON object (the flags above win)")
+    out = cmd.add_argument_group("output")
+    out.add_argument("--stream", action="store_true", help="print the text as it arrives")
+    out.add_argument("--json", action="store_true", help="print every RequestOutput message as a JSON line")
+    out.add_argument("--rid", default=None, help="the request id (default: a fresh one)")
+    out.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the answer")
+
+
+def build_request(args: argparse.Namespace) -> GenerateRequest:
+    """The GenerateRequest the flags describe; ApiError for a prompt or sampling JSON of the wrong shape."""
+    sampling = dict(args.sampling or {})
+    if not isinstance(sampling, dict):
+        raise ApiError("--sampling must be a JSON object", param="sampling")
+    sampling.update({name: getattr(args, name) for name in SPECS if getattr(args, name, None) is not None})
+    sampling.setdefault("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
+    try:
+        messages = from_wire(list[ChatMessage], args.messages, "messages") if args.messages is not None else None
+        input_ids = from_wire(list[int], args.input_ids, "input_ids") if args.input_ids is not None else None
+    except DecodeError as exc:
+        raise ApiError(f"--{str(exc).split(':', 1)[0].split('[')[0].replace('_', '-')}: {exc}",
+                       param="messages" if args.messages is not None else "input_ids") from exc
+    return GenerateRequest(rid=args.rid or new_rid(), text=args.text, messages=messages, input_ids=input_ids,
+                           sampling=sampling)
+
+
+async def _submit(args: argparse.Namespace) -> int:
+    from ringserve.client import Client
+
+    request = build_request(args)
+    client = Client(args.nats_url, args.namespace, args.creds, client=args.client, name="ringserve-submit")
+    try:
+        await client.connect()
+    except ConnectionError as exc:
+        print(f"ringserve: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return await asyncio.wait_for(_print_outputs(client, request, args), args.timeout)
+    except asyncio.TimeoutError:
+        print(f"ringserve: no answer within {args.timeout:g}s (the request was aborted)", file=sys.stderr)
+        return 1
+    finally:
+        await client.close()
+
+
+async def _print_outputs(client: Any, request: GenerateRequest, args: argparse.Namespace) -> int:
+    text = []
+    async with contextlib.aclosing(client.outputs(request)) as outputs:
+        async for out in outputs:
+            if args.json:
+                print(json.dumps({"type": "RequestOutput", "body": to_wire(out)}, ensure_ascii=False), flush=True)
+            elif args.stream:
+                print(out.text, end="", flush=True)
+            text.append(out.text)
+            if out.error is not None:
+                if not args.json:
+                    print(json.dumps(out.error.body(), ensure_ascii=False), file=sys.stderr)
+                return 1
+            if out.finish is not None and not args.json:
+                print("" if args.stream else "".join(text), flush=True)
+                print(f"[finish: {json.dumps(asdict(out.finish))}, prompt_tokens {out.prompt_tokens}, "
+                      f"completion_tokens {out.completion_tokens}]", file=sys.stderr)
+    return 0
+
+
+def submit_command(args: argparse.Namespace) -> int:
+    """`ringserve submit`: the exit code (0 answered, 1 an error answer or timeout, 2 no NATS or no ring)."""
+    try:
+        return asyncio.run(_submit(args))
+    except ApiError as exc:  # the request could not be built, or the ring is unavailable (503)
+        print(json.dumps(exc.body(), ensure_ascii=False), file=sys.stderr)
+        return 2 if exc.code == 503 else 1
+    except KeyboardInterrupt:
+        return 130

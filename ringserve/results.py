@@ -1,0 +1,86 @@
+"""What a generation returns: `/generate`'s result shape (`text`, `output_ids`, `meta_info`), built from the ring's
+`RequestOutput` deltas, for one request, a streamed delta, and a chat completion.
+
+`meta_info` holds what `/generate` puts there: `id`, `finish_reason` (`{"type", "matched", "error"}`, None while
+unfinished), `prompt_tokens`, `completion_tokens`, `cached_tokens`; with `return_prompt_ids` the
+`prompt_token_ids`; with `return_logprob` (or `top_logprobs_num`) SGLang's `input_token_logprobs`,
+`input_top_logprobs`, `output_token_logprobs` and `output_top_logprobs` (`[logprob, token_id, text]` each).
+Both it and `actors/entry/generate_route.py` build it with `actors/entry/generate_meta.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from actors.entry.generate_meta import meta_info
+from bus.messages import RequestOutput, TokenLogprob
+
+
+@dataclass
+class GenerateResult:
+    """One request's result, as `/generate` answers it. Also readable as a dict (`result["text"]`), as SGLang's
+    `Engine.generate` returns it."""
+
+    text: str
+    output_ids: list[int]
+    meta_info: dict[str, Any]
+
+    @classmethod
+    def from_outputs(cls, rid: str, outputs: list[RequestOutput], sampling: dict[str, Any]) -> "GenerateResult":
+        """The result of request `rid` from all its outputs (the last one terminal)."""
+        entries = [e for out in outputs for e in out.logprobs]
+        return cls(text="".join(out.text for out in outputs),
+                   output_ids=[t for out in outputs for t in out.token_ids],
+                   meta_info=meta_info(rid, outputs[-1], entries, outputs[0], sampling))
+
+    @property
+    def finish_reason(self) -> dict[str, Any] | None:
+        """`{"type": "stop"|"length"|"abort", "matched": ...}`."""
+        return self.meta_info["finish_reason"]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object `/generate` answers."""
+        return {"text": self.text, "output_ids": self.output_ids, "meta_info": self.meta_info}
+
+    def __getitem__(self, key: str) -> Any:
+        return self.to_dict()[key]
+
+
+@dataclass
+class GenerateDelta:
+    """A streamed piece of a result: the text and output ids new since the previous delta of the same request,
+    and its meta_info so far (`finish_reason` set on its last delta). `index`: which prompt of a list."""
+
+    text: str
+    output_ids: list[int]
+    meta_info: dict[str, Any]
+    index: int = 0
+
+    @classmethod
+    def from_output(cls, rid: str, out: RequestOutput, sampling: dict[str, Any], index: int = 0) -> "GenerateDelta":
+        """The delta of one output (as `/generate` streams it with `"stream_deltas": true`)."""
+        return cls(out.text, list(out.token_ids), meta_info(rid, out, out.logprobs, out, sampling), index)
+
+    @property
+    def finished(self) -> bool:
+        return self.meta_info["finish_reason"] is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"text": self.text, "output_ids": self.output_ids, "meta_info": self.meta_info, "index": self.index}
+
+    def __getitem__(self, key: str) -> Any:
+        return self.to_dict()[key]
+
+
+@dataclass
+class ChatResult(GenerateResult):
+    """A chat completion: `text` is the assistant message's content, `message` the message (with `tool_calls`
+    when the model called tools), `response` the whole `/v1/chat/completions` body."""
+
+    message: dict[str, Any] = field(default_factory=dict)
+    response: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tool_calls(self) -> list[dict[str, Any]]:
+        return list(self.message.get("tool_calls") or [])
