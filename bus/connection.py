@@ -202,6 +202,34 @@ class BusConnection:
         return decode(await self._request(subject, data, timeout, {TRACEPARENT_HEADER: _header(traceparent)}),
                       reply_type)
 
+    async def gather(self, subject: str, msg: Any, reply_type: type[T], expected: int, timeout: float = 2.0,
+                     traceparent: str | None = None) -> list[T]:
+        """Send `msg` as a request every subscriber of `subject` answers (the scheduler replicas), and collect
+        the replies: `expected` of them, or as many as came within `timeout` seconds (undecodable ones
+        skipped)."""
+        inbox = self.client.new_inbox()
+        sub = await self.client.subscribe(inbox)
+        replies: list[T] = []
+        try:
+            await self.client.publish(subject, encode(msg), reply=inbox,
+                                      headers={TRACEPARENT_HEADER: _header(traceparent)})
+            deadline = asyncio.get_running_loop().time() + timeout
+            while len(replies) < expected:
+                left = deadline - asyncio.get_running_loop().time()
+                if left <= 0:
+                    break
+                try:
+                    raw = await sub.next_msg(timeout=left)
+                except nats.errors.TimeoutError:
+                    break
+                try:
+                    replies.append(decode(raw.data, reply_type))
+                except DecodeError:
+                    log_event(log, logging.WARNING, "undecodable reply skipped", subject=subject)
+        finally:
+            await sub.unsubscribe()
+        return replies
+
     async def _request(self, subject: str, data: bytes, timeout: float, headers: dict[str, str]) -> bytes:
         try:
             raw = await self.client.request(subject, data, timeout=timeout, headers=headers)

@@ -212,6 +212,8 @@ class SchedulerInfo:
     # --quantization int8/int4: the method, the ISA, and per linear shape and row count the kernel measured
     # fastest at start-up (empty: float32)
     quantization: dict[str, str] = field(default_factory=dict)
+    # requests this replica was handed since it started (routed to it, or through the fallback queue group)
+    requests_routed: int = 0
     # which weights serve: "1" for those loaded at start, then each update_weights_from_disk's (or the next number)
     weight_version: str = ""
 

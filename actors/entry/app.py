@@ -24,9 +24,13 @@ from actors.entry.http_common import handles_errors
 from actors.entry.metrics_scrape import metrics_route
 from actors.entry.openapi_doc import openapi_document
 from actors.entry.openai_routes import openai_routes
-from actors.entry.request_flow import EntryService
+from actors.entry.request_flow import EntryService, combined_info
 from actors.entry.settings import EntrySettings
 from actors.entry.tokenize_routes import tokenize_routes
+
+# per replica in /get_server_info's `replicas` (with `id`, `tp_size`, `up`)
+REPLICA_FIELDS = ("requests_routed", "num_running_reqs", "num_waiting_reqs", "kv_used_tokens", "kv_total_tokens",
+                  "cache_hit_rate")
 
 
 def _package_version() -> str:
@@ -53,9 +57,13 @@ def build_app(service: EntryService, settings: EntrySettings | None = None) -> S
 
     @handles_errors
     async def server_info(request: Request) -> Response:
-        info = await service.scheduler_info()
+        infos = await service.scheduler_infos()
+        info = combined_info(infos)
+        replicas = [{"id": i.rank, "tp_size": 1, "up": True, **{key: getattr(i, key) for key in REPLICA_FIELDS}}
+                    for i in infos]
         # SGLang's names too: max_total_num_tokens, version, model_path
-        return JSONResponse({**asdict(info), "served_model_name": service.served_model, **service.counters(),
+        return JSONResponse({**asdict(info), "replicas": replicas, "served_model_name": service.served_model,
+                             **service.counters(),
                              "actors": service.liveness.actors(), "max_total_num_tokens": info.kv_total_tokens,
                              "version": _package_version(), "model_path": info.model or service.served_model})
 

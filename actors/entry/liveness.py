@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from bus.messages import Heartbeat
+from bus.messages import Heartbeat, ReplicaLoad
 from observability.logging import log_event
 
 log = logging.getLogger("entry")
@@ -33,6 +33,7 @@ class ActorBeat:
     pid: int
     live_rids: int
     seen_at: float  # time.monotonic() of the last beat
+    load: ReplicaLoad | None = None  # a scheduler replica's
 
     @property
     def name(self) -> str:
@@ -53,7 +54,7 @@ class LivenessMonitor:
     def record(self, beat: Heartbeat) -> None:
         """Note a heartbeat."""
         name = f"{beat.role}{beat.rank}"
-        self._beats[name] = ActorBeat(beat.role, beat.rank, beat.pid, beat.live_rids, self._clock())
+        self._beats[name] = ActorBeat(beat.role, beat.rank, beat.pid, beat.live_rids, self._clock(), beat.load)
         if name in self._lost:
             self._lost.discard(name)
             log_event(log, logging.INFO, "actor heartbeat back", actor=name, pid=beat.pid)
@@ -77,6 +78,11 @@ class LivenessMonitor:
             out[role] = {"status": "ok" if live else "silent", "live": live,
                          "silent": [b.name for b in beats if not self._alive(b, now)]}
         return out
+
+    def live_replicas(self) -> list[int]:
+        """The scheduler replicas (their ids) that beat within `silence_s` seconds."""
+        now = self._clock()
+        return sorted(b.rank for b in self._beats.values() if b.role == "scheduler" and self._alive(b, now))
 
     def actors(self) -> dict[str, dict[str, Any]]:
         """Every actor heard from: pid, seconds since its last beat, and its count of per-request state."""

@@ -4,6 +4,7 @@ entry's other bus conversations: scheduler info, operator commands, aborts, a he
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from collections import Counter
@@ -18,7 +19,7 @@ from actors.entry.liveness import LivenessMonitor
 from actors.entry.metrics import RequestMetrics
 from actors.entry.settings import DEFAULT_MAX_QUEUED_REQUESTS
 from bus.codec import encode
-from bus.messages import ControlReply, GenerateRequest, InfoQuery, RequestOutput, SchedulerInfo
+from bus.messages import ControlCommand, ControlReply, GenerateRequest, InfoQuery, RequestOutput, SchedulerInfo
 from bus.ring_client import OPERATOR_ABORT, RequestStream, RingClient, RingUnavailable
 from bus.subjects import InvalidRidError, new_rid, validate_rid
 from actors.entry import request_trace
@@ -234,23 +235,37 @@ class EntryService:
             except Exception:
                 log.exception("failing %s failed", stream.rid)
 
+    async def scheduler_infos(self) -> list[SchedulerInfo]:
+        """Every live scheduler replica's load report, by replica id; ApiError 503 if none answers."""
+        expected = max(1, len(self.liveness.live_replicas()))
+        infos = await self.client.bus.gather(self.client.subjects.scheduler_info, InfoQuery(), SchedulerInfo,
+                                             expected, timeout=self.info_timeout)
+        if not infos:
+            raise ApiError(f"no scheduler answered within {self.info_timeout:g}s", 503, type="server_error")
+        return sorted(infos, key=lambda info: info.rank)
+
     async def scheduler_info(self) -> SchedulerInfo:
-        """The scheduler's load report; ApiError 503 if it does not answer."""
-        try:
-            return await self.client.bus.request(self.client.subjects.scheduler_info, InfoQuery(), SchedulerInfo,
-                                                 timeout=self.info_timeout)
-        except asyncio.TimeoutError as exc:
-            raise ApiError(f"the scheduler did not answer: {exc}", 503, type="server_error") from exc
+        """The scheduler's load report (with several replicas: the first one's settings, their load summed)."""
+        return combined_info(await self.scheduler_infos())
 
     async def command(self, action: str) -> ControlReply:
-        """Send an operator command ("flush_cache", "abort_all", "pause", "continue") to the scheduler.
+        """Send an operator command ("flush_cache", "abort_all", "pause", "continue") to every scheduler replica.
 
-        ApiError 503 if it does not answer within `control_timeout` seconds.
+        The reply is ok when every replica's is. ApiError 503 if none answers within `control_timeout` seconds.
         """
-        try:
-            return await self.client.command(action, self.control_timeout)
-        except asyncio.TimeoutError as exc:
-            raise ApiError(f"the scheduler did not answer: {exc}", 503, type="server_error") from exc
+        expected = max(1, len(self.liveness.live_replicas()))
+        replies = await self.client.bus.gather(self.client.subjects.scheduler_command, ControlCommand(action=action),
+                                               ControlReply, expected, timeout=self.control_timeout)
+        if not replies:
+            raise ApiError(f"no scheduler answered within {self.control_timeout:g}s", 503, type="server_error")
+        if len(replies) == 1:
+            return replies[0]
+        detail: dict[str, int | str] = {}
+        for reply in replies:
+            for key, value in reply.detail.items():
+                detail[key] = detail.get(key, 0) + value if isinstance(value, int) else value  # type: ignore[operator]
+        return ControlReply(ok=all(r.ok for r in replies), message="; ".join(dict.fromkeys(r.message for r in replies)),
+                            detail=detail, error=next((r.error for r in replies if r.error is not None), None))
 
     async def abort(self, rid: object) -> list[str]:
         """Abort request `rid` (any client's) and, if it names an n > 1 response of this entry, its choices.
@@ -286,3 +301,19 @@ class EntryService:
             await self.release_all([stream])
         if out.error is not None:
             raise ApiError(f"the health check generation failed: {out.error.message}", 503, type="server_error")
+
+
+SUMMED = ("num_running_reqs", "num_waiting_reqs", "kv_used_tokens", "kv_total_tokens", "kv_running_tokens",
+          "kv_cached_tokens", "num_retractions", "requests_routed")
+
+
+def combined_info(infos: list[SchedulerInfo]) -> SchedulerInfo:
+    """One report for several replicas: the first one's settings, the load counters summed, the prefix-cache
+    hit rate weighted by each replica's share of the requests."""
+    if len(infos) == 1:
+        return infos[0]
+    total = dataclasses.replace(infos[0], **{name: sum(getattr(i, name) for i in infos) for name in SUMMED})
+    routed = sum(i.requests_routed for i in infos)
+    if routed:
+        total.cache_hit_rate = sum(i.cache_hit_rate * i.requests_routed for i in infos) / routed
+    return total

@@ -55,6 +55,9 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--namespace", default="ringserve",
                        help="subject prefix; deployments with different namespaces can share one NATS")
     serve.add_argument("--tokenizer-workers", type=int, default=1, help="tokenizer processes (a NATS queue group)")
+    serve.add_argument("--dp", type=int, default=1,
+                       help="scheduler replicas, each with its own engine and KV cache; the tokenizers route each "
+                            "request to the replica holding its longest prefix unless it is overloaded")
     serve.add_argument("--detokenizer-shards", type=int, default=1, help="detokenizer processes (rids are sharded)")
     EngineConfig.add_arguments(serve)
     add_entry_arguments(serve)  # HTTP limits and CORS; the API key comes from $RINGSERVE_API_KEY, never a flag

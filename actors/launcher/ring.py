@@ -36,13 +36,15 @@ class RingError(ValueError):
 
 def actor_specs(args: argparse.Namespace, served_name: str, trace: TraceBuffer | None = None,
                 http: bool = True) -> list[ActorSpec]:
-    """The processes of one deployment: scheduler rank 0, tokenizers, detokenizer shards, the entry (unless not
+    """The processes of one deployment: `--dp` scheduler replicas, tokenizers, detokenizer shards, the entry (unless not
     `http`) and the trace exporter when `trace` buffers spans."""
     common = ["--log-level", args.log_level, *actor_tracing_argv(args)]
     engine = EngineConfig.from_args(args).to_argv()
-    specs = [ActorSpec("scheduler", 0, "actors.scheduler", [*common, "--model", args.model, "--rank", "0",
+    specs = [ActorSpec("scheduler", r, "actors.scheduler", [*common, "--model", args.model, "--rank", "0",
+                                                            "--dp-replica-id", str(r),
                                                             "--detokenizer-shards", str(args.detokenizer_shards),
-                                                            *admission_argv(args), *engine])]
+                                                            *admission_argv(args), *engine])
+             for r in range(args.dp)]
     specs += [ActorSpec("tokenizer", i, "actors.tokenizer", [*common, "--model", args.model])
               for i in range(args.tokenizer_workers)]
     specs += [ActorSpec("detokenizer", i, "actors.detokenizer", [*common, "--model", args.model, "--shard", str(i)])
@@ -67,8 +69,8 @@ class Ring:
             EngineConfig.from_args(args)
         except (FileNotFoundError, ValueError) as exc:
             raise RingError(str(exc)) from exc
-        if args.tokenizer_workers < 1 or args.detokenizer_shards < 1:
-            raise RingError("--tokenizer-workers and --detokenizer-shards must be >= 1")
+        if args.tokenizer_workers < 1 or args.detokenizer_shards < 1 or args.dp < 1:
+            raise RingError("--dp, --tokenizer-workers and --detokenizer-shards must be >= 1")
         self.served_name: str = args.served_model_name or self.source.name
         try:
             self.trace = plan_trace_buffer(args)

@@ -22,7 +22,9 @@ def main() -> None:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_bus_arguments(parser)
     parser.add_argument("--model", required=True, help="model name, .gguf file or model directory")
-    parser.add_argument("--rank", type=int, default=0, help="tensor-parallel rank")
+    parser.add_argument("--rank", type=int, default=0, help="tensor-parallel rank (only 0: no tensor parallelism yet)")
+    parser.add_argument("--dp-replica-id", type=int, default=0,
+                        help="this scheduler replica's id (`--dp`): its subject, heartbeat and server-info entry")
     parser.add_argument("--detokenizer-shards", type=int, default=1, help="number of detokenizer shards")
     add_admission_arguments(parser)
     EngineConfig.add_arguments(parser)
@@ -39,9 +41,11 @@ def main() -> None:
     torch.set_num_threads(startup_threads(config))
     from actors.scheduler.actor import scheduler_main
 
+    if args.rank != 0:
+        parser.error("tensor parallelism is not implemented: --rank must be 0")
     admission = admission_from_args(args)
     run_actor("scheduler", args,
-              lambda ctx: scheduler_main(ctx, args.model, config, args.detokenizer_shards, admission), rank=args.rank)
+              lambda ctx: scheduler_main(ctx, args.model, config, args.detokenizer_shards, admission), rank=args.dp_replica_id)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from actors.common.model_source import resolve_model
-from actors.common.runtime import ActorContext
+from actors.common.runtime import HEARTBEAT_SECONDS, ActorContext
 from actors.engine.config import EngineConfig
 from actors.engine.interface import EngineInterface
 from actors.scheduler import request_spans
@@ -39,7 +39,7 @@ from bus.connection import Delivery
 from bus.errors import ApiError, server_error
 from bus.messages import (
     AbortRequest, Accepted, BatchTokenOutput, ControlCommand, ControlReply, FinishReason, InfoQuery, RequestOutput,
-    SchedulerInfo, TokenizedRequest, TokenRow,
+    ReplicaLoad, SchedulerInfo, TokenizedRequest, TokenRow,
 )
 from bus.ring_client import OPERATOR_ABORT
 from bus.subjects import SCHEDULER_QUEUE, InvalidRidError, detokenizer_shard, validate_ring_rid
@@ -76,13 +76,17 @@ class SchedulerActor:
         # aborts that arrived before their request (the two travel on different subjects)
         self._early_aborts: OrderedDict[str, float] = OrderedDict()
         self._checked_idle = True
+        self._routed = 0  # requests handed to this replica since it started
         self._info = self._snapshot()
         self._spans = request_spans.create()  # no-ops unless tracing is on
 
     async def start(self) -> dict[str, Any]:
         subjects, bus = self._ctx.subjects, self._ctx.bus
         self._ctx.live_rids = self._engine.live_rids
+        # routed to this replica by the tokenizers, or through the queue group when none was routed
+        await bus.subscribe(subjects.tokenized_for(self._ctx.rank), TokenizedRequest, self._on_request)
         await bus.subscribe(subjects.tokenized, TokenizedRequest, self._on_request, queue=SCHEDULER_QUEUE)
+        self._ctx.load = self._load
         await bus.subscribe(subjects.abort_any, AbortRequest, self._on_abort)
         await bus.subscribe(subjects.client_abort_any, AbortRequest, self._on_abort)  # a client's own rids only
         await bus.subscribe(subjects.scheduler_info, InfoQuery, self._on_info)
@@ -98,6 +102,7 @@ class SchedulerActor:
             log_event(log, logging.WARNING, "dropped request with invalid rid", error=str(exc))
             return None
         self._spans.arrived(req.rid, delivery.traceparent)
+        self._routed += 1
         self._inbox.append(("add", req))
         self._wake.set()
         return Accepted(rid=req.rid)
@@ -127,7 +132,16 @@ class SchedulerActor:
         return await done
 
     def _snapshot(self) -> SchedulerInfo:
-        return dataclasses.replace(self._engine.stats(), rank=self._ctx.rank, weight_version=self._weight_version)
+        return dataclasses.replace(self._engine.stats(), rank=self._ctx.rank, weight_version=self._weight_version,
+                                   requests_routed=self._routed)
+
+    def _load(self) -> ReplicaLoad:
+        """This replica's load for its heartbeat (the tokenizers route by it); `rank` is the replica id."""
+        info = self._info
+        return ReplicaLoad(replica=self._ctx.rank, interval=HEARTBEAT_SECONDS, num_running_reqs=info.num_running_reqs,
+                           num_waiting_reqs=info.num_waiting_reqs + len(self._inbox),
+                           kv_used_tokens=info.kv_used_tokens, kv_total_tokens=info.kv_total_tokens,
+                           cache_hit_rate=info.cache_hit_rate)
 
     async def _update_weights(self, command: ControlCommand) -> ControlReply:
         """Load the checkpoint (in another thread), then have the loop swap it in; the reply once it did."""

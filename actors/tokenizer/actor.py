@@ -3,24 +3,29 @@ errors to the request's output subject; and `{ns}.tokenizer.tokenize` (request/r
 `/v1/tokenize` and `/v1/detokenize`, encoded by the same PromptEncoder as generation.
 
 Several tokenizer processes may serve one deployment: they share the submit subject through a queue group.
+With several scheduler replicas (`--dp`), each request goes to the one `router.py` picks from the replicas'
+heartbeats (`{ns}.req.tokenized.{replica}`); before any heartbeat, or when the picked replica does not take
+it, to any replica through the queue group on `{ns}.req.tokenized`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from actors.common.model_source import load_config, load_tokenizer, resolve_model
 from actors.common.runtime import ActorContext
 from actors.tokenizer.prompt import PromptEncoder
+from actors.tokenizer.router import Router
 from actors.tokenizer.grammar_check import GrammarChecker
 from actors.tokenizer.validation import validate_sampling
 from bus.params import SPECS
 from bus.codec import DecodeError, encode, peek_field
 from bus.connection import Delivery
 from bus.errors import ApiError, server_error
-from bus.messages import Accepted, GenerateRequest, RequestOutput, TokenizedRequest
+from bus.messages import Accepted, GenerateRequest, Heartbeat, RequestOutput, TokenizedRequest
 from bus.permissions import reply_inbox
 from bus.subjects import TOKENIZER_QUEUE, InvalidRidError, scoped_rid, validate_rid
 from bus.tokenize_messages import TokenizeQuery, TokenizeReply
@@ -50,6 +55,7 @@ class TokenizerActor:
         self._context_length = int(config.max_position_embeddings)
         self._eos_ids = eos_token_ids(config, tokenizer)
         self._grammars = GrammarChecker(tokenizer, int(config.vocab_size))
+        self._router = Router()
 
     async def start(self) -> dict[str, Any]:
         namespace = self._ctx.subjects.namespace
@@ -60,7 +66,12 @@ class TokenizerActor:
                                       on_malformed=self._on_malformed)
         await self._ctx.bus.subscribe(self._ctx.subjects.tokenize, TokenizeQuery, self._on_tokenize,
                                       queue=TOKENIZER_QUEUE, on_malformed=self._on_malformed_query)
+        await self._ctx.bus.subscribe(self._ctx.subjects.heartbeat, Heartbeat, self._on_heartbeat)
         return {"context_length": self._context_length, "eos_token_ids": self._eos_ids}
+
+    async def _on_heartbeat(self, beat: Heartbeat, delivery: Delivery) -> None:
+        if beat.role == "scheduler" and beat.load is not None:
+            self._router.on_heartbeat(beat.load, time.monotonic())
 
     async def _on_malformed(self, data: bytes, error: DecodeError, delivery: Delivery) -> Accepted | None:
         """A submission that does not decode ends at once with a 400 on its output subject, if it names a rid."""
@@ -161,9 +172,20 @@ class TokenizerActor:
             if span is not None:
                 span.set_attribute("gen_ai.usage.input_tokens", len(input_ids))
         tokenized = TokenizedRequest(rid=req.rid, input_ids=input_ids, sampling=sampling)
+        replica = self._router.route(input_ids, time.monotonic())
+        subject = self._ctx.subjects.tokenized if replica is None else self._ctx.subjects.tokenized_for(replica)
         try:
-            await self._ctx.bus.request(self._ctx.subjects.tokenized, tokenized, Accepted,
-                                        SCHEDULER_ACCEPT_TIMEOUT, traceparent)
+            try:
+                await self._ctx.bus.request(subject, tokenized, Accepted, SCHEDULER_ACCEPT_TIMEOUT, traceparent)
+            except asyncio.TimeoutError:
+                if replica is None:
+                    raise
+                # the routed replica is gone (no responders) or stuck: stop routing to it, let any replica take it
+                self._router.forget(replica)
+                log_event(log, logging.WARNING, "routed replica did not take a request; any replica may",
+                          replica=replica, rid=req.rid)
+                await self._ctx.bus.request(self._ctx.subjects.tokenized, tokenized, Accepted,
+                                            SCHEDULER_ACCEPT_TIMEOUT, traceparent)
         except asyncio.TimeoutError as exc:
             return server_error(f"no scheduler accepted the request: {exc}", 503)
         except Exception as exc:  # e.g. the tokenized request exceeds the bus payload limit

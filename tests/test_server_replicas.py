@@ -1,0 +1,72 @@
+"""Two scheduler replicas (`--dp 2`) behind one ring, with the real model: both serve, greedy output is what
+one replica gives, requests sharing a long prefix land where that prefix is cached, a burst spreads over
+both, and operator commands reach every replica."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any, Iterator
+
+import httpx
+import pytest
+
+from actors.common.model_source import DEFAULT_MODEL
+from tests.server_helpers import ServerHandle, start_server
+
+GREEDY = {"max_tokens": 6, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def dp_server() -> Iterator[ServerHandle]:
+    handle = start_server(DEFAULT_MODEL, extra=["--dp", "2", "--max-total-tokens", "16384"])
+    yield handle
+    assert handle.stop() == 0
+
+
+def complete(server: ServerHandle, prompt: str) -> dict[str, Any]:
+    response = httpx.post(server.base_url + "/v1/completions", json={"prompt": prompt, **GREEDY}, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def info(server: ServerHandle) -> dict[str, Any]:
+    return httpx.get(server.base_url + "/get_server_info", timeout=30).json()
+
+
+def system_prompt(topic: int) -> str:
+    return f"Briefing {topic}. " + " ".join(f"rule {topic}-{i}: keep item {i} dry;" for i in range(60))
+
+
+def test_both_replicas_serve_and_report(dp_server: ServerHandle, smollm_server: ServerHandle) -> None:
+    replicas = info(dp_server)["replicas"]
+    assert [r["id"] for r in replicas] == [0, 1] and all(r["up"] and r["tp_size"] == 1 for r in replicas)
+    assert all(r["kv_total_tokens"] == 16384 for r in replicas)
+    prompts = [f"Question {i}: name a colour." for i in range(6)]
+    for prompt in prompts:  # greedy output does not depend on which replica serves it
+        assert complete(dp_server, prompt)["choices"][0]["text"] == complete(smollm_server, prompt)["choices"][0]["text"]
+
+
+def test_a_shared_prefix_lands_where_it_is_cached(dp_server: ServerHandle) -> None:
+    for topic in range(4):
+        prefix = system_prompt(topic)
+        first = complete(dp_server, prefix + " First question?")
+        prefix_tokens = first["usage"]["prompt_tokens"] - 5
+        for q in range(3):
+            reply = complete(dp_server, prefix + f" Question number {q}?")
+            cached = reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached >= prefix_tokens - 64, (topic, q, cached, prefix_tokens)
+    routed = [r["requests_routed"] for r in info(dp_server)["replicas"]]
+    assert min(routed) > 0, f"four distinct prefixes use both replicas: {routed}"
+
+
+def test_a_burst_spreads_and_commands_reach_every_replica(dp_server: ServerHandle) -> None:
+    before = [r["requests_routed"] for r in info(dp_server)["replicas"]]
+    prompts = [f"Burst {i}: " + system_prompt(99) for i in range(16)]  # sixteen distinct prefixes at once
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        replies = list(pool.map(lambda p: complete(dp_server, p), prompts))
+    assert all(r["choices"][0]["finish_reason"] for r in replies)
+    after = [r["requests_routed"] for r in info(dp_server)["replicas"]]
+    assert sum(after) - sum(before) == 16 and all(a > b for a, b in zip(after, before)), (before, after)
+    flushed = httpx.post(dp_server.base_url + "/flush_cache", json={}, timeout=30)
+    assert flushed.status_code == 200 and flushed.json()["success"]
+    assert all(r["kv_used_tokens"] == 0 for r in info(dp_server)["replicas"]), "both replicas flushed"
