@@ -269,9 +269,11 @@ class Accepted:
 
     The entry submits with request/reply, so a ring with no tokenizer or scheduler answers at once
     ("no responders") or not at all (a timeout) instead of leaving the client waiting for outputs forever.
+    `replica`: the scheduler replica that took it (None when unknown: a bad request ends at the tokenizer).
     """
 
     rid: str
+    replica: int | None = None
 
 
 @dataclass

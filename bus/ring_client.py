@@ -65,6 +65,7 @@ class RequestStream:
         self._local_end: str | None = None  # why the stream ended locally (the request needs an abort)
         self._abort_sent = False
         self._last_progress = time.monotonic()
+        self.replica: int | None = None  # the scheduler replica that took the request, once one did
 
     async def _open(self, request: GenerateRequest, timeout: float) -> None:
         async def on_output(out: RequestOutput, delivery: Delivery) -> None:
@@ -72,7 +73,8 @@ class RequestStream:
 
         self._sub = await self._bus.subscribe(self._subjects.output(self.rid), RequestOutput, on_output)
         try:
-            await self._bus.request(self._submit_subject, request, Accepted, timeout, self._traceparent)
+            accepted = await self._bus.request(self._submit_subject, request, Accepted, timeout, self._traceparent)
+            self.replica = accepted.replica
         except asyncio.TimeoutError as exc:
             # a late tokenizer may still take it: abort, or it would run with no one reading (a ghost request)
             await self.abort("submission timed out")

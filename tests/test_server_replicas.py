@@ -1,17 +1,22 @@
 """Two scheduler replicas (`--dp 2`) behind one ring, with the real model: both serve, greedy output is what
 one replica gives, requests sharing a long prefix land where that prefix is cached, a burst spreads over
-both, and operator commands reach every replica."""
+both, operator commands reach every replica, and a replica killed under load ends only its own requests
+while the other serves on, then comes back."""
 
 from __future__ import annotations
 
 import concurrent.futures
+import os
+import signal
+import threading
+import time
 from typing import Any, Iterator
 
 import httpx
 import pytest
 
 from actors.common.model_source import DEFAULT_MODEL
-from tests.server_helpers import ServerHandle, start_server
+from tests.server_helpers import ServerHandle, sse_events, start_server
 
 GREEDY = {"max_tokens": 6, "temperature": 0}
 
@@ -70,3 +75,44 @@ def test_a_burst_spreads_and_commands_reach_every_replica(dp_server: ServerHandl
     flushed = httpx.post(dp_server.base_url + "/flush_cache", json={}, timeout=30)
     assert flushed.status_code == 200 and flushed.json()["success"]
     assert all(r["kv_used_tokens"] == 0 for r in info(dp_server)["replicas"]), "both replicas flushed"
+
+
+def _stream(server: ServerHandle, prompt: str, started: threading.Event) -> str:
+    """Stream a long completion: "done" when it finished, "error" when it ended with an error event."""
+    body = {"prompt": prompt, "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=120) as response:
+        for event in sse_events(response):
+            started.set()
+            if event == "[DONE]":
+                return "done"
+            if "error" in event:
+                return "error"
+    return "cut"
+
+
+def test_a_killed_replica_ends_only_its_requests_and_comes_back(dp_server: ServerHandle) -> None:
+    prompts = [f"Story {i}: once upon a time" for i in range(8)]
+    events = [threading.Event() for _ in prompts]
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(_stream, dp_server, p, e) for p, e in zip(prompts, events)]
+        assert all(e.wait(60) for e in events)
+        running = {r["id"]: r["num_running_reqs"] for r in info(dp_server)["replicas"]}
+        assert running[0] > 0 and running[1] > 0, running
+        old_pid = dp_server.actor_pids()["scheduler1"]
+        os.kill(old_pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        fresh = complete(dp_server, "A new request after the kill:")  # served by the other replica
+        assert fresh["choices"][0]["finish_reason"] == "length"
+        outcomes = [f.result(timeout=120) for f in futures]
+    assert sorted(set(outcomes)) == ["done", "error"], outcomes
+    assert outcomes.count("error") == running[1], "exactly the killed replica's streams end with an error"
+    while time.monotonic() - killed_at < 90:  # the launcher starts it again, and it serves
+        if dp_server.actor_pids().get("scheduler1") not in (None, old_pid) and 1 in [
+                r["id"] for r in info(dp_server)["replicas"]]:
+            break
+        time.sleep(0.5)
+    else:
+        raise AssertionError("the killed replica did not come back")
+    counters = info(dp_server)
+    assert counters["entry_admitted_total"] == counters["entry_terminal_total"]
+    assert "restarting it" in dp_server.log()

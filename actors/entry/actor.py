@@ -71,8 +71,12 @@ async def entry_main(ctx: ActorContext, settings: EntrySettings) -> dict[str, An
     await liveness.wait_for_roles(STARTUP_BEAT_WAIT_SECONDS)
 
     async def on_lost(names: list[str]) -> None:
-        await service.fail_all(f"the ring lost {', '.join(names)}: no heartbeat for {liveness.silence_s:g}s",
-                               reason="actor lost")
+        message = f"the ring lost {', '.join(names)}: no heartbeat for {liveness.silence_s:g}s"
+        replicas = {int(name.removeprefix("scheduler")) for name in names if name.startswith("scheduler")}
+        if len(replicas) == len(names) and liveness.live_replicas():  # other replicas serve: degrade
+            await service.fail_replicas(replicas, message)
+        else:
+            await service.fail_all(message, reason="actor lost")
 
     loop = asyncio.get_running_loop()
     watcher = loop.create_task(liveness.watch(on_lost, on_tick=NatsStateLog(ctx.bus)))

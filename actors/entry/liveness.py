@@ -96,6 +96,14 @@ class LivenessMonitor:
         return sorted(name for name, b in self._beats.items()
                       if b.role in CRITICAL_ROLES and not self._alive(b, now))
 
+    def blocking(self) -> list[str]:
+        """The lost actors that stop new requests: any detokenizer (a shard's rids would strand), schedulers
+        only when no scheduler replica is left (the others take the new requests)."""
+        lost = self.lost()
+        detokenizers = [name for name in lost if not name.startswith("scheduler")]
+        return detokenizers + ([name for name in lost if name.startswith("scheduler")]
+                               if not self.live_replicas() else [])
+
     def newly_lost(self) -> list[str]:
         """`lost()` minus those already returned by an earlier call (each loss is reported once)."""
         lost = self.lost()

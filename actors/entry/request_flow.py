@@ -125,7 +125,7 @@ class EntryService:
         `limited`) or while a critical actor is silent, 400 for a rid that is already live. `metered` streams
         feed the /metrics series (health checks are not).
         """
-        lost = self.liveness.lost()
+        lost = self.liveness.blocking()
         if lost:
             self.rejected_busy_total += 1
             raise server_busy(f"the ring is not serving: no heartbeat from {', '.join(lost)} "
@@ -225,6 +225,15 @@ class EntryService:
         with anyio.CancelScope(shield=True):
             for stream in streams:
                 await self.release(stream)
+
+    async def fail_replicas(self, replicas: set[int], message: str) -> None:
+        """End the in-flight requests held by these scheduler replicas with a 503 error (the others go on)."""
+        error = ApiError(message, 503, type="server_error")
+        for stream in [s for s in self.live.values() if s.replica in replicas]:
+            try:
+                await stream.fail(error, "replica lost")
+            except Exception:
+                log.exception("failing %s failed", stream.rid)
 
     async def fail_all(self, message: str, reason: str = "entry shutdown") -> None:
         """End every in-flight request with a 503 error instead of leaving its client waiting, and abort it."""

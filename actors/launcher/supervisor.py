@@ -68,6 +68,10 @@ def describe_exit(name: str, pid: int, returncode: int) -> str:
     return f"actor {name} (pid {pid}) {exit_cause(returncode)}"
 
 
+RESTART_BACKOFF = 1.0  # seconds before a failed replica starts again; doubles per restart of it
+RESTART_BACKOFF_MAX = 30.0
+
+
 class Supervisor:
     """Owns the actor processes of one deployment."""
 
@@ -87,6 +91,8 @@ class Supervisor:
         self._watched = dict(watched or {})
         self._stop = asyncio.Event()
         self._bus: BusConnection | None = None
+        self._respawn_at: dict[str, float] = {}  # replicas to start again, and when
+        self.restarts: dict[str, int] = {}  # per actor name, since the launch
 
     async def run(self, startup_timeout: float, on_ready: Callable[[], None]) -> int:
         """Run until a signal (exit 0) or an actor's death or a failed start (exit 1)."""
@@ -181,25 +187,57 @@ class Supervisor:
             await asyncio.sleep(0.1)
         return None
 
-    def _stalled_actor(self) -> str | None:
-        now = time.monotonic()
-        for name, seen in self._last_beat.items():
-            if now - seen > self._watchdog_timeout:
-                return f"actor {name} sent no heartbeat for {now - seen:.1f} s (stalled)"
-        return None
-
     async def _watch(self) -> int:
         while not self._stop.is_set():
-            dead = self._dead_actor() or self._stalled_actor()
-            if dead is not None:
-                log_event(log, logging.ERROR, f"{dead}; stopping every actor (fail-stop)")
-                return 1
+            self._respawn_due()
+            for name, why in self._failures():
+                if not self._restart_replica(name, why):
+                    log_event(log, logging.ERROR, f"{why}; stopping every actor (fail-stop)")
+                    return 1
             try:
                 await asyncio.wait_for(self._stop.wait(), timeout=0.2)
             except asyncio.TimeoutError:
                 pass
         log_event(log, logging.INFO, "shutting down")
         return 0
+
+    def _failures(self) -> list[tuple[str, str]]:
+        """(actor name, what happened) for every actor that died or stalled."""
+        now = time.monotonic()
+        out = [(name, describe_exit(name, proc.pid, proc.returncode))
+               for name, proc in {**self._watched, **self._procs}.items() if proc.poll() is not None]
+        out += [(name, f"actor {name} sent no heartbeat for {now - seen:.1f} s (stalled)")
+                for name, seen in self._last_beat.items()
+                if now - seen > self._watchdog_timeout and name in self._procs and all(name != n for n, _ in out)]
+        return out
+
+    def _restart_replica(self, name: str, why: str) -> bool:
+        """Start a failed scheduler replica again (after a backoff) while another replica serves; False when
+        it is not one, or the last (fail-stop stays the rule then)."""
+        spec = next((s for s in self._specs if s.name == name), None)
+        if spec is None or spec.role != "scheduler":
+            return False
+        others = [n for n, p in self._procs.items() if n != name and n.startswith("scheduler") and p.poll() is None]
+        if not others:
+            return False
+        proc = self._procs.pop(name)
+        if proc.poll() is None:  # stalled: a stopped process holds its requests and its memory
+            proc.kill()
+            proc.wait()
+        self._last_beat.pop(name, None)
+        count = self.restarts[name] = self.restarts.get(name, 0) + 1
+        delay = min(RESTART_BACKOFF_MAX, RESTART_BACKOFF * 2 ** (count - 1))
+        self._respawn_at[name] = time.monotonic() + delay
+        log_event(log, logging.ERROR, f"{why}; the other replicas serve, restarting it", actor=name,
+                  restart=count, in_s=delay)
+        return True
+
+    def _respawn_due(self) -> None:
+        now = time.monotonic()
+        for name, at in list(self._respawn_at.items()):
+            if now >= at:
+                del self._respawn_at[name]
+                self._spawn(next(s for s in self._specs if s.name == name))
 
     def _terminate_all(self) -> None:
         for proc in reversed(self._procs.values()):  # the entry first: stop taking requests

@@ -105,7 +105,7 @@ class SchedulerActor:
         self._routed += 1
         self._inbox.append(("add", req))
         self._wake.set()
-        return Accepted(rid=req.rid)
+        return Accepted(rid=req.rid, replica=self._ctx.rank)
 
     async def _close_spans(self) -> None:
         self._spans.close_all("the scheduler stopped")

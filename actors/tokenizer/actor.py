@@ -88,7 +88,10 @@ class TokenizerActor:
         """Validate, tokenize and hand over to a scheduler; errors go to the request's output subject."""
         if not self._own_rid(req, delivery):
             return None
-        return await self._answer(req, delivery, await self._forward(req, delivery.traceparent))
+        handed = await self._forward(req, delivery.traceparent)
+        if isinstance(handed, Accepted):
+            return Accepted(rid=req.rid, replica=handed.replica)  # the entry learns which replica holds it
+        return await self._answer(req, delivery, handed)
 
     async def _on_tokenize(self, query: TokenizeQuery, delivery: Delivery) -> TokenizeReply:
         """Answer a tokenize or detokenize query; a rejected one is answered with its error."""
@@ -151,7 +154,8 @@ class TokenizerActor:
                                         delivery.traceparent)
         return Accepted(rid=req.rid)
 
-    async def _forward(self, req: GenerateRequest, traceparent: str) -> ApiError | None:
+    async def _forward(self, req: GenerateRequest, traceparent: str) -> ApiError | Accepted:
+        """Validate and tokenize `req` and hand it to a scheduler replica: the replica's `Accepted`, or why not."""
         with tracing.span("tokenize", attributes={"ringserve.rid": req.rid}) as span:
             try:
                 input_ids = self._encoder.encode(req)
@@ -176,7 +180,8 @@ class TokenizerActor:
         subject = self._ctx.subjects.tokenized if replica is None else self._ctx.subjects.tokenized_for(replica)
         try:
             try:
-                await self._ctx.bus.request(subject, tokenized, Accepted, SCHEDULER_ACCEPT_TIMEOUT, traceparent)
+                return await self._ctx.bus.request(subject, tokenized, Accepted, SCHEDULER_ACCEPT_TIMEOUT,
+                                                   traceparent)
             except asyncio.TimeoutError:
                 if replica is None:
                     raise
@@ -184,14 +189,13 @@ class TokenizerActor:
                 self._router.forget(replica)
                 log_event(log, logging.WARNING, "routed replica did not take a request; any replica may",
                           replica=replica, rid=req.rid)
-                await self._ctx.bus.request(self._ctx.subjects.tokenized, tokenized, Accepted,
-                                            SCHEDULER_ACCEPT_TIMEOUT, traceparent)
+                return await self._ctx.bus.request(self._ctx.subjects.tokenized, tokenized, Accepted,
+                                                   SCHEDULER_ACCEPT_TIMEOUT, traceparent)
         except asyncio.TimeoutError as exc:
             return server_error(f"no scheduler accepted the request: {exc}", 503)
         except Exception as exc:  # e.g. the tokenized request exceeds the bus payload limit
             log.exception("handing %s to a scheduler failed", req.rid)
             return server_error(f"handing the request to a scheduler failed: {exc!r}"[:1000], 503)
-        return None
 
 
 async def tokenizer_main(ctx: ActorContext, model: str) -> dict[str, Any]:
