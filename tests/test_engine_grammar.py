@@ -166,3 +166,16 @@ def test_retraction_keeps_the_matcher_state(model: Any, tokenizer: Any, jump_for
     for req in reqs:
         check_json(text_of(tokenizer, out[req.rid]))
     assert engine.stats().kv_running_tokens == 0
+
+
+def test_stop_strings_and_penalties_with_a_constraint(model: Any, tokenizer: Any) -> None:
+    engine = engine_for(model, tokenizer, max_total_tokens=2048)
+    stopped = TokenizedRequest("stop", prompt(), SamplingParams(max_new_tokens=32, temperature=0.0, stop=["-"],
+                                                                stop_token_ids=[EOS], regex=r"[a-z]{3}-[0-9]{2}"))
+    penalised = TokenizedRequest("pen", prompt(1), SamplingParams(
+        max_new_tokens=48, temperature=1.0, seed=3, frequency_penalty=1.5, repetition_penalty=1.3,
+        stop_token_ids=[EOS], json_schema=json.dumps(SCHEMA)))
+    out = run_to_completion(engine, [stopped, penalised])
+    assert out["stop"][-1].finish.type == "stop" and out["stop"][-1].finish.matched == "-"
+    assert re.fullmatch(r"[a-z]{3}-?", text_of(tokenizer, out["stop"])), "the stop string ends it inside the grammar"
+    check_json(text_of(tokenizer, out["pen"]))
