@@ -39,7 +39,7 @@ def info(server: ServerHandle) -> dict[str, Any]:
 
 
 def system_prompt(topic: int) -> str:
-    return f"Briefing {topic}. " + " ".join(f"rule {topic}-{i}: keep item {i} dry;" for i in range(60))
+    return f"Briefing {topic}. " + " ".join(f"rule {topic}-{i}: keep item {i} dry;" for i in range(30))
 
 
 def test_both_replicas_serve_and_report(dp_server: ServerHandle, smollm_server: ServerHandle) -> None:
@@ -66,7 +66,7 @@ def test_a_shared_prefix_lands_where_it_is_cached(dp_server: ServerHandle) -> No
 
 def test_a_burst_spreads_and_commands_reach_every_replica(dp_server: ServerHandle) -> None:
     before = [r["requests_routed"] for r in info(dp_server)["replicas"]]
-    prompts = [f"Burst {i}: " + system_prompt(99) for i in range(16)]  # sixteen distinct prefixes at once
+    prompts = [f"Burst {i}: name an animal." for i in range(16)]  # sixteen distinct prefixes at once
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         replies = list(pool.map(lambda p: complete(dp_server, p), prompts))
     assert all(r["choices"][0]["finish_reason"] for r in replies)
@@ -79,7 +79,7 @@ def test_a_burst_spreads_and_commands_reach_every_replica(dp_server: ServerHandl
 
 def _stream(server: ServerHandle, prompt: str, started: threading.Event) -> str:
     """Stream a long completion: "done" when it finished, "error" when it ended with an error event."""
-    body = {"prompt": prompt, "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {"prompt": prompt, "max_tokens": 160, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=120) as response:
         for event in sse_events(response):
             started.set()

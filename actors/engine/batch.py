@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -85,3 +86,18 @@ class PromptScores:
     ranks_cpu: torch.Tensor  # [E] int64
     top_ids_cpu: torch.Tensor | None  # [E, K]
     top_logprobs_cpu: torch.Tensor | None  # [E, K]
+
+    def give_to(self, reqs: list[Req], wanted: Callable[[Req], bool]) -> None:
+        """Add each span's scores to its request (`reqs`: the batch's), if `wanted` (still live)."""
+        logprobs, ranks = self.logprobs_cpu.tolist(), self.ranks_cpu.tolist()
+        top_ids = self.top_ids_cpu.tolist() if self.top_ids_cpu is not None else None
+        top_lps = self.top_logprobs_cpu.tolist() if self.top_logprobs_cpu is not None else None
+        at = 0
+        for b, _, count in self.spans:
+            req, end = reqs[b], at + count
+            if req.prompt_logprobs is not None and wanted(req):
+                n = req.params.top_logprobs_num
+                req.prompt_logprobs.extend(logprobs[at:end], ranks[at:end],
+                                           [t[:n] for t in top_ids[at:end]] if top_ids and n else [[]] * count,
+                                           [t[:n] for t in top_lps[at:end]] if top_lps and n else [[]] * count)
+            at = end

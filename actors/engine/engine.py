@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from actors.engine.batch import Batch, ForwardOutput, PromptScores
+from actors.engine.batch import Batch, ForwardOutput
 from actors.engine.cache_manager import CacheManager
 from actors.engine.config import EngineConfig
 from actors.engine.decode import DecodeManager
@@ -45,6 +45,7 @@ from actors.engine.request import Req
 from actors.engine.stop_checker import StopChecker
 from actors.engine.thread_tuner import tuner_for
 from actors.engine.token_table import TokenTable
+from actors.engine.weight_swap import swap_engine_weights
 from actors.engine.interface import StepPlan
 from bus.errors import ApiError, server_error
 from bus.messages import FinishReason, SchedulerInfo, TokenizedRequest, TokenRow
@@ -285,7 +286,7 @@ class Engine:
         top_ids = out.top_ids_cpu.tolist() if out.top_ids_cpu is not None else None
         top_lps = out.top_logprobs_cpu.tolist() if out.top_logprobs_cpu is not None else None
         if out.prompt is not None:
-            self._gather_prompt_scores(batch, out.prompt)
+            out.prompt.give_to(batch.reqs, lambda req: self.live.get(req.rid) is req)
         rows: list[TokenRow] = []
         for k, req in enumerate(batch.sampling_reqs):
             # Finished by a stop at the step before (launched before that one was applied), or aborted while
@@ -350,23 +351,6 @@ class Engine:
                 self.cache.cache_req(req, finished=True)
                 self.prefill.add(req, front=True)
         return finish
-
-    def _gather_prompt_scores(self, batch: Batch, scores: PromptScores) -> None:
-        """Add a step's scored prompt tokens to their requests (their first row carries them)."""
-        logprobs, ranks = scores.logprobs_cpu.tolist(), scores.ranks_cpu.tolist()
-        top_ids = scores.top_ids_cpu.tolist() if scores.top_ids_cpu is not None else None
-        top_lps = scores.top_logprobs_cpu.tolist() if scores.top_logprobs_cpu is not None else None
-        at = 0
-        for b, _, count in scores.spans:
-            req, end = batch.reqs[b], at + count
-            acc = req.prompt_logprobs
-            if acc is not None and self.live.get(req.rid) is req:
-                n = req.params.top_logprobs_num
-                acc.logprobs += logprobs[at:end]
-                acc.ranks += ranks[at:end]
-                acc.top_ids += [t[:n] for t in top_ids[at:end]] if top_ids and n else [[] for _ in range(count)]
-                acc.top_logprobs += [t[:n] for t in top_lps[at:end]] if top_lps and n else [[] for _ in range(count)]
-            at = end
 
     def abort(self, rid: str) -> TokenRow | None:
         """Drop a waiting or running request now and free its KV; its final row, or None if `rid` is not live."""
@@ -454,12 +438,11 @@ class Engine:
                        decode=req.params.decode_params() if first else None,
                        queue_time=req.queue_time if first else None)
         scored = req.prompt_logprobs
-        complete = scored is not None and len(scored.logprobs) == req.prompt_len - scored.start
+        complete = scored is not None and scored.complete(req.prompt_len)
         if first and (req.params.return_prompt_ids or complete):
             row.prompt_ids = req.ids[: req.prompt_len]
         if first and complete:
-            row.prompt_logprobs, row.prompt_ranks = scored.logprobs, scored.ranks
-            row.prompt_top_ids, row.prompt_top_logprobs = scored.top_ids, scored.top_logprobs
+            scored.fill(row)  # type: ignore[union-attr]
         return row
 
     def update_weights(self, checkpoint: Any, model_name: str, check_only: bool = False) -> int:
@@ -473,25 +456,4 @@ class Engine:
         far is kept), and the prefix cache is flushed. Call with no step in flight (`has_work()` false, e.g.
         after `pause`), between steps.
         """
-        from actors.engine.request import PromptLogprobs
-        from actors.engine.weights import swap_weights
-
-        swap_weights(self.runner.model, checkpoint, check_only=True)
-        if check_only:
-            return 0
-        if self._inflight is not None:
-            raise RuntimeError("update_weights needs the step in flight applied first: pause, then wait until "
-                               "has_work() is false")
-        holding = [*self.decode.running, *([self.prefill.chunked] if self.prefill.chunked is not None else [])]
-        for req in reversed(holding):  # the oldest ends at the front of the queue
-            if not self.decode.remove(req):
-                self.prefill.remove(req)
-            self.cache.drop_req(req)
-            if req.prompt_logprobs is not None and not req.first_row_sent:  # scored again from the start
-                req.prompt_logprobs = PromptLogprobs(req.prompt_logprobs.start)
-            self.prefill.add(req, front=True)
-        swap_weights(self.runner.model, checkpoint)
-        self.model_name = model_name
-        if holding:
-            log_event(log, logging.INFO, "requests recompute their KV with the new weights", requests=len(holding))
-        return self.cache.flush()
+        return swap_engine_weights(self, checkpoint, model_name, check_only)

@@ -118,3 +118,20 @@ class PromptLogprobs:
     @property
     def first_logit(self) -> int:
         return max(self.start, 1) - 1
+
+    def extend(self, logprobs: list[float], ranks: list[int], top_ids: list[list[int]],
+               top_logprobs: list[list[float]]) -> None:
+        """Add the next scored prompt tokens (one step's chunk)."""
+        self.logprobs += logprobs
+        self.ranks += ranks
+        self.top_ids += [list(t) for t in top_ids]
+        self.top_logprobs += [list(t) for t in top_logprobs]
+
+    def complete(self, prompt_len: int) -> bool:
+        """Whether every prompt token from `start` on is scored."""
+        return len(self.logprobs) == prompt_len - self.start
+
+    def fill(self, row: Any) -> None:
+        """Put the scores into a `TokenRow` (the request's first)."""
+        row.prompt_logprobs, row.prompt_ranks = self.logprobs, self.ranks
+        row.prompt_top_ids, row.prompt_top_logprobs = self.top_ids, self.top_logprobs

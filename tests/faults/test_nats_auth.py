@@ -29,7 +29,8 @@ from tests.server_helpers import REPO, ServerHandle, start_server
 
 NS = "auth"
 S = {  # one concrete subject of each kind in the subject table, and some that no role should get
-    "submit": f"{NS}.req.submit", "tokenized": f"{NS}.req.tokenized", "tokens": f"{NS}.tokens.0",
+    "submit": f"{NS}.req.submit", "tokenized": f"{NS}.req.tokenized", "tokenized_1": f"{NS}.req.tokenized.1",
+    "tokens": f"{NS}.tokens.0",
     "out": f"{NS}.out.r1", "abort": f"{NS}.abort.r1", "ready": f"{NS}.control.ready",
     "heartbeat": f"{NS}.control.heartbeat", "info": f"{NS}.control.scheduler.info",
     "command": f"{NS}.control.scheduler.command", "tokenize": f"{NS}.tokenizer.tokenize",
@@ -46,7 +47,7 @@ ANNOUNCE = {"ready", "heartbeat"}
 MAY_PUBLISH = {
     "launcher": set(),
     "entry": {"submit", "abort", "info", "command", "tokenize"} | ANNOUNCE,
-    "tokenizer": {"tokenized", "inbox_entry", "inbox_alice", "inbox_bob"} | OUTPUTS | ANNOUNCE,  # + its answers
+    "tokenizer": {"tokenized", "tokenized_1", "inbox_entry", "inbox_alice", "inbox_bob"} | OUTPUTS | ANNOUNCE,
     "scheduler": {"tokens", "inbox_entry", "inbox_tokenizer"} | OUTPUTS | ANNOUNCE,
     "detokenizer": OUTPUTS | ANNOUNCE,
     "alice": {"alice_submit", "alice_abort"},
@@ -55,8 +56,8 @@ MAY_PUBLISH = {
 MAY_SUBSCRIBE = {
     "launcher": {"ready", "heartbeat", "inbox_launcher"},
     "entry": {"out", "out_any", "heartbeat", "inbox_entry"},
-    "tokenizer": {"submit", "alice_submit", "bob_submit", "tokenize", "inbox_tokenizer"},
-    "scheduler": {"tokenized", "abort", "alice_abort", "bob_abort", "info", "command", "inbox_scheduler"},
+    "tokenizer": {"submit", "alice_submit", "bob_submit", "tokenize", "heartbeat", "inbox_tokenizer"},  # routing
+    "scheduler": {"tokenized", "tokenized_1", "abort", "alice_abort", "bob_abort", "info", "command", "inbox_scheduler"},
     "detokenizer": {"tokens", "inbox_detokenizer"},
     "alice": {"alice_out", "inbox_alice"},
     "bob": {"bob_out", "inbox_bob"},
