@@ -216,7 +216,7 @@ def subject_template(subject: str) -> str:
     """The low-cardinality template of a concrete subject, without the namespace: what tracing names spans by.
 
     `ns.out.abc` -> `out.{rid}`, `ns.tokens.0` -> `tokens.{shard}`, `ns.client.c.out.r` -> `client.{client}.out.{rid}`,
-    `ns.req.submit` -> `req.submit`, `ns.tokenizer.tokenize` -> `tokenizer.tokenize`, a reply inbox -> `_INBOX`; anything else -> `(other)`.
+    `ns.req.submit` -> `req.submit`, `ns.req.tokenized.1` -> `req.tokenized`, `ns.tokenizer.tokenize` -> `tokenizer.tokenize`, a reply inbox -> `_INBOX`; anything else -> `(other)`.
     """
     parts = subject.split(".")
     if parts[0] in ("_INBOX", "$JS"):
@@ -224,6 +224,8 @@ def subject_template(subject: str) -> str:
     rest = parts[1:]
     if not rest:
         return "(other)"
+    if rest[:2] == ["req", "tokenized"]:  # routed or not, one name: which replica is not a new kind of hop
+        return "req.tokenized"
     if rest[0] in ("req", "control"):
         return ".".join(rest)
     if rest == ["tokenizer", "tokenize"]:
