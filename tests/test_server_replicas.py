@@ -116,3 +116,10 @@ def test_a_killed_replica_ends_only_its_requests_and_comes_back(dp_server: Serve
     counters = info(dp_server)
     assert counters["entry_admitted_total"] == counters["entry_terminal_total"]
     assert "restarting it" in dp_server.log()
+
+
+def test_a_weight_update_is_answered_by_every_replica(dp_server: ServerHandle) -> None:
+    response = httpx.post(dp_server.base_url + "/update_weights_from_disk", timeout=60,
+                          json={"model_path": "/nonexistent/model.gguf"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "model_path", response.text
+    assert all(r["up"] for r in info(dp_server)["replicas"])

@@ -18,7 +18,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-import asyncio
 
 from bus.errors import ApiError
 from actors.entry.http_common import handles_errors, read_command
@@ -88,14 +87,20 @@ def control_routes(service: EntryService) -> list[Route]:
     async def update_weights_from_disk(request: Request) -> Response:
         command = update_weights_command(await read_command(request))
         bus, subjects = service.client.bus, service.client.subjects
-        try:
-            reply = await bus.request(subjects.scheduler_command, command, ControlReply, UPDATE_WEIGHTS_TIMEOUT)
-        except asyncio.TimeoutError as exc:
-            raise ApiError(f"the scheduler did not finish the update: {exc}", 503, type="server_error") from exc
-        if reply.error is not None:
-            raise reply.error
-        body: dict[str, Any] = {"success": reply.ok, "message": reply.message, **reply.detail}
-        return JSONResponse(body, status_code=200 if reply.ok else 500)
+        expected = max(1, len(service.liveness.live_replicas()))  # every replica swaps (`--dp`)
+        replies = await bus.gather(subjects.scheduler_command, command, ControlReply, expected, UPDATE_WEIGHTS_TIMEOUT)
+        if not replies:
+            raise ApiError(f"no scheduler finished the update within {UPDATE_WEIGHTS_TIMEOUT:g}s", 503,
+                           type="server_error")
+        error = next((r.error for r in replies if r.error is not None), None)
+        if error is not None:
+            raise error
+        reply = replies[0]
+        ok = all(r.ok for r in replies) and len(replies) == expected
+        message = reply.message if len(replies) == expected else (
+            f"only {len(replies)} of {expected} scheduler replicas finished the update: {reply.message}")
+        body: dict[str, Any] = {"success": ok, "message": message, **reply.detail}
+        return JSONResponse(body, status_code=200 if ok else 500)
 
     @handles_errors
     async def health_generate(request: Request) -> Response:
