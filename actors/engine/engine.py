@@ -35,6 +35,7 @@ from actors.engine.cache_manager import CacheManager
 from actors.engine.config import EngineConfig
 from actors.engine.decode import DecodeManager
 from actors.engine.grammar import GrammarManager
+from actors.engine.jump_forward import JumpForward
 from actors.engine.kv_pool import KVPool
 from actors.engine.llama import LlamaForCausalLM, head_dim_of
 from actors.engine.model_runner import ModelRunner
@@ -49,7 +50,6 @@ from actors.engine.weight_swap import swap_engine_weights
 from actors.engine.interface import StepPlan
 from bus.errors import ApiError, server_error
 from bus.messages import FinishReason, SchedulerInfo, TokenizedRequest, TokenRow
-from kernels.host_copy import to_device
 from kernels.sampling import PenaltyState
 from observability.logging import log_event
 
@@ -94,8 +94,9 @@ class Engine:
         self.steps = 0
         self.stop_checker = StopChecker(tokenizer, self.context_length)
         self.grammars = GrammarManager(tokenizer, self.vocab_size, config.grammar_compile_timeout)
-        self.jump_forward = not config.disable_jump_forward and prefix_cache.caches
-        self.jump_forward_tokens = 0  # tokens appended by jump-forward, without a decode step each
+        self.jumper = (JumpForward(self.grammars, self.stop_checker, self.decode, self.cache, self.prefill,
+                                   self.context_length, self.device)
+                       if not config.disable_jump_forward and prefix_cache.caches else None)
         self.live: dict[str, Req] = {}
         self.num_retractions = 0
         self._last_batch: Batch | None = None
@@ -303,9 +304,9 @@ class Engine:
                 continue
             new = [token]
             req.ids.append(token)
-            finish = self._check_stop(req)
-            if finish is None and self.jump_forward:
-                finish = self._jump_forward(req, new)
+            finish = self.stop_checker.verdict(req)
+            if finish is None and self.jumper is not None:
+                finish = self.jumper.apply(req, new)
             if finish is not None:
                 self._release(req)
             row = self._output(req, new, finish)
@@ -316,41 +317,6 @@ class Engine:
                 row.top_logprobs = [top_lps[k][:n] if top_lps and n else []]
             rows.append(row)
         return rows
-
-    def _check_stop(self, req: Req) -> FinishReason | None:
-        """The stop checker's verdict on `req`'s newest token; a grammar that has ended ends the request."""
-        try:
-            finish = self.stop_checker.check(req)
-        except Exception as exc:  # one request's bad stop check must not end the others
-            log.exception("stop check failed for %s", req.rid)
-            return FinishReason("error", error=server_error(f"checking the stop conditions failed: {exc!r}"))
-        if finish is None and req.matcher is not None and req.matcher.is_terminated():
-            finish = FinishReason("stop", matched=req.ids[-1])
-        return finish
-
-    def _jump_forward(self, req: Req, new: list[int]) -> FinishReason | None:
-        """Append the tokens `req`'s grammar forces next (to `new` too), checking stops after each. The
-        request then re-enters the prefill queue, to compute them in one extend step: its computed KV goes to
-        the prefix cache, and admission takes it back from there."""
-        room = min(req.params.max_new_tokens - req.output_len, self.context_length - req.seq_len)
-        forced = self.grammars.forced_tokens(req, room)
-        finish = None
-        for token in forced:
-            req.ids.append(token)
-            new.append(token)
-            if req.penalties is not None:
-                req.penalties.record(to_device([token], self.device))
-            finish = self._check_stop(req)
-            if finish is not None:
-                break
-        if forced:
-            self.jump_forward_tokens += len(new) - 1
-            req.device_len = req.seq_len
-            if finish is None:
-                self.decode.remove(req)
-                self.cache.cache_req(req, finished=True)
-                self.prefill.add(req, front=True)
-        return finish
 
     def abort(self, rid: str) -> TokenRow | None:
         """Drop a waiting or running request now and free its KV; its final row, or None if `rid` is not live."""

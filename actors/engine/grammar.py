@@ -11,8 +11,9 @@ one packed row per constrained sampling row from its matcher; the sampler masks 
 unconstrained rows in the same batch are untouched. The sampled token goes back into the matcher when the
 step is applied (`accept`), which is why a constrained request needs its previous token applied before its
 next mask: the overlap loop applies the step in flight first when one of its requests is constrained.
-Jump-forward (`forced_tokens`): where the grammar admits exactly one continuation, its tokens are appended
-at once, and the request computes them in one extend step instead of one decode step each.
+Jump-forward (`forced_tokens`, applied by actors/engine/jump_forward.py): where the grammar admits exactly one
+continuation, its tokens are appended at once, and the request computes them in one extend step instead of one
+decode step each.
 """
 
 from __future__ import annotations

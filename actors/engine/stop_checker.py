@@ -5,10 +5,14 @@ This is the only place stop strings are decided; the detokenizer just trims the 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from actors.engine.request import Req
+from bus.errors import server_error
 from bus.messages import FinishReason
+
+log = logging.getLogger("engine")
 
 
 class StopChecker:
@@ -23,6 +27,18 @@ class StopChecker:
     def __init__(self, tokenizer: Any | None, context_length: int) -> None:
         self.tokenizer = tokenizer
         self.context_length = context_length
+
+    def verdict(self, req: Req) -> FinishReason | None:
+        """`check`, and a grammar that has ended ends the request; a failing check ends this request only
+        (with an "error" finish), never the step."""
+        try:
+            finish = self.check(req)
+        except Exception as exc:
+            log.exception("stop check failed for %s", req.rid)
+            return FinishReason("error", error=server_error(f"checking the stop conditions failed: {exc!r}"))
+        if finish is None and req.matcher is not None and req.matcher.is_terminated():
+            finish = FinishReason("stop", matched=req.ids[-1])
+        return finish
 
     def check(self, req: Req) -> FinishReason | None:
         """The finish reason after `req`'s newest token, or None to keep going."""
