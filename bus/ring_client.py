@@ -20,8 +20,10 @@ from nats.aio.subscription import Subscription
 from bus.connection import BusConnection, Delivery
 from bus.errors import ApiError, server_error
 from bus.messages import (
-    AbortRequest, Accepted, ControlCommand, ControlReply, GenerateRequest, RequestOutput,
+    AbortRequest, Accepted, ControlCommand, ControlReply, GenerateRequest, Heartbeat, InfoQuery, RequestOutput,
+    SchedulerInfo,
 )
+from bus.replica_replies import combined_reply
 from bus.subjects import Subjects, scoped_rid, validate_rid
 from observability.logging import log_event
 
@@ -30,6 +32,8 @@ log = logging.getLogger("bus")
 # abort for a request that has not arrived (only the entry's own aborts can overtake their request on the bus),
 # so aborting a rid that is not live does not refuse a later request that reuses it.
 OPERATOR_ABORT = "abort_request"
+MISSED_BEATS = 3  # a scheduler replica silent for this many heartbeat intervals is not counted
+TRACK_SETTLE_SECONDS = 0.6  # just over one heartbeat interval (actors/common/runtime.py HEARTBEAT_SECONDS)
 
 
 class RingUnavailable(Exception):
@@ -66,6 +70,7 @@ class RequestStream:
         self._abort_sent = False
         self._last_progress = time.monotonic()
         self.replica: int | None = None  # the scheduler replica that took the request, once one did
+        self.detokenizer: int | None = None  # the detokenizer its rows go to, once a scheduler took it
 
     async def _open(self, request: GenerateRequest, timeout: float) -> None:
         async def on_output(out: RequestOutput, delivery: Delivery) -> None:
@@ -74,7 +79,7 @@ class RequestStream:
         self._sub = await self._bus.subscribe(self._subjects.output(self.rid), RequestOutput, on_output)
         try:
             accepted = await self._bus.request(self._submit_subject, request, Accepted, timeout, self._traceparent)
-            self.replica = accepted.replica
+            self.replica, self.detokenizer = accepted.replica, accepted.detokenizer
         except asyncio.TimeoutError as exc:
             # a late tokenizer may still take it: abort, or it would run with no one reading (a ghost request)
             await self.abort("submission timed out")
@@ -196,6 +201,8 @@ class RingClient:
         self.subjects = subjects
         self.submit_timeout = submit_timeout
         self.stall_timeout = stall_timeout
+        self._replicas: dict[int, tuple[float, float]] = {}  # replica id -> (last heartbeat, its interval)
+        self._tracking_since: float | None = None
 
     def stream(self, rid: str, traceparent: str | None = None) -> RequestStream:
         """A not yet submitted stream for `rid` (no bus traffic); `open` submits it."""
@@ -224,9 +231,45 @@ class RingClient:
         """Ask the scheduler to stop request `rid` (any client's); raises InvalidRidError for a bad rid."""
         await self.bus.publish(self.subjects.abort(rid), AbortRequest(rid=rid, reason=reason), traceparent)
 
-    async def command(self, action: str, timeout: float = 5.0, traceparent: str | None = None,
-                      **arguments: Any) -> ControlReply:
-        """Send a ControlCommand (`arguments`: its other fields, e.g. `model_path`) to the scheduler and return
-        its reply (raises asyncio.TimeoutError)."""
-        return await self.bus.request(self.subjects.scheduler_command, ControlCommand(action=action, **arguments),
-                                      ControlReply, timeout, traceparent)
+    async def command(self, command: str | ControlCommand, timeout: float = 5.0, traceparent: str | None = None,
+                      expected: int = 1, **arguments: Any) -> ControlReply:
+        """Send a ControlCommand (an action, with `arguments` its other fields, e.g. `model_path`) to every
+        scheduler replica and combine the answers of `expected` of them (bus/replica_replies.py: not ok when
+        fewer answer); raises asyncio.TimeoutError when none answers within `timeout` seconds."""
+        if isinstance(command, str):
+            command = ControlCommand(action=command, **arguments)
+        replies = await self.bus.gather(self.subjects.scheduler_command, command, ControlReply, max(1, expected),
+                                        timeout, traceparent)
+        if not replies:
+            raise asyncio.TimeoutError(f"no scheduler answered {command.action!r} within {timeout:g} s")
+        return combined_reply(replies, expected)
+
+    async def infos(self, expected: int = 1, timeout: float = 5.0) -> list[SchedulerInfo]:
+        """The load reports of `expected` scheduler replicas (or those that answered within `timeout` seconds),
+        by replica id; raises asyncio.TimeoutError when none answers."""
+        infos = await self.bus.gather(self.subjects.scheduler_info, InfoQuery(), SchedulerInfo, max(1, expected),
+                                      timeout)
+        if not infos:
+            raise asyncio.TimeoutError(f"no scheduler answered within {timeout:g} s")
+        return sorted(infos, key=lambda info: info.rank)
+
+    async def track_replicas(self) -> None:
+        """Follow the scheduler replicas' heartbeats, so `live_replicas` can say how many answer a command."""
+        async def on_heartbeat(beat: Heartbeat, delivery: Delivery) -> None:
+            if beat.load is not None:
+                self._replicas[beat.load.replica] = (time.monotonic(), beat.interval)
+
+        self._tracking_since = time.monotonic()
+        await self.bus.subscribe(self.subjects.heartbeat, Heartbeat, on_heartbeat)
+
+    async def live_replicas(self) -> int:
+        """How many scheduler replicas beat lately (missing at most MISSED_BEATS beats; 0 unless
+        `track_replicas`); waits out the first heartbeat interval after tracking starts, so every replica has
+        had a chance to beat."""
+        if self._tracking_since is None:
+            return 0
+        settle = self._tracking_since + TRACK_SETTLE_SECONDS - time.monotonic()
+        if settle > 0:
+            await asyncio.sleep(settle)
+        now = time.monotonic()
+        return sum(1 for seen, interval in self._replicas.values() if now - seen <= MISSED_BEATS * interval)

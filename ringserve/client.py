@@ -27,7 +27,8 @@ from urllib.parse import urlsplit
 from bus.connection import BusConnection
 from bus.credentials import NatsCredentials, load_credentials_file
 from bus.errors import ApiError, server_error
-from bus.messages import ControlReply, GenerateRequest, InfoQuery, RequestOutput, SchedulerInfo
+from bus.messages import ControlReply, GenerateRequest, RequestOutput
+from bus.replica_replies import combined_info, replica_entry
 from bus.permissions import CLIENT_ROLE, inbox_prefix
 from bus.ring_client import OPERATOR_ABORT, RequestStream, RingClient, RingUnavailable
 from bus.subjects import SCOPE_SEPARATOR, InvalidRidError, Subjects, validate_rid
@@ -95,6 +96,8 @@ class Client:
                                   f"({exc!r})") from exc
         bus.client.options["max_reconnect_attempts"] = RECONNECT_ATTEMPTS  # fail fast at first, then ride out blips
         self._ring = RingClient(bus, self.subjects, self.submit_timeout, self.stall_timeout, client=self.client)
+        if not self.client:  # an operator: commands go to every replica, so count them
+            await self._ring.track_replicas()
         return self
 
     async def _why_refused(self) -> str:
@@ -310,11 +313,13 @@ class Client:
         await self.ring.abort(ring_rid, OPERATOR_ABORT)
 
     async def command(self, action: str, timeout: float = CONTROL_TIMEOUT, **arguments: Any) -> dict[str, Any]:
-        """Send an operator command (bus/messages.py `ControlCommand`) and answer as the HTTP control routes do:
-        `{"success", "message", **detail}`; raises its ApiError when the scheduler refused it."""
+        """Send an operator command (bus/messages.py `ControlCommand`) to every scheduler replica and answer as the
+        HTTP control routes do: `{"success", "message", **detail}`; raises its ApiError when a replica refused it,
+        or when not every replica did it."""
         self._operator_only(action)
         try:
-            reply: ControlReply = await self.ring.command(action, timeout, **arguments)
+            reply: ControlReply = await self.ring.command(action, timeout, expected=await self.ring.live_replicas(),
+                                                          **arguments)
         except asyncio.TimeoutError as exc:
             raise server_error(f"the scheduler did not answer: {exc}", 503) from exc
         if reply.error is not None:
@@ -352,11 +357,12 @@ class Client:
         """The scheduler's load and settings (as in `/get_server_info`), with `model_path` and `weight_version`."""
         self._operator_only("get_server_info")
         try:
-            info = await self.ring.bus.request(self.subjects.scheduler_info, InfoQuery(), SchedulerInfo,
-                                               CONTROL_TIMEOUT)
+            infos = await self.ring.infos(await self.ring.live_replicas(), CONTROL_TIMEOUT)
         except asyncio.TimeoutError as exc:
             raise server_error(f"the scheduler did not answer: {exc}", 503) from exc
-        return {**asdict(info), "max_total_num_tokens": info.kv_total_tokens, "model_path": info.model}
+        info = combined_info(infos)
+        return {**asdict(info), "max_total_num_tokens": info.kv_total_tokens, "model_path": info.model,
+                "replicas": [replica_entry(i) for i in infos]}
 
     def _operator_only(self, action: str) -> None:
         if self.client:

@@ -189,3 +189,18 @@ def test_no_process_is_left_behind_when_the_caller_is_interrupted_or_killed(tiny
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_operator_commands_reach_every_replica(tiny_model_dir: Path) -> None:
+    """With `dp=2` the Python Engine's info and commands go to both replicas and combine their answers, as the
+    HTTP routes do: both listed, the cache of both flushed, the load counters summed."""
+    prompts = [f"{word} " * 70 for word in ("alpha", "beta", "gamma", "delta")]  # four distinct 64-token blocks
+    with ringserve.Engine(model=str(tiny_model_dir), dp=2) as engine:
+        engine.generate(prompts, {"max_new_tokens": 2, "temperature": 0})
+        info = engine.get_server_info()
+        assert sorted(r["id"] for r in info["replicas"]) == [0, 1]
+        assert info["requests_routed"] == sum(r["requests_routed"] for r in info["replicas"]) >= 4
+        cached = sum(r["kv_used_tokens"] for r in info["replicas"])
+        flushed = engine.flush_cache()
+        assert flushed["success"] and flushed["freed_tokens"] == cached > 0, (flushed, info["replicas"])
+        assert all(r["kv_used_tokens"] == 0 for r in engine.get_server_info()["replicas"])

@@ -24,14 +24,10 @@ from actors.entry.http_common import handles_errors
 from actors.entry.metrics_scrape import metrics_route
 from actors.entry.openapi_doc import openapi_document
 from actors.entry.openai_routes import openai_routes
-from actors.entry.request_flow import EntryService, combined_info
+from actors.entry.request_flow import EntryService
+from bus.replica_replies import combined_info, replica_entry
 from actors.entry.settings import EntrySettings
 from actors.entry.tokenize_routes import tokenize_routes
-
-# per replica in /get_server_info's `replicas` (with `id`, `tp_size`, `up`)
-REPLICA_FIELDS = ("requests_routed", "num_running_reqs", "num_waiting_reqs", "kv_used_tokens", "kv_total_tokens",
-                  "cache_hit_rate")
-
 
 def _package_version() -> str:
     """ringserve's installed version (SGLang's `version` in /get_server_info); 0.0.0 when not installed."""
@@ -47,6 +43,8 @@ def build_app(service: EntryService, settings: EntrySettings | None = None) -> S
 
     @handles_errors
     async def health(request: Request) -> Response:
+        if service.draining:  # a load balancer stops sending here
+            raise ApiError("this entry is shutting down", 503, type="server_error")
         silent = service.liveness.silent_roles()
         if silent:
             raise ApiError(f"no heartbeat within {service.liveness.silence_s:g}s from: {', '.join(silent)}", 503,
@@ -59,8 +57,7 @@ def build_app(service: EntryService, settings: EntrySettings | None = None) -> S
     async def server_info(request: Request) -> Response:
         infos = await service.scheduler_infos()
         info = combined_info(infos)
-        replicas = [{"id": i.rank, "tp_size": 1, "up": True, **{key: getattr(i, key) for key in REPLICA_FIELDS}}
-                    for i in infos]
+        replicas = [replica_entry(i) for i in infos]
         # SGLang's names too: max_total_num_tokens, version, model_path
         return JSONResponse({**asdict(info), "replicas": replicas, "served_model_name": service.served_model,
                              **service.counters(),

@@ -50,10 +50,12 @@ def update_weights_command(body: dict[str, Any]) -> ControlCommand:
 def control_routes(service: EntryService) -> list[Route]:
     """The operator routes over `service`."""
 
-    async def command(action: str) -> Response:
-        reply = await service.command(action)
+    def answer(reply: ControlReply) -> Response:
         body: dict[str, Any] = {"success": reply.ok, "message": reply.message, **reply.detail}
         return JSONResponse(body, status_code=200 if reply.ok else 500)
+
+    async def command(action: str) -> Response:
+        return answer(await service.command(action))
 
     @handles_errors
     async def flush_cache(request: Request) -> Response:
@@ -85,22 +87,10 @@ def control_routes(service: EntryService) -> list[Route]:
 
     @handles_errors
     async def update_weights_from_disk(request: Request) -> Response:
-        command = update_weights_command(await read_command(request))
-        bus, subjects = service.client.bus, service.client.subjects
-        expected = max(1, len(service.liveness.live_replicas()))  # every replica swaps (`--dp`)
-        replies = await bus.gather(subjects.scheduler_command, command, ControlReply, expected, UPDATE_WEIGHTS_TIMEOUT)
-        if not replies:
-            raise ApiError(f"no scheduler finished the update within {UPDATE_WEIGHTS_TIMEOUT:g}s", 503,
-                           type="server_error")
-        error = next((r.error for r in replies if r.error is not None), None)
-        if error is not None:
-            raise error
-        reply = replies[0]
-        ok = all(r.ok for r in replies) and len(replies) == expected
-        message = reply.message if len(replies) == expected else (
-            f"only {len(replies)} of {expected} scheduler replicas finished the update: {reply.message}")
-        body: dict[str, Any] = {"success": ok, "message": message, **reply.detail}
-        return JSONResponse(body, status_code=200 if ok else 500)
+        reply = await service.command(update_weights_command(await read_command(request)), UPDATE_WEIGHTS_TIMEOUT)
+        if reply.error is not None:
+            raise reply.error
+        return answer(reply)
 
     @handles_errors
     async def health_generate(request: Request) -> Response:

@@ -4,7 +4,6 @@ entry's other bus conversations: scheduler info, operator commands, aborts, a he
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 from collections import Counter
@@ -19,7 +18,8 @@ from actors.entry.liveness import LivenessMonitor
 from actors.entry.metrics import RequestMetrics
 from actors.entry.settings import DEFAULT_MAX_QUEUED_REQUESTS
 from bus.codec import encode
-from bus.messages import ControlCommand, ControlReply, GenerateRequest, InfoQuery, RequestOutput, SchedulerInfo
+from bus.messages import ControlCommand, ControlReply, GenerateRequest, RequestOutput, SchedulerInfo
+from bus.replica_replies import combined_info
 from bus.ring_client import OPERATOR_ABORT, RequestStream, RingClient, RingUnavailable
 from bus.subjects import InvalidRidError, new_rid, validate_rid
 from actors.entry import request_trace
@@ -98,6 +98,7 @@ class EntryService:
         self.terminal_by_kind: Counter[str] = Counter()  # "finish", "error", "aborted" (ended by the entry)
         self.rejected_busy_total = 0
         self.metrics = RequestMetrics(served_model)  # the requests' Prometheus series, for /metrics
+        self.draining = False  # shutting down: open streams finish, new requests get a 503
 
     def counters(self) -> dict[str, Any]:
         """The entry's request counters, as shown in /get_server_info."""
@@ -125,6 +126,9 @@ class EntryService:
         `limited`) or while a critical actor is silent, 400 for a rid that is already live. `metered` streams
         feed the /metrics series (health checks are not).
         """
+        if self.draining:
+            self.rejected_busy_total += 1
+            raise server_busy("this entry is shutting down (draining its open requests); retry on another entry")
         lost = self.liveness.blocking()
         if lost:
             self.rejected_busy_total += 1
@@ -168,6 +172,7 @@ class EntryService:
         watch: DisconnectWatch | None = None
         try:
             await self._open_all(streams, gen_reqs)
+            self._check_holders(streams)
             watch = DisconnectWatch(request)
             firsts = await asyncio.gather(*(watch.next(stream) for stream in streams))
         except BaseException:
@@ -182,6 +187,15 @@ class EntryService:
             await self.release_all(streams)
             raise error
         return list(zip(streams, firsts))
+
+    def _check_holders(self, streams: list[RequestStream]) -> None:
+        """ApiError 503 if a request was taken by a replica or a detokenizer already lost (a tokenizer's view of
+        the live ones lags by up to a heartbeat or two): its loss was handled before it came, so end it now."""
+        for stream in streams:
+            for role, rank in (("scheduler", stream.replica), ("detokenizer", stream.detokenizer)):
+                if self.liveness.is_lost(role, rank):
+                    raise ApiError(f"the ring lost {role}{rank}, which took the request: no heartbeat for "
+                                   f"{self.liveness.silence_s:g}s", 503, type="server_error")
 
     async def _open_all(self, streams: list[RequestStream], gen_reqs: list[GenerateRequest]) -> None:
         """Submit every request; the first failure as an ApiError 503 (each failed one is already aborted)."""
@@ -226,12 +240,14 @@ class EntryService:
             for stream in streams:
                 await self.release(stream)
 
-    async def fail_replicas(self, replicas: set[int], message: str) -> None:
-        """End the in-flight requests held by these scheduler replicas with a 503 error (the others go on)."""
+    async def fail_held(self, lost: dict[str, set[int]], message: str) -> None:
+        """End the in-flight requests held by lost actors (`{"scheduler": {1}, "detokenizer": {0}}`: scheduler
+        replicas, detokenizers) with a 503 error, and abort them; the others go on."""
         error = ApiError(message, 503, type="server_error")
-        for stream in [s for s in self.live.values() if s.replica in replicas]:
+        replicas, detokenizers = lost.get("scheduler", set()), lost.get("detokenizer", set())
+        for stream in [s for s in self.live.values() if s.replica in replicas or s.detokenizer in detokenizers]:
             try:
-                await stream.fail(error, "replica lost")
+                await stream.fail(error, "replica lost" if stream.replica in replicas else "detokenizer lost")
             except Exception:
                 log.exception("failing %s failed", stream.rid)
 
@@ -246,35 +262,24 @@ class EntryService:
 
     async def scheduler_infos(self) -> list[SchedulerInfo]:
         """Every live scheduler replica's load report, by replica id; ApiError 503 if none answers."""
-        expected = max(1, len(self.liveness.live_replicas()))
-        infos = await self.client.bus.gather(self.client.subjects.scheduler_info, InfoQuery(), SchedulerInfo,
-                                             expected, timeout=self.info_timeout)
-        if not infos:
-            raise ApiError(f"no scheduler answered within {self.info_timeout:g}s", 503, type="server_error")
-        return sorted(infos, key=lambda info: info.rank)
+        try:
+            return await self.client.infos(len(self.liveness.live_replicas()), self.info_timeout)
+        except asyncio.TimeoutError as exc:
+            raise ApiError(str(exc), 503, type="server_error") from exc
 
     async def scheduler_info(self) -> SchedulerInfo:
         """The scheduler's load report (with several replicas: the first one's settings, their load summed)."""
         return combined_info(await self.scheduler_infos())
 
-    async def command(self, action: str) -> ControlReply:
-        """Send an operator command ("flush_cache", "abort_all", "pause", "continue") to every scheduler replica.
-
-        The reply is ok when every replica's is. ApiError 503 if none answers within `control_timeout` seconds.
-        """
-        expected = max(1, len(self.liveness.live_replicas()))
-        replies = await self.client.bus.gather(self.client.subjects.scheduler_command, ControlCommand(action=action),
-                                               ControlReply, expected, timeout=self.control_timeout)
-        if not replies:
-            raise ApiError(f"no scheduler answered within {self.control_timeout:g}s", 503, type="server_error")
-        if len(replies) == 1:
-            return replies[0]
-        detail: dict[str, int | str] = {}
-        for reply in replies:
-            for key, value in reply.detail.items():
-                detail[key] = detail.get(key, 0) + value if isinstance(value, int) else value  # type: ignore[operator]
-        return ControlReply(ok=all(r.ok for r in replies), message="; ".join(dict.fromkeys(r.message for r in replies)),
-                            detail=detail, error=next((r.error for r in replies if r.error is not None), None))
+    async def command(self, command: str | ControlCommand, timeout: float | None = None) -> ControlReply:
+        """Send an operator command ("flush_cache", "abort_all", "pause", "continue", or a whole ControlCommand)
+        to every live scheduler replica; one reply, ok when every replica's is (bus/replica_replies.py).
+        ApiError 503 if none answers within `timeout` (default `control_timeout`) seconds."""
+        try:
+            return await self.client.command(command, timeout or self.control_timeout,
+                                             expected=len(self.liveness.live_replicas()))
+        except asyncio.TimeoutError as exc:
+            raise ApiError(str(exc), 503, type="server_error") from exc
 
     async def abort(self, rid: object) -> list[str]:
         """Abort request `rid` (any client's) and, if it names an n > 1 response of this entry, its choices.
@@ -310,19 +315,3 @@ class EntryService:
             await self.release_all([stream])
         if out.error is not None:
             raise ApiError(f"the health check generation failed: {out.error.message}", 503, type="server_error")
-
-
-SUMMED = ("num_running_reqs", "num_waiting_reqs", "kv_used_tokens", "kv_total_tokens", "kv_running_tokens",
-          "kv_cached_tokens", "num_retractions", "requests_routed")
-
-
-def combined_info(infos: list[SchedulerInfo]) -> SchedulerInfo:
-    """One report for several replicas: the first one's settings, the load counters summed, the prefix-cache
-    hit rate weighted by each replica's share of the requests."""
-    if len(infos) == 1:
-        return infos[0]
-    total = dataclasses.replace(infos[0], **{name: sum(getattr(i, name) for i in infos) for name in SUMMED})
-    routed = sum(i.requests_routed for i in infos)
-    if routed:
-        total.cache_hit_rate = sum(i.cache_hit_rate * i.requests_routed for i in infos) / routed
-    return total
