@@ -1,4 +1,5 @@
-"""The torch paged attention backend against dense per-request causal attention."""
+"""The torch paged attention backend against dense per-request causal attention, its decode rows both through
+the gather and through the CPU paged kernel (kernels/cpu) where it is built."""
 
 from __future__ import annotations
 
@@ -31,11 +32,15 @@ def dense_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
         [(0, 12)],  # a single prefill
     ],
 )
-def test_extend_matches_dense_attention(shape: list[tuple[int, int]]) -> None:
+@pytest.mark.parametrize("in_place", [False, True], ids=["gather", "cpu-kernel"])
+def test_extend_matches_dense_attention(shape: list[tuple[int, int]], in_place: bool) -> None:
     torch.manual_seed(0)
     k_pool = torch.zeros(NUM_LAYERS, NUM_SLOTS, NUM_KV_HEADS, HEAD_DIM)
     v_pool = torch.zeros_like(k_pool)
     backend = TorchPagedBackend(k_pool, v_pool, NUM_HEADS)
+    if in_place and not backend.in_place_decode:
+        pytest.skip("the CPU kernels did not build here")
+    backend.in_place_decode = in_place
     layer = 1
     slots = torch.randperm(NUM_SLOTS)  # scattered pages, as after many allocations and frees
     used = 0

@@ -9,6 +9,10 @@ length; both groups go through the same code.
 GQA without copying K/V: the `rep = n_heads / n_kv_heads` query heads sharing one KV head are folded into
 the query-length axis, `[Bg, n_kv_heads, rep * max_q, head_dim]`, and the mask is repeated to match.
 
+On a CPU with float32 KV and our C++ kernels built (kernels/cpu), the decode rows skip the gather: the paged
+decode attention kernel reads each request's K/V where it lies in the pool (`DecodeRows`). Extend rows always
+take the gather path.
+
 CUDA-graph decode (`init_graph_buffers` and the two prepare hooks) uses static shapes instead: every row
 gathers the full width of the token table and masks keys past its length. That is slow for long contexts;
 it exists so the graph runner's logic can be checked against the eager path on any device.
@@ -37,10 +41,21 @@ class PaddedGroup:
 
 
 @dataclass
+class DecodeRows:
+    """Decode rows for the CPU paged kernel: one query token each, K/V read in place through the table."""
+
+    table: torch.Tensor  # [R, max_len] int64 the request-to-token table
+    tokens: torch.Tensor  # [Bd] flat token index of each row's query
+    rows: torch.Tensor  # [Bd] int64 rows of the token table
+    kv_lens: torch.Tensor  # [Bd] int64 keys per row
+
+
+@dataclass
 class TorchPagedMetadata(AttentionMetadata):
     """Metadata plus the padded groups the torch backend runs."""
 
     groups: list[PaddedGroup] = field(default_factory=list)
+    decode: DecodeRows | None = None  # the decode rows, when the CPU kernel runs them
 
 
 @dataclass
@@ -61,6 +76,7 @@ class TorchPagedBackend(AttentionBackend):
         self.rep = num_heads // self.num_kv_heads
         self.scale = self.head_dim**-0.5
         self._graph: dict[str, torch.Tensor] = {}
+        self.in_place_decode = _in_place_decode(k_pool)
 
     def init_graph_buffers(self, max_bs: int, token_table: torch.Tensor) -> None:
         device, width = self.k_pool.device, token_table.shape[1]
@@ -95,8 +111,14 @@ class TorchPagedBackend(AttentionBackend):
             total += q_len
         decode = [b for b, q_len in enumerate(q_lens_cpu) if q_len == 1]
         extend = [b for b, q_len in enumerate(q_lens_cpu) if q_len > 1]
+        rows = None
+        if decode and self.in_place_decode:
+            rows = DecodeRows(table=info.token_table, tokens=torch.tensor([starts[b] for b in decode]),
+                              rows=info.req_rows[torch.tensor(decode)],
+                              kv_lens=torch.tensor([info.kv_lens_cpu[b] for b in decode]))
+            decode = []
         groups = [self._group(members, info, starts) for members in (decode, extend) if members]
-        return TorchPagedMetadata(out_slots=info.out_slots, groups=groups)
+        return TorchPagedMetadata(out_slots=info.out_slots, groups=groups, decode=rows)
 
     def _group(self, members: list[int], info: ForwardInfo, starts: list[int]) -> PaddedGroup:
         # Index math runs on the host (nonzero() would sync a GPU), then moves to the pool's device once.
@@ -130,6 +152,12 @@ class TorchPagedBackend(AttentionBackend):
         self.store_kv(k, v, layer, meta)
         out = torch.empty_like(q)  # [T, H, D]
         k_layer, v_layer = self.k_pool[layer], self.v_pool[layer]
+        d = meta.decode
+        if d is not None:
+            from kernels.cpu import paged_decode_attention
+
+            out.index_copy_(0, d.tokens, paged_decode_attention(q[d.tokens], k_layer, v_layer, d.table, d.rows,
+                                                                d.kv_lens, self.scale))
         for g in meta.groups:
             bg, max_q = g.q_index.shape
             qg = q[g.q_index].permute(0, 2, 1, 3)  # [Bg, H, max_q, D]
@@ -152,3 +180,12 @@ class TorchPagedBackend(AttentionBackend):
         vg = self.v_pool[layer][meta.kv_slots].transpose(1, 2)
         og = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=meta.mask, scale=self.scale)
         return og.reshape(bs, self.num_heads, self.head_dim)
+
+
+def _in_place_decode(k_pool: torch.Tensor) -> bool:
+    """Whether decode rows run the CPU paged kernel: a float32 pool on the CPU, and the C++ kernels built."""
+    if k_pool.device.type != "cpu" or k_pool.dtype != torch.float32:
+        return False
+    from kernels import cpu as cpu_kernels
+
+    return cpu_kernels.compiled()

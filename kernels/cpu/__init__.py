@@ -1,13 +1,14 @@
-"""Our own CPU kernels: weight-only quantized GEMV/GEMM in groups of 32 (`qgemm.cpp`), as torch custom ops.
+"""Our own CPU kernels as torch custom ops: weight-only quantized GEMV/GEMM in groups of 32 (`qgemm.cpp`) and
+paged decode attention over the KV pool in place (`paged_attention.cpp`, its reference in `attention.py`).
 
 `torch.ops.ringserve_cpu.group_linear(x, qweight, scales, mins, bias, out_features, bits)` computes
 `x @ W^T + bias` for a weight packed by `kernels.cpu.packing` (q8_0, q4_0 or q4_1), quantizing the rows of x
-to int8 per block of 32 on each call. The op's schema and fake (meta) implementation are defined here, so it
-traces into a `torch.compile` graph. Its CPU implementation is the C++ library, JIT-built on first use with
+to int8 per block of 32 on each call. The ops' schemas and fake (meta) implementations are defined here, so
+they trace into a `torch.compile` graph. Their CPU implementation is the C++ library, JIT-built on first use with
 `torch.utils.cpp_extension.load` (about 30 s, once per host and torch version) into
 `~/.cache/ringserve/torch_extensions` (or `$RINGSERVE_CACHE/torch_extensions`), or, when it cannot be
 built (no compiler, no ninja, a CPU without AVX2), the torch reference of the same math
-(`reference_group_linear`), which is slow: `compiled()` says which one runs, and the kernel plan never picks
+(`reference_group_linear`, `reference_paged_decode_attention`), which is slow: `compiled()` says which one runs, and the kernel plan never picks
 the fallback.
 
 Environment: `RINGSERVE_CPU_KERNELS=0` skips the build (the fallback runs); `RINGSERVE_CPU_ISA=avx2` forces
@@ -24,23 +25,35 @@ from pathlib import Path
 
 import torch
 
+from kernels.cpu.attention import reference_paged_decode_attention
 from kernels.cpu.packing import PackedWeight, pack, reference_group_linear
 
-__all__ = ["PackedWeight", "pack", "group_linear", "compiled", "isa", "best_isa", "set_isa", "cache_dir", "linear"]
+__all__ = ["PackedWeight", "pack", "group_linear", "compiled", "isa", "best_isa", "set_isa", "cache_dir", "linear",
+           "paged_decode_attention"]
 
 log = logging.getLogger("kernels.cpu")
 OP = "ringserve_cpu::group_linear"
-_SOURCE = Path(__file__).with_name("qgemm.cpp")
+_SOURCE = Path(__file__).with_name("qgemm.cpp")  # the linears' kernels (their measured plans hash it)
+_SOURCES = (_SOURCE, Path(__file__).with_name("paged_attention.cpp"))
+ATTENTION_OP = "ringserve_cpu::paged_decode_attention"
 
 _lib = torch.library.Library("ringserve_cpu", "DEF")
 _lib.define("group_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, int out_features, "
             "int bits) -> Tensor")
+_lib.define("paged_decode_attention(Tensor q, Tensor k_layer, Tensor v_layer, Tensor table, Tensor rows, "
+            "Tensor kv_lens, float scale) -> Tensor")
 
 
 @torch.library.register_fake(OP)
 def _group_linear_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                        bias: torch.Tensor | None, out_features: int, bits: int) -> torch.Tensor:
     return x.new_empty((x.shape[0], out_features))
+
+
+@torch.library.register_fake(ATTENTION_OP)
+def _paged_decode_attention_fake(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, table: torch.Tensor,
+                                 rows: torch.Tensor, kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.empty_like(q)
 
 
 _state: dict[str, object | None] = {}
@@ -79,7 +92,7 @@ def _build() -> object | None:
         # shared home directory serves every host. -fopenmp lets at::parallel_for use torch's OpenMP pool
         # (the extension binds to the libgomp torch already loaded).
         start = time.perf_counter()
-        cpp_extension.load(name="ringserve_qgemm", sources=[str(_SOURCE)], build_directory=str(build_dir),
+        cpp_extension.load(name="ringserve_qgemm", sources=[str(src) for src in _SOURCES], build_directory=str(build_dir),
                            extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False,
                            verbose=False)  # loads the library: its TORCH_LIBRARY blocks register the ops
         module = torch.ops.ringserve_qgemm
@@ -104,6 +117,7 @@ def _extension() -> object | None:
                 module = _build()
                 if module is None:
                     _lib.impl("group_linear", reference_group_linear, "CPU")
+                    _lib.impl("paged_decode_attention", reference_paged_decode_attention, "CPU")
                 _state["module"] = module
     return _state["module"]
 
@@ -146,3 +160,11 @@ def linear() -> object:
     notices."""
     _extension()
     return torch.ops.ringserve_cpu.group_linear.default
+
+
+def paged_decode_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, table: torch.Tensor,
+                           rows: torch.Tensor, kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode attention read in place from one layer of the KV pool (kernels/cpu/attention.py says the math):
+    `q` `[B, H, D]` float32, `table` the int64 request-to-token table, `rows`/`kv_lens` `[B]` int64."""
+    _extension()
+    return torch.ops.ringserve_cpu.paged_decode_attention.default(q, k_layer, v_layer, table, rows, kv_lens, scale)

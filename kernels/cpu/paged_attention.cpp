@@ -1,0 +1,178 @@
+// Paged decode attention for the CPU: one query token per request attends to its keys and values where they
+// lie in the KV pool, addressed through the request-to-token table. No gather: the torch path copies every
+// request's K and V of every layer into a padded batch first, which dominates a step at long contexts.
+//
+// out[b, h] = softmax_j(scale * q[b, h] . K[s_j, h / rep]) @ V[s_j, h / rep],   s_j = table[rows[b], j], j < kv_lens[b]
+//
+// One work item is a (request, KV head) pair: its `rep` query heads (GQA) share each K and V row loaded. Two
+// passes over the keys: the scores of all rep heads into a per-thread buffer, then the softmax weights and the
+// weighted sum of V rows. float32 only; AVX2 + FMA vector loops for head_dim a multiple of 8 (every Llama),
+// scalar loops otherwise. Compiled with per-function target attributes, as qgemm.cpp.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+// exp for x <= 0 (softmax after subtracting the max), Cephes' polynomial: relative error ~2e-7.
+__attribute__((target("avx2,fma")))
+inline __m256 exp_avx2(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
+__attribute__((target("avx2,fma")))
+inline float hsum_avx2(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// One (request, KV head): q [rep][d] (rows `q_stride` apart), K/V rows at `kv + slot * kv_stride`, out like q.
+__attribute__((target("avx2,fma")))
+void head_group_avx2(const float* q, int64_t q_stride, const float* k, const float* v, int64_t kv_stride,
+                     const int64_t* slots, int64_t n, int rep, int d, float scale, float* out, float* scores) {
+  for (int64_t j = 0; j < n; ++j) {
+    const float* kr = k + slots[j] * kv_stride;
+    for (int r = 0; r < rep; ++r) {
+      const float* qr = q + r * q_stride;
+      __m256 acc = _mm256_setzero_ps();
+      for (int i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qr + i), _mm256_loadu_ps(kr + i), acc);
+      scores[r * n + j] = hsum_avx2(acc) * scale;
+    }
+  }
+  for (int r = 0; r < rep; ++r) {
+    float* sr = scores + r * n;
+    float m = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) m = std::max(m, sr[j]);
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 sum = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+      const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(sr + j), mv));
+      _mm256_storeu_ps(sr + j, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    float total = hsum_avx2(sum);
+    for (; j < n; ++j) {
+      sr[j] = std::exp(sr[j] - m);
+      total += sr[j];
+    }
+    const float inv = 1.0f / total;
+    for (j = 0; j < n; ++j) sr[j] *= inv;
+  }
+  for (int r = 0; r < rep; ++r) std::fill(out + r * q_stride, out + r * q_stride + d, 0.0f);
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vr = v + slots[j] * kv_stride;
+    for (int r = 0; r < rep; ++r) {
+      const __m256 p = _mm256_set1_ps(scores[r * n + j]);
+      float* o = out + r * q_stride;
+      for (int i = 0; i < d; i += 8)
+        _mm256_storeu_ps(o + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + i), _mm256_loadu_ps(o + i)));
+    }
+  }
+}
+
+void head_group_scalar(const float* q, int64_t q_stride, const float* k, const float* v, int64_t kv_stride,
+                       const int64_t* slots, int64_t n, int rep, int d, float scale, float* out, float* scores) {
+  for (int r = 0; r < rep; ++r) {
+    const float* qr = q + r * q_stride;
+    float* sr = scores + r * n;
+    float m = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) {
+      const float* kr = k + slots[j] * kv_stride;
+      float dot = 0.0f;
+      for (int i = 0; i < d; ++i) dot += qr[i] * kr[i];
+      sr[j] = dot * scale;
+      m = std::max(m, sr[j]);
+    }
+    float total = 0.0f;
+    for (int64_t j = 0; j < n; ++j) total += (sr[j] = std::exp(sr[j] - m));
+    float* o = out + r * q_stride;
+    std::fill(o, o + d, 0.0f);
+    for (int64_t j = 0; j < n; ++j) {
+      const float* vr = v + slots[j] * kv_stride;
+      const float p = sr[j] / total;
+      for (int i = 0; i < d; ++i) o[i] += p * vr[i];
+    }
+  }
+}
+
+const bool kHasAvx2 = [] {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}();
+
+// q [B, H, D]; k_layer, v_layer [S, Hkv, D] (one layer of the pool); table [R, W] int64; rows, kv_lens [B] int64.
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_layer, const at::Tensor& v_layer,
+                                  const at::Tensor& table, const at::Tensor& rows, const at::Tensor& kv_lens,
+                                  double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_layer.dim() == 3 && v_layer.sizes() == k_layer.sizes(),
+              "paged_decode_attention: q [B, H, D] and K/V [S, Hkv, D] expected");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_layer.scalar_type() == at::kFloat &&
+                  v_layer.scalar_type() == at::kFloat, "paged_decode_attention: float32 only");
+  TORCH_CHECK(table.scalar_type() == at::kLong && rows.scalar_type() == at::kLong &&
+                  kv_lens.scalar_type() == at::kLong, "paged_decode_attention: int64 table, rows and kv_lens");
+  TORCH_CHECK(k_layer.is_contiguous() && v_layer.is_contiguous() && table.stride(1) == 1,
+              "paged_decode_attention: contiguous K/V and table rows expected");
+  const int64_t b = q.size(0), h = q.size(1), d = q.size(2), hkv = k_layer.size(1);
+  TORCH_CHECK(k_layer.size(2) == d && h % hkv == 0, "paged_decode_attention: heads or head_dim do not match");
+  TORCH_CHECK(rows.numel() == b && kv_lens.numel() == b, "paged_decode_attention: one row and length per query");
+  const at::Tensor qc = q.contiguous(), rc = rows.contiguous(), lc = kv_lens.contiguous();
+  at::Tensor out = at::empty({b, h, d}, qc.options());
+  const int rep = (int)(h / hkv);
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = k_layer.data_ptr<float>();
+  const float* vp = v_layer.data_ptr<float>();
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t* rp = rc.data_ptr<int64_t>();
+  const int64_t* lp = lc.data_ptr<int64_t>();
+  const int64_t width = table.size(1), tstride = table.stride(0), kv_stride = hkv * d;
+  float* op = out.data_ptr<float>();
+  for (int64_t i = 0; i < b; ++i)
+    TORCH_CHECK(lp[i] >= 1 && lp[i] <= width, "paged_decode_attention: kv_len ", lp[i], " outside [1, ", width, "]");
+  const bool vec = kHasAvx2 && d % 8 == 0;
+  at::parallel_for(0, b * hkv, 1, [&](int64_t w0, int64_t w1) {
+    thread_local std::vector<float> scores;
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t i = w / hkv, g = w % hkv, n = lp[i];
+      if ((int64_t)scores.size() < rep * n) scores.resize(rep * n);
+      const float* qg = qp + (i * h + g * rep) * d;
+      float* og = op + (i * h + g * rep) * d;
+      const int64_t* slots = tp + rp[i] * tstride;
+      if (vec)
+        head_group_avx2(qg, d, kp + g * d, vp + g * d, kv_stride, slots, n, rep, (int)d, (float)scale, og,
+                        scores.data());
+      else
+        head_group_scalar(qg, d, kp + g * d, vp + g * d, kv_stride, slots, n, rep, (int)d, (float)scale, og,
+                          scores.data());
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+// The schema and fake implementation are in kernels/cpu/attention.py, which registers the torch reference
+// instead when this library cannot be built.
+TORCH_LIBRARY_IMPL(ringserve_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
