@@ -2,13 +2,13 @@
 
 Runs the engine in-process on the same chat prompts, first in float32, then once per quantized kernel applied
 to every linear at every batch size (`q8_0` and `q4_1`/`q4_0`, our group kernels, which `--quantization int8`
-and `int4` run; `int_mm`, the per-row int8 path; the 4-bit kernels keep the LM head at `q8_0`, as `int4`
-does, unless `--head-too`), and reports, per prompt, how many leading tokens agree and
+and `int4` run; `int_mm`, the per-row int8 path; `gguf`, the GGUF file's own blocks as `--quantization gguf`
+runs them; the 4-bit kernels keep the LM head at `q8_0`, as `int4` does, unless `--head-too`), and reports, per prompt, how many leading tokens agree and
 whether the whole greedy continuation is identical. A server's per-host plan runs float32 at the step sizes
 where a kernel is slower, which can only agree more. The prompts run as one batch, or with `--sequential` one
 at a time (batch-1 decode).
 
-    .venv/bin/python bench/int8_quality.py --max-tokens 64 [--kernels q8_0 q4_1 int_mm] [--verbose]
+    .venv/bin/python bench/int8_quality.py --max-tokens 64 [--kernels q8_0 q4_1 int_mm gguf] [--verbose]
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ import torch
 from actors.common.model_source import DEFAULT_MODEL, resolve_model
 from actors.engine.config import EngineConfig
 from actors.engine.engine import Engine
+from actors.engine.gguf_blocks import load_packed_linears
 from bus.messages import TokenizedRequest, SamplingParams
 from kernels.quantization import linear_shapes, quantize_linears
 
-METHOD_OF = {"q8_0": "int8", "int_mm": "int8", "q4_1": "int4", "q4_0": "int4"}
+METHOD_OF = {"q8_0": "int8", "int_mm": "int8", "q4_1": "int4", "q4_0": "int4", "gguf": "gguf"}
 
 PROMPTS = [
     "What is the capital of France?", "Write a haiku about the sea.", "List three colors.",
@@ -66,7 +67,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--kernels", nargs="+", default=["q8_0", "q4_1", "q4_0", "int_mm"], choices=list(METHOD_OF))
+    parser.add_argument("--kernels", nargs="+", default=["q8_0", "q4_1", "q4_0", "int_mm", "gguf"],
+                        choices=list(METHOD_OF))
     parser.add_argument("--sequential", action="store_true",
                         help="run the prompts one at a time (batch-1 decode) instead of all together")
     parser.add_argument("--verbose", action="store_true", help="print every prompt's agreement")
@@ -76,7 +78,12 @@ def main() -> None:
     exact: list[list[int]] = []
     for kernel in ["none", *args.kernels]:
         engine = Engine.from_source(source, EngineConfig(device="cpu", dtype="float32", max_total_tokens=16384))
-        if kernel != "none":
+        if kernel == "gguf":  # every linear on its file's own blocks, at every batch size
+            model = engine.runner.model
+            packed = load_packed_linears(source, model.config.num_hidden_layers, model.config.tie_word_embeddings)
+            quantize_linears(model, "gguf", {(p.out_features, p.in_features): {1: p.format} for p in packed.values()},
+                             packed)
+        elif kernel != "none":
             model = engine.runner.model
             plan = {shape: {1: kernel} for shape in linear_shapes(model)}
             head = model.lm_head

@@ -12,6 +12,8 @@ kernel measured fastest on this host for its shape and row count.
 - `int4`: `q4_1`, our group kernel with 4-bit weights, an fp16 scale and min per 32 (llama.cpp's Q4_1). The
   LM head stays int8, as llama.cpp's 4-bit files keep it (SmolLM2's Q4_1 GGUF has a Q8_0 embedding/head):
   on SmolLM2 a 4-bit head cut greedy agreement with float32 from 54% of tokens to 22%.
+- `gguf`: each layer's weight as its GGUF file stores it (`q8_0`, `q4_0` or `q4_1` blocks, packed as they are
+  by actors/engine/gguf_blocks.py, never requantized), through our group kernel of that format.
 - Every method may also run `float32` (the layer then keeps its float32 weight as well).
 
 A `KernelPlan` maps each linear shape `(out, in)` to its kernel per row-count bucket (`rows.bit_length()`;
@@ -37,10 +39,11 @@ from kernels.cpu import plan_cache
 from kernels.cpu.packing import PackedWeight, pack
 
 log = logging.getLogger("kernels.quantization")
-METHODS = ("int8", "int4")
-# candidates per method in order of quality (a better one wins a near tie, see choose_kernel)
-CANDIDATES = {"int8": ("q8_0", "int_mm"), "int4": ("q4_1",)}
+METHODS = ("int8", "int4", "gguf")
 GROUP_KERNELS = ("q8_0", "q4_0", "q4_1")
+# candidates per method (or per GGUF block format) in order of quality (a better one wins a near tie, see
+# choose_kernel)
+CANDIDATES = {"int8": ("q8_0", "int_mm"), "int4": ("q4_1",), **{fmt: (fmt,) for fmt in GROUP_KERNELS}}
 HEAD_NAMES = ("lm_head",)  # linears int4 keeps at int8
 FLOAT_MARGIN = 0.95  # a quantized kernel must measure at least 5% faster than float32 to be chosen (noise)
 NEAR_TIE = 1.10  # a better-quality kernel within 10% of the fastest is taken instead
@@ -49,23 +52,27 @@ KernelPlan = dict[tuple[int, int], ShapePlan]  # (out_features, in_features) -> 
 
 
 def default_kernel(method: str) -> str:
-    """The kernel a layer of `method` runs without a plan: our group kernel (its torch fallback if not built)."""
-    return {"int8": "q8_0", "int4": "q4_1"}[method]
+    """The kernel a layer of `method` (or of a GGUF block format) runs without a plan: our group kernel (its
+    torch fallback if not built)."""
+    return {"int8": "q8_0", "int4": "q4_1"}.get(method, method)
 
 
 class QuantLinear(nn.Module):
     """`y = x W^T + b` with W quantized; each call runs the kernel its `plan` names for that many rows."""
 
     def __init__(self, linear: nn.Linear, method: str = "int8", plan: ShapePlan | None = None,
-                 hold: tuple[str, ...] = ()) -> None:
+                 hold: tuple[str, ...] = (), packed: PackedWeight | None = None) -> None:
         """Keeps only the weight formats the plan's kernels (and `hold`'s, for timing) read: float32 too when
-        the plan has it."""
+        the plan has it. `packed`: the weight already quantized (a GGUF file's blocks, method "gguf"), used as
+        it is for its format instead of quantizing `linear`'s."""
         super().__init__()
-        if method not in METHODS:
+        if method not in METHODS and method not in GROUP_KERNELS:
             raise ValueError(f"unknown quantization {method!r}; choose one of {list(METHODS)}")
+        if (method == "gguf") != (packed is not None):
+            raise ValueError("a gguf layer is made from its packed blocks, and only it")
         self.method = method
         self.plan = dict(plan or {})
-        self.default = default_kernel(method)
+        self.default = packed.format if packed is not None else default_kernel(method)
         self._top = max(self.plan, default=0)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         kernels = (set(self.plan.values()) or {self.default}) | set(hold)
@@ -73,7 +80,8 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float(), persistent=False)
         # float32 weights are shared, not copied (a tied LM head keeps sharing the embedding's)
         self.register_buffer("weight_f", weight if "float32" in kernels else None, persistent=False)
-        self.packed: dict[str, PackedWeight] = {k: pack(weight, k) for k in kernels if k in GROUP_KERNELS}
+        self.packed: dict[str, PackedWeight] = {k: packed if packed is not None and k == packed.format
+                                                else pack(weight, k) for k in kernels if k in GROUP_KERNELS}
         self._group_linear = cpu_kernels.linear()
         self.qweight_t = self.scales = self._fbgemm = None
         if "int_mm" in kernels:
@@ -134,11 +142,14 @@ def layer_method(name: str, method: str) -> str:
     return "int8" if method == "int4" and name.rpartition(".")[2] in HEAD_NAMES else method
 
 
-def quantize_linears(model: nn.Module, method: str, plan: KernelPlan | None = None) -> nn.Module:
+def quantize_linears(model: nn.Module, method: str, plan: KernelPlan | None = None,
+                     packed: dict[str, PackedWeight] | None = None) -> nn.Module:
     """Replace every `nn.Linear` of `model` (on the CPU) by a `QuantLinear` of `method` (`layer_method`), in
-    place, each following its shape's entry of `plan` (without one: the method's default for every row count)."""
+    place, each following its shape's entry of `plan` (without one: the method's default for every row count).
+    With method "gguf", `packed` holds every linear's weight (module name -> its GGUF blocks, packed)."""
     if method not in METHODS:
         raise ValueError(f"unknown quantization {method!r}; choose one of {list(METHODS)}")
+    packed = packed or {}
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     for name, module in targets:
         if module.weight.device.type != "cpu":
@@ -146,7 +157,9 @@ def quantize_linears(model: nn.Module, method: str, plan: KernelPlan | None = No
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         shape_plan = (plan or {}).get((module.out_features, module.in_features))
-        setattr(parent, child, QuantLinear(module, layer_method(name, method), shape_plan))
+        if method == "gguf" and name not in packed:
+            raise ValueError(f"--quantization gguf: the GGUF file has no quantized weight for {name}")
+        setattr(parent, child, QuantLinear(module, layer_method(name, method), shape_plan, packed=packed.get(name)))
     return model
 
 

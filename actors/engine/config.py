@@ -18,7 +18,7 @@ from kernels.attention import backend_names
 from observability.logging import log_event
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATION_CHOICES = ("none", "int8", "int4", "auto")
+QUANTIZATION_CHOICES = ("none", "int8", "int4", "gguf", "auto")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 OVERLAP_CHOICES = ("auto", "on", "off")
 CPU_MEM_FRACTION = 0.1  # of available host memory, when the KV pool lives on the CPU
@@ -42,7 +42,8 @@ class EngineConfig:
         choices=("auto",) + backend_names()))
     quantization: str = field(default="none", metadata=_flag(
         "weight quantization (CPU): none (exact), int8 (int8 weights in groups of 32), int4 (4-bit weights in "
-        "groups of 32, llama.cpp's Q4_1), auto (int8 when a start-up micro-benchmark finds it faster on this CPU); "
+        "groups of 32, llama.cpp's Q4_1), gguf (a .gguf model's own Q8_0/Q4_0/Q4_1 blocks, as llama.cpp runs "
+        "them, without requantizing), auto (int8 when a start-up micro-benchmark finds it faster on this CPU); "
         "each step size runs the kernel measured fastest here, never one slower than float32",
         choices=QUANTIZATION_CHOICES))
     max_total_tokens: int = field(default=0, metadata=_flag(

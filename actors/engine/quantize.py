@@ -1,4 +1,5 @@
-"""Apply `--quantization` to a loaded model: none, int8, int4, or auto (int8 only if it measures faster here).
+"""Apply `--quantization` to a loaded model: none, int8, int4, gguf (the GGUF file's own blocks), or auto (int8
+only if it measures faster here).
 
 For int8 and int4, which kernel each linear shape runs is measured per row-count bucket at start-up
 (`measure_kernel_plan`, cached on disk per host) at the row counts the server runs: decode batches
@@ -16,7 +17,9 @@ from typing import Any
 from torch import nn
 
 import kernels.cpu as cpu_kernels
+from actors.common.model_source import ModelSource
 from actors.engine.config import EngineConfig
+from kernels.cpu.packing import PackedWeight
 from kernels.quantization import (
     KernelPlan, QuantLinear, layer_method, linear_shapes, measure_kernel_plan, plan_report, quantize_linears,
     speedup,
@@ -86,9 +89,45 @@ def quantization_report(model: nn.Module) -> dict[str, str]:
     return {**report, **plan_report(plan)}
 
 
-def apply_quantization(model: nn.Module, config: EngineConfig) -> tuple[str, KernelPlan]:
-    """Quantize `model` in place as `config` says; returns the method applied ("none", "int8" or "int4") and
-    the kernel chosen per shape and row-count bucket."""
+def gguf_plan(model: nn.Module, config: EngineConfig, packed: dict[str, PackedWeight]) -> KernelPlan:
+    """The kernel plan of a model whose linears run their GGUF blocks: each shape measured against float32
+    with the block format its layers have (one format per shape, else the file cannot be run so)."""
+    formats: dict[tuple[int, int], set[str]] = {}
+    for name, p in packed.items():
+        formats.setdefault((p.out_features, p.in_features), set()).add(p.format)
+    mixed = {shape: sorted(f) for shape, f in formats.items() if len(f) > 1}
+    if mixed:
+        raise ValueError(f"--quantization gguf: layers of one shape hold different block types {mixed}")
+    rows = plan_rows(model, config)
+    plan: KernelPlan = {}
+    for fmt in sorted({f for fs in formats.values() for f in fs}):
+        shapes = {shape: rows[shape] for shape, fs in formats.items() if fmt in fs}
+        plan.update(measure_kernel_plan(shapes, fmt)[0])
+    return plan
+
+
+def apply_gguf_blocks(model: nn.Module, config: EngineConfig, source: ModelSource | None) -> tuple[str, KernelPlan]:
+    """Run every linear of `model` on its GGUF file's own blocks (`--quantization gguf`)."""
+    from actors.engine.gguf_blocks import load_packed_linears
+
+    if source is None:
+        raise ValueError("--quantization gguf needs the model's GGUF file")
+    start = time.perf_counter()
+    packed = load_packed_linears(source, model.config.num_hidden_layers, model.config.tie_word_embeddings)
+    plan = gguf_plan(model, config, packed)
+    log_event(log, logging.INFO, "gguf blocks per linear shape and step size", isa=cpu_kernels.isa(),
+              formats=", ".join(sorted({p.format for p in packed.values()})),
+              seconds=round(time.perf_counter() - start, 2),
+              choices=", ".join(f"{k}: {v}" for k, v in plan_report(plan).items()))
+    quantize_linears(model, "gguf", plan, packed)
+    return "gguf", plan
+
+
+def apply_quantization(model: nn.Module, config: EngineConfig, source: ModelSource | None = None
+                       ) -> tuple[str, KernelPlan]:
+    """Quantize `model` in place as `config` says; returns the method applied ("none", "int8", "int4" or
+    "gguf") and the kernel chosen per shape and row-count bucket. `source`: where `model` was loaded from (the
+    gguf method reads its file's blocks)."""
     method = config.quantization
     if method == "none":
         return "none", {}
@@ -97,6 +136,8 @@ def apply_quantization(model: nn.Module, config: EngineConfig) -> tuple[str, Ker
         return "none", {}
     if not on_cpu:
         raise ValueError(f"--quantization {method} needs --device cpu and float32 weights")
+    if method == "gguf":
+        return apply_gguf_blocks(model, config, source)
     measured_as = "int8" if method == "auto" else method
     start = time.perf_counter()
     plan, measured = measure_plan(model, config, measured_as)

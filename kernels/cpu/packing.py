@@ -102,6 +102,31 @@ def pack_q4(weight: torch.Tensor, with_min: bool = True) -> PackedWeight:
                         weight.shape[0], weight.shape[1], 4)
 
 
+def pack_codes(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, fmt: str) -> PackedWeight:
+    """A weight already quantized in `fmt`, packed without requantizing (a GGUF file's own blocks): integer
+    `codes` `[N, K]` (q8_0: -127..127; q4_0 and q4_1: 0..15), fp16 `scales` `[N, K / 32]` and, for q4_1, `mins`."""
+    n, k = codes.shape
+    if fmt not in FORMATS or (mins is None) != (fmt != "q4_1") or k % QK:
+        raise ValueError(f"pack_codes: {fmt!r} codes [{n}, {k}] (K a multiple of {QK}; mins for q4_1 only)")
+    np_ = -(-n // TILE) * TILE
+    grouped = torch.zeros(np_, k // QK, QK, dtype=torch.int16)
+    grouped[:n] = codes.to(torch.int16).reshape(n, k // QK, QK)
+    if fmt == "q4_0":
+        grouped[n:] = 8  # padding rows stand for zero
+    per_group = torch.zeros(np_, k // QK, dtype=torch.float32)
+
+    def tiled(values: torch.Tensor) -> torch.Tensor:
+        per_group[:n] = values.float()
+        return _tiled(per_group.clone())
+
+    if fmt == "q8_0":
+        packed = (_interleave(grouped) + 128).to(torch.uint8).reshape(-1)
+        return PackedWeight(packed, tiled(scales), None, n, k, 8)
+    quads = _interleave(grouped.to(torch.uint8))
+    packed = (quads[:, :, :4] | (quads[:, :, 4:] << 4)).contiguous().reshape(-1)
+    return PackedWeight(packed, tiled(scales), tiled(mins) if mins is not None else None, n, k, 4)
+
+
 def pack(weight: torch.Tensor, fmt: str) -> PackedWeight:
     """`weight` packed in `fmt` ("q8_0", "q4_0" or "q4_1")."""
     if fmt == "q8_0":
