@@ -13,8 +13,16 @@ the in-process baselines, so nothing competes for the cores:
                      (one prompt at a time for level 1); prints ringserve/transformers per level;
   --engine-baseline  ringserve's engine in-process (no bus, no HTTP) at level 1 and the largest level; prints
                      HTTP ITL at level 1 against the engine's own decode step time (the ring's overhead).
+  --llama-server     llama.cpp's llama-server (bench/build_llama_server.sh) on the same GGUF, same prompts, one
+                     parallel slot per request of the largest level; prints ringserve/llama-server per level.
 With --system-prompt-tokens N every prompt shares a ~N-token system prompt, and a probe reports the TTFT of
 a request that reuses it from the prefix cache against the first one that had to prefill it.
+
+--compare-dp launches `--dp 1` and then `--dp 2` on --num-prompts requests over --dp-system-prompts shared
+system prompts (--system-prompt-tokens each, default 300) and reports throughput and prefix-cache hit rate
+of two replicas against one (bench/dp_compare.py):
+
+    .venv/bin/python bench/bench_serving.py --compare-dp --num-prompts 64 --concurrency 8 --max-tokens 16
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ os.environ.setdefault("TQDM_DISABLE", "1")  # no weight-loading progress bars in
 
 from bench import client, server  # noqa: E402
 from bench.metrics import LevelSummary, format_table, json_safe, render, summarise  # noqa: E402
+from bench.llama_baseline import DEFAULT_BINARY as DEFAULT_LLAMA_SERVER  # noqa: E402
 from bench.workload import conversation, level_conversations, requests_for_level, system_prompt  # noqa: E402
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -82,12 +91,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     load.add_argument("--system-prompt-tokens", type=int, default=0,
                       help="prepend a shared system prompt of about this many tokens, e.g. 1000 (default: 0 = none)")
     load.add_argument("--seed", type=int, default=0, help="seed of the Poisson arrivals (default: %(default)s)")
+    load.add_argument("--compare-dp", action="store_true",
+                      help="launch --dp 1, then --dp 2, on --num-prompts requests over --dp-system-prompts shared "
+                           "system prompts, at the highest --concurrency level; report throughput and prefix-cache "
+                           "hit rate of two replicas against one (no baselines, no --request-rate)")
+    load.add_argument("--dp-system-prompts", type=int, default=4,
+                      help="with --compare-dp: distinct shared system prompts (default: %(default)s)")
 
     extra = p.add_argument_group("baselines and output")
     extra.add_argument("--hf-baseline", action="store_true",
                        help="run transformers generate on the same prompts after the server (concurrency mode)")
     extra.add_argument("--engine-baseline", action="store_true",
                        help="run ringserve's engine in-process at level 1 and the largest level (concurrency mode)")
+    extra.add_argument("--llama-server", nargs="?", const=str(DEFAULT_LLAMA_SERVER), default="", metavar="PATH",
+                       help="also load llama.cpp's llama-server on the same GGUF after ringserve (default binary: "
+                            "the one bench/build_llama_server.sh builds)")
     extra.add_argument("--baseline-threads", type=int, default=0,
                        help="torch threads for both baselines (default: 0 = one per core, like the scheduler)")
     extra.add_argument("--output-json", default="", help="write every figure to this JSON file")
@@ -97,6 +115,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     if not args.levels or min(args.levels) < 1 or any(r <= 0 for r in args.rates):
         p.error("concurrency levels must be >= 1 and request rates > 0")
+    if args.compare_dp and (args.rates or args.hf_baseline or args.engine_baseline or args.plot
+                            or "--dp" in args.server_args.split()):
+        p.error("--compare-dp launches its own servers (with --dp 1 and 2) and runs no baselines, rates or plot")
+    if args.dp_system_prompts < 1:
+        p.error("--dp-system-prompts must be >= 1")
     return args
 
 
@@ -179,16 +202,35 @@ def run_baselines(args: argparse.Namespace, system: str) -> tuple[dict[int, Any]
     return engine, hf
 
 
-def comparison(summaries: list[LevelSummary], engine: dict[int, Any], hf: dict[int, Any]) -> tuple[str, dict]:
+def run_llama_server(args: argparse.Namespace, system: str) -> dict[int, Any]:
+    """The same load against llama-server on the same GGUF: level -> its summary (as a dict)."""
+    from bench.llama_baseline import launch_llama_server
+
+    slot_tokens = args.system_prompt_tokens + args.max_tokens + 512  # the prompt, its template and the output
+    print(f"llama-server baseline ({max(args.levels)} slots of {slot_tokens} tokens):", flush=True)
+    launched = launch_llama_server(args.model, max(args.levels), slot_tokens, args.baseline_threads,
+                                   args.llama_server)
+    try:
+        summaries, _ = run_load(args, launched.base_url, system)
+    finally:
+        launched.stop()
+    return {int(s.level): s.to_dict() for s in summaries}
+
+
+def comparison(summaries: list[LevelSummary], engine: dict[int, Any], hf: dict[int, Any],
+               llama: dict[int, Any] | None = None) -> tuple[str, dict]:
     """The ratio table (ringserve against the baselines) and the ring-overhead figures."""
+    llama = llama or {}
     rows = [["concurrency", "ringserve tok/s", "transformers tok/s", "ringserve/transformers", "engine tok/s",
-             "ringserve/engine"]]
+             "ringserve/engine", "llama-server tok/s", "ringserve/llama-server"]]
     for s in summaries:
         c = int(s.level)
         h, e = hf.get(c, {}).get("output_tok_s"), engine.get(c, {}).get("output_tok_s")
+        ll = llama.get(c, {}).get("output_tok_s")
         rows.append([str(c), f"{s.output_tok_s:.1f}", f"{h:.1f}" if h else "-",
                      f"{s.output_tok_s / h:.2f}x" if h else "-", f"{e:.1f}" if e else "-",
-                     f"{s.output_tok_s / e:.2f}x" if e else "-"])
+                     f"{s.output_tok_s / e:.2f}x" if e else "-", f"{ll:.1f}" if ll else "-",
+                     f"{s.output_tok_s / ll:.2f}x" if ll else "-"])
     overhead: dict[str, Any] = {}
     one = next((s for s in summaries if s.level == 1), None)
     if one is not None and 1 in engine:
@@ -201,6 +243,14 @@ def comparison(summaries: list[LevelSummary], engine: dict[int, Any], hf: dict[i
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; 0 when every request succeeded."""
     args = parse_args(argv)
+    if args.compare_dp:
+        from bench.dp_compare import compare_dp
+
+        report = json_safe({"machine": machine_info(), **compare_dp(args)})
+        if args.output_json:
+            Path(args.output_json).write_text(json.dumps(report, indent=2))
+            print(f"wrote {args.output_json}")
+        return 0 if all(run["completed"] == run["requests"] for run in report["runs"]) else 1
     system = system_prompt(args.system_prompt_tokens)
     loads = {"start": warn_if_busy("at the start")}
     launched = None
@@ -223,8 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.hf_baseline or args.engine_baseline:
         loads["baselines"] = warn_if_busy("before the baselines")
     engine, hf = run_baselines(args, system)
+    llama = run_llama_server(args, system) if args.llama_server else {}
     loads["end"] = machine_info()["load_avg_1m"]
-    table, overhead = comparison(summaries, engine, hf) if (engine or hf) else ("", {})
+    table, overhead = comparison(summaries, engine, hf, llama) if (engine or hf or llama) else ("", {})
     if table:
         print()
         print(table)
@@ -237,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {k: v for k, v in vars(args).items() if k not in ("levels", "rates")},
         "levels": [s.to_dict() for s in summaries], "shared_prefix": probe,
         "hf_baseline": {str(k): v for k, v in hf.items()}, "engine_baseline": {str(k): v for k, v in engine.items()},
+        "llama_server": {str(k): v for k, v in llama.items()},
         "ring_overhead": overhead, "load_avg_1m": loads,
     }
     report = json_safe(report)

@@ -79,6 +79,8 @@ async def stream_one(client: httpx.AsyncClient, cfg: ClientConfig, messages: lis
                 if chunk.get("usage"):
                     result.completion_tokens = int(chunk["usage"].get("completion_tokens") or 0)
                     result.prompt_tokens = int(chunk["usage"].get("prompt_tokens") or 0)
+                    details = chunk["usage"].get("prompt_tokens_details") or {}
+                    result.cached_tokens = int(details.get("cached_tokens") or 0)
                 if any(_chunk_text(c) for c in chunk.get("choices") or []):
                     if result.chunks == 0:
                         result.ttft = now

@@ -1,6 +1,7 @@
 """The GPU check's measurements, ordered by information per second and never lost: greedy equality of the engine
 with transformers on SmolLM2, then decode tok/s at batch 1 and 32 with CUDA graphs off and on (phase `core`),
-then the rest: other batch sizes, the overlap loop off, a 1B Llama's shape (phase `rest`). Each figure sits
+then the rest: other batch sizes, the overlap loop off, a 1B Llama's shape (phase `rest`), then tensor
+parallelism over two GPUs (phase `tp`, bench/tp_bench.py; skipped with a message on a host with one). Each figure sits
 next to transformers `generate` on the same GPU and the HBM roofline (`bench/gpu_check_measure.py`).
 
 The driver (the default mode) imports no torch: for each phase, then each backend, it starts a child process
@@ -27,7 +28,8 @@ from bench.gpu_check_budget import Budget, Piece, ResultLog, Row, render_table, 
 MODEL_NAMES = ("smollm2-135m", "llama-1b")  # the shapes in bench/gpu_check_measure.py's MODELS
 EQUALITY_MODEL = "smollm2-135m"
 HF = "transformers"  # a pseudo-backend: transformers `generate`, the baseline
-PHASES = ("core", "rest")
+TP = "tp2"  # a pseudo-backend: bench/tp_bench.py with tensor parallelism over 2 GPUs (NCCL), against tp=1
+PHASES = ("core", "rest", "tp")
 CHILD_START = 12.0  # seconds: a fresh process imports torch and transformers, makes a CUDA context, measures
 MODEL_COST = {"smollm2-135m": 1.0, "llama-1b": 2.5}  # relative seconds of one piece, for the priors
 
@@ -85,6 +87,8 @@ def guess(key: Row) -> float:
         return 30.0
     if key["kind"] == "hf":
         return scale * (3.0 + bs / 64)
+    if key["kind"] == "tp":
+        return 90.0
     return scale * (4.0 + bs / 32) + (3.0 if key.get("graphs") else 0.0)
 
 
@@ -95,6 +99,10 @@ def plan(backend: str, phase: str, args: argparse.Namespace) -> list[Row]:
     (and the overlap loop). rest: everything else of models x batch sizes x variants, core batch sizes of each
     model first, the first model first.
     """
+    if (backend == TP) != (phase == "tp"):  # the tp phase is the TP pseudo-backend's only
+        return []
+    if backend == TP:
+        return [{"kind": "tp", "backend": TP}]
     core_bs = [b for b in args.batch_sizes if b in args.core_batch_sizes] or args.batch_sizes[:1]
     keys: list[Row] = []
     if backend == HF:
@@ -141,7 +149,7 @@ def drive(args: argparse.Namespace, command_for: Callable[[Row, float], list[str
     log = ResultLog(args.out, args.pytest_log, fresh=not args.append)
     budget = Budget(clock() + args.time_budget, clock=clock)
     jobs = [{"phase": phase, "backend": backend, "weight": round(job_weight(backend, phase, args), 1)}
-            for phase in args.phases for backend in args.backends]
+            for phase in args.phases for backend in ([TP] if phase == "tp" else args.backends)]
     failed = run_children(jobs, command_for or (lambda job, deadline: child_command(args, job, deadline)), log,
                           budget, min_seconds=args.min_child_seconds)
     print(render_table(log.rows()), end="")
@@ -161,6 +169,13 @@ def child(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         log.add({**base, "kind": "meta", "backend": backend, "status": "error", "error": "no CUDA device"})
         return 2
+    if backend == TP:
+        gpus = torch.cuda.device_count()
+        if gpus < 2:
+            print(f"gpu_check.py: the TP=2 phase is skipped: this host has {gpus} GPU, it needs 2", flush=True)
+            log.add({**base, "kind": "tp", "backend": TP, "status": "skipped: fewer than 2 GPUs", "gpus": gpus})
+            return 0
+        return run_pieces([Piece({"kind": "tp", "backend": TP}, guess({"kind": "tp"}), tp_run)], budget, log, base)
     from bench.gpu_check_measure import Bench
     from kernels.attention import backend_names
 
@@ -172,6 +187,25 @@ def child(args: argparse.Namespace) -> int:
     for phase in args.phases:
         pieces += [Piece(key, guess(key), lambda key=key: bench.run(key)) for key in plan(backend, phase, args)]
     return run_pieces(pieces, budget, log, base)
+
+
+def tp_run() -> dict[str, float | bool]:
+    """bench/tp_bench.py at tp=1 and tp=2 on two GPUs: decode and prefill step ms, the all-reduce cost, and
+    whether the two gave the same greedy tokens (bfloat16 all-reduces round differently: informative only)."""
+    import json
+    import subprocess
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        subprocess.run([sys.executable, str(Path(__file__).resolve().parent / "tp_bench.py"), "--device", "cuda",
+                        "--tp", "1,2", "--threads", "2", "--json", out.name], check=True, timeout=600)
+        figures = json.loads(Path(out.name).read_text())
+    row: dict[str, float | bool] = {"tokens_equal": figures["1"]["tokens"] == figures["2"]["tokens"]}
+    for tp in ("1", "2"):
+        for kind in ("prefill", "decode"):
+            for name in ("step_ms", "allreduce_ms"):
+                row[f"tp{tp}_{kind}_{name}"] = round(figures[tp][kind][name], 3)
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -160,7 +160,8 @@ if [ -n "$FI_OK" ]; then
     gpu_pytest "$(left)" "$OUT/gpu_flashinfer_tests.log" -m gpu tests/gpu -k flashinfer
 fi
 
-# 5. rest: other batch sizes, the overlap loop off, the 1B Llama; whatever time is left, shared by backend.
+# 5. rest: other batch sizes, the overlap loop off, the 1B Llama, then TP=2 (skipped on one GPU); whatever
+#    time is left, shared by backend.
 phase 5
-bench "$(left)" --backends "triton${FI_OK:+,flashinfer},torch,transformers" --phases rest
+bench "$(left)" --backends "triton${FI_OK:+,flashinfer},torch,transformers" --phases rest,tp
 echo "gpu_check: $((SECONDS - START)) s of $TOTAL; results in $OUT (gpu_check.txt is the table)"

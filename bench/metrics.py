@@ -17,6 +17,7 @@ class RequestResult:
     itls: list[float] = field(default_factory=list)
     completion_tokens: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the server's prefix cache supplied (usage.prompt_tokens_details)
     chunks: int = 0  # streamed chunks that carried text
     error: str = ""
 

@@ -54,6 +54,10 @@ class PayloadTooLarge(ValueError):
 
 PING_INTERVAL = 1.0  # seconds between client pings
 MAX_OUTSTANDING_PINGS = 2
+# A hung node still accepts TCP connections (the kernel does) but never says INFO: each reconnect attempt to it
+# waits this long before the client tries another node, and nats-py shuffles the pool on every reconnect, so it
+# may pick the hung node again. nats-py's default (2 s) is kept explicit: a handshake on a LAN takes milliseconds.
+CONNECT_TIMEOUT = 2.0
 
 
 class BusConnection:
@@ -96,7 +100,7 @@ class BusConnection:
             closed_cb=closed_cb,
             max_reconnect_attempts=max_reconnect_attempts,
             reconnect_time_wait=0.5,
-            connect_timeout=5,
+            connect_timeout=CONNECT_TIMEOUT,
             allow_reconnect=True,
             inbox_prefix=inbox_prefix or "_INBOX",
             **(credentials.connect_options() if credentials is not None else {}),

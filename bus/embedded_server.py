@@ -2,11 +2,16 @@
 
 Its config file (with any `authorization` block, which may hold passwords) lives in a private 0700
 temporary directory, mode 0600, and is passed by path: no secret is on the server's command line.
+
+`cluster_node_config` renders what makes one nats-server a node of a cluster with JetStream (its
+`server_name`, `jetstream` and `cluster {name, listen, authorization, routes}` blocks): `ringserve nats-config`
+writes it into each node's config, and an `EmbeddedNatsServer` takes it as `extra_config`.
 """
 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import shutil
 import signal
@@ -17,8 +22,19 @@ import sysconfig
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 MAX_PAYLOAD_BYTES = 8 * 1024 * 1024
+# NATS reads "1G" as 10^9 bytes, less than the 1 GiB (2^30) span stream ringserve creates (bus/span_stream.py),
+# and then refuses the stream: sizes are written in binary units
+MAX_FILE_STORE = "2GiB"
+# A hung node (stopped, not dead) keeps its routes open: until the other nodes drop them they forward messages
+# for its stale subscriptions (a queue group member among them) into it, lost. nats-server's default pings
+# take minutes to notice; with these a route that answers no ping is dropped after about 3 s. Routes only
+# (`cluster {}`): clients are pinged at the default pace, since an actor whose event loop is busy for seconds
+# (loading a model) must not be cut off; a client notices a hung node by its own pings (bus/connection.py).
+ROUTE_PING_INTERVAL = "1s"
+ROUTE_PING_MAX = 2
 
 
 def die_with_parent() -> None:
@@ -47,6 +63,32 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def cluster_node_config(server_name: str, cluster_name: str, cluster_listen: str, routes: list[str],
+                        store_dir: str, route_user: str | None = None, route_password: str | None = None,
+                        max_file_store: str = MAX_FILE_STORE) -> str:
+    """The config lines that make a nats-server node `server_name` of cluster `cluster_name`, JetStream on.
+
+    `cluster_listen` (`host:port`) is where it takes routes from the other nodes, `routes` (`host:port` each) the
+    other nodes' cluster addresses it connects to. With `route_user`, routes authenticate both ways: the node
+    accepts only that user, and its own routes carry the same user and password (the route URLs hold the
+    password: the config file must stay private). Clients' users are a separate top-level `authorization`.
+    Route pings every ROUTE_PING_INTERVAL drop a hung peer node's routes within seconds.
+    """
+    if not routes:
+        raise ValueError("a cluster node needs the cluster addresses of the other nodes (routes)")
+    userinfo = f"{quote(route_user, safe='')}:{quote(route_password or '', safe='')}@" if route_user else ""
+    route_urls = [f"nats-route://{userinfo}{route}" for route in routes]
+    lines = [f"server_name: {json.dumps(server_name)}",
+             "jetstream {", f"  store_dir: {json.dumps(store_dir)}", f"  max_file_store: {max_file_store}", "}",
+             "cluster {", f"  name: {json.dumps(cluster_name)}", f"  listen: {json.dumps(cluster_listen)}",
+             f"  ping_interval: {json.dumps(ROUTE_PING_INTERVAL)}", f"  ping_max: {ROUTE_PING_MAX}"]
+    if route_user:
+        password = json.dumps(route_password or "")
+        lines.append(f"  authorization {{ user: {json.dumps(route_user)}, password: {password} }}")
+    lines += ["  routes: [", *(f"    {json.dumps(url)}" for url in route_urls), "  ]", "}", ""]
+    return "\n".join(lines)
 
 
 class EmbeddedNatsServer:

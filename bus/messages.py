@@ -57,11 +57,13 @@ class GenerateRequest:
 
 @dataclass
 class TokenizedRequest:
-    """A validated, tokenized request on `{ns}.req.tokenized`, ready for the scheduler."""
+    """A validated, tokenized request on `{ns}.req.tokenized`, ready for the scheduler. `detokenizer`: the id of
+    the detokenizer its rows go to (`{ns}.tokens.{detokenizer}`), chosen by the tokenizer among the live ones."""
 
     rid: str
     input_ids: list[int]
     sampling: SamplingParams
+    detokenizer: int = 0
 
 
 @dataclass
@@ -214,6 +216,7 @@ class SchedulerInfo:
     quantization: dict[str, str] = field(default_factory=dict)
     # requests this replica was handed since it started (routed to it, or through the fallback queue group)
     requests_routed: int = 0
+    tp_size: int = 1  # tensor-parallel ranks of this replica (one report per replica, from its rank 0)
     # which weights serve: "1" for those loaded at start, then each update_weights_from_disk's (or the next number)
     weight_version: str = ""
 
@@ -252,7 +255,8 @@ class Heartbeat:
     """Every actor's sign of life, on `{ns}.control.heartbeat` every `interval` seconds.
 
     `live_rids` counts the requests the actor holds per-request state for (0 when none is left behind). A
-    scheduler replica also sends its `load` (its replica id is `load.replica`).
+    scheduler replica also sends its `load` (its replica id is `load.replica`). `draining`: the actor is
+    stopping (SIGINT/SIGTERM): it finishes what it holds and must be given nothing new.
     """
 
     role: str
@@ -261,6 +265,7 @@ class Heartbeat:
     interval: float
     live_rids: int = 0
     load: ReplicaLoad | None = None
+    draining: bool = False
 
 
 @dataclass
@@ -269,11 +274,13 @@ class Accepted:
 
     The entry submits with request/reply, so a ring with no tokenizer or scheduler answers at once
     ("no responders") or not at all (a timeout) instead of leaving the client waiting for outputs forever.
-    `replica`: the scheduler replica that took it (None when unknown: a bad request ends at the tokenizer).
+    `replica`: the scheduler replica that took it, `detokenizer`: the detokenizer its rows go to (None when
+    unknown: a bad request ends at the tokenizer). The entry ends a request whose replica or detokenizer dies.
     """
 
     rid: str
     replica: int | None = None
+    detokenizer: int | None = None
 
 
 @dataclass
@@ -289,7 +296,9 @@ class ActorReady:
 @dataclass
 class ReplicaLoad:
     """A scheduler replica's load, in its heartbeat (`Heartbeat.load`): what the tokenizers route by and what
-    `/get_server_info`'s `replicas` shows. `draining`: it finishes what it holds and takes nothing new."""
+    `/get_server_info`'s `replicas` shows. `draining`: it finishes what it holds and takes nothing new.
+    `kv_epoch`, `kv_seq`: the incarnation and the sequence number of its last `KvEvents`, so a router that
+    missed the last events of a quiet replica notices (and resyncs from a `KvSnapshot`)."""
 
     replica: int
     interval: float
@@ -300,3 +309,36 @@ class ReplicaLoad:
     cache_hit_rate: float = 0.0
     tp_size: int = 1
     draining: bool = False
+    kv_epoch: str = ""
+    kv_seq: int = 0
+
+
+@dataclass
+class KvEvents:
+    """What one scheduler replica's prefix cache stored and evicted, on `{ns}.kv.events.{replica}` (at most one
+    message per engine step, none when nothing changed).
+
+    `stored` and `removed` are disjoint lists of block hashes (`bus/kv_blocks.py`: chained hashes of whole
+    64-token blocks, so one hash names a whole prefix). `epoch` names the replica's incarnation (a restarted
+    replica has a new one and starts empty); `seq` counts its messages from 1 within an epoch, so a receiver
+    that sees a gap asks for a `KvSnapshot`. A flush (`/flush_cache`, a weight update) arrives as removals.
+    """
+
+    replica: int
+    epoch: str
+    seq: int
+    stored: list[bytes] = field(default_factory=list)
+    removed: list[bytes] = field(default_factory=list)
+
+
+@dataclass
+class KvSnapshot:
+    """Reply to an `InfoQuery` on `{ns}.kv.snapshot.{replica}`: every block hash the replica's prefix cache
+    holds after its `KvEvents` number `seq` of `epoch` (the most recently stored first; `truncated` when the
+    cache holds more than one message carries, the oldest left out)."""
+
+    replica: int
+    epoch: str
+    seq: int
+    blocks: list[bytes] = field(default_factory=list)
+    truncated: bool = False

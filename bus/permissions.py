@@ -6,9 +6,9 @@ One deployment (namespace `ns`) has six internal roles and any number of outside
 |-------------|------------------------------------------------------|---------------------------------------------|
 | launcher    | nothing                                              | ready, heartbeat                            |
 | entry       | submit, `abort.*`, info, command, tokenize, ANN      | `out.*`, heartbeat                          |
-| tokenizer   | tokenized (`.*`), OUT, ANN, entry's and clients' inboxes | submit, `client.*.submit`, tokenize, heartbeat |
-| scheduler   | `tokens.*`, OUT, ANN, entry's and tokenizer's inboxes | tokenized (`.*`), `abort.*`, `client.*.abort.*`, info, command |
-| detokenizer | OUT, ANN                                             | `tokens.*`                                  |
+| tokenizer   | tokenized (`.*`), OUT, ANN, entry's and clients' inboxes, `kv.snapshot.*` | submit, `client.*.submit`, tokenize, heartbeat, `kv.events.*` |
+| scheduler   | `tokens.*`, OUT, ANN, entry's and tokenizer's inboxes, `kv.events.*` | tokenized (`.*`), `abort.*`, `client.*.abort.*`, info, command, `kv.snapshot.*`, heartbeat |
+| detokenizer | OUT, ANN                                             | `tokens.*`, `abort.*`, `client.*.abort.*`   |
 | trace_exporter | ANN, JS (the span stream's JetStream API)        | `spans.>`                                   |
 | client `c`  | `client.c.submit`, `client.c.abort.*`                | `client.c.out.*`                            |
 
@@ -76,16 +76,18 @@ def role_permissions(namespace: str, role: str) -> Permissions:
                            subscribe=(f"{ns}.out.*", s.heartbeat, inbox))
     if role == "tokenizer":
         replies = (inbox_prefix(ns, "entry") + ".>", f"_INBOX.{ns}.client.*.>")
-        return Permissions(publish=(s.tokenized, s.tokenized_any_replica, *outputs, *announce, *replies),
-                           subscribe=(s.submit, s.client_submit_any, s.tokenize, s.heartbeat, inbox))
+        return Permissions(publish=(s.tokenized, s.tokenized_any_replica, *outputs, *announce, *replies,
+                                    s.kv_snapshot_any),
+                           subscribe=(s.submit, s.client_submit_any, s.tokenize, s.heartbeat, s.kv_events_any, inbox))
     if role == "scheduler":
         replies = (inbox_prefix(ns, "entry") + ".>", inbox_prefix(ns, "tokenizer") + ".>")
-        return Permissions(publish=(f"{ns}.tokens.*", *outputs, *announce, *replies),
+        return Permissions(publish=(f"{ns}.tokens.*", *outputs, *announce, *replies, s.kv_events_any),
                            subscribe=(s.tokenized, s.tokenized_any_replica, s.abort_any, s.client_abort_any,
-                                      s.scheduler_info,
+                                      s.scheduler_info, s.kv_snapshot_any, s.heartbeat,
                                       s.scheduler_command, inbox))
     if role == "detokenizer":
-        return Permissions(publish=(*outputs, *announce), subscribe=(f"{ns}.tokens.*", inbox))
+        return Permissions(publish=(*outputs, *announce),
+                           subscribe=(f"{ns}.tokens.*", s.abort_any, s.client_abort_any, inbox))
     raise ValueError(f"unknown role {role!r}; one of {ROLES}")
 
 

@@ -7,11 +7,13 @@ Layout (namespace `ns`, default "ringserve"):
 | `{ns}.req.submit`            | GenerateRequest    | any client -> tokenizers (queue group)            |
 | `{ns}.req.tokenized`         | TokenizedRequest   | tokenizer -> any scheduler replica (queue group)  |
 | `{ns}.req.tokenized.{r}`     | TokenizedRequest   | tokenizer -> scheduler replica `r` (routed)       |
-| `{ns}.tokens.{shard}`        | BatchTokenOutput   | scheduler -> detokenizer shard (one msg per step) |
+| `{ns}.tokens.{d}`            | BatchTokenOutput   | scheduler -> detokenizer `d` (one msg per step)   |
 | `{ns}.out.{rid}`             | RequestOutput      | detokenizer/tokenizer/scheduler -> the requester  |
 | `{ns}.abort.{rid}`           | AbortRequest       | requester -> scheduler                            |
 | `{ns}.control.ready`         | ActorReady         | every actor -> launcher                           |
 | `{ns}.control.heartbeat`     | Heartbeat          | every actor -> entry, launcher (liveness)         |
+| `{ns}.kv.events.{r}`         | KvEvents           | scheduler replica `r` -> tokenizers (cache index) |
+| `{ns}.kv.snapshot.{r}`       | (request/reply)    | tokenizer -> replica `r`, replies KvSnapshot      |
 | `{ns}.control.scheduler.info`| (request/reply)    | anyone -> scheduler rank 0, replies SchedulerInfo |
 | `{ns}.control.scheduler.command`| ControlCommand  | operator -> scheduler rank 0, replies ControlReply |
 | `{ns}.tokenizer.tokenize`    | TokenizeQuery      | entry -> tokenizers (queue group), replies TokenizeReply |
@@ -24,6 +26,9 @@ Layout (namespace `ns`, default "ringserve"):
 trace exporter.) Tracing names spans after subject templates (`subject_template`: `out.{rid}`,
 `tokens.{shard}`, ...), never after a concrete per-request subject.
 
+A request's detokenizer `d` is chosen per request, among the live detokenizers, by the rendezvous hash of its
+rid (`detokenizer_for`), and stamped on its TokenizedRequest.
+
 Rids become subject tokens, so they are validated: `.`, `*`, `>` or whitespace in a rid would route a
 stream to the wrong subscriber or let a wildcard subscriber read every stream.
 
@@ -35,10 +40,11 @@ unscoped rid (e.g. one from HTTP) can alias a client's request.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import uuid
-import zlib
 from dataclasses import dataclass
+from typing import Iterable
 
 # One pattern for every client-chosen subject token: request ids and namespaces.
 RID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -85,9 +91,16 @@ def validate_ring_rid(rid: object) -> str:
     return rid  # type: ignore[return-value]
 
 
-def detokenizer_shard(rid: str, num_shards: int) -> int:
-    """Which detokenizer shard owns `rid` (stable across processes, unlike hash())."""
-    return zlib.crc32(rid.encode()) % num_shards
+def rendezvous(key: bytes, members: Iterable[int]) -> int:
+    """The member (a non-negative id) with the highest hash of `key` and its id: every process agrees without
+    sharing state (unlike hash()). Removing a member moves only the keys it had; adding one takes about 1/n of
+    the keys from the others and moves no other key. ValueError when `members` is empty."""
+    return max(members, key=lambda member: hashlib.blake2b(key + member.to_bytes(4, "little"), digest_size=8).digest())
+
+
+def detokenizer_for(rid: str, detokenizers: Iterable[int]) -> int:
+    """Which of `detokenizers` (their ids) serves request `rid`: the rendezvous hash of the rid."""
+    return rendezvous(rid.encode(), detokenizers)
 
 
 @dataclass(frozen=True)
@@ -117,8 +130,9 @@ class Subjects:
     def tokenized_any_replica(self) -> str:
         return f"{self.namespace}.req.tokenized.*"
 
-    def tokens(self, shard: int) -> str:
-        return f"{self.namespace}.tokens.{int(shard)}"
+    def tokens(self, detokenizer: int) -> str:
+        """The step messages for detokenizer `detokenizer` (its id, the `rank` in its heartbeat)."""
+        return f"{self.namespace}.tokens.{int(detokenizer)}"
 
     def output(self, rid: str) -> str:
         """Where request `rid`'s outputs go: `{ns}.out.{rid}`, or `{ns}.client.{c}.out.{r}` for a scoped rid."""
@@ -177,6 +191,22 @@ class Subjects:
     @property
     def heartbeat(self) -> str:
         return f"{self.namespace}.control.heartbeat"
+
+    def kv_events(self, replica: int) -> str:
+        """Scheduler replica `replica`'s prefix-cache events (`KvEvents`), which every tokenizer's router reads."""
+        return f"{self.namespace}.kv.events.{int(replica)}"
+
+    @property
+    def kv_events_any(self) -> str:
+        return f"{self.namespace}.kv.events.*"
+
+    def kv_snapshot(self, replica: int) -> str:
+        """Request/reply: replica `replica`'s whole prefix-cache index (`InfoQuery` -> `KvSnapshot`)."""
+        return f"{self.namespace}.kv.snapshot.{int(replica)}"
+
+    @property
+    def kv_snapshot_any(self) -> str:
+        return f"{self.namespace}.kv.snapshot.*"
 
     @property
     def scheduler_info(self) -> str:

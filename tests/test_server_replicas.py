@@ -1,12 +1,15 @@
 """Two scheduler replicas (`--dp 2`) behind one ring, with the real model: both serve, greedy output is what
 one replica gives, requests sharing a long prefix land where that prefix is cached, a burst spreads over
-both, operator commands reach every replica, and a replica killed under load ends only its own requests
-while the other serves on, then comes back."""
+both, operator commands reach every replica, and a replica killed (or stopped) under load ends only its own
+requests while the other serves on, then comes back; the routers follow what each replica's prefix cache
+reports it holds and evicts."""
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import os
+import re
 import signal
 import threading
 import time
@@ -16,6 +19,13 @@ import httpx
 import pytest
 
 from actors.common.model_source import DEFAULT_MODEL
+from bus.connection import BusConnection, Delivery
+from bus.credentials import NatsCredentials, load_credentials_file
+from bus.kv_blocks import BLOCK, block_hashes
+from bus.messages import Accepted, InfoQuery, KvEvents, KvSnapshot, TokenizedRequest
+from bus.params import SamplingParams
+from bus.permissions import inbox_prefix
+from bus.subjects import Subjects, rendezvous
 from tests.server_helpers import ServerHandle, sse_events, start_server
 
 GREEDY = {"max_tokens": 6, "temperature": 0}
@@ -23,7 +33,7 @@ GREEDY = {"max_tokens": 6, "temperature": 0}
 
 @pytest.fixture(scope="module")
 def dp_server() -> Iterator[ServerHandle]:
-    handle = start_server(DEFAULT_MODEL, extra=["--dp", "2", "--max-total-tokens", "16384"])
+    handle = start_server(DEFAULT_MODEL, extra=["--dp", "2", "--max-total-tokens", "16384", "--watchdog-timeout", "5"])
     yield handle
     assert handle.stop() == 0
 
@@ -123,3 +133,125 @@ def test_a_weight_update_is_answered_by_every_replica(dp_server: ServerHandle) -
                           json={"model_path": "/nonexistent/model.gguf"})
     assert response.status_code == 400 and response.json()["error"]["param"] == "model_path", response.text
     assert all(r["up"] for r in info(dp_server)["replicas"])
+
+
+def _as_tokenizer(server: ServerHandle) -> tuple[str, NatsCredentials]:
+    """The ring's NATS URL and the tokenizer role's credentials, from the launcher's log."""
+    url = re.search(r"started nats-server pid=\d+ url=(\S+)", server.log())
+    creds_dir = re.search(r"nats per-role users credentials_dir=(\S+)", server.log())
+    assert url and creds_dir, "the launcher logs its NATS URL and the per-role credentials"
+    return url.group(1), load_credentials_file(os.path.join(creds_dir.group(1), "tokenizer.json"))
+
+
+def _generate(server: ServerHandle, ids: list[int]) -> dict[str, Any]:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    response = httpx.post(server.base_url + "/generate", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _routed_to(server: ServerHandle, ids: list[int]) -> tuple[int, int]:
+    """Which replica served a /generate of `ids`, and its cached tokens."""
+    before = [r["requests_routed"] for r in info(server)["replicas"]]
+    reply = _generate(server, ids)
+    after = [r["requests_routed"] for r in info(server)["replicas"]]
+    moved = [i for i, (a, b) in enumerate(zip(after, before)) if a != b]
+    assert len(moved) == 1, (before, after)
+    return moved[0], reply["meta_info"]["cached_tokens"]
+
+
+def test_the_routers_follow_what_a_replica_caches_and_evicts(dp_server: ServerHandle) -> None:
+    ids = [1000 + (i * 37) % 20000 for i in range(5 * BLOCK)]
+    blocks = block_hashes(ids)
+    home = rendezvous(blocks[0], [0, 1])  # where a router sends this prefix while no replica holds it
+    other = 1 - home
+    url, creds = _as_tokenizer(dp_server)
+    subjects = Subjects(dp_server.namespace)
+
+    async def until_reported(action: Any, stored: bool) -> None:
+        """Run `action`, then wait until replica `other` reports the prefix's blocks stored (or removed)."""
+        bus = await BusConnection.connect(url, "kv-test", credentials=creds,
+                                          inbox_prefix=inbox_prefix(dp_server.namespace, "tokenizer"))
+        seen: set[bytes] = set()
+        done = asyncio.Event()
+
+        async def on_events(events: KvEvents, delivery: Delivery) -> None:
+            seen.update(events.stored if stored else events.removed)
+            if set(blocks) <= seen:
+                done.set()
+
+        try:
+            await bus.subscribe(subjects.kv_events(other), KvEvents, on_events)
+            await action(bus)
+            await asyncio.wait_for(done.wait(), 60)
+            snapshot = await bus.request(subjects.kv_snapshot(other), InfoQuery(), KvSnapshot, 10)  # a resync
+            assert (set(blocks) <= set(snapshot.blocks)) == stored and snapshot.seq >= 1
+        finally:
+            await bus.close()
+
+    async def submit_to_other(bus: BusConnection) -> None:  # behind every router's back, straight to `other`
+        request = TokenizedRequest(rid="kv-direct", input_ids=ids, sampling=SamplingParams(max_new_tokens=2))
+        accepted = await bus.request(subjects.tokenized_for(other), request, Accepted, 30)
+        assert accepted.replica == other
+
+    async def flush(bus: BusConnection) -> None:
+        await asyncio.to_thread(httpx.post, dp_server.base_url + "/flush_cache", json={}, timeout=30)
+
+    asyncio.run(until_reported(submit_to_other, stored=True))
+    where, cached = _routed_to(dp_server, ids + [7, 8, 9])
+    assert where == other and cached >= len(ids) - BLOCK, "the router prefers the replica that reported the prefix"
+    asyncio.run(until_reported(flush, stored=False))  # its own eviction (a flush) reported as removals
+    where, cached = _routed_to(dp_server, ids + [7, 8, 10])
+    assert where == home and cached == 0, "evicted: no preference left, the rendezvous pick"
+
+
+def _stream_until(server: ServerHandle, prompt: str, started: threading.Event) -> tuple[str, float]:
+    """`_stream`, and when it ended (time.monotonic())."""
+    outcome = _stream(server, prompt, started)
+    return outcome, time.monotonic()
+
+
+def test_a_stopped_replica_is_detected_ends_only_its_requests_and_is_replaced(dp_server: ServerHandle) -> None:
+    prompts = [f"Tale {i}: far away there lived" for i in range(8)]
+    events = [threading.Event() for _ in prompts]
+    old_pid = dp_server.actor_pids()["scheduler1"]
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            futures = [pool.submit(_stream_until, dp_server, p, e) for p, e in zip(prompts, events)]
+            assert all(e.wait(60) for e in events)
+            running = {r["id"]: r["num_running_reqs"] for r in info(dp_server)["replicas"]}
+            assert running[0] > 0 and running[1] > 0, running
+            os.kill(old_pid, signal.SIGSTOP)  # alive but silent: no heartbeat, no step, no reply
+            stopped_at = time.monotonic()
+            ended: list[tuple[str, float]] = []
+            pending = set(futures)
+            while pending and [o for o, _ in ended].count("error") < running[1]:
+                done, pending = concurrent.futures.wait(pending, 60, concurrent.futures.FIRST_COMPLETED)
+                assert done, f"no stream ended within 60 s of the stop: {ended}"
+                ended += [f.result() for f in done]
+            fresh = complete(dp_server, "A new request after the stop:")  # at once, served by the other replica
+            assert fresh["choices"][0]["finish_reason"] == "length"
+            ended += [f.result(timeout=120) for f in pending]
+            errors = [at - stopped_at for outcome, at in ended if outcome == "error"]
+            assert len(errors) == running[1], f"exactly the stopped replica's streams end with errors: {ended}"
+            assert max(errors) < 3.0, f"the stall is detected within 3 s: {errors}"
+            assert [o for o, _ in ended].count("done") == len(prompts) - running[1], ended
+        waiting_since = time.monotonic()  # (the other replica's streams may have taken long under load)
+        while time.monotonic() - waiting_since < 120:  # the watchdog kills it (5 s of silence) and it comes back
+            if dp_server.actor_pids().get("scheduler1") not in (None, old_pid) and 1 in [
+                    r["id"] for r in info(dp_server)["replicas"] if r["up"]]:
+                break
+            time.sleep(0.5)
+        else:
+            raise AssertionError("the stopped replica was not replaced")
+    finally:
+        try:
+            os.kill(old_pid, signal.SIGCONT)  # never leave a stopped process behind
+        except ProcessLookupError:
+            pass
+    with pytest.raises(ProcessLookupError):
+        os.kill(old_pid, 0)  # the stopped process was killed, not resumed
+    assert "stalled" in dp_server.log() and "restarting it" in dp_server.log()
+    counters = info(dp_server)
+    assert counters["entry_admitted_total"] == counters["entry_terminal_total"]
+    assert complete(dp_server, "And one after the restart:")["choices"][0]["finish_reason"] == "length"

@@ -1,8 +1,13 @@
 """The life of one actor process: logging, bus connection, ready announcement, orderly or fail-stop exit.
 
 An actor's `main(ctx)` subscribes what it needs and returns a dict describing itself; the runtime then
-announces `ActorReady` on `{ns}.control.ready` and waits until SIGTERM/SIGINT (exit 0) or until the bus
-connection is lost for good or the actor calls `ctx.fail()` (exit 1, so the launcher tears the ring down).
+announces `ActorReady` on `{ns}.control.ready` and serves until a signal (exit 0) or until the bus connection
+is lost for good or the actor calls `ctx.fail()` (exit 1, so the launcher tears the ring down).
+
+SIGTERM/SIGINT drains: the first signal sets `ctx.draining` and runs the actor's `ctx.on_drain` hooks (each
+stops its intake: unsubscribes, refuses new HTTP requests), heartbeats go on (saying `draining`), and once
+`ctx.live_rids()` is 0 the actor stops. A second signal, or `--drain-timeout` seconds, stops it at once
+(what it still holds ends through its `on_stop` hooks). A signal before the actor is ready stops it at once.
 
 The actor connects with the credentials its flags name (a file path or a user name; passwords only in files or
 the environment, never on the command line) and with its role's own reply-inbox prefix (bus/permissions.py).
@@ -30,6 +35,8 @@ from observability.tracing_config import add_tracing_arguments
 
 log = logging.getLogger("actor")
 HEARTBEAT_SECONDS = 0.5
+DEFAULT_DRAIN_SECONDS = 30.0
+DRAIN_POLL_SECONDS = 0.05
 
 
 @dataclass
@@ -43,6 +50,10 @@ class ActorContext:
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
     exit_code: int = 0
     on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    # set on the first SIGTERM/SIGINT: the actor takes no new work and stops once `live_rids()` is 0
+    draining: asyncio.Event = field(default_factory=asyncio.Event)
+    # run once when draining starts, in order: each stops part of the actor's intake
+    on_drain: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     # how many requests this actor holds state for; reported in every heartbeat (0 for stateless actors)
     live_rids: Callable[[], int] = lambda: 0
     # a scheduler replica's load, in its heartbeats (what the tokenizers route by); None for other roles
@@ -63,6 +74,9 @@ def add_bus_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nats-url", required=True, help="NATS server URL, e.g. nats://127.0.0.1:4222")
     parser.add_argument("--namespace", default="ringserve", help="subject prefix isolating this deployment")
     parser.add_argument("--log-level", default=os.environ.get("RINGSERVE_LOG_LEVEL", "INFO"))
+    parser.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_SECONDS, metavar="SECONDS",
+                        help="on SIGTERM/SIGINT, finish the requests held for at most this long, then stop "
+                             "(a second signal stops at once)")
     add_nats_auth_arguments(parser)
     add_tracing_arguments(parser)
 
@@ -98,15 +112,33 @@ async def _serve(role: str, rank: int, args: argparse.Namespace, main: ActorMain
     ctx_holder.append(ctx)
     await start_tracing(args, role, rank, bus, ctx.subjects)  # before main: actors look at tracing.enabled()
     loop = asyncio.get_running_loop()
+    serving = False
+    draining: list[asyncio.Task[None]] = []
+
+    def on_signal(sig: signal.Signals) -> None:
+        if not serving or ctx.draining.is_set():  # not ready yet, or the second signal: stop now
+            log_event(log, logging.INFO, "stopping", role=role, rank=rank, signal=sig.name)
+            ctx.stopping.set()
+        else:
+            log_event(log, logging.INFO, "draining", role=role, rank=rank, signal=sig.name,
+                      live_rids=ctx.live_rids(), timeout_s=args.drain_timeout)
+            ctx.draining.set()
+            draining.append(loop.create_task(_drain(ctx, args.drain_timeout)))
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, ctx.stopping.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     detail = await main(ctx)
     await bus.publish(ctx.subjects.ready, ActorReady(role=role, rank=rank, pid=os.getpid(), detail=detail))
     await bus.flush()
     log_event(log, logging.INFO, "ready", role=role, rank=rank, pid=os.getpid())
+    serving = True
     beating = asyncio.get_running_loop().create_task(_heartbeat(ctx))
     await ctx.stopping.wait()
     beating.cancel()
+    for task in draining:
+        task.cancel()
+    if ctx.draining.is_set() and ctx.exit_code == 0:  # a last beat: it left with nothing held (or gave up)
+        await _beat(ctx)
     for cleanup in ctx.on_stop:
         try:
             await asyncio.wait_for(cleanup(), timeout=10)
@@ -123,15 +155,49 @@ async def _serve(role: str, rank: int, args: argparse.Namespace, main: ActorMain
     return ctx.exit_code
 
 
+async def _drain(ctx: ActorContext, timeout: float) -> None:
+    """Stop the intake (the actor's `on_drain` hooks), wait until nothing is held or `timeout`, then stop."""
+    if ctx.stopping.is_set():  # a second signal came before this task ran
+        return
+    await _beat(ctx)  # say `draining` now, so routers stop choosing this actor before its intake closes
+    for hook in ctx.on_drain:
+        try:
+            await hook()
+        except Exception:  # a hook that fails must not keep the actor from stopping
+            log.exception("drain hook failed")
+    deadline = asyncio.get_running_loop().time() + timeout
+    while ctx.live_rids() > 0 and not ctx.stopping.is_set():
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            log_event(log, logging.WARNING, "drain timed out; stopping with requests held", role=ctx.role,
+                      rank=ctx.rank, live_rids=ctx.live_rids(), timeout_s=timeout)
+            break
+        try:
+            await asyncio.wait_for(ctx.stopping.wait(), min(DRAIN_POLL_SECONDS, left))
+        except asyncio.TimeoutError:
+            pass
+    if ctx.live_rids() == 0:
+        log_event(log, logging.INFO, "drained", role=ctx.role, rank=ctx.rank)
+    ctx.stopping.set()
+
+
+async def _beat(ctx: ActorContext) -> None:
+    """Publish one Heartbeat (a scheduler's load says whether it drains)."""
+    load = ctx.load()
+    if load is not None and ctx.draining.is_set():
+        load.draining = True
+    beat = Heartbeat(role=ctx.role, rank=ctx.rank, pid=os.getpid(), interval=HEARTBEAT_SECONDS,
+                     live_rids=ctx.live_rids(), load=load, draining=ctx.draining.is_set())
+    try:
+        await ctx.bus.publish(ctx.subjects.heartbeat, beat)
+    except Exception as exc:  # disconnected: the reconnect logic reports it; keep beating
+        log_event(log, logging.DEBUG, "heartbeat not sent", error=repr(exc))
+
+
 async def _heartbeat(ctx: ActorContext) -> None:
     """Publish a Heartbeat every HEARTBEAT_SECONDS from the event loop: a stalled loop or process goes silent."""
     while True:
-        beat = Heartbeat(role=ctx.role, rank=ctx.rank, pid=os.getpid(), interval=HEARTBEAT_SECONDS,
-                         live_rids=ctx.live_rids(), load=ctx.load())
-        try:
-            await ctx.bus.publish(ctx.subjects.heartbeat, beat)
-        except Exception as exc:  # disconnected: the reconnect logic reports it; keep beating
-            log_event(log, logging.DEBUG, "heartbeat not sent", error=repr(exc))
+        await _beat(ctx)
         await asyncio.sleep(HEARTBEAT_SECONDS)
 
 
@@ -143,4 +209,14 @@ def run_actor(role: str, args: argparse.Namespace, main: ActorMain, rank: int = 
     except Exception:
         log.exception("%s crashed", role)
         code = 1
-    sys.exit(code)
+    exit_now(code)
+
+
+def exit_now(code: int) -> None:
+    """End the process with `code` once its work is flushed and closed, skipping the interpreter's teardown
+    (joining torch's and the tokenizers' threads, collecting modules: seconds on a busy host, paid by every
+    stop of a ring, once per shutdown wave)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,4 +1,4 @@
-"""`python -m actors.detokenizer`: run the detokenizer for one shard."""
+"""`python -m actors.detokenizer`: run one detokenizer (its id: `--shard`)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,23 @@ from actors.common.runtime import add_bus_arguments, run_actor
 from actors.common.torch_threads import limit_torch_threads
 
 
-def main() -> None:
-    """Parse flags and run the detokenizer actor until stopped."""
-    parser = argparse.ArgumentParser(prog="ringserve-detokenizer", description="ringserve detokenizer actor")
+def build_parser(prog: str = "ringserve-detokenizer") -> argparse.ArgumentParser:
+    """The detokenizer's flags (`ringserve worker --role detokenizer` takes the same)."""
+    parser = argparse.ArgumentParser(prog=prog, description="ringserve detokenizer actor")
     add_bus_arguments(parser)
     parser.add_argument("--model", required=True, help="model name, .gguf file or model directory")
-    parser.add_argument("--shard", type=int, default=0, help="which `{ns}.tokens.{shard}` subject to serve")
-    args = parser.parse_args()
+    parser.add_argument("--shard", type=int, default=0,
+                        help="this detokenizer's id: it serves `{ns}.tokens.{shard}`, and tokenizers choose it for new "
+                             "requests from its heartbeats")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse flags and run the detokenizer actor until stopped."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.shard < 0:
+        parser.error("--shard must be >= 0")
     limit_torch_threads()
     from actors.detokenizer.actor import detokenizer_main
 

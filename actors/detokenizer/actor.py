@@ -1,6 +1,7 @@
-"""Detokenizer actor: `{ns}.tokens.{shard}` -> incremental decode -> `{ns}.out.{rid}`.
+"""Detokenizer actor: `{ns}.tokens.{id}` -> incremental decode -> `{ns}.out.{rid}`.
 
-Owns one `IncrementalDecoder` per live rid of its shard, created from the first row of a request (which
+Each request's rows come to the one detokenizer the tokenizer chose for it among the live ones
+(`placement.py`); its id is the `rank` of its heartbeat. Owns one `IncrementalDecoder` per live rid it serves, created from the first row of a request (which
 carries the request's DecodeParams) and deleted on the row that finishes it, so every end path (finish,
 abort, error) frees the state. Stop strings are decided by the scheduler; the decoder trims the one it is told.
 
@@ -8,11 +9,20 @@ A lost step message must not shorten a text silently or leave its stream waiting
 output index `completion_tokens - len(token_ids)`, so a row that does not start where the request's tokens so
 far end, and a row of a request whose first row (with its DecodeParams) never came, end that request at once
 with a 503 error. Its later rows are dropped (a bounded memory of such rids).
+
+A request whose last rows never come (lost in a NATS node that hung, or its scheduler died) must not hold
+state here forever: the detokenizer hears every abort, which the requester publishes whenever it ends a
+stream itself, and forgets an aborted request that has no row for `ABORT_GRACE_SECONDS` (the scheduler's
+final row of a live abort comes within milliseconds and frees it first). Aborts published while this
+detokenizer's connection was down are lost to it, so after each reconnect every request it holds gets the
+same grace, renewed by each row that still comes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -23,17 +33,20 @@ from actors.detokenizer.incremental import IncrementalDecoder
 from actors.detokenizer.token_bytes import TokenBytes
 from bus.connection import Delivery
 from bus.errors import server_error
-from bus.messages import BatchTokenOutput, RequestOutput, TokenLogprob, TokenRow, TopLogprob
+from bus.messages import AbortRequest, BatchTokenOutput, RequestOutput, TokenLogprob, TokenRow, TopLogprob
 from observability.logging import log_event
 
 log = logging.getLogger("detokenizer")
 MAX_BROKEN_RIDS = 10_000
+ABORT_GRACE_SECONDS = 5.0  # an aborted request with no row for this long lost its last rows: forget it
+RECONNECT_GRACE_SECONDS = 10.0  # after a reconnect, a held request with no row for this long: forget it
 
 
 class DetokenizerActor:
     """Turns each scheduler step's token rows into per-request text deltas."""
 
     def __init__(self, ctx: ActorContext, model: str, shard: int) -> None:
+        """`shard`: this detokenizer's id (it serves `{ns}.tokens.{shard}`)."""
         self._ctx = ctx
         self._shard = shard
         self._tokenizer = load_tokenizer(resolve_model(model))
@@ -43,19 +56,57 @@ class DetokenizerActor:
         self._received: dict[str, int] = {}  # per live rid: output tokens decoded so far
         self._broken: OrderedDict[str, None] = OrderedDict()  # rids ended for lost rows: drop what still comes
         self._spans = detokenize_spans.create()  # no-ops unless tracing is on
+        self._aborted: dict[str, float] = {}  # rid -> when to forget it, unless a row comes first
+        self._sweeper: asyncio.Task[None] | None = None
 
     async def start(self) -> dict[str, Any]:
         self._ctx.live_rids = lambda: len(self._decoders.keys() | self._next_seq.keys() | self._received.keys())
         subject = self._ctx.subjects.tokens(self._shard)
         await self._ctx.bus.subscribe(subject, BatchTokenOutput, self._on_batch, queue=f"detokenizer-{self._shard}")
+        for aborts in (self._ctx.subjects.abort_any, self._ctx.subjects.client_abort_any):
+            await self._ctx.bus.subscribe(aborts, AbortRequest, self._on_abort)
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep_aborted())
         self._ctx.on_stop.append(self._close_spans)
         return {"shard": self._shard}
 
     async def _close_spans(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         self._spans.close_all("the detokenizer stopped")
+
+    def _reconnects(self) -> int:
+        return int(self._ctx.bus.client.stats.get("reconnects", 0))
+
+    def _holds(self, rid: str) -> bool:
+        return rid in self._decoders or rid in self._next_seq or rid in self._received
+
+    async def _on_abort(self, abort: AbortRequest, delivery: Delivery) -> None:
+        if self._holds(abort.rid):
+            self._aborted[abort.rid] = time.monotonic() + ABORT_GRACE_SECONDS
+
+    async def _sweep_aborted(self) -> None:
+        reconnects = self._reconnects()
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            if self._reconnects() != reconnects:  # aborts sent meanwhile never reached us
+                reconnects = self._reconnects()
+                for rid in self._decoders.keys() | self._next_seq.keys() | self._received.keys():
+                    self._aborted.setdefault(rid, now + RECONNECT_GRACE_SECONDS)
+            for rid, deadline in list(self._aborted.items()):
+                if now >= deadline:
+                    del self._aborted[rid]
+                    if self._holds(rid):
+                        log_event(log, logging.WARNING, "an aborted request's last rows never came; forgetting it",
+                                  rid=rid)
+                        self._forget(rid)
+                        self._next_seq.pop(rid, None)
+                        self._spans.close(rid, "aborted; its last rows never came")
 
     async def _on_batch(self, batch: BatchTokenOutput, delivery: Delivery) -> None:
         for row in batch.rows:
+            if row.rid in self._aborted:  # rows still come: the scheduler ends it (or already has)
+                self._aborted[row.rid] = time.monotonic() + ABORT_GRACE_SECONDS
             traceparent = self._spans.begin(row) or delivery.traceparent
             try:
                 output = self._decode_row(row)

@@ -23,6 +23,9 @@ class NoDetokenizeSpans:
     def after(self, row: TokenRow, output: RequestOutput | None) -> None:
         """After publishing `row`'s output: the request's last output ends its span."""
 
+    def close(self, rid: str, reason: str) -> None:
+        """End request `rid`'s span with an error (it was forgotten without its last row)."""
+
     def close_all(self, reason: str) -> None:
         """End every open span (the detokenizer is stopping)."""
 
@@ -62,6 +65,12 @@ class DetokenizeSpans(NoDetokenizeSpans):
                 error = "aborted"
         del self._live[row.rid]
         tracing.end_span(span, error=error)
+
+    def close(self, rid: str, reason: str) -> None:
+        live = self._live.pop(rid, None)
+        self._outputs.pop(rid, None)
+        if live is not None:
+            tracing.end_span(live[0], error=reason)
 
     def close_all(self, reason: str) -> None:
         for span, _ in self._live.values():

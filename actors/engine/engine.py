@@ -74,9 +74,10 @@ class Engine:
         self.tokenizer = tokenizer
         dtype = model.model.embed_tokens.weight.dtype
         head_dim = head_dim_of(mc)
-        per_token = KVPool.bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, head_dim, dtype)
+        kv_heads = model.model.layers[0].self_attn.num_kv_heads  # this rank's share under tensor parallelism
+        per_token = KVPool.bytes_per_token(mc.num_hidden_layers, kv_heads, head_dim, dtype)
         num_slots = config.kv_pool_tokens(per_token, self.context_length)
-        self.pool = KVPool(mc.num_hidden_layers, num_slots, mc.num_key_value_heads, head_dim, dtype, self.device)
+        self.pool = KVPool(mc.num_hidden_layers, num_slots, kv_heads, head_dim, dtype, self.device)
         self.table = TokenTable(config.max_running_requests, min(self.context_length, num_slots), self.device,
                                 self.pool.scratch_slot)
         prefix_cache = create_prefix_cache(not config.disable_radix_cache, self.device)
@@ -117,7 +118,7 @@ class Engine:
         from actors.engine.weights import load_model
 
         model = load_model(source, DTYPES[config.resolved_dtype()], config.resolved_device())
-        apply_quantization(model, config)  # each quantized layer keeps its kernel plan (reported by stats())
+        apply_quantization(model, config, source)  # each quantized layer keeps its kernel plan (reported by stats())
         return cls(model, config, tokenizer if tokenizer is not None else load_tokenizer(source), source.name)
 
     @property
@@ -333,6 +334,10 @@ class Engine:
     def flush_cache(self) -> int:
         """Drop every cached prefix no live request uses; returns the number of KV slots freed."""
         return self.cache.flush()
+
+    def kv_events(self) -> tuple[list[bytes], list[bytes]]:
+        """Block hashes the prefix cache stored and evicted since the last call (`BasePrefixCache.take_block_events`)."""
+        return self.cache.prefix_cache.take_block_events()
 
     def check_integrity(self) -> None:
         """Assert that the pool is partitioned exactly among free slots, the prefix cache and live requests."""

@@ -51,6 +51,10 @@ class EngineInterface(Protocol):
     def flush_cache(self) -> int:
         """Drop every cached prefix no live request uses; the number of KV slots freed."""
 
+    def kv_events(self) -> tuple[list[bytes], list[bytes]]:
+        """`(stored, removed)`: hashes (`bus.kv_blocks`) of the whole blocks the prefix cache stored and evicted
+        since the last call, netted; the scheduler publishes them as `KvEvents`."""
+
     def pause(self) -> None:
         """Stop starting steps; running requests keep their KV, new ones queue (a step in flight is applied)."""
 

@@ -12,6 +12,7 @@ oversized batches run eagerly.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -39,7 +40,11 @@ class ModelRunner:
         self.table = table
         self.thread_tuner: ThreadTuner | None = None
         self.device = table.table.device
-        self.backend: AttentionBackend = create_backend(backend, pool.k, pool.v, model.config.num_attention_heads)
+        # this rank's heads: a tensor-parallel shard keeps 1/tp of them (actors/engine/tensor_parallel.py)
+        heads = model.model.layers[0].self_attn.num_heads
+        self.backend: AttentionBackend = create_backend(backend, pool.k, pool.v, heads)
+        # tensor parallelism, rank 0: hands each eager forward's layout to the follower ranks first (tp_engine.py)
+        self.tp_sender: Callable[[list[int], list[int], list[int], torch.Tensor, ForwardInfo], None] | None = None
         if backend == "triton" and self.device.type == "cuda":
             use_triton_kernels(model)
         self.graphs: CudaGraphRunner | None = None
@@ -82,21 +87,8 @@ class ModelRunner:
     def _forward_eager(self, batch: Batch, spans: list[tuple[int, int, int]] | None = None) -> torch.Tensor:
         """Logits `[S + E, V]`: of the batch's sampling rows, then of the `E` positions in `spans` (prompt
         tokens to score, `Batch.prompt_logit_spans`), through `backend.prepare` and the model."""
-        table_rows = batch.rows
-        positions = [p for start, n in zip(batch.starts, batch.extend_lens) for p in range(start, start + n)]
-        row_of_token = [row for row, n in zip(table_rows, batch.extend_lens) for _ in range(n)]
         device = self.device
-        # Host lists reach the device in non-blocking copies from pinned memory: no host sync on a GPU.
-        flat = to_device([positions, row_of_token], device)  # [2, T]
-        positions_t, rows_t = flat[0], flat[1]
-        req_rows = to_device(table_rows, device)
-        info = ForwardInfo(
-            q_lens_cpu=batch.extend_lens,
-            kv_lens_cpu=[start + n for start, n in zip(batch.starts, batch.extend_lens)],
-            req_rows=req_rows,
-            token_table=self.table.table,
-            out_slots=self.table.table[rows_t, positions_t],
-        )
+        positions_t, rows_t, info = self._layout(batch.rows, batch.starts, batch.extend_lens)
         input_ids = self.table.ids[rows_t, positions_t]
         ends = torch.tensor(batch.extend_lens, dtype=torch.int64).cumsum(0) - 1
         index = ends[torch.tensor(batch.samples, dtype=torch.bool)].tolist()
@@ -104,8 +96,36 @@ class ModelRunner:
             offset = int(ends[b]) - batch.extend_lens[b] + 1 - batch.starts[b]  # flat index of position 0
             index += range(offset + first, offset + first + count)
         logits_index = to_device(index, device)
+        if self.tp_sender is not None:
+            self.tp_sender(batch.rows, batch.starts, batch.extend_lens, input_ids, info)
         meta = self.backend.prepare(info)
         return self.model(input_ids, positions_t, self.backend, meta, logits_index)
+
+    def _layout(self, table_rows: list[int], starts: list[int],
+                extend_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, ForwardInfo]:
+        """Positions and table row of each of the step's tokens `[T]`, and the attention backend's input."""
+        positions = [p for start, n in zip(starts, extend_lens) for p in range(start, start + n)]
+        row_of_token = [row for row, n in zip(table_rows, extend_lens) for _ in range(n)]
+        device = self.device
+        # Host lists reach the device in non-blocking copies from pinned memory: no host sync on a GPU.
+        flat = to_device([positions, row_of_token], device)  # [2, T]
+        positions_t, rows_t = flat[0], flat[1]
+        info = ForwardInfo(
+            q_lens_cpu=extend_lens,
+            kv_lens_cpu=[start + n for start, n in zip(starts, extend_lens)],
+            req_rows=to_device(table_rows, device),
+            token_table=self.table.table,
+            out_slots=self.table.table[rows_t, positions_t],
+        )
+        return positions_t, rows_t, info
+
+    def forward_tokens(self, table_rows: list[int], starts: list[int], extend_lens: list[int],
+                       input_ids: torch.Tensor) -> None:
+        """A tensor-parallel follower's forward: rank 0's layout over `input_ids` (the token table's rows
+        already hold rank 0's slots), writing this rank's KV and taking part in the all-reduces; no logits."""
+        positions_t, _, info = self._layout(table_rows, starts, extend_lens)
+        meta = self.backend.prepare(info)
+        self.model(input_ids, positions_t, self.backend, meta, torch.empty(0, dtype=torch.int64, device=self.device))
 
     def _sample(self, batch: Batch, logits: torch.Tensor,
                 mask: tuple[torch.Tensor, list[int]] | None = None) -> ForwardOutput:

@@ -8,15 +8,21 @@ from actors.common.runtime import add_bus_arguments, run_actor
 from actors.entry.settings import EntrySettings, add_entry_arguments
 
 
-def main() -> None:
-    """Parse flags and run the HTTP entry actor until stopped."""
-    parser = argparse.ArgumentParser(prog="ringserve-entry", description="ringserve HTTP entry actor")
+def build_parser(prog: str = "ringserve-entry") -> argparse.ArgumentParser:
+    """The entry's flags (`ringserve worker --role entry` takes the same)."""
+    parser = argparse.ArgumentParser(prog=prog, description="ringserve HTTP entry actor")
     add_bus_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument("--served-model-name", required=True, help="model id shown in /v1/models")
     add_entry_arguments(parser)
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse flags and run the HTTP entry actor until stopped."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         settings = EntrySettings.from_args(args)
     except ValueError as exc:

@@ -1,7 +1,7 @@
 """Entry actor: serves the HTTP API with uvicorn inside the actor's event loop, next to its bus connection.
 
 Besides HTTP it listens to every actor's heartbeat (liveness: `/health`, and open streams fail fast when the
-scheduler or a detokenizer goes silent) and logs its own NATS disconnects and reconnects.
+scheduler or a detokenizer holding them goes silent) and logs its own NATS disconnects and reconnects.
 """
 
 from __future__ import annotations
@@ -64,6 +64,11 @@ async def entry_main(ctx: ActorContext, settings: EntrySettings) -> dict[str, An
                            liveness=liveness)
     ctx.live_rids = lambda: len(service.live)
 
+    async def drain() -> None:  # finish the open streams, refuse new requests (503)
+        service.draining = True
+
+    ctx.on_drain.append(drain)
+
     async def on_heartbeat(beat: Heartbeat, delivery: Delivery) -> None:
         liveness.record(beat)
 
@@ -72,9 +77,9 @@ async def entry_main(ctx: ActorContext, settings: EntrySettings) -> dict[str, An
 
     async def on_lost(names: list[str]) -> None:
         message = f"the ring lost {', '.join(names)}: no heartbeat for {liveness.silence_s:g}s"
-        replicas = {int(name.removeprefix("scheduler")) for name in names if name.startswith("scheduler")}
-        if len(replicas) == len(names) and liveness.live_replicas():  # other replicas serve: degrade
-            await service.fail_replicas(replicas, message)
+        held = liveness.degraded(names)
+        if held is not None:  # others of their roles serve: degrade, ending only the streams they held
+            await service.fail_held(held, message)
         else:
             await service.fail_all(message, reason="actor lost")
 

@@ -2,8 +2,11 @@
 
 The entry keeps the last beat of every (role, rank). A role is healthy while at least one of its actors beat
 within `silence_s` seconds; `/health` needs every role in `REQUIRED_ROLES` healthy. An actor of a role in
-`CRITICAL_ROLES` that beat before and then falls silent is "lost": every open stream depends on it, so the
-entry ends them all with an error (and aborts them) and refuses new requests until it beats again.
+`CRITICAL_ROLES` (a scheduler replica, a detokenizer) that beat before and then falls silent is "lost": the
+open streams it held depend on it. While another actor of its role beats, the ring degrades: the entry ends
+only the streams the lost one held (each stream knows its replica and its detokenizer from `Accepted`) and
+keeps admitting. When it was the last of its role, the entry ends every stream and refuses new requests until
+one beats again.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from observability.logging import log_event
 
 log = logging.getLogger("entry")
 REQUIRED_ROLES = ("scheduler", "tokenizer", "detokenizer")
-CRITICAL_ROLES = ("scheduler", "detokenizer")  # their silence strands every open stream
+CRITICAL_ROLES = ("scheduler", "detokenizer")  # their silence strands the open streams they hold
 DEFAULT_SILENCE_SECONDS = 2.0
 CHECK_SECONDS = 0.25
 
@@ -41,6 +44,11 @@ class ActorBeat:
         return f"{self.role}{self.rank}"
 
 
+def _left(beat: ActorBeat) -> bool:
+    """A replica that drained and said so in its last beat left on purpose, holding nothing: not lost."""
+    return beat.load is not None and beat.load.draining and beat.live_rids == 0
+
+
 class LivenessMonitor:
     """Tracks heartbeats and notices critical actors going silent."""
 
@@ -50,10 +58,14 @@ class LivenessMonitor:
         self._clock = clock
         self._beats: dict[str, ActorBeat] = {}
         self._lost: set[str] = set()  # critical actors reported silent and not heard from since
+        self._replaced: set[str] = set()  # critical actors that beat from a new process before their silence showed
 
     def record(self, beat: Heartbeat) -> None:
         """Note a heartbeat."""
         name = f"{beat.role}{beat.rank}"
+        previous = self._beats.get(name)
+        if previous is not None and previous.pid != beat.pid and beat.role in CRITICAL_ROLES and name not in self._lost:
+            self._replaced.add(name)  # restarted quickly: the old process and the streams it held are gone
         self._beats[name] = ActorBeat(beat.role, beat.rank, beat.pid, beat.live_rids, self._clock(), beat.load)
         if name in self._lost:
             self._lost.discard(name)
@@ -80,9 +92,16 @@ class LivenessMonitor:
         return out
 
     def live_replicas(self) -> list[int]:
-        """The scheduler replicas (their ids) that beat within `silence_s` seconds."""
+        """The scheduler replicas (their ids) that beat within `silence_s` seconds: the schedulers whose beats
+        carry a load (a `--tp` replica's follower ranks beat as schedulers too, without one)."""
         now = self._clock()
-        return sorted(b.rank for b in self._beats.values() if b.role == "scheduler" and self._alive(b, now))
+        return sorted(b.rank for b in self._beats.values()
+                      if b.role == "scheduler" and b.load is not None and self._alive(b, now))
+
+    def live_members(self, role: str) -> list[int]:
+        """The ids (ranks) of `role`'s actors that beat within `silence_s` seconds."""
+        now = self._clock()
+        return sorted(b.rank for b in self._beats.values() if b.role == role and self._alive(b, now))
 
     def actors(self) -> dict[str, dict[str, Any]]:
         """Every actor heard from: pid, seconds since its last beat, and its count of per-request state."""
@@ -94,22 +113,36 @@ class LivenessMonitor:
         """Critical actors that beat before and are silent now."""
         now = self._clock()
         return sorted(name for name, b in self._beats.items()
-                      if b.role in CRITICAL_ROLES and not self._alive(b, now))
+                      if b.role in CRITICAL_ROLES and not self._alive(b, now) and not _left(b))
 
     def blocking(self) -> list[str]:
-        """The lost actors that stop new requests: any detokenizer (a shard's rids would strand), schedulers
-        only when no scheduler replica is left (the others take the new requests)."""
-        lost = self.lost()
-        detokenizers = [name for name in lost if not name.startswith("scheduler")]
-        return detokenizers + ([name for name in lost if name.startswith("scheduler")]
-                               if not self.live_replicas() else [])
+        """The lost actors that stop new requests: those of a critical role with no live actor left (while
+        another beats, it takes the new requests)."""
+        return [name for name in self.lost() if not self.live_members(self._beats[name].role)]
+
+    def degraded(self, names: list[str]) -> dict[str, set[int]] | None:
+        """The lost actors `names` by role (`{"detokenizer": {1}}`) when each has another live actor of its role,
+        so only the streams they held end; None when one was the last of its role (every stream ends)."""
+        out: dict[str, set[int]] = {}
+        for name in names:
+            beat = self._beats[name]
+            if not self.live_members(beat.role):
+                return None
+            out.setdefault(beat.role, set()).add(beat.rank)
+        return out
+
+    def is_lost(self, role: str, rank: int | None) -> bool:
+        """Whether actor `rank` of `role` is in `lost()` (None: unknown, never lost)."""
+        return rank is not None and f"{role}{rank}" in self.lost()
 
     def newly_lost(self) -> list[str]:
-        """`lost()` minus those already returned by an earlier call (each loss is reported once)."""
+        """`lost()` minus those already returned by an earlier call (each loss is reported once), and the critical
+        actors replaced by a new process (a new pid) that was up before the old one's silence showed."""
         lost = self.lost()
         new = [name for name in lost if name not in self._lost]
         self._lost.update(new)
-        return new
+        replaced, self._replaced = sorted(self._replaced - set(new)), set()
+        return new + replaced
 
     async def wait_for_roles(self, timeout: float) -> None:
         """Return once every required role has beat, or after `timeout` seconds."""

@@ -8,14 +8,16 @@ import logging
 import sys
 
 from actors.common.model_source import DEFAULT_MODEL
-from actors.common.runtime import add_nats_auth_arguments
+from actors.common.runtime import add_nats_auth_arguments, exit_now
 from actors.launcher.nats_config_cmd import add_nats_config_command, nats_config
 from actors.launcher.submit_cmd import add_submit_command, submit_command
 from actors.launcher.supervisor import DEFAULT_WATCHDOG_SECONDS
 from actors.launcher.trace_buffer import add_trace_serve_arguments, read_hint
 from actors.launcher.trace_cmd import add_trace_command, trace_command
+from actors.launcher.worker_cmd import add_worker_command, worker_command
 from actors.entry.settings import add_entry_arguments
 from actors.scheduler.admission import add_admission_arguments
+from actors.scheduler.tp_follower import add_tp_arguments
 from observability.logging import log_event, setup_logging
 
 log = logging.getLogger("launcher")
@@ -31,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_nats_config_command(commands)
     add_trace_command(commands)
     add_submit_command(commands)
+    add_worker_command(commands)
     return parser
 
 
@@ -58,7 +61,8 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--dp", type=int, default=1,
                        help="scheduler replicas, each with its own engine and KV cache; the tokenizers route each "
                             "request to the replica holding its longest prefix unless it is overloaded")
-    serve.add_argument("--detokenizer-shards", type=int, default=1, help="detokenizer processes (rids are sharded)")
+    add_tp_arguments(serve)  # --tp: scheduler processes per replica (tensor parallelism), --tp-timeout
+    serve.add_argument("--detokenizer-shards", type=int, default=1, help="detokenizer processes; each request goes to one of the live ones (rendezvous hash of its rid)")
     EngineConfig.add_arguments(serve)
     add_entry_arguments(serve)  # HTTP limits and CORS; the API key comes from $RINGSERVE_API_KEY, never a flag
     add_admission_arguments(serve)  # the scheduler's caps on live requests, in total and per NATS client
@@ -103,9 +107,11 @@ def main(argv: list[str] | None = None) -> None:
         parser = argparse.ArgumentParser(prog="ringserve")
         add_submit_command(parser.add_subparsers(dest="command", required=True))
         sys.exit(submit_command(parser.parse_args(argv)))
+    if argv[:1] == ["worker"]:  # its flags depend on --role (and a scheduler must set threads before torch loads)
+        sys.exit(worker_command(argv[1:]))
     args = build_parser().parse_args(argv)
     if args.command == "serve":
-        sys.exit(serve(args))
+        exit_now(serve(args))  # the ring is stopped and its files are gone: no slow interpreter teardown
     if args.command == "nats-config":
         sys.exit(nats_config(args))
     if args.command == "trace":

@@ -8,11 +8,16 @@ file on its command line (`--nats-creds`), so no secret appears in `ps` or in a 
 With an external NATS (`--nats-url`), `external_actor_args` forwards what the operator gave: one credentials
 file for every role, a directory of per-role files (as `ringserve nats-config` writes them), or a user name
 (password in $RINGSERVE_NATS_PASSWORD, inherited through the environment), plus TLS options.
+
+For a NATS cluster, `write_cluster_configs` writes one complete server config per node (`<node>.conf`), each
+with the same per-role `authorization` block, JetStream on, and routes that authenticate with one generated
+route user.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import shutil
@@ -22,7 +27,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from bus.credentials import NatsCredentials, credentials_from_options, load_credentials_file, write_credentials_file
-from bus.embedded_server import free_port
+from bus.embedded_server import MAX_PAYLOAD_BYTES, cluster_node_config, free_port
 from bus.permissions import (
     CLIENT_ROLE, ROLES, NatsUser, authorization_block, client_permissions, inbox_prefix, role_permissions,
 )
@@ -87,6 +92,60 @@ def generate_auth(namespace: str, directory: Path, clients: list[str] = (), url:
     with os.fdopen(fd, "w") as out:
         out.write(auth.authorization())
     return auth
+
+
+ROUTE_USER = "route"  # the one user nodes of a cluster authenticate their routes with
+
+
+@dataclass(frozen=True)
+class ClusterNode:
+    """One node of a NATS cluster: its server name and the `host:port` other nodes reach its routes on."""
+
+    name: str
+    route: str
+
+
+def parse_cluster_nodes(spec: str) -> list[ClusterNode]:
+    """`NAME=HOST:PORT,...` (a bare `HOST:PORT` is named `nats-<i>`) -> the cluster's nodes, in order (ValueError
+    for fewer than 3, a name twice, or an address without a port)."""
+    nodes = []
+    for i, item in enumerate(part.strip() for part in spec.split(",") if part.strip()):
+        name, _, route = item.rpartition("=")
+        name = name or f"nats-{i}"
+        host, _, port = route.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"cluster node {item!r}: give NAME=HOST:PORT (the node's cluster address)")
+        if not all(c.isalnum() or c in "-_." for c in name) or f"{name}.conf" == AUTH_CONFIG_NAME:
+            raise ValueError(f"cluster node name {name!r}: letters, digits, '-', '_' and '.' only, and not "
+                             f"{AUTH_CONFIG_NAME.removesuffix('.conf')!r}")
+        nodes.append(ClusterNode(name, route))
+    if len(nodes) < 3:
+        raise ValueError(f"a NATS cluster with JetStream needs at least 3 nodes, got {len(nodes)}")
+    if len({n.name for n in nodes}) != len(nodes):
+        raise ValueError("a cluster node name appears twice")
+    return nodes
+
+
+def write_cluster_configs(auth: DeploymentAuth, nodes: list[ClusterNode], cluster_name: str, listen: str,
+                          cluster_listen: str, http_port: int, store_dir: str) -> dict[str, Path]:
+    """Write `<node>.conf` (0600) for every node into `auth.directory`: client `listen`, monitoring on
+    `http_port`, max_payload, JetStream in `store_dir`, the cluster block with routes to every other node,
+    and `auth`'s authorization block (the same on each node). Returns node name -> path."""
+    route_password = secrets.token_urlsafe(24)
+    written: dict[str, Path] = {}
+    for node in nodes:
+        header = (f"# NATS node {node.name} of cluster {cluster_name} for ringserve (written by ringserve nats-config;"
+                  f" it holds passwords: keep it private)\nlisten: {json.dumps(listen)}\nhttp_port: {http_port}\n"
+                  f"max_payload: {MAX_PAYLOAD_BYTES}\n")
+        body = cluster_node_config(node.name, cluster_name, cluster_listen,
+                                   [other.route for other in nodes if other != node], store_dir,
+                                   ROUTE_USER, route_password)
+        path = auth.directory / f"{node.name}.conf"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(header + body + auth.authorization())
+        written[node.name] = path
+    return written
 
 
 def split_url_credentials(url: str) -> tuple[str, NatsCredentials | None]:

@@ -15,15 +15,17 @@ import argparse
 import logging
 from typing import Any
 
-from actors.common.model_source import resolve_model
+from actors.common.model_source import load_config, resolve_model
 from actors.engine.config import EngineConfig
+from actors.engine.tensor_parallel import check_shardable, check_tp_quantization
 from actors.entry.settings import entry_argv
 from actors.launcher.nats_auth import NatsPlan, plan_nats
 from actors.launcher.supervisor import ActorSpec, Supervisor
 from actors.launcher.trace_buffer import TraceBuffer, actor_tracing_argv, plan_trace_buffer, trace_exporter_specs
 from actors.scheduler.admission import admission_argv
+from actors.scheduler.tp_follower import follower_rank, tp_argv
 from bus.credentials import CredentialsError, NatsCredentials
-from bus.embedded_server import EmbeddedNatsServer
+from bus.embedded_server import EmbeddedNatsServer, free_port
 from bus.subjects import Subjects
 from observability.logging import log_event
 
@@ -36,16 +38,19 @@ class RingError(ValueError):
 
 def actor_specs(args: argparse.Namespace, served_name: str, trace: TraceBuffer | None = None,
                 http: bool = True) -> list[ActorSpec]:
-    """The processes of one deployment: `--dp` scheduler replicas, tokenizers, detokenizer shards, the entry (unless not
-    `http`) and the trace exporter when `trace` buffers spans."""
+    """The processes of one deployment: `--dp` scheduler replicas (`--tp` processes each), tokenizers,
+    detokenizers, the entry (unless not `http`) and the trace exporter when `trace` buffers spans."""
     common = ["--log-level", args.log_level, *actor_tracing_argv(args)]
     engine = EngineConfig.from_args(args).to_argv()
-    specs = [ActorSpec("scheduler", r, "actors.scheduler", [*common, "--model", args.model, "--rank", "0",
-                                                            "--dp-replica-id", str(r),
-                                                            "--detokenizer-shards", str(args.detokenizer_shards),
-                                                            *admission_argv(args), *engine])
-             for r in range(args.dp)]
-    specs += [ActorSpec("tokenizer", i, "actors.tokenizer", [*common, "--model", args.model])
+    # `--tp` > 1: each replica is a rank group on a free loopback port, restarted as a whole (tp_follower.py)
+    tp = [[*tp_argv(args), "--dist-init-addr", f"127.0.0.1:{free_port()}"] if args.tp > 1 else []
+          for _ in range(args.dp)]
+    specs = [ActorSpec("scheduler", follower_rank(r, k), "actors.scheduler",
+                       [*common, "--model", args.model, "--rank", str(k), "--dp-replica-id", str(r), *tp[r],
+                        *admission_argv(args), *engine], group=f"scheduler{r}" if args.tp > 1 else "")
+             for r in range(args.dp) for k in range(args.tp)]
+    specs += [ActorSpec("tokenizer", i, "actors.tokenizer", [*common, "--model", args.model,
+                                                             "--detokenizer-shards", str(args.detokenizer_shards)])
               for i in range(args.tokenizer_workers)]
     specs += [ActorSpec("detokenizer", i, "actors.detokenizer", [*common, "--model", args.model, "--shard", str(i)])
               for i in range(args.detokenizer_shards)]
@@ -67,8 +72,14 @@ class Ring:
             self.source = resolve_model(args.model)
             self.subjects = Subjects(args.namespace)
             EngineConfig.from_args(args)
+            if args.tp != 1:  # heads that --tp does not divide: refused before any process starts
+                check_shardable(load_config(self.source), args.tp)
+                check_tp_quantization(args.tp, args.quantization)
         except (FileNotFoundError, ValueError) as exc:
             raise RingError(str(exc)) from exc
+        if args.quantization == "gguf" and self.source.gguf_file is None:
+            raise RingError(f"--quantization gguf runs a .gguf model's own blocks; {args.model!r} is not a GGUF model "
+                            "(use int8 or int4)")
         if args.tokenizer_workers < 1 or args.detokenizer_shards < 1 or args.dp < 1:
             raise RingError("--dp, --tokenizer-workers and --detokenizer-shards must be >= 1")
         self.served_name: str = args.served_model_name or self.source.name

@@ -1,5 +1,8 @@
 """Starts the actor processes, waits until each announces itself ready, and fail-stops the whole ring if
-any of them dies or stalls (SGLang's answer to zombie servers: never keep serving with a dead part).
+any of them dies or stalls (SGLang's answer to zombie servers: never keep serving with a dead part). The
+exception is an actor of a role in `RESTARTABLE_ROLES` (a scheduler replica, a detokenizer) while another
+actor of its role runs: the others serve on (the entry ends only the dead one's requests), and it is started
+again after a backoff.
 
 A stall is an actor whose heartbeats stop for `watchdog_timeout` seconds while its process still exists
 (stopped, deadlocked, or cut off from NATS).
@@ -13,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -27,6 +31,9 @@ from observability.logging import log_event
 
 log = logging.getLogger("launcher")
 STOP_GRACE_SECONDS = 10.0
+STOP_DRAIN_SECONDS = 8.0  # of the grace, what the actors may spend draining before they are told to stop at once
+# the order actors stop in (`_terminate_all`); roles not named (detokenizers, the trace exporter) stop last
+SHUTDOWN_WAVES = (("entry", "tokenizer"), ("scheduler",))
 DEFAULT_WATCHDOG_SECONDS = 30.0
 ROLE_SECRETS = {"RINGSERVE_API_KEY": ("entry",), "RINGSERVE_ADMIN_API_KEY": ("entry",)}  # environment variable -> the roles that may see it
 
@@ -40,6 +47,7 @@ class ActorSpec:
     module: str
     args: list[str]
     stage: int = 0  # later stages start once every earlier actor is ready (the entry opens its port last)
+    group: str = ""  # actors that live and die together (the ranks of a `--tp` replica): restarted as one
 
     @property
     def name(self) -> str:
@@ -68,8 +76,12 @@ def describe_exit(name: str, pid: int, returncode: int) -> str:
     return f"actor {name} (pid {pid}) {exit_cause(returncode)}"
 
 
-RESTART_BACKOFF = 1.0  # seconds before a failed replica starts again; doubles per restart of it
+RESTART_BACKOFF = 1.0  # seconds before a failed replica or detokenizer starts again; doubles per restart of it
 RESTART_BACKOFF_MAX = 30.0
+RESTARTABLE_ROLES = ("scheduler", "detokenizer")  # roles whose members serve interchangeably
+# seconds a group's other members get to exit on their own when one died (a `--tp` rank 0 fails its requests
+# within its collective timeout, then exits), before they are killed
+GROUP_EXIT_GRACE = 5.0
 
 
 class Supervisor:
@@ -91,7 +103,7 @@ class Supervisor:
         self._watched = dict(watched or {})
         self._stop = asyncio.Event()
         self._bus: BusConnection | None = None
-        self._respawn_at: dict[str, float] = {}  # replicas to start again, and when
+        self._respawn_at: dict[str, float] = {}  # actors to start again, and when
         self.restarts: dict[str, int] = {}  # per actor name, since the launch
 
     async def run(self, startup_timeout: float, on_ready: Callable[[], None]) -> int:
@@ -99,6 +111,7 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._stop.set)
+        code: int | None = 1
         try:
             code = await self.start(startup_timeout)
             if code is None:
@@ -106,7 +119,7 @@ class Supervisor:
                 code = await self.watch()
             return code
         finally:
-            await self.close()
+            await self.close(drain=code == 0)
 
     async def start(self, startup_timeout: float) -> int | None:
         """Start every actor, stage by stage, each stage once the one before is ready; None once all are ready,
@@ -144,9 +157,13 @@ class Supervisor:
         """Make `start` or `watch` return 0 soon (call on the supervisor's event loop)."""
         self._stop.set()
 
-    async def close(self) -> None:
-        """Stop every actor (SIGTERM, SIGKILL after the grace period) and close the bus connection."""
-        self._terminate_all()
+    async def close(self, drain: bool = True) -> None:
+        """Stop every actor and close the bus connection: draining along the ring (`_terminate_all`), or, after
+        a fail-stop (`drain` False), all at once, so every open stream ends with its error now."""
+        if drain:
+            self._terminate_all()
+        else:
+            self._stop_all_now()
         if self._bus is not None:
             bus, self._bus = self._bus, None
             await bus.close()
@@ -191,7 +208,7 @@ class Supervisor:
         while not self._stop.is_set():
             self._respawn_due()
             for name, why in self._failures():
-                if not self._restart_replica(name, why):
+                if not self._restart(name, why):
                     log_event(log, logging.ERROR, f"{why}; stopping every actor (fail-stop)")
                     return 1
             try:
@@ -211,24 +228,37 @@ class Supervisor:
                 if now - seen > self._watchdog_timeout and name in self._procs and all(name != n for n, _ in out)]
         return out
 
-    def _restart_replica(self, name: str, why: str) -> bool:
-        """Start a failed scheduler replica again (after a backoff) while another replica serves; False when
-        it is not one, or the last (fail-stop stays the rule then)."""
-        spec = next((s for s in self._specs if s.name == name), None)
-        if spec is None or spec.role != "scheduler":
+    def _restart(self, name: str, why: str) -> bool:
+        """Start a failed actor of a role in RESTARTABLE_ROLES again (after a backoff) while another actor of its
+        role runs; False when it is of another role, or the last of its (fail-stop stays the rule then)."""
+        specs = {s.name: s for s in self._specs}
+        spec = specs.get(name)
+        if spec is None or spec.role not in RESTARTABLE_ROLES:
             return False
-        others = [n for n, p in self._procs.items() if n != name and n.startswith("scheduler") and p.poll() is None]
+        if name not in self._procs:  # already stopped with its group this round
+            return True
+        # an actor of a group (the ranks of a `--tp` replica) goes down and comes back with all of its group
+        members = [s.name for s in self._specs if spec.group and s.group == spec.group] or [name]
+        others = [n for n, p in self._procs.items()
+                  if n not in members and n in specs and specs[n].role == spec.role and p.poll() is None]
         if not others:
             return False
-        proc = self._procs.pop(name)
-        if proc.poll() is None:  # stalled: a stopped process holds its requests and its memory
-            proc.kill()
-            proc.wait()
-        self._last_beat.pop(name, None)
+        for member in members:
+            proc = self._procs.pop(member, None)
+            if proc is not None and member != name:  # a group's rank 0 first ends its requests with errors
+                try:
+                    proc.wait(timeout=GROUP_EXIT_GRACE)
+                except subprocess.TimeoutExpired:
+                    pass
+            if proc is not None and proc.poll() is None:  # stalled, or a group member: it holds memory and ports
+                proc.kill()
+                proc.wait()
+            self._last_beat.pop(member, None)
         count = self.restarts[name] = self.restarts.get(name, 0) + 1
         delay = min(RESTART_BACKOFF_MAX, RESTART_BACKOFF * 2 ** (count - 1))
-        self._respawn_at[name] = time.monotonic() + delay
-        log_event(log, logging.ERROR, f"{why}; the other replicas serve, restarting it", actor=name,
+        for member in members:
+            self._respawn_at[member] = time.monotonic() + delay
+        log_event(log, logging.ERROR, f"{why}; the other {spec.role}s serve, restarting it", actor=name,
                   restart=count, in_s=delay)
         return True
 
@@ -240,9 +270,48 @@ class Supervisor:
                 self._spawn(next(s for s in self._specs if s.name == name))
 
     def _terminate_all(self) -> None:
-        for proc in reversed(self._procs.values()):  # the entry first: stop taking requests
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+        """Stop the actors wave by wave along the ring, each wave once the one before exited (SIGTERM: each
+        drains, see actors/common/runtime.py): the entry and tokenizers take nothing new and finish handing
+        over, then the schedulers finish what they run, then the detokenizers and the rest, which by then hold
+        nothing. Whoever still runs STOP_DRAIN_SECONDS after the start gets a second SIGTERM (stop at once),
+        and is killed at STOP_GRACE_SECONDS. A second Ctrl-C (or SIGTERM) meanwhile stops every actor at once."""
+        start = time.monotonic()
+        roles = {spec.name: spec.role for spec in self._specs}
+        waves = [[name for name in self._procs if roles.get(name) in wave] for wave in SHUTDOWN_WAVES]
+        waves.append([name for name in self._procs if not any(name in wave for wave in waves)])
+        hurry: list[bool] = []
+        signalled: set[str] = set()
+
+        def stop_all_now(signum: int, frame: object) -> None:  # runs between the waits below
+            if not hurry:
+                log_event(log, logging.WARNING, "second signal: stopping every actor at once")
+            hurry.append(True)
+            for name, proc in self._procs.items():
+                # a second stop signal stops without draining; one not signalled yet gets two different ones
+                # (two of the same signal may merge into one while pending)
+                for sig in ((signal.SIGTERM,) if name in signalled else (signal.SIGINT, signal.SIGTERM)):
+                    if proc.poll() is None:
+                        proc.send_signal(sig)
+                signalled.add(name)
+
+        previous = _install({signal.SIGINT: stop_all_now, signal.SIGTERM: stop_all_now})
+        try:
+            for wave in waves:
+                for name in wave:
+                    if self._procs[name].poll() is None and name not in signalled:
+                        signalled.add(name)
+                        self._procs[name].send_signal(signal.SIGTERM)
+                for name in wave:
+                    self._await_exit(name, start)
+        finally:
+            _install(previous)
+
+    def _stop_all_now(self) -> None:
+        """Every actor stops without draining (SIGINT then SIGTERM: two stop signals), killed after the grace."""
+        for proc in self._procs.values():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                if proc.poll() is None:
+                    proc.send_signal(sig)
         deadline = time.monotonic() + STOP_GRACE_SECONDS
         for name, proc in self._procs.items():
             try:
@@ -251,3 +320,27 @@ class Supervisor:
                 log_event(log, logging.WARNING, "actor did not stop in time; killing it", actor=name)
                 proc.kill()
                 proc.wait()
+
+    def _await_exit(self, name: str, start: float) -> None:
+        """Wait for actor `name` to exit: a second SIGTERM at STOP_DRAIN_SECONDS, SIGKILL at STOP_GRACE_SECONDS."""
+        proc = self._procs[name]
+        try:
+            proc.wait(timeout=max(0.0, start + STOP_DRAIN_SECONDS - time.monotonic()))
+            return
+        except subprocess.TimeoutExpired:
+            log_event(log, logging.WARNING, "actor still draining; stopping it at once", actor=name)
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=max(0.1, start + STOP_GRACE_SECONDS - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log_event(log, logging.WARNING, "actor did not stop in time; killing it", actor=name)
+            proc.kill()
+            proc.wait()
+
+
+def _install(handlers: dict[signal.Signals, object]) -> dict[signal.Signals, object]:
+    """Set these signal handlers (only the main thread may: elsewhere, e.g. `ringserve.Engine`'s loop thread,
+    nothing changes); the ones they replace."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}  # type: ignore[arg-type]

@@ -10,29 +10,49 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 
 from actors.common.runtime import add_bus_arguments, run_actor  # noqa: E402
 from actors.engine.config import EngineConfig  # noqa: E402
 from actors.scheduler.admission import add_admission_arguments, admission_from_args  # noqa: E402
+from actors.scheduler.tp_follower import add_tp_arguments, check_tp_args  # noqa: E402
 
 
-def main() -> None:
-    """Parse flags, set torch threads and run the scheduler actor until stopped."""
-    parser = argparse.ArgumentParser(prog="ringserve-scheduler", description="ringserve scheduler actor",
+def build_parser(prog: str = "ringserve-scheduler") -> argparse.ArgumentParser:
+    """The scheduler's flags (`ringserve worker --role scheduler` takes the same)."""
+    parser = argparse.ArgumentParser(prog=prog, description="ringserve scheduler actor",
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_bus_arguments(parser)
     parser.add_argument("--model", required=True, help="model name, .gguf file or model directory")
-    parser.add_argument("--rank", type=int, default=0, help="tensor-parallel rank (only 0: no tensor parallelism yet)")
+    parser.add_argument("--rank", type=int, default=0,
+                        help="this process's tensor-parallel rank in its replica: 0 reads NATS and schedules, "
+                             "1..tp-1 run rank 0's step plans (actors/scheduler/tp_follower.py)")
+    add_tp_arguments(parser)
+    parser.add_argument("--dist-init-addr", default="", metavar="HOST:PORT",
+                        help="with --tp > 1: where rank 0 of this replica listens for its other ranks (the same "
+                             "for every rank of the replica)")
     parser.add_argument("--dp-replica-id", type=int, default=0,
                         help="this scheduler replica's id (`--dp`): its subject, heartbeat and server-info entry")
-    parser.add_argument("--detokenizer-shards", type=int, default=1, help="number of detokenizer shards")
     add_admission_arguments(parser)
     EngineConfig.add_arguments(parser)
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse flags, set torch threads and run the scheduler actor until stopped."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         config = EngineConfig.from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
+    problem = check_tp_args(args)
+    if problem is not None:
+        parser.error(problem)
+    if args.tp > 1 and config.torch_threads == 0 and config.resolved_device() == "cpu":
+        # the replica's ranks share this host's cores: each takes its part, fixed (a tuner per rank would
+        # measure the others' load)
+        config = dataclasses.replace(config, torch_threads=max(1, (os.cpu_count() or 1) // args.tp))
 
     import torch
 
@@ -40,12 +60,18 @@ def main() -> None:
 
     torch.set_num_threads(startup_threads(config))
     from actors.scheduler.actor import scheduler_main
+    from actors.scheduler.tp_follower import follower_main, follower_rank, leader_main
 
-    if args.rank != 0:
-        parser.error("tensor parallelism is not implemented: --rank must be 0")
     admission = admission_from_args(args)
-    run_actor("scheduler", args,
-              lambda ctx: scheduler_main(ctx, args.model, config, args.detokenizer_shards, admission), rank=args.dp_replica_id)
+    if args.tp == 1:
+        run_actor("scheduler", args,
+                  lambda ctx: scheduler_main(ctx, args.model, config, admission), rank=args.dp_replica_id)
+    elif args.rank == 0:
+        run_actor("scheduler", args, lambda ctx: leader_main(ctx, args.model, config, admission, args),
+                  rank=args.dp_replica_id)
+    else:
+        run_actor("scheduler", args, lambda ctx: follower_main(ctx, args.model, config, args),
+                  rank=follower_rank(args.dp_replica_id, args.rank))
 
 
 if __name__ == "__main__":

@@ -2,9 +2,9 @@
 
 Loop: apply what arrived (new requests, aborts, control commands) -> one engine step in a worker thread, so
 the bus stays responsive during the forward pass -> publish that step's token rows, one message per
-detokenizer shard. The engine is touched only between steps, from this loop, so it needs no locks, and only
-through `EngineInterface`: its rows are already the wire's `TokenRow`s. When the engine falls idle the loop
-calls its `on_idle` once.
+detokenizer (each request's rows go to the detokenizer stamped on its TokenizedRequest). The engine is
+touched only between steps, from this loop, so it needs no locks, and only through `EngineInterface`: its
+rows are already the wire's `TokenRow`s. When the engine falls idle the loop calls its `on_idle` once.
 
 Admission (`admission.py`): every request arrives here, from HTTP and from NATS clients alike, so the caps on
 live requests (in total, and per NATS client by the `c~rid` prefix) are checked here, before the engine sees
@@ -32,6 +32,7 @@ from actors.engine.config import EngineConfig
 from actors.engine.interface import EngineInterface
 from actors.scheduler import request_spans
 from actors.scheduler.admission import Admission
+from actors.scheduler.kv_events import KvEventPublisher
 from actors.scheduler.weight_update import (
     FIRST_WEIGHT_VERSION, UPDATE_WEIGHTS, PendingUpdate, WeightLoader, check_command, load_failure, refusal, swapped,
 )
@@ -42,7 +43,7 @@ from bus.messages import (
     ReplicaLoad, SchedulerInfo, TokenizedRequest, TokenRow,
 )
 from bus.ring_client import OPERATOR_ABORT
-from bus.subjects import SCHEDULER_QUEUE, InvalidRidError, detokenizer_shard, validate_ring_rid
+from bus.subjects import SCHEDULER_QUEUE, InvalidRidError, validate_ring_rid
 from observability import tracing
 from observability.logging import log_event
 
@@ -55,8 +56,8 @@ REFUSAL_LOG_SECONDS = 1.0  # admission refusals are logged at most this often (a
 class SchedulerActor:
     """Bridges the bus and the engine."""
 
-    def __init__(self, ctx: ActorContext, engine: EngineInterface, detokenizer_shards: int,
-                 admission: Admission | None = None, load_weights: WeightLoader | None = None) -> None:
+    def __init__(self, ctx: ActorContext, engine: EngineInterface, admission: Admission | None = None,
+                 load_weights: WeightLoader | None = None) -> None:
         """`load_weights`: reads a checkpoint for `update_weights_from_disk` (None: the command is refused)."""
         self._ctx = ctx
         self._load_weights = load_weights
@@ -68,7 +69,7 @@ class SchedulerActor:
         self._admission = admission if admission is not None else Admission()  # (an empty one is falsy)
         self._refusals_unlogged = 0
         self._refusal_logged_at = float("-inf")
-        self._shards = detokenizer_shards
+        self._detokenizer_of: dict[str, int] = {}  # per request taken and not yet ended: where its rows go
         self._engine = engine
         self._inbox: list[tuple[str, Any]] = []
         self._wake = asyncio.Event()
@@ -82,10 +83,14 @@ class SchedulerActor:
 
     async def start(self) -> dict[str, Any]:
         subjects, bus = self._ctx.subjects, self._ctx.bus
-        self._ctx.live_rids = self._engine.live_rids
+        self._ctx.live_rids = self._live_rids
         # routed to this replica by the tokenizers, or through the queue group when none was routed
-        await bus.subscribe(subjects.tokenized_for(self._ctx.rank), TokenizedRequest, self._on_request)
-        await bus.subscribe(subjects.tokenized, TokenizedRequest, self._on_request, queue=SCHEDULER_QUEUE)
+        self._intake = [
+            await bus.subscribe(subjects.tokenized_for(self._ctx.rank), TokenizedRequest, self._on_request),
+            await bus.subscribe(subjects.tokenized, TokenizedRequest, self._on_request, queue=SCHEDULER_QUEUE)]
+        self._ctx.on_drain.append(self._stop_intake)
+        self._kv = KvEventPublisher(bus, subjects, self._ctx.rank)  # the routers' view of this prefix cache
+        await self._kv.start()
         self._ctx.load = self._load
         await bus.subscribe(subjects.abort_any, AbortRequest, self._on_abort)
         await bus.subscribe(subjects.client_abort_any, AbortRequest, self._on_abort)  # a client's own rids only
@@ -105,10 +110,20 @@ class SchedulerActor:
         self._routed += 1
         self._inbox.append(("add", req))
         self._wake.set()
-        return Accepted(rid=req.rid, replica=self._ctx.rank)
+        return Accepted(rid=req.rid, replica=self._ctx.rank, detokenizer=req.detokenizer)
 
     async def _close_spans(self) -> None:
         self._spans.close_all("the scheduler stopped")
+
+    async def _stop_intake(self) -> None:
+        """Draining: take no new request (one already on its way is still taken and served)."""
+        for sub in self._intake:
+            await sub.unsubscribe()
+
+    def _live_rids(self) -> int:
+        """Requests held: in the engine or admitted (until its final row is published), queued, or held."""
+        queued = sum(1 for kind, _ in self._inbox if kind == "add")
+        return max(self._engine.live_rids(), len(self._admission)) + queued + len(self._held)
 
     async def _on_abort(self, msg: AbortRequest, delivery: Delivery) -> None:
         try:
@@ -141,7 +156,8 @@ class SchedulerActor:
         return ReplicaLoad(replica=self._ctx.rank, interval=HEARTBEAT_SECONDS, num_running_reqs=info.num_running_reqs,
                            num_waiting_reqs=info.num_waiting_reqs + len(self._inbox),
                            kv_used_tokens=info.kv_used_tokens, kv_total_tokens=info.kv_total_tokens,
-                           cache_hit_rate=info.cache_hit_rate)
+                           cache_hit_rate=info.cache_hit_rate, kv_epoch=self._kv.epoch, kv_seq=self._kv.seq,
+                           tp_size=info.tp_size)
 
     async def _update_weights(self, command: ControlCommand) -> ControlReply:
         """Load the checkpoint (in another thread), then have the loop swap it in; the reply once it did."""
@@ -219,6 +235,7 @@ class SchedulerActor:
             while not self._ctx.stopping.is_set():
                 await self._publish(await self._apply_inbox())
                 await self._maybe_swap()
+                await self._kv.publish(*self._engine.kv_events())  # aborts, flushes and swaps evict too
                 self._info = self._snapshot()
                 if not self._engine.has_work():
                     self._check_when_idle()
@@ -232,6 +249,7 @@ class SchedulerActor:
                 self._info = self._snapshot()
                 step_tp = self._spans.step(self._engine.last_plan(), self._info.step, started, tracing.now_ns())
                 await self._publish(rows, step_tp)
+                await self._kv.publish(*self._engine.kv_events())  # one message per step at most
         except Exception as exc:
             log.exception("engine loop crashed")
             self._ctx.fail(f"engine loop crashed: {exc!r}")
@@ -274,17 +292,23 @@ class SchedulerActor:
     async def _take(self, item: TokenizedRequest) -> TokenRow | None:
         """Hand a new request to the engine (an error goes to its output); its abort row if its abort came first."""
         self._spans.queued(item)
+        known = item.rid in self._detokenizer_of  # a duplicate of a live rid: its rows keep their detokenizer
         if item.rid in self._early_aborts:
             del self._early_aborts[item.rid]
             return self._abort_row(item)
+        if not known:
+            self._detokenizer_of[item.rid] = item.detokenizer
         error = self._add(item)
         if error is not None:
+            if not known:
+                del self._detokenizer_of[item.rid]
             self._spans.rejected(item.rid, error.message)
             await self._ctx.bus.publish(self._ctx.subjects.output(item.rid), RequestOutput(rid=item.rid, error=error))
         return None
 
-    @staticmethod
-    def _abort_row(item: TokenizedRequest) -> TokenRow:
+    def _abort_row(self, item: TokenizedRequest) -> TokenRow:
+        """The final row of a request that never reached the engine, sent to its detokenizer."""
+        self._detokenizer_of.setdefault(item.rid, item.detokenizer)
         return TokenRow(rid=item.rid, token_ids=[], prompt_tokens=len(item.input_ids), completion_tokens=0,
                         finish=FinishReason(type="abort"))
 
@@ -341,10 +365,10 @@ class SchedulerActor:
         return ControlReply(ok=True, message="continued")
 
     async def _publish(self, outputs: list[TokenRow], step_traceparent: str | None = None) -> None:
-        """Publish rows, one message per detokenizer shard (`step_traceparent`: the step span they came from)."""
+        """Publish rows, one message per detokenizer (`step_traceparent`: the step span they came from)."""
         if not outputs:
             return
-        by_shard: dict[int, list[TokenRow]] = defaultdict(list)
+        by_detokenizer: dict[int, list[TokenRow]] = defaultdict(list)
         now = tracing.now_ns() if tracing.enabled() else 0
         for out in outputs:
             if out.finish is not None:  # its final row (finish, abort, error): the request's slot is free
@@ -352,13 +376,18 @@ class SchedulerActor:
             if out.decode is not None:  # a request's first row
                 out.traceparent = self._spans.traceparent(out.rid)
             self._spans.output(out, now)
-            by_shard[detokenizer_shard(out.rid, self._shards)].append(out)
-        for shard, shard_rows in by_shard.items():
-            await self._publish_rows(self._ctx.subjects.tokens(shard), shard_rows, step_traceparent)
+            by_detokenizer[self._detokenizer(out)].append(out)
+        for detokenizer, rows in by_detokenizer.items():
+            await self._publish_rows(self._ctx.subjects.tokens(detokenizer), rows, step_traceparent)
         finished = [r.rid for r in outputs if r.finish is not None]
         if finished:
             log_event(log, logging.DEBUG, "finished", rids=",".join(finished))
 
+    def _detokenizer(self, row: TokenRow) -> int:
+        """Where `row` goes: its request's stamped detokenizer (forgotten with the request's final row)."""
+        if row.finish is not None:
+            return self._detokenizer_of.pop(row.rid, 0)
+        return self._detokenizer_of.get(row.rid, 0)
 
     async def _publish_rows(self, subject: str, rows: list[TokenRow], traceparent: str | None = None) -> None:
         """One step message (split while it exceeds max_payload); a row too large alone ends its request."""
@@ -369,6 +398,7 @@ class SchedulerActor:
             log_event(log, logging.ERROR, "a token row exceeds max_payload; ending its request", rid=row.rid)
             self._engine.abort(row.rid)
             self._admission.release(row.rid)
+            self._detokenizer_of.pop(row.rid, None)
             error = FinishReason(type="error", error=server_error("the request's output exceeds the bus payload limit"))
             final = TokenRow(rid=row.rid, token_ids=[], prompt_tokens=row.prompt_tokens,
                              completion_tokens=row.completion_tokens, finish=error)
@@ -376,14 +406,16 @@ class SchedulerActor:
             await self._ctx.bus.publish(subject, BatchTokenOutput(step, [final]))
 
 
-async def scheduler_main(ctx: ActorContext, model: str, config: EngineConfig, shards: int,
-                         admission: Admission | None = None) -> dict[str, Any]:
-    """Entry point for the runtime: load the model, subscribe, start the loop."""
+async def scheduler_main(ctx: ActorContext, model: str, config: EngineConfig,
+                         admission: Admission | None = None, engine: EngineInterface | None = None) -> dict[str, Any]:
+    """Entry point for the runtime: load the model, subscribe, start the loop. `engine`: one the caller built
+    instead (rank 0 of a tensor-parallel replica, actors/scheduler/tp_follower.py)."""
     from actors.engine.engine import DTYPES, Engine
     from actors.engine.weights import load_checkpoint
 
     def load_weights(path: str) -> Any:
         return load_checkpoint(path, DTYPES[config.resolved_dtype()])
 
-    engine = Engine.from_source(resolve_model(model), config)
-    return await SchedulerActor(ctx, engine, shards, admission, load_weights).start()
+    if engine is None:
+        engine = Engine.from_source(resolve_model(model), config)
+    return await SchedulerActor(ctx, engine, admission, load_weights).start()

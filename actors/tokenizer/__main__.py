@@ -8,16 +8,27 @@ from actors.common.runtime import add_bus_arguments, run_actor
 from actors.common.torch_threads import limit_torch_threads
 
 
-def main() -> None:
-    """Parse flags and run a tokenizer worker until stopped."""
-    parser = argparse.ArgumentParser(prog="ringserve-tokenizer", description="ringserve tokenizer actor")
+def build_parser(prog: str = "ringserve-tokenizer") -> argparse.ArgumentParser:
+    """The tokenizer's flags (`ringserve worker --role tokenizer` takes the same)."""
+    parser = argparse.ArgumentParser(prog=prog, description="ringserve tokenizer actor")
     add_bus_arguments(parser)
     parser.add_argument("--model", required=True, help="model name, .gguf file or model directory")
-    args = parser.parse_args()
+    parser.add_argument("--detokenizer-shards", type=int, default=1,
+                        help="detokenizers the launcher starts (ids 0..N-1): chosen among until one has beat; "
+                             "afterwards each request goes to one of the live detokenizers")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse flags and run a tokenizer worker until stopped."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.detokenizer_shards < 1:
+        parser.error("--detokenizer-shards must be >= 1")
     limit_torch_threads()
     from actors.tokenizer.actor import tokenizer_main
 
-    run_actor("tokenizer", args, lambda ctx: tokenizer_main(ctx, args.model))
+    run_actor("tokenizer", args, lambda ctx: tokenizer_main(ctx, args.model, args.detokenizer_shards))
 
 
 if __name__ == "__main__":

@@ -5,7 +5,10 @@ errors to the request's output subject; and `{ns}.tokenizer.tokenize` (request/r
 Several tokenizer processes may serve one deployment: they share the submit subject through a queue group.
 With several scheduler replicas (`--dp`), each request goes to the one `router.py` picks from the replicas'
 heartbeats (`{ns}.req.tokenized.{replica}`); before any heartbeat, or when the picked replica does not take
-it, to any replica through the queue group on `{ns}.req.tokenized`.
+it, to any replica through the queue group on `{ns}.req.tokenized`. The router knows what each replica's prefix
+cache holds from the replica's KV events (`{ns}.kv.events.{r}`), resynced from `{ns}.kv.snapshot.{r}` after a
+gap. Each request is also stamped with the detokenizer its rows go to, chosen among the live detokenizers
+(`actors/detokenizer/placement.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Any
 
 from actors.common.model_source import load_config, load_tokenizer, resolve_model
 from actors.common.runtime import ActorContext
+from actors.detokenizer.placement import DetokenizerPlacement
 from actors.tokenizer.prompt import PromptEncoder
 from actors.tokenizer.router import Router
 from actors.tokenizer.grammar_check import GrammarChecker
@@ -25,7 +29,9 @@ from bus.params import SPECS
 from bus.codec import DecodeError, encode, peek_field
 from bus.connection import Delivery
 from bus.errors import ApiError, server_error
-from bus.messages import Accepted, GenerateRequest, Heartbeat, RequestOutput, TokenizedRequest
+from bus.messages import (
+    Accepted, GenerateRequest, Heartbeat, InfoQuery, KvEvents, KvSnapshot, RequestOutput, TokenizedRequest,
+)
 from bus.permissions import reply_inbox
 from bus.subjects import TOKENIZER_QUEUE, InvalidRidError, scoped_rid, validate_rid
 from bus.tokenize_messages import TokenizeQuery, TokenizeReply
@@ -34,6 +40,7 @@ from observability.logging import log_event
 
 log = logging.getLogger("tokenizer")
 SCHEDULER_ACCEPT_TIMEOUT = 10.0
+KV_SNAPSHOT_TIMEOUT = 2.0
 
 
 def eos_token_ids(config: Any, tokenizer: Any) -> list[int]:
@@ -46,7 +53,8 @@ def eos_token_ids(config: Any, tokenizer: Any) -> list[int]:
 class TokenizerActor:
     """Owns the prompt encoder and the validation rules; keeps no per-request state."""
 
-    def __init__(self, ctx: ActorContext, model: str) -> None:
+    def __init__(self, ctx: ActorContext, model: str, detokenizers: int = 1) -> None:
+        """`detokenizers`: how many the launcher starts (ids 0..n-1), chosen among until one has beat."""
         self._ctx = ctx
         source = resolve_model(model)
         self._tokenizer = tokenizer = load_tokenizer(source)
@@ -56,22 +64,57 @@ class TokenizerActor:
         self._eos_ids = eos_token_ids(config, tokenizer)
         self._grammars = GrammarChecker(tokenizer, int(config.vocab_size))
         self._router = Router()
+        self._resyncs: dict[int, asyncio.Task[None]] = {}  # a KV snapshot being fetched for the router, per replica
+        self._detokenizers = DetokenizerPlacement(range(detokenizers))
 
     async def start(self) -> dict[str, Any]:
         namespace = self._ctx.subjects.namespace
-        await self._ctx.bus.subscribe(self._ctx.subjects.submit, GenerateRequest, self._on_submit, queue=TOKENIZER_QUEUE,
-                                      on_malformed=self._on_malformed)
-        await self._ctx.bus.subscribe(self._ctx.subjects.client_submit_any, GenerateRequest, self._on_submit,
-                                      queue=TOKENIZER_QUEUE, reply_inbox=lambda subject: reply_inbox(namespace, subject),
-                                      on_malformed=self._on_malformed)
-        await self._ctx.bus.subscribe(self._ctx.subjects.tokenize, TokenizeQuery, self._on_tokenize,
-                                      queue=TOKENIZER_QUEUE, on_malformed=self._on_malformed_query)
+        self._intake = [  # unsubscribed when draining; the requests being handed over finish (`live_rids`)
+            await self._ctx.bus.subscribe(self._ctx.subjects.submit, GenerateRequest, self._on_submit,
+                                          queue=TOKENIZER_QUEUE, on_malformed=self._on_malformed),
+            await self._ctx.bus.subscribe(self._ctx.subjects.client_submit_any, GenerateRequest, self._on_submit,
+                                          queue=TOKENIZER_QUEUE, on_malformed=self._on_malformed,
+                                          reply_inbox=lambda subject: reply_inbox(namespace, subject)),
+            await self._ctx.bus.subscribe(self._ctx.subjects.tokenize, TokenizeQuery, self._on_tokenize,
+                                          queue=TOKENIZER_QUEUE, on_malformed=self._on_malformed_query)]
+        self._handing_over = 0  # submissions being tokenized and handed to a scheduler
+        self._ctx.live_rids = lambda: self._handing_over
+        self._ctx.on_drain.append(self._stop_intake)
         await self._ctx.bus.subscribe(self._ctx.subjects.heartbeat, Heartbeat, self._on_heartbeat)
+        await self._ctx.bus.subscribe(self._ctx.subjects.kv_events_any, KvEvents, self._on_kv_events)
         return {"context_length": self._context_length, "eos_token_ids": self._eos_ids}
+
+    async def _stop_intake(self) -> None:
+        for sub in self._intake:
+            await sub.unsubscribe()
 
     async def _on_heartbeat(self, beat: Heartbeat, delivery: Delivery) -> None:
         if beat.role == "scheduler" and beat.load is not None:
-            self._router.on_heartbeat(beat.load, time.monotonic())
+            if self._router.on_heartbeat(beat.load, time.monotonic()):
+                self._resync(beat.load.replica)
+        self._detokenizers.on_heartbeat(beat, time.monotonic())
+
+    async def _on_kv_events(self, events: KvEvents, delivery: Delivery) -> None:
+        if self._router.on_kv_events(events):
+            self._resync(events.replica)
+
+    def _resync(self, replica: int) -> None:
+        """Fetch replica `replica`'s KV snapshot for the router (once at a time), again while it leaves a gap."""
+        if replica not in self._resyncs:
+            self._resyncs[replica] = asyncio.get_running_loop().create_task(self._fetch_snapshot(replica))
+
+    async def _fetch_snapshot(self, replica: int) -> None:
+        try:
+            again = True
+            while again:
+                snapshot = await self._ctx.bus.request(self._ctx.subjects.kv_snapshot(replica), InfoQuery(),
+                                                       KvSnapshot, KV_SNAPSHOT_TIMEOUT)
+                again = self._router.on_kv_snapshot(snapshot)
+        except Exception as exc:  # gone, stalled, or a bad reply: its next heartbeat or gap asks again
+            self._router.snapshot_failed(replica)
+            log_event(log, logging.INFO, "no KV snapshot from a replica", replica=replica, error=repr(exc)[:200])
+        finally:
+            del self._resyncs[replica]
 
     async def _on_malformed(self, data: bytes, error: DecodeError, delivery: Delivery) -> Accepted | None:
         """A submission that does not decode ends at once with a 400 on its output subject, if it names a rid."""
@@ -88,9 +131,14 @@ class TokenizerActor:
         """Validate, tokenize and hand over to a scheduler; errors go to the request's output subject."""
         if not self._own_rid(req, delivery):
             return None
-        handed = await self._forward(req, delivery.traceparent)
+        self._handing_over += 1
+        try:
+            handed = await self._forward(req, delivery.traceparent)
+        finally:
+            self._handing_over -= 1
         if isinstance(handed, Accepted):
-            return Accepted(rid=req.rid, replica=handed.replica)  # the entry learns which replica holds it
+            # the entry learns which replica and which detokenizer hold it
+            return Accepted(rid=req.rid, replica=handed.replica, detokenizer=handed.detokenizer)
         return await self._answer(req, delivery, handed)
 
     async def _on_tokenize(self, query: TokenizeQuery, delivery: Delivery) -> TokenizeReply:
@@ -175,7 +223,8 @@ class TokenizerActor:
                 return server_error(f"tokenizing the request failed: {exc!r}"[:1000])
             if span is not None:
                 span.set_attribute("gen_ai.usage.input_tokens", len(input_ids))
-        tokenized = TokenizedRequest(rid=req.rid, input_ids=input_ids, sampling=sampling)
+        detokenizer = self._detokenizers.choose(req.rid, time.monotonic())
+        tokenized = TokenizedRequest(rid=req.rid, input_ids=input_ids, sampling=sampling, detokenizer=detokenizer)
         replica = self._router.route(input_ids, time.monotonic())
         subject = self._ctx.subjects.tokenized if replica is None else self._ctx.subjects.tokenized_for(replica)
         try:
@@ -198,6 +247,6 @@ class TokenizerActor:
             return server_error(f"handing the request to a scheduler failed: {exc!r}"[:1000], 503)
 
 
-async def tokenizer_main(ctx: ActorContext, model: str) -> dict[str, Any]:
+async def tokenizer_main(ctx: ActorContext, model: str, detokenizers: int = 1) -> dict[str, Any]:
     """Entry point for the runtime: build the actor and subscribe."""
-    return await TokenizerActor(ctx, model).start()
+    return await TokenizerActor(ctx, model, detokenizers).start()

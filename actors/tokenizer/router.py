@@ -1,40 +1,34 @@
 """Cache-aware routing of tokenized requests over scheduler replicas (`--dp`), in the tokenizer.
 
 The tokenizer has the token ids, so it routes without an extra hop. Each replica heartbeats its load
-(`ReplicaLoad`); the router keeps, per replica, the prefixes it routed there (chained hashes of
-`BLOCK`-token blocks, LRU-bounded to about the replica's KV size), which approximates what that replica's
-prefix cache holds. A request goes to the replica holding its longest routed prefix; with none, to the
-replica the rendezvous hash of its first block picks, so every tokenizer worker sends a new prefix to the same
-replica without sharing state. Unless that replica is overloaded against the least loaded one (load = running
-+ waiting + routed since its last heartbeat, imbalanced when it exceeds the least by more than
-`BALANCE_ABS` and by a factor `BALANCE_REL`, as SGLang's router decides): then the least loaded takes it. A
-request counts against its replica the moment it is routed. A replica that misses heartbeats, or drains,
-gets nothing.
+(`ReplicaLoad`) and reports what its prefix cache stores and evicts (`KvEvents`, chained hashes of whole
+`BLOCK`-token blocks, `bus/kv_blocks.py`); the router keeps one `ReplicaIndex` per replica from those reports,
+so it knows what each replica's cache really holds, evictions, flushes and restarts included. A request goes
+to the replica holding its longest cached prefix; with none, to the replica the rendezvous hash of its first
+block picks. Unless that replica is overloaded against the least loaded one (load = running + waiting + routed
+since its last heartbeat, imbalanced when it exceeds the least by more than `BALANCE_ABS` and by a factor
+`BALANCE_REL`, as SGLang's router decides): then the least loaded takes it. A request counts against its
+replica the moment it is routed. A replica that misses heartbeats, or drains, gets nothing.
+
+Every tokenizer worker subscribes to every replica's events, so workers fed the same events and heartbeats
+route the same way without talking to each other.
 """
 
 from __future__ import annotations
 
-import hashlib
-from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
-from bus.messages import ReplicaLoad
+from actors.tokenizer.kv_index import ReplicaIndex
+from bus.kv_blocks import BLOCK, block_hashes
+from bus.messages import KvEvents, KvSnapshot, ReplicaLoad
+from bus.subjects import rendezvous
 
-BLOCK = 64  # tokens per hashed block: prefixes are matched in whole blocks
+__all__ = ["BALANCE_ABS", "BALANCE_REL", "BLOCK", "MISSED_BEATS", "Router", "block_hashes"]
+
 BALANCE_ABS = 8
 BALANCE_REL = 1.5
 MISSED_BEATS = 3  # a replica silent for this many heartbeat intervals is down
-
-
-def block_hashes(ids: Sequence[int], block: int = BLOCK) -> list[bytes]:
-    """Chained hashes of `ids`' whole blocks: entry i identifies the prefix of `(i + 1) * block` tokens."""
-    out, prev = [], b""
-    for start in range(0, len(ids) - block + 1, block):
-        digest = hashlib.blake2b(prev + bytes(str(ids[start:start + block]), "ascii"), digest_size=16).digest()
-        out.append(digest)
-        prev = digest
-    return out
 
 
 @dataclass
@@ -43,7 +37,6 @@ class _Replica:
     seen_at: float
     pending: int = 0  # routed since its last heartbeat
     routed: int = 0  # since it joined
-    prefixes: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
 
     @property
     def score(self) -> int:
@@ -51,28 +44,52 @@ class _Replica:
 
 
 class Router:
-    """Picks a replica per request from their heartbeats and the prefixes routed to each."""
+    """Picks a replica per request from their heartbeats and the cache index their KV events build.
+
+    Methods that return True ask the caller to fetch that replica's `KvSnapshot` and pass it to
+    `on_kv_snapshot` (or call `snapshot_failed`): the index missed events.
+    """
 
     def __init__(self, block: int = BLOCK) -> None:
         self.block = block
         self._replicas: dict[int, _Replica] = {}
+        self._indexes: dict[int, ReplicaIndex] = {}
 
-    def on_heartbeat(self, load: ReplicaLoad, now: float) -> None:
-        """Take a replica's load (a replica joins with its first heartbeat)."""
+    def on_heartbeat(self, load: ReplicaLoad, now: float) -> bool:
+        """Take a replica's load (a replica joins with its first heartbeat); True: resync its index."""
         replica = self._replicas.get(load.replica)
         if replica is None:
             self._replicas[load.replica] = _Replica(load, now)
-            return
-        replica.load, replica.seen_at, replica.pending = load, now, 0
+        else:
+            replica.load, replica.seen_at, replica.pending = load, now, 0
+        return self._index(load.replica).on_heartbeat(load.kv_epoch, load.kv_seq)
+
+    def on_kv_events(self, events: KvEvents) -> bool:
+        """Apply a replica's cache events; True: a gap, resync its index."""
+        return self._index(events.replica).on_events(events)
+
+    def on_kv_snapshot(self, snapshot: KvSnapshot) -> bool:
+        """Resync a replica's index from its snapshot; True: events after it are missing, resync again."""
+        return self._index(snapshot.replica).on_snapshot(snapshot)
+
+    def snapshot_failed(self, replica_id: int) -> None:
+        """The snapshot asked for did not come (the next gap or heartbeat asks again)."""
+        self._index(replica_id).snapshot_failed()
 
     def forget(self, replica_id: int) -> None:
-        """Drop a replica at once (it stopped, or failed a hand-over)."""
+        """Drop a replica and its index at once (it stopped, or failed a hand-over); its next heartbeat resyncs."""
         self._replicas.pop(replica_id, None)
+        self._indexes.pop(replica_id, None)
 
     def live(self, now: float) -> list[int]:
         """Replicas that heartbeat in time and take work, by id."""
         return sorted(rid for rid, r in self._replicas.items()
                       if now - r.seen_at <= MISSED_BEATS * r.load.interval and not r.load.draining)
+
+    def cached_blocks(self, replica_id: int) -> set[bytes]:
+        """The block hashes replica `replica_id` holds, as its events reported them."""
+        index = self._indexes.get(replica_id)
+        return set(index.blocks) if index is not None else set()
 
     def route(self, ids: Sequence[int], now: float) -> int | None:
         """The replica for a request with prompt `ids` (counted against it), or None when none is live."""
@@ -82,40 +99,35 @@ class Router:
         hashes = block_hashes(ids, self.block)
         chosen = self._longest_prefix(live, hashes)
         if chosen is None:
-            chosen = self._rendezvous(live, hashes[0] if hashes else bytes(str(list(ids[:self.block])), "ascii"))
+            chosen = rendezvous(hashes[0] if hashes else bytes(str(list(ids[:self.block])), "ascii"), live)
         least = min(live, key=lambda r: (self._replicas[r].score, r))
         c, m = self._replicas[chosen].score, self._replicas[least].score
         if c - m > BALANCE_ABS and c > BALANCE_REL * m:
             chosen = least
-        self._record(chosen, hashes)
+        replica = self._replicas[chosen]
+        replica.pending += 1
+        replica.routed += 1
         return chosen
 
     def stats(self) -> dict[int, int]:
         """Requests routed to each known replica since it joined."""
         return {rid: r.routed for rid, r in self._replicas.items()}
 
+    def _index(self, replica_id: int) -> ReplicaIndex:
+        index = self._indexes.get(replica_id)
+        if index is None:
+            index = self._indexes[replica_id] = ReplicaIndex()
+        return index
+
     def _longest_prefix(self, live: list[int], hashes: list[bytes]) -> int | None:
         best, best_len = None, 0
         for rid in live:
-            prefixes = self._replicas[rid].prefixes
+            index = self._indexes.get(rid)
+            if index is None:
+                continue
             n = 0
-            while n < len(hashes) and hashes[n] in prefixes:
+            while n < len(hashes) and hashes[n] in index.blocks:
                 n += 1
             if n > best_len:
                 best, best_len = rid, n
         return best
-
-    @staticmethod
-    def _rendezvous(live: list[int], key: bytes) -> int:
-        return max(live, key=lambda rid: hashlib.blake2b(key + rid.to_bytes(4, "little"), digest_size=8).digest())
-
-    def _record(self, rid: int, hashes: list[bytes]) -> None:
-        replica = self._replicas[rid]
-        replica.pending += 1
-        replica.routed += 1
-        for h in hashes:
-            replica.prefixes[h] = None
-            replica.prefixes.move_to_end(h)
-        limit = max(1, replica.load.kv_total_tokens // self.block)  # about what its KV pool can hold
-        while len(replica.prefixes) > limit:
-            replica.prefixes.popitem(last=False)

@@ -127,7 +127,7 @@ class FakeCtx:
 def test_the_scheduler_refuses_over_a_cap_and_frees_slots_on_finish_abort_and_rejection() -> None:
     async def run() -> None:
         ctx, engine = FakeCtx(), FakeEngine()
-        actor = SchedulerActor(ctx, engine, 1, Admission(max_live=4, max_per_client=2))  # type: ignore[arg-type]
+        actor = SchedulerActor(ctx, engine, Admission(max_live=4, max_per_client=2))  # type: ignore[arg-type]
 
         def req(rid: str) -> tuple[str, TokenizedRequest]:
             return ("add", TokenizedRequest(rid=rid, input_ids=[1], sampling=SamplingParams(max_new_tokens=4)))

@@ -66,3 +66,37 @@ def test_missing_first_row_and_gaps_end_the_request_with_an_error(smollm_server:
     assert reply.status_code == 200
 
 
+
+
+def test_a_request_whose_last_rows_never_come_is_forgotten_after_its_abort(smollm_server: ServerHandle) -> None:
+    """Its final rows lost (a hung node), the requester gives up and aborts: the detokenizer frees its state
+    within its abort grace, though no row ends it."""
+    from actors.detokenizer.actor import ABORT_GRACE_SECONDS
+    from bus.messages import AbortRequest
+
+    ns = smollm_server.namespace
+
+    def held() -> int:
+        info = httpx.get(smollm_server.base_url + "/get_server_info", timeout=10).json()
+        return sum(a["live_rids"] for name, a in info["actors"].items() if name.startswith("detokenizer"))
+
+    async def scenario() -> list[int]:
+        nc = await nats.connect(smollm_server.nats_url)
+        await nc.publish(f"{ns}.tokens.0", encode(BatchTokenOutput(step=0, rows=[_row("lost-tail", [300], 1,
+                                                                                         first=True)])))
+        await nc.flush()
+        seen = []
+        for _ in range(20):  # the heartbeat (every 0.5 s) reports it held
+            await asyncio.sleep(0.25)
+            seen.append(held())
+            if seen[-1]:
+                break
+        await nc.publish(f"{ns}.abort.lost-tail", encode(AbortRequest(rid="lost-tail", reason="stalled")))
+        await nc.flush()
+        await asyncio.sleep(ABORT_GRACE_SECONDS + 2.5)  # the grace, a sweep (1 s) and a heartbeat
+        seen.append(held())
+        await nc.close()
+        return seen
+
+    seen = asyncio.run(scenario())
+    assert seen[-2] >= 1 and seen[-1] == 0, seen

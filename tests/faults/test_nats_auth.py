@@ -34,6 +34,7 @@ S = {  # one concrete subject of each kind in the subject table, and some that n
     "out": f"{NS}.out.r1", "abort": f"{NS}.abort.r1", "ready": f"{NS}.control.ready",
     "heartbeat": f"{NS}.control.heartbeat", "info": f"{NS}.control.scheduler.info",
     "command": f"{NS}.control.scheduler.command", "tokenize": f"{NS}.tokenizer.tokenize",
+    "kv_events_1": f"{NS}.kv.events.1", "kv_snapshot_1": f"{NS}.kv.snapshot.1",
     **{f"{c}_{kind}": f"{NS}.client.{c}.{kind}" + ("" if kind == "submit" else ".r1")
        for c in ("alice", "bob") for kind in ("submit", "out", "abort")},
     "all": ">", "ns_all": f"{NS}.>", "out_any": f"{NS}.out.*", "client_out_any": f"{NS}.client.*.out.*",
@@ -47,8 +48,9 @@ ANNOUNCE = {"ready", "heartbeat"}
 MAY_PUBLISH = {
     "launcher": set(),
     "entry": {"submit", "abort", "info", "command", "tokenize"} | ANNOUNCE,
-    "tokenizer": {"tokenized", "tokenized_1", "inbox_entry", "inbox_alice", "inbox_bob"} | OUTPUTS | ANNOUNCE,
-    "scheduler": {"tokens", "inbox_entry", "inbox_tokenizer"} | OUTPUTS | ANNOUNCE,
+    "tokenizer": {"tokenized", "tokenized_1", "inbox_entry", "inbox_alice", "inbox_bob", "kv_snapshot_1"} | OUTPUTS
+    | ANNOUNCE,
+    "scheduler": {"tokens", "inbox_entry", "inbox_tokenizer", "kv_events_1"} | OUTPUTS | ANNOUNCE,
     "detokenizer": OUTPUTS | ANNOUNCE,
     "alice": {"alice_submit", "alice_abort"},
     "bob": {"bob_submit", "bob_abort"},
@@ -56,9 +58,11 @@ MAY_PUBLISH = {
 MAY_SUBSCRIBE = {
     "launcher": {"ready", "heartbeat", "inbox_launcher"},
     "entry": {"out", "out_any", "heartbeat", "inbox_entry"},
-    "tokenizer": {"submit", "alice_submit", "bob_submit", "tokenize", "heartbeat", "inbox_tokenizer"},  # routing
-    "scheduler": {"tokenized", "tokenized_1", "abort", "alice_abort", "bob_abort", "info", "command", "inbox_scheduler"},
-    "detokenizer": {"tokens", "inbox_detokenizer"},
+    "tokenizer": {"submit", "alice_submit", "bob_submit", "tokenize", "heartbeat", "kv_events_1",
+                  "inbox_tokenizer"},  # routing: loads and KV events
+    "scheduler": {"tokenized", "tokenized_1", "abort", "alice_abort", "bob_abort", "info", "command", "kv_snapshot_1",
+                  "heartbeat", "inbox_scheduler"},  # heartbeat: a worker's replica id must be free
+    "detokenizer": {"tokens", "abort", "alice_abort", "bob_abort", "inbox_detokenizer"},  # aborts: forget lost rows
     "alice": {"alice_out", "inbox_alice"},
     "bob": {"bob_out", "inbox_bob"},
 }

@@ -79,3 +79,12 @@ class BasePrefixCache(ABC):
     @abstractmethod
     def all_slots(self) -> torch.Tensor:
         """Every slot the cache holds (int64), for the engine's pool-accounting check."""
+
+    def take_block_events(self) -> tuple[list[bytes], list[bytes]]:
+        """The hashes (`bus.kv_blocks`) of the whole blocks stored and of those evicted since the last call,
+        netted: `(stored, removed)`, disjoint. What the scheduler publishes as KV events; none by default."""
+        return [], []
+
+    def held_blocks(self) -> list[bytes]:
+        """The hashes of every whole block the cache holds now (what `take_block_events` adds up to)."""
+        return []

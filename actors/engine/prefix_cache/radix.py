@@ -4,6 +4,11 @@ Each edge of the tree carries a run of token ids and the KV slots holding them; 
 node spells a cached prefix. Handles point at node boundaries (a match that ends inside an edge splits it),
 and locking a handle pins every node on its path. Eviction frees least-recently-used unlocked leaves, which
 may turn their parents into evictable leaves.
+
+The cache also keeps the identity of every whole `BLOCK`-token block it holds (`bus.kv_blocks`, the chained
+hashes the tokenizers' router matches prompts by): each node owns the blocks whose last token lies on its
+edge. It records which blocks were stored and evicted since the last `take_block_events`, netted (a block
+stored and evicted again in between is not reported), so the scheduler can publish them as KV events.
 """
 
 from __future__ import annotations
@@ -16,14 +21,16 @@ from dataclasses import dataclass
 import torch
 
 from actors.engine.prefix_cache.base import BasePrefixCache, PrefixHandle
+from bus.kv_blocks import BLOCK, block_hashes
 
 
 class RadixNode:
     """One edge of the tree: `key` token ids, `value` their slots `[len(key)]`, children keyed by first token."""
 
-    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access", "uid")
+    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access", "uid", "depth", "blocks")
 
-    def __init__(self, key: list[int], value: torch.Tensor, parent: RadixNode | None, uid: int) -> None:
+    def __init__(self, key: list[int], value: torch.Tensor, parent: RadixNode | None, uid: int,
+                 depth: int = 0) -> None:
         self.key = key
         self.value = value
         self.children: dict[int, RadixNode] = {}
@@ -31,6 +38,8 @@ class RadixNode:
         self.lock_ref = 0  # handles locked at this node or below
         self.last_access = 0
         self.uid = uid  # creation order; breaks LRU ties deterministically
+        self.depth = depth  # tokens on the path above this edge
+        self.blocks: list[bytes] = []  # hashes of the whole blocks whose last token is on this edge
 
 
 @dataclass(eq=False)
@@ -45,8 +54,12 @@ class RadixPrefixCache(BasePrefixCache):
 
     caches = True
 
-    def __init__(self, device: str | torch.device) -> None:
+    def __init__(self, device: str | torch.device, block: int = BLOCK) -> None:
+        """`block`: tokens per reported block (`bus.kv_blocks.BLOCK`, what the router hashes)."""
         self.device = torch.device(device)
+        self.block = block
+        # block hash -> whether it was held at the last take_block_events (only blocks that changed since)
+        self._block_changes: dict[bytes, bool] = {}
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
         self._uids = itertools.count()
         self._clock = 0
@@ -69,11 +82,45 @@ class RadixPrefixCache(BasePrefixCache):
         if present < len(ids):
             # Copy: the caller's tensor is often a view of its page-table row, which it will overwrite.
             value = slots[present : len(ids)].to(device=self.device, dtype=torch.int64, copy=True)
-            leaf = RadixNode(ids[present:], value, node, next(self._uids))
+            leaf = RadixNode(ids[present:], value, node, next(self._uids), present)
             leaf.last_access = self._clock
             node.children[ids[present]] = leaf
             self._evictable += len(leaf.key)
+            self._store_blocks(leaf, ids)
         return present
+
+    def _store_blocks(self, leaf: RadixNode, ids: list[int]) -> None:
+        """Give a new leaf the hashes of the blocks ending on its edge, chained to the last block above it."""
+        b = self.block
+        first, end = leaf.depth // b, (leaf.depth + len(leaf.key)) // b
+        if end <= first:
+            return
+        above: RadixNode | None = leaf.parent
+        while above is not None and not above.blocks:
+            above = above.parent
+        prev = above.blocks[-1] if above is not None else b""
+        leaf.blocks = block_hashes(ids[: end * b], b, prev, first * b)
+        changes = self._block_changes
+        for h in leaf.blocks:
+            if changes.get(h) is True:  # evicted and stored again since the last report: no change
+                del changes[h]
+            else:
+                changes[h] = False
+
+    def _evict_blocks(self, node: RadixNode) -> None:
+        changes = self._block_changes
+        for h in node.blocks:
+            if changes.get(h) is False:  # stored and evicted again since the last report: no change
+                del changes[h]
+            else:
+                changes[h] = True
+
+    def take_block_events(self) -> tuple[list[bytes], list[bytes]]:
+        changes, self._block_changes = self._block_changes, {}
+        return [h for h, held in changes.items() if not held], [h for h, held in changes.items() if held]
+
+    def held_blocks(self) -> list[bytes]:
+        return [h for node in self._nodes() for h in node.blocks]
 
     def _walk(self, ids: list[int]) -> tuple[RadixNode, int, list[torch.Tensor]]:
         """Follow `ids` down from the root, touching each node passed and splitting the edge a match ends in.
@@ -104,7 +151,10 @@ class RadixPrefixCache(BasePrefixCache):
 
     def _split(self, node: RadixNode, at: int) -> RadixNode:
         """Cut `node`'s edge after `at` tokens; returns the new upper node. Sizes and pins are unchanged."""
-        upper = RadixNode(node.key[:at], node.value[:at], node.parent, next(self._uids))
+        upper = RadixNode(node.key[:at], node.value[:at], node.parent, next(self._uids), node.depth)
+        split_blocks = (node.depth + at) // self.block - node.depth // self.block  # those ending on the upper part
+        upper.blocks, node.blocks = node.blocks[:split_blocks], node.blocks[split_blocks:]
+        node.depth += at
         upper.lock_ref = node.lock_ref  # every handle locked through `node` also passes through `upper`
         upper.last_access = node.last_access
         node.parent.children[node.key[0]] = upper  # type: ignore[union-attr]  # never the root
@@ -162,6 +212,7 @@ class RadixPrefixCache(BasePrefixCache):
             assert parent is not None
             del parent.children[node.key[0]]
             node.parent = None  # marks handles to it stale
+            self._evict_blocks(node)
             freed.append(node.value)
             count += len(node.key)
             self._evictable -= len(node.key)
@@ -201,10 +252,14 @@ class RadixPrefixCache(BasePrefixCache):
             value = node.value
             assert value.dtype == torch.int64 and value.dim() == 1, f"{where}: slots must be 1-D int64"
             assert len(node.key) == value.numel(), f"{where}: {len(node.key)} tokens but {value.numel()} slots"
+            end = node.depth + len(node.key)
+            assert len(node.blocks) == end // self.block - node.depth // self.block, (
+                f"{where}: {len(node.blocks)} block hashes for tokens [{node.depth}, {end})")
             for first, child in node.children.items():
                 assert child.key, f"{where}: child {child.uid} has an empty key"
                 assert child.key[0] == first, f"{where}: child {child.uid} filed under {first}, starts {child.key[0]}"
                 assert child.parent is node, f"{where}: child {child.uid} points at another parent"
+                assert child.depth == end, f"{where}: child {child.uid} at depth {child.depth}, not {end}"
                 assert child.lock_ref <= node.lock_ref, (
                     f"{where}: lock count {node.lock_ref} below child {child.uid}'s {child.lock_ref}"
                 )

@@ -1,0 +1,166 @@
+"""`ringserve worker`: run ONE actor of a deployment against an existing NATS, on any host.
+
+    ringserve worker --role scheduler --nats-url nats://10.0.0.5:4222 --namespace prod --dp-replica-id 1
+
+The actor runs in this process, with exactly the flags `python -m actors.<role>` takes (each role's
+`build_parser`; `ringserve worker --role R --help` lists them): the bus flags every role has (`--nats-url`, a
+comma-separated list of a cluster's nodes; `--namespace`; `--nats-creds FILE`, the role's own credentials file
+as `ringserve nats-config` writes it; `--drain-timeout`), the engine and admission flags for a scheduler, the
+HTTP flags for an entry. There is no embedded NATS and no supervisor: a process manager (systemd, Kubernetes)
+restarts a worker. SIGTERM/SIGINT drains it (actors/common/runtime.py): it takes nothing new, finishes what it
+holds and exits 0; a second signal stops it at once.
+
+What the worker adds: `--model` defaults to the packaged model for the roles that load it, and an entry takes
+`--model` to name the model as `ringserve serve` does (unless `--served-model-name` is given). A scheduler joins
+as a new replica: it refuses to start (exit 2) while a live replica beats with its `--dp-replica-id`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib
+import os
+import sys
+import textwrap
+from types import ModuleType
+
+from actors.common.model_source import DEFAULT_MODEL, resolve_model
+from actors.common.runtime import HEARTBEAT_SECONDS, credentials_from_args
+from bus.connection import BusConnection, Delivery
+from bus.messages import Heartbeat
+from bus.permissions import inbox_prefix
+from bus.subjects import Subjects
+
+ROLES = ("entry", "tokenizer", "scheduler", "detokenizer")
+MODEL_ROLES = ("tokenizer", "scheduler", "detokenizer")  # the roles whose own flags include --model
+# listen this long for a replica already beating with the new scheduler's id (the routers' MISSED_BEATS)
+REPLICA_CHECK_SECONDS = 3 * HEARTBEAT_SECONDS
+CONNECT_SECONDS = 10.0
+SUMMARY = "run ONE actor (entry, tokenizer, scheduler or detokenizer) against an existing NATS, on any host"
+
+
+def add_worker_command(commands: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    """List `worker` among the subcommands; its flags are parsed by `worker_command` (they depend on --role)."""
+    worker = commands.add_parser("worker", help=SUMMARY, add_help=False)
+    _add_role_argument(worker)
+
+
+def _add_role_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--role", choices=ROLES, help="the actor to run; `--role R --help` lists its flags")
+
+
+def _module(role: str) -> ModuleType:
+    """The role's `python -m` module (its `build_parser` and `main(argv)`)."""
+    return importlib.import_module(f"actors.{role}.__main__")
+
+
+def role_argv(role: str, argv: list[str]) -> list[str]:
+    """The role's own argv from the worker's: the default `--model` where the role loads one (a later
+    `--model` wins); for an entry, `--model` becomes `--served-model-name` (the model's name, as `ringserve
+    serve` derives it) unless that is given. Raises ValueError for a model an entry cannot name."""
+    if role in MODEL_ROLES:
+        return ["--model", DEFAULT_MODEL, *argv]
+    if role != "entry":
+        return argv
+    picker = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    picker.add_argument("--model", default=DEFAULT_MODEL)
+    picker.add_argument("--served-model-name", default=None)
+    known, rest = picker.parse_known_args(argv)
+    if known.served_model_name is not None:
+        return [*rest, "--served-model-name", known.served_model_name]
+    try:
+        name = resolve_model(known.model).name
+    except FileNotFoundError as exc:
+        raise ValueError(f"{exc}; an entry names its model from --model, or give --served-model-name") from exc
+    return [*rest, "--served-model-name", name]
+
+
+def _parser(role: str) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = _module(role).build_parser(prog=f"ringserve worker --role {role}")
+    parser.description = f"{SUMMARY}: the {role}, with the flags of `python -m actors.{role}`."
+    extra = {"entry": "--model names the model for /v1/models (default: the packaged model) unless "
+                      "--served-model-name is given.",
+             "scheduler": "--dp-replica-id must not be the id of a live replica (checked before the model loads); "
+                          "the engine flags should match the other replicas'."}
+    parser.epilog = ("--model defaults to the packaged model. " if role in MODEL_ROLES else "") + extra.get(role, "")
+    return parser
+
+
+def _overview() -> str:
+    lines = [f"usage: ringserve worker --role {{{','.join(ROLES)}}} --nats-url URL[,URL...] --namespace NS "
+             "[--nats-creds FILE] [ROLE FLAGS]", "", SUMMARY + ".", "",
+             "A scheduler worker joins as a new replica (--dp-replica-id), a second entry serves the same namespace "
+             "(--host/--port). SIGTERM/SIGINT drains the worker: it takes nothing new, finishes what it holds "
+             "(at most --drain-timeout seconds) and exits 0; a second signal stops it at once.", "",
+             "`ringserve worker --role ROLE --help` lists a role's flags."]
+    return "\n".join(textwrap.fill(line, 100, subsequent_indent="  " if line.startswith("usage") else "")
+                     for line in lines)
+
+
+async def live_replica_pid(args: argparse.Namespace) -> int | None:
+    """The pid of a scheduler replica beating with `args.dp_replica_id` in `args.namespace` (listening
+    REPLICA_CHECK_SECONDS, as the scheduler role), or None when there is none."""
+    subjects = Subjects(args.namespace)
+    try:
+        bus = await asyncio.wait_for(
+            BusConnection.connect(args.nats_url, f"scheduler-check-{os.getpid()}", max_reconnect_attempts=0,
+                                  credentials=credentials_from_args(args),
+                                  inbox_prefix=inbox_prefix(args.namespace, "scheduler")), CONNECT_SECONDS)
+    except asyncio.TimeoutError as exc:
+        raise ConnectionError(f"no connection within {CONNECT_SECONDS:g}s") from exc
+    found: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+    async def on_beat(beat: Heartbeat, delivery: Delivery) -> None:
+        if beat.role == "scheduler" and beat.rank == args.dp_replica_id and not found.done():
+            found.set_result(beat.pid)
+
+    try:
+        await bus.subscribe(subjects.heartbeat, Heartbeat, on_beat)
+        return await asyncio.wait_for(asyncio.shield(found), REPLICA_CHECK_SECONDS)
+    except asyncio.TimeoutError:
+        return None
+    finally:
+        await bus.close()
+
+
+def worker_command(argv: list[str]) -> int:
+    """`ringserve worker ARGV`: check the flags and run the role's actor here (exits with its code)."""
+    picker = argparse.ArgumentParser(prog="ringserve worker", add_help=False)
+    _add_role_argument(picker)
+    picker.add_argument("-h", "--help", action="store_true")
+    known, rest = picker.parse_known_args(argv)
+    if known.role is None:
+        if known.help:
+            print(_overview())
+            return 0
+        print(_overview(), file=sys.stderr)
+        print(f"\nringserve worker: --role is required (one of {', '.join(ROLES)})", file=sys.stderr)
+        return 2
+    parser = _parser(known.role)
+    if known.help:
+        parser.print_help()
+        return 0
+    try:
+        actor_argv = role_argv(known.role, rest)
+    except ValueError as exc:
+        parser.error(str(exc))
+    args = parser.parse_args(actor_argv)  # errors and --help name `ringserve worker --role R`
+    try:
+        Subjects(args.namespace)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if known.role == "scheduler" and args.rank == 0:  # a --tp follower rank joins its replica's rank 0
+        try:
+            pid = asyncio.run(live_replica_pid(args))
+        except Exception as exc:  # no NATS there, refused or unreadable credentials, ...
+            print(f"ringserve worker: could not check for a live replica {args.dp_replica_id} on NATS "
+                  f"{args.nats_url}: {exc!r}", file=sys.stderr)
+            return 1
+        if pid is not None:
+            print(f"ringserve worker: scheduler replica {args.dp_replica_id} is already live in namespace "
+                  f"{args.namespace!r} (pid {pid} beats with that id); give another --dp-replica-id, or stop "
+                  "that replica first", file=sys.stderr)
+            return 2
+    _module(known.role).main(actor_argv)  # runs the actor; exits with its code
+    return 0
