@@ -150,14 +150,15 @@ def test_a_json_submission_as_the_nats_cli_sends_it(served: tuple[ServerHandle, 
             errors = await nc.subscribe(f"{server.namespace}.client.c.out.j2")
             malformed = await nc.request(notes["submit"], b'{"rid": "j2", "text": 42}', timeout=10)
             error = (await errors.next_msg(timeout=10)).data
-            assert json.loads(malformed.data) == {"type": "Accepted", "body": {"rid": "c~j2", "replica": None}}
+            assert json.loads(malformed.data) == {"type": "Accepted", "body": {"rid": "c~j2", "replica": None,
+                                                                              "detokenizer": None}}
             return reply.data, got, error
         finally:
             await nc.close()
 
     reply, got, error = asyncio.run(session())
-    # answered in JSON, as it was asked, naming the replica that took it
-    assert json.loads(reply) == {"type": "Accepted", "body": {"rid": "c~j1", "replica": 0}}
+    # answered in JSON, as it was asked, naming the replica and the detokenizer that took it
+    assert json.loads(reply) == {"type": "Accepted", "body": {"rid": "c~j1", "replica": 0, "detokenizer": 0}}
     assert "".join(o.text for o in got) == expected["text"] and got[-1].finish is not None
     refusal = msgpack.unpackb(error)["body"]["error"]  # outputs stay msgpack
     assert refusal["code"] == 400 and refusal["param"] == "text"

@@ -101,14 +101,14 @@ def test_a_failing_forward_or_stop_check_ends_only_its_requests(hf: Any) -> None
     assert engine.stats().kv_used_tokens == 0, "KV computed by a failed forward is not cached"
     engine.runner.forward = real_forward  # type: ignore[method-assign]
 
-    class ExplodingChecker:
-        def check(self, req: Any) -> Any:
-            if req.rid == "bad":
-                raise ValueError("cannot decode")
-            return real_checker.check(req)
+    real_check = engine.stop_checker.check
 
-    real_checker = engine.stop_checker
-    engine.stop_checker = ExplodingChecker()  # type: ignore[assignment]
+    def exploding_check(req: Any) -> Any:
+        if req.rid == "bad":
+            raise ValueError("cannot decode")
+        return real_check(req)
+
+    engine.stop_checker.check = exploding_check  # type: ignore[method-assign]
     rows = run_to_completion(engine, [TokenizedRequest("bad", PROMPT, greedy(5)), TokenizedRequest("good", PROMPT, greedy(5))])
     assert rows["bad"][-1].finish.type == "error" and len(rows["bad"]) == 1
     assert rows["good"][-1].finish == FinishReason("length") and len(tokens_of(rows["good"])) == 5

@@ -6,7 +6,8 @@ is lost for good or the actor calls `ctx.fail()` (exit 1, so the launcher tears 
 
 SIGTERM/SIGINT drains: the first signal sets `ctx.draining` and runs the actor's `ctx.on_drain` hooks (each
 stops its intake: unsubscribes, refuses new HTTP requests), heartbeats go on (saying `draining`), and once
-`ctx.live_rids()` is 0 the actor stops. A second signal, or `--drain-timeout` seconds, stops it at once
+`ctx.live_rids()` is 0 the actor stops. When the process that started the actor has died (the signal is its
+death signal), it stops at once instead. A second signal, or `--drain-timeout` seconds, stops it at once
 (what it still holds ends through its `on_stop` hooks). A signal before the actor is ready stops it at once.
 
 The actor connects with the credentials its flags name (a file path or a user name; passwords only in files or
@@ -114,9 +115,12 @@ async def _serve(role: str, rank: int, args: argparse.Namespace, main: ActorMain
     loop = asyncio.get_running_loop()
     serving = False
     draining: list[asyncio.Task[None]] = []
+    parent = os.getppid()
 
     def on_signal(sig: signal.Signals) -> None:
-        if not serving or ctx.draining.is_set():  # not ready yet, or the second signal: stop now
+        # not ready yet, the second signal, or the parent died (its death signal, bus/embedded_server.py
+        # `die_with_parent`: no one waits for a drain then): stop now
+        if not serving or ctx.draining.is_set() or os.getppid() != parent:
             log_event(log, logging.INFO, "stopping", role=role, rank=rank, signal=sig.name)
             ctx.stopping.set()
         else:
