@@ -50,14 +50,23 @@ class ServerHandle:
                 pass
         return alive
 
-    def stop(self) -> int:
+    def stop(self, drain: bool = False) -> int:
+        """Ctrl-C the server; unless `drain`, Ctrl-C again until it exits, so streams a test left running do
+        not hold the teardown for the launcher's drain period (a second Ctrl-C stops every actor at once)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)
             try:
-                self.proc.wait(timeout=30)
+                # an idle ring is gone within a second; one still draining gets the second Ctrl-C
+                self.proc.wait(timeout=30 if drain else 1.5)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                self.proc.send_signal(signal.SIGINT)
+                try:
+                    self.proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
         return self.proc.returncode
 
 
