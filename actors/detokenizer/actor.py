@@ -13,9 +13,9 @@ with a 503 error. Its later rows are dropped (a bounded memory of such rids).
 A request whose last rows never come (lost in a NATS node that hung, or its scheduler died) must not hold
 state here forever: the detokenizer hears every abort, which the requester publishes whenever it ends a
 stream itself, and forgets an aborted request that has no row for `ABORT_GRACE_SECONDS` (the scheduler's
-final row of a live abort comes within milliseconds and frees it first). Aborts published while this
-detokenizer's connection was down are lost to it, so after each reconnect every request it holds gets the
-same grace, renewed by each row that still comes.
+final row of a live abort comes within milliseconds and frees it first). An abort can be lost too (published
+into the hung node), so a request with no row at all for `IDLE_FORGET_SECONDS` is forgotten as well; should a
+row of it come later after all, it ends with the explicit "first row never arrived" error, never a silent gap.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from observability.logging import log_event
 log = logging.getLogger("detokenizer")
 MAX_BROKEN_RIDS = 10_000
 ABORT_GRACE_SECONDS = 5.0  # an aborted request with no row for this long lost its last rows: forget it
-RECONNECT_GRACE_SECONDS = 10.0  # after a reconnect, a held request with no row for this long: forget it
+IDLE_FORGET_SECONDS = 30.0  # a held request with no row for this long lost its last rows (and its abort)
 
 
 class DetokenizerActor:
@@ -57,6 +57,7 @@ class DetokenizerActor:
         self._broken: OrderedDict[str, None] = OrderedDict()  # rids ended for lost rows: drop what still comes
         self._spans = detokenize_spans.create()  # no-ops unless tracing is on
         self._aborted: dict[str, float] = {}  # rid -> when to forget it, unless a row comes first
+        self._last_row: dict[str, float] = {}  # per held rid: when its last row came
         self._sweeper: asyncio.Task[None] | None = None
 
     async def start(self) -> dict[str, Any]:
@@ -74,9 +75,6 @@ class DetokenizerActor:
             self._sweeper.cancel()
         self._spans.close_all("the detokenizer stopped")
 
-    def _reconnects(self) -> int:
-        return int(self._ctx.bus.client.stats.get("reconnects", 0))
-
     def _holds(self, rid: str) -> bool:
         return rid in self._decoders or rid in self._next_seq or rid in self._received
 
@@ -85,26 +83,27 @@ class DetokenizerActor:
             self._aborted[abort.rid] = time.monotonic() + ABORT_GRACE_SECONDS
 
     async def _sweep_aborted(self) -> None:
-        reconnects = self._reconnects()
         while True:
             await asyncio.sleep(1.0)
             now = time.monotonic()
-            if self._reconnects() != reconnects:  # aborts sent meanwhile never reached us
-                reconnects = self._reconnects()
-                for rid in self._decoders.keys() | self._next_seq.keys() | self._received.keys():
-                    self._aborted.setdefault(rid, now + RECONNECT_GRACE_SECONDS)
+            for rid, seen in list(self._last_row.items()):
+                if not self._holds(rid):
+                    del self._last_row[rid]
+                elif now - seen > IDLE_FORGET_SECONDS:
+                    self._aborted[rid] = now  # forgotten below
             for rid, deadline in list(self._aborted.items()):
                 if now >= deadline:
                     del self._aborted[rid]
                     if self._holds(rid):
-                        log_event(log, logging.WARNING, "an aborted request's last rows never came; forgetting it",
+                        log_event(log, logging.WARNING, "a request's last rows never came; forgetting it",
                                   rid=rid)
                         self._forget(rid)
                         self._next_seq.pop(rid, None)
-                        self._spans.close(rid, "aborted; its last rows never came")
+                        self._spans.close(rid, "its last rows never came")
 
     async def _on_batch(self, batch: BatchTokenOutput, delivery: Delivery) -> None:
         for row in batch.rows:
+            self._last_row[row.rid] = time.monotonic()
             if row.rid in self._aborted:  # rows still come: the scheduler ends it (or already has)
                 self._aborted[row.rid] = time.monotonic() + ABORT_GRACE_SECONDS
             traceparent = self._spans.begin(row) or delivery.traceparent
