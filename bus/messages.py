@@ -250,6 +250,9 @@ class ControlReply:
     error: ApiError | None = None
 
 
+MISSED_BEATS = 3  # an actor silent for this many of its heartbeat intervals counts as gone (routing, placement)
+
+
 @dataclass
 class Heartbeat:
     """Every actor's sign of life, on `{ns}.control.heartbeat` every `interval` seconds.

@@ -20,8 +20,8 @@ from nats.aio.subscription import Subscription
 from bus.connection import BusConnection, Delivery
 from bus.errors import ApiError, server_error
 from bus.messages import (
-    AbortRequest, Accepted, ControlCommand, ControlReply, GenerateRequest, Heartbeat, InfoQuery, RequestOutput,
-    SchedulerInfo,
+    MISSED_BEATS, AbortRequest, Accepted, ControlCommand, ControlReply, GenerateRequest, Heartbeat, InfoQuery,
+    RequestOutput, SchedulerInfo,
 )
 from bus.replica_replies import combined_reply
 from bus.subjects import Subjects, scoped_rid, validate_rid
@@ -32,7 +32,6 @@ log = logging.getLogger("bus")
 # abort for a request that has not arrived (only the entry's own aborts can overtake their request on the bus),
 # so aborting a rid that is not live does not refuse a later request that reuses it.
 OPERATOR_ABORT = "abort_request"
-MISSED_BEATS = 3  # a scheduler replica silent for this many heartbeat intervals is not counted
 TRACK_SETTLE_SECONDS = 0.6  # just over one heartbeat interval (actors/common/runtime.py HEARTBEAT_SECONDS)
 
 

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from actors.tokenizer.router import MISSED_BEATS
-from bus.messages import Heartbeat
+from bus.messages import MISSED_BEATS, Heartbeat
 from bus.subjects import detokenizer_for
 
 

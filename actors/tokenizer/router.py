@@ -21,14 +21,13 @@ from typing import Sequence
 
 from actors.tokenizer.kv_index import ReplicaIndex
 from bus.kv_blocks import BLOCK, block_hashes
-from bus.messages import KvEvents, KvSnapshot, ReplicaLoad
+from bus.messages import MISSED_BEATS, KvEvents, KvSnapshot, ReplicaLoad
 from bus.subjects import rendezvous
 
 __all__ = ["BALANCE_ABS", "BALANCE_REL", "BLOCK", "MISSED_BEATS", "Router", "block_hashes"]
 
 BALANCE_ABS = 8
 BALANCE_REL = 1.5
-MISSED_BEATS = 3  # a replica silent for this many heartbeat intervals is down
 
 
 @dataclass
