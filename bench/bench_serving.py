@@ -35,6 +35,7 @@ import math
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +152,13 @@ def run_load(args: argparse.Namespace, base_url: str, system: str) -> tuple[list
     warm = asyncio.run(client.single(cfg, [{"role": "user", "content": "Say hello."}], 8))
     if not warm.ok:
         raise RuntimeError(f"warm-up request failed: {warm.error}")
+    if args.launch:  # compiled CPU decode graphs: one short wave per level asks for its sizes; wait for them
+        for c in args.levels or [1]:
+            asyncio.run(client.run_concurrency(cfg, level_conversations(c, system), c))
+        started = time.monotonic()
+        graphs = server.wait_for_decode_graphs(base_url, args.launch_timeout)
+        if graphs:
+            print(f"decode graphs after {time.monotonic() - started:.0f} s of compiling: {graphs}", flush=True)
     probe: dict[str, Any] = {}
     if system:
         server.flush_cache(base_url)

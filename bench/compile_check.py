@@ -1,13 +1,13 @@
-"""Does `torch.compile` make the CPU engine faster here? Decode steps timed eager and compiled, side by side.
+"""Do compiled CPU decode graphs pay here? Decode steps timed eager and compiled, interleaved, in one engine.
 
-    .venv/bin/python bench/compile_check.py --batches 1,32
+    .venv/bin/python bench/compile_check.py --quantization none,gguf --batches 1,8,32 --context 512
 
-Builds the engine on the default model twice in one process: as the server runs it (eager), and with
-`torch.compile(dynamic=True)` applied to each decoder layer's MLP and norms, to the final norm and to the LM
-head (the parts whose small element-wise ops Inductor can fuse; attention goes through the paged backend,
-which stays eager). For each batch size it prefills that many prompts, then times `--steps` decode steps.
-Prints the compiled/eager step time per batch size and the compile time, so the choice to stay eager can be
-re-checked on any machine.
+For each quantization, builds the engine as the server does (decode graphs in compile mode, actors/engine/
+decode_graph.py), compiles the graph of every batch size asked for (kept even where it measures slower, so both
+can be timed), and reports how long the first size took to be ready from the engine's construction: with
+Inductor's cache warm (a second run) that is the warm start. Then for each batch size it prefills that many
+prompts of `--context` tokens and times decode steps, alternating eager and compiled steps of the same engine
+(the same requests, the same load on the machine), and prints the median of each and their ratio.
 """
 
 from __future__ import annotations
@@ -25,65 +25,91 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.workload import user_prompt  # noqa: E402
 
 
-def build_engine(model: str, compiled: bool) -> object:
+def build_engine(model: str, quantization: str, max_bs: int) -> object:
     from actors.common.model_source import resolve_model
     from actors.engine.config import EngineConfig
     from actors.engine.engine import Engine
 
-    engine = Engine.from_source(resolve_model(model), EngineConfig(device="cpu", dtype="float32",
-                                                                    max_total_tokens=32768))
-    if compiled:
-        net = engine.runner.model
-        for layer in net.model.layers:
-            layer.mlp = torch.compile(layer.mlp, dynamic=True)
-            layer.input_layernorm = torch.compile(layer.input_layernorm, dynamic=True)
-            layer.post_attention_layernorm = torch.compile(layer.post_attention_layernorm, dynamic=True)
-        net.model.norm = torch.compile(net.model.norm, dynamic=True)
-        net.lm_head = torch.compile(net.lm_head, dynamic=True)
-    return engine
+    config = EngineConfig(device="cpu", quantization=quantization, cuda_graph_max_bs=max_bs,
+                          max_running_requests=max_bs, max_total_tokens=65536, disable_radix_cache=True,
+                          torch_threads=torch.get_num_threads())  # fixed: each graph is compiled for one count
+    return Engine.from_source(resolve_model(model), config)
 
 
-def decode_step_ms(engine: object, batch: int, steps: int) -> float:
-    """Median decode step time with `batch` requests running (after their prefill)."""
-    from bus.messages import TokenizedRequest, SamplingParams
-
+def prompt_ids(engine: object, i: int, context: int) -> list[int]:
+    """A chat prompt of about `context` tokens (the workload's user prompts, repeated)."""
     tokenizer = engine.tokenizer  # type: ignore[attr-defined]
-    params = SamplingParams(max_new_tokens=steps + 4, temperature=0.0)
-    for i in range(batch):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": user_prompt(i)}], add_generation_prompt=True,
+    text = user_prompt(i)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=False)
+    while len(ids) < context:
+        text += " " + user_prompt(i + len(ids))
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                             tokenize=True, return_dict=False)
-        engine.add_request(TokenizedRequest(f"b{batch}-{i}", ids, params))  # type: ignore[attr-defined]
-    times = []
-    with torch.no_grad():
-        engine.step()  # type: ignore[attr-defined]  # the prefill
-        while engine.has_work():  # type: ignore[attr-defined]
-            t0 = time.perf_counter()
-            engine.step()  # type: ignore[attr-defined]
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times[2:]) * 1e3
+    return ids[-context:]
+
+
+def interleaved_steps(engine: object, batch: int, context: int, steps: int) -> tuple[float, float]:
+    """Median eager and compiled decode step times (ms) with `batch` requests of `context` tokens."""
+    from bus.messages import SamplingParams, TokenizedRequest
+
+    runner = engine.runner  # type: ignore[attr-defined]
+    graphs = runner.graphs
+    params = SamplingParams(max_new_tokens=2 * steps + 4, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(TokenizedRequest(f"b{batch}-{i}", prompt_ids(engine, i, context), params))  # type: ignore[attr-defined]
+    while engine.stats().num_waiting_reqs or engine.stats().num_running_reqs < batch:  # type: ignore[attr-defined]
+        engine.step()  # type: ignore[attr-defined]  # the prefills
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for k in range(2 * steps):
+        compiled = k % 2 == 1
+        runner.graphs = graphs if compiled else None
+        start = time.perf_counter()
+        engine.step()  # type: ignore[attr-defined]
+        times[compiled].append(time.perf_counter() - start)
+    runner.graphs = graphs
+    while engine.has_work():  # type: ignore[attr-defined]
+        engine.step()  # type: ignore[attr-defined]
+    return statistics.median(times[False]) * 1e3, statistics.median(times[True]) * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
-    parser.add_argument("--batches", default="1,32", help="comma-separated decode batch sizes")
-    parser.add_argument("--steps", type=int, default=24, help="decode steps timed per batch size")
+    parser.add_argument("--quantization", default="none,gguf", help="comma-separated --quantization methods")
+    parser.add_argument("--batches", default="1,8,32", help="comma-separated decode batch sizes")
+    parser.add_argument("--context", type=int, default=512, help="prompt tokens per request")
+    parser.add_argument("--steps", type=int, default=16, help="decode steps timed per batch size and mode")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
-    torch.set_num_threads(torch.get_num_threads())
-    results: dict[str, dict[int, float]] = {}
-    for compiled in (False, True):
-        engine = build_engine(args.model, compiled)
-        t0 = time.perf_counter()
-        for b in batches:  # warm-up (and, compiled, compile every shape class) before timing
-            decode_step_ms(engine, b, 4)
-        warm = time.perf_counter() - t0
-        name = "compiled" if compiled else "eager"
-        results[name] = {b: decode_step_ms(engine, b, args.steps) for b in batches}
-        print(f"{name:9s} warm-up {warm:6.1f} s; decode step ms: "
-              + ", ".join(f"batch {b}: {ms:.1f}" for b, ms in results[name].items()), flush=True)
-    for b in batches:
-        print(f"batch {b}: compiled / eager step time {results['compiled'][b] / results['eager'][b]:.3f}x")
+    from kernels.cpu.plan_cache import cpu_info
+
+    print(f"host: {cpu_info()['model']}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
+          f"{time.strftime('%Y-%m-%d')}", flush=True)
+    for quantization in args.quantization.split(","):
+        started = time.perf_counter()
+        engine = build_engine(args.model, quantization, max(batches))
+        graphs = engine.runner.graphs  # type: ignore[attr-defined]
+        if graphs is None or graphs.compiler is None:
+            print(f"{quantization}: no compiled decode graphs here (CPU kernels not built?)")
+            continue
+        graphs.compiler.choose = False
+        engine.start_decode_graphs()  # type: ignore[attr-defined]
+        sizes = sorted({graphs.padded_size(b) for b in batches})
+        threads = torch.get_num_threads()
+        graphs.compiler.wait((sizes[0], threads), 1800)
+        first = time.perf_counter() - started
+        for size in sizes:
+            graphs.compiler.request((size, threads))
+        for size in sizes:
+            graphs.compiler.wait((size, threads), 1800)
+        print(f"{quantization}: engine built and size {sizes[0]} compiled {first:.1f} s after start; "
+              f"all sizes {time.perf_counter() - started:.1f} s; {graphs.report()}", flush=True)
+        for batch in batches:
+            eager, compiled = interleaved_steps(engine, batch, args.context, args.steps)
+            print(f"{quantization:5s} batch {batch:3d} context {args.context}: eager {eager:7.2f} ms/step, "
+                  f"compiled {compiled:7.2f} ms/step, speedup {eager / compiled:.2f}x", flush=True)
+        graphs.close()
     return 0
 
 

@@ -101,3 +101,19 @@ def flush_cache(base_url: str) -> bool:
         return httpx.post(f"{base_url.rstrip('/')}/flush_cache", json={}, timeout=30).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def wait_for_decode_graphs(base_url: str, timeout: float) -> dict[str, str]:
+    """Wait until no decode graph of a ringserve server is still queued or compiling (compiled CPU graphs build
+    in the background as batch sizes first appear); its `decode_graphs` report ({} from other servers)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            info = httpx.get(f"{base_url.rstrip('/')}/get_server_info", timeout=30).json()
+        except (httpx.HTTPError, ValueError):
+            return {}
+        reports = [r.get("decode_graphs", {}) for r in info.get("replicas") or [info]] if isinstance(info, dict) else []
+        pending = [state for report in reports for state in report.values() if state in ("queued", "compiling")]
+        if not pending or time.monotonic() > deadline:
+            return reports[0] if reports else {}
+        time.sleep(2)

@@ -214,6 +214,9 @@ class SchedulerInfo:
     # --quantization int8/int4: the method, the ISA, and per linear shape and row count the kernel measured
     # fastest at start-up (empty: float32)
     quantization: dict[str, str] = field(default_factory=dict)
+    # decode graphs: "mode" (cuda_graph, compile, eager or off), "max_bs", and in compile mode what runs each
+    # requested batch size ("compiled (1.60x, 41 s)", "eager (compiled 0.95x)", "compiling", "queued")
+    decode_graphs: dict[str, str] = field(default_factory=dict)
     # requests this replica was handed since it started (routed to it, or through the fallback queue group)
     requests_routed: int = 0
     tp_size: int = 1  # tensor-parallel ranks of this replica (one report per replica, from its rank 0)

@@ -13,7 +13,7 @@ from bus.messages import ControlReply, SchedulerInfo
 
 # per replica in /get_server_info's `replicas`, beside `id`, `tp_size` and `up`
 REPLICA_FIELDS = ("requests_routed", "num_running_reqs", "num_waiting_reqs", "kv_used_tokens", "kv_total_tokens",
-                  "cache_hit_rate")
+                  "cache_hit_rate", "decode_graphs")
 
 SUMMED_INFO = ("num_running_reqs", "num_waiting_reqs", "kv_used_tokens", "kv_total_tokens", "kv_running_tokens",
                "kv_cached_tokens", "num_retractions", "requests_routed")

@@ -1,8 +1,10 @@
-"""Shared fixtures: a real NATS server, a real ringserve serving SmolLM2-135M-Instruct, a tiny model (saved for
-a whole ring, or as a transformers model for engine tests), and torch on one thread in this process."""
+"""Shared fixtures: a real NATS server, a real ringserve serving SmolLM2-135M-Instruct, transformers' SmolLM2 as
+the greedy reference, a tiny model (saved for a whole ring, or as a transformers model for engine tests), and
+torch on one thread in this process."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -10,9 +12,14 @@ import pytest
 import torch
 
 from bus.embedded_server import EmbeddedNatsServer
+from tests.otlp_receiver import OtlpReceiver
 from tests.server_helpers import ServerHandle, save_tiny_model, start_server
+from tests.shared_rings import logged, start_clients_ring, start_small_ring
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+# Servers the tests start serve eagerly on a CPU: compiling decode graphs in the background would cost each of
+# them a minute of CPU (tests/test_decode_graph_compile.py compiles in-process instead).
+os.environ.setdefault("RINGSERVE_CPU_GRAPHS", "0")
 
 
 @pytest.fixture(scope="session")
@@ -43,6 +50,16 @@ def hf() -> Any:
 
 
 @pytest.fixture(scope="session")
+def smollm_hf() -> Any:
+    """transformers' own SmolLM2-135M-Instruct (float32, CPU, eval mode), loaded once for the session: the greedy
+    reference that the engine, server and tensor-parallel tests compare against (loading it takes seconds)."""
+    from actors.common.model_source import resolve_model
+    from tests.engine_helpers import load_hf_model
+
+    return load_hf_model(resolve_model(DEFAULT_MODEL))
+
+
+@pytest.fixture(scope="session")
 def nats_server() -> Iterator[EmbeddedNatsServer]:
     with EmbeddedNatsServer() as server:
         yield server
@@ -57,3 +74,41 @@ def smollm_server(nats_server: EmbeddedNatsServer) -> Iterator[ServerHandle]:
     code = handle.stop()  # Ctrl-C
     assert code == 0, f"ringserve exited with {code} on Ctrl-C:\n{handle.log()[-3000:]}"
     assert handle.live_actors() == [], "Ctrl-C left actor processes running"
+
+
+@pytest.fixture(scope="session")
+def overlap_shards_server(nats_server: EmbeddedNatsServer) -> Iterator[ServerHandle]:
+    """SmolLM2 with the engine's overlap loop forced on and two detokenizer shards, on the session's NATS server:
+    shared by the overlap-loop and elastic-detokenizer tests (neither flag changes what the other tests)."""
+    handle = start_server(DEFAULT_MODEL, nats_url=nats_server.url,
+                          extra=["--overlap-schedule", "on", "--detokenizer-shards", "2"])
+    yield handle
+    assert handle.stop() == 0, handle.log()[-3000:]
+
+
+@pytest.fixture(scope="session")
+def clients_ring(tiny_model_dir: Path) -> Iterator[ServerHandle]:
+    """The tiny model on a ring with NATS client users (tests/shared_rings.py `start_clients_ring`), shared by
+    the client-flood, NATS-auth and `ringserve.Client` tests; its credentials go with the launcher."""
+    handle = start_clients_ring(tiny_model_dir)
+    creds_dir = Path(logged(handle, r"nats per-role users credentials_dir=(\S+)"))
+    yield handle
+    assert handle.stop() == 0, handle.log()[-3000:]
+    assert not creds_dir.exists(), "the credentials directory outlived the launcher"
+
+
+@pytest.fixture(scope="session")
+def small_ring_spans() -> Iterator[OtlpReceiver]:
+    """The OTLP/HTTP receiver the small ring exports its spans to."""
+    with OtlpReceiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="session")
+def small_ring(tiny_model_dir: Path, small_ring_spans: OtlpReceiver) -> Iterator[ServerHandle]:
+    """The tiny model on a ring with a bounded queue, a body-read timeout, small prefill chunks and tracing to
+    `small_ring_spans` (tests/shared_rings.py `start_small_ring`), shared by the backpressure, upload, fairness
+    and tracing tests."""
+    handle = start_small_ring(tiny_model_dir, small_ring_spans.url)
+    yield handle
+    assert handle.stop() == 0, handle.log()[-3000:]

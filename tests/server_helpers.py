@@ -11,6 +11,8 @@ import sys
 import tempfile
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -91,6 +93,20 @@ def start_server(model: str, nats_url: str | None = None, extra: list[str] | Non
         time.sleep(0.2)
     handle.stop()
     raise TimeoutError(f"ringserve not ready after {timeout}s:\n{handle.log()[-4000:]}")
+
+
+@contextmanager
+def servers_side_by_side(specs: dict[str, tuple[str, list[str]]]) -> Iterator[dict[str, ServerHandle]]:
+    """Start one server per `name: (model, extra flags)` at once (a start mostly waits on imports), and stop
+    every one that started when the block ends."""
+    with ThreadPoolExecutor(len(specs)) as pool:
+        futures = {name: pool.submit(start_server, model, extra=extra) for name, (model, extra) in specs.items()}
+    try:
+        yield {name: future.result() for name, future in futures.items()}
+    finally:
+        for future in futures.values():
+            if future.exception() is None:
+                future.result().stop()
 
 
 def sse_events(response: httpx.Response) -> Iterator[Any]:

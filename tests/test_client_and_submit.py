@@ -1,6 +1,7 @@
 """`ringserve.Client`, `ringserve submit` and the JSON submit, against real rings: a served ring on its embedded
-NATS (with auth) and a NATS client user `c`, and the SmolLM2 server (unauthenticated NATS). A client with its credentials generates, streams and aborts with the HTTP API's errors; without them NATS
-refuses it; `ringserve submit` prints the answer; a JSON submission (as `nats req` sends it) is answered in
+NATS (with auth) and a NATS client user `c` (the clients ring, shared with other files), and the SmolLM2 server
+(unauthenticated NATS). A client with its credentials generates, streams and aborts with the HTTP API's errors;
+without them NATS refuses it; `ringserve submit` prints the answer; a JSON submission (as `nats req` sends it) is answered in
 JSON and generates; and an `Engine` joins the served SmolLM2 ring with `nats_url=`."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import msgpack
@@ -21,23 +22,20 @@ import pytest
 import ringserve
 from bus.codec import decode
 from bus.messages import RequestOutput
-from tests.server_helpers import REPO, ServerHandle, start_server
+from tests.server_helpers import REPO, ServerHandle
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_dir: Path) -> Iterator[tuple[ServerHandle, str, str]]:
-    """A `ringserve serve` on its embedded NATS with client user `c`: (server, its NATS URL, c's credentials)."""
-    server = start_server(str(tiny_model_dir), extra=["--nats-client", "c"])
-    try:
-        log = server.log()
-        creds = re.search(r"nats client credentials client=c file=(\S+)", log)
-        url = re.search(r"NATS (nats://[\d.:]+)\)", log)
-        assert creds and url, log[-2000:]
-        yield server, url.group(1), creds.group(1)
-    finally:
-        server.stop()
+def served(clients_ring: ServerHandle) -> tuple[ServerHandle, str, str]:
+    """The shared clients ring (tests/conftest.py: a `ringserve serve` on its embedded NATS with client user `c`
+    among others): (server, its NATS URL, c's credentials)."""
+    log = clients_ring.log()
+    creds = re.search(r"nats client credentials client=c file=(\S+)", log)
+    url = re.search(r"NATS (nats://[\d.:]+)\)", log)
+    assert creds and url, log[-2000:]
+    return clients_ring, url.group(1), creds.group(1)
 
 
 def http_generate(server: ServerHandle, body: dict[str, Any]) -> Any:
@@ -83,7 +81,7 @@ def test_client_with_credentials_generates_streams_and_aborts(served: tuple[Serv
     asyncio.run(session())
 
 
-def test_nats_refuses_a_client_without_credentials(served: tuple[ServerHandle, str, str]) -> None:
+def test_nats_refuses_a_client_without_credentials(served: tuple[ServerHandle, str, str], tmp_path: Path) -> None:
     server, url, creds = served
 
     async def connect(**kwargs: Any) -> None:
@@ -93,7 +91,7 @@ def test_nats_refuses_a_client_without_credentials(served: tuple[ServerHandle, s
     with pytest.raises(ConnectionError, match="refused"):
         asyncio.run(connect())
     notes = json.loads(Path(creds).read_text())
-    wrong = Path(creds).with_name("wrong.json")
+    wrong = tmp_path / "wrong.json"  # not beside c's own file: that directory is the shared ring's
     wrong.write_text(json.dumps({**notes, "password": "not-it"}))
     with pytest.raises(ConnectionError, match="refused these credentials"):
         asyncio.run(connect(creds=wrong))

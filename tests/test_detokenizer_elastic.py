@@ -13,22 +13,20 @@ import os
 import signal
 import time
 from collections import defaultdict
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
 
-from actors.common.model_source import DEFAULT_MODEL
 from actors.detokenizer.placement import DetokenizerPlacement
 from actors.entry.liveness import LivenessMonitor
 from actors.scheduler.actor import SchedulerActor
 from bus.connection import BusConnection, Delivery
-from bus.embedded_server import EmbeddedNatsServer
 from bus.messages import BatchTokenOutput, Heartbeat, TokenizedRequest
 from bus.params import SamplingParams
 from bus.subjects import detokenizer_for, new_rid
 from tests.faults.test_client_flood import FakeCtx, FakeEngine
-from tests.server_helpers import ServerHandle, server_info, start_server, wait_until_idle
+from tests.server_helpers import ServerHandle, server_info, wait_until_idle
 
 
 # --- the choice, its inputs, and the entry's rule -------------------------------------------------------------
@@ -116,11 +114,11 @@ def test_the_scheduler_sends_each_requests_rows_to_its_detokenizer_and_forgets_i
 # --- a real ring with two detokenizers --------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def two_detokenizers(nats_server: EmbeddedNatsServer) -> Iterator[ServerHandle]:
-    handle = start_server(DEFAULT_MODEL, nats_url=nats_server.url, extra=["--detokenizer-shards", "2"])
-    yield handle
-    assert handle.stop() == 0
+@pytest.fixture
+def two_detokenizers(overlap_shards_server: ServerHandle) -> ServerHandle:
+    """SmolLM2 with `--detokenizer-shards 2` (and the overlap loop on), shared with tests/test_server_overlap.py:
+    the killed detokenizer comes back before the test ends."""
+    return overlap_shards_server
 
 
 class RowWatch:

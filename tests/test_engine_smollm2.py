@@ -17,7 +17,6 @@ from tests.engine_helpers import (
     assert_greedy_matches,
     greedy,
     hf_greedy,
-    load_hf_model,
     run_to_completion,
     tokens_of,
 )
@@ -32,10 +31,10 @@ MAX_NEW = 20
 
 
 @pytest.fixture(scope="module")
-def smollm() -> dict[str, Any]:
+def smollm(smollm_hf: Any) -> dict[str, Any]:
     source = resolve_model("SmolLM2-135M-Instruct")
     engine = Engine.from_source(source, EngineConfig(device="cpu"))
-    hf = load_hf_model(source)  # transformers' own loading of the GGUF: checks our conversion too
+    hf = smollm_hf  # transformers' own loading of the GGUF: checks our conversion too
     tokenizer = engine.tokenizer
     prompts = [
         tokenizer.apply_chat_template(

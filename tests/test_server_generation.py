@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.engine_helpers import assert_greedy_matches, hf_greedy, load_hf_model
+from tests.engine_helpers import assert_greedy_matches, hf_greedy
 from tests.server_helpers import ServerHandle, sse_events, wait_until_idle
 
 PROMPTS = [
@@ -27,13 +27,12 @@ MAX_NEW = 20
 
 
 @pytest.fixture(scope="module")
-def hf_reference() -> dict[str, Any]:
+def hf_reference(smollm_hf: Any) -> dict[str, Any]:
     """transformers' own greedy `generate` on the same GGUF: the ground truth."""
     from actors.common.model_source import load_tokenizer, resolve_model
 
-    source = resolve_model("SmolLM2-135M-Instruct")
-    tokenizer = load_tokenizer(source)
-    model = load_hf_model(source)
+    tokenizer = load_tokenizer(resolve_model("SmolLM2-135M-Instruct"))
+    model = smollm_hf
     prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                   tokenize=True, return_dict=False)) for p in PROMPTS]
     outputs = [hf_greedy(model, ids, MAX_NEW, tokenizer.eos_token_id) for ids in prompts]

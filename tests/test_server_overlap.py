@@ -5,24 +5,22 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
 
-from actors.common.model_source import DEFAULT_MODEL
-from bus.embedded_server import EmbeddedNatsServer
-from tests.server_helpers import ServerHandle, start_server, wait_until_idle
+from tests.server_helpers import ServerHandle, wait_until_idle
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three colors.",
            "Explain gravity to a child in one sentence.", "What is 12 * 7?", "Name a famous physicist."]
 
 
-@pytest.fixture(scope="module")
-def overlap_server(nats_server: EmbeddedNatsServer) -> Iterator[ServerHandle]:
-    handle = start_server(DEFAULT_MODEL, nats_url=nats_server.url, extra=["--overlap-schedule", "on"])
-    yield handle
-    assert handle.stop() == 0, handle.log()[-3000:]
+@pytest.fixture
+def overlap_server(overlap_shards_server: ServerHandle) -> ServerHandle:
+    """SmolLM2 with `--overlap-schedule on` (and two detokenizer shards), shared with
+    tests/test_detokenizer_elastic.py."""
+    return overlap_shards_server
 
 
 def generate(base_url: str, prompt: str, i: int) -> dict[str, Any]:

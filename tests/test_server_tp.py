@@ -18,16 +18,28 @@ import httpx
 import pytest
 
 from actors.common.model_source import DEFAULT_MODEL
-from tests.engine_helpers import assert_greedy_matches, hf_greedy, load_hf_model
-from tests.server_helpers import ServerHandle, sse_events, start_server
+from tests.engine_helpers import assert_greedy_matches, hf_greedy
+from tests.server_helpers import ServerHandle, servers_side_by_side, sse_events
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three colors."]
 MAX_NEW = 12  # the issue's "first dozen tokens": fp32 all-reduces sum in another order than one rank
 
 
 @pytest.fixture(scope="module")
-def tp_server() -> Iterator[ServerHandle]:
-    handle = start_server(DEFAULT_MODEL, extra=["--tp", "3", "--torch-threads", "1", "--max-total-tokens", "8192"])
+def rings(tiny_model_dir: Path) -> Iterator[dict[str, ServerHandle]]:
+    """Both rings of this module, started side by side: "tp" (SmolLM2, `--tp 3`) and "dp_tp" (the tiny model,
+    `--dp 2 --tp 2`)."""
+    with servers_side_by_side({
+        "tp": (DEFAULT_MODEL, ["--tp", "3", "--torch-threads", "1", "--max-total-tokens", "8192"]),
+        "dp_tp": (str(tiny_model_dir), ["--dp", "2", "--tp", "2", "--torch-threads", "1", "--max-total-tokens",
+                                        "4096", "--watchdog-timeout", "5"]),
+    }) as handles:
+        yield handles
+
+
+@pytest.fixture(scope="module")
+def tp_server(rings: dict[str, ServerHandle]) -> Iterator[ServerHandle]:
+    handle = rings["tp"]
     yield handle
     handle.stop()
     assert handle.live_actors() == [], f"actors left running:\n{handle.log()[-3000:]}"
@@ -62,12 +74,11 @@ def test_the_rank_group_is_one_replica(tp_server: ServerHandle) -> None:
     assert {"scheduler0", "scheduler1000", "scheduler2000"} <= set(info["actors"]), info["actors"]
 
 
-def test_greedy_matches_transformers(tp_server: ServerHandle) -> None:
+def test_greedy_matches_transformers(tp_server: ServerHandle, smollm_hf: Any) -> None:
     from actors.common.model_source import load_tokenizer, resolve_model
 
-    source = resolve_model(DEFAULT_MODEL)
-    tokenizer = load_tokenizer(source)
-    model = load_hf_model(source)
+    tokenizer = load_tokenizer(resolve_model(DEFAULT_MODEL))
+    model = smollm_hf
     prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                   tokenize=True, return_dict=False)) for text in PROMPTS]
 
@@ -104,9 +115,8 @@ def test_a_killed_follower_ends_the_stream_and_the_last_replica_fail_stops(tp_se
 
 
 @pytest.fixture(scope="module")
-def dp_tp_server(tiny_model_dir: Path) -> Iterator[ServerHandle]:
-    handle = start_server(str(tiny_model_dir), extra=["--dp", "2", "--tp", "2", "--torch-threads", "1",
-                                                      "--max-total-tokens", "4096", "--watchdog-timeout", "5"])
+def dp_tp_server(rings: dict[str, ServerHandle]) -> Iterator[ServerHandle]:
+    handle = rings["dp_tp"]
     yield handle
     assert handle.stop() == 0
     assert handle.live_actors() == []

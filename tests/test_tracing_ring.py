@@ -1,19 +1,19 @@
-"""Tracing on a real ring (tiny model) exporting straight to a local OTLP/HTTP receiver: one request is one trace
-across the processes, rooted at the HTTP request under the client's traceparent, with the messaging spans named
-after subject templates, the scheduler's steps linked to it, and errors and aborts marked."""
+"""Tracing on a real ring (tiny model; the small ring, shared with other files) exporting straight to a local
+OTLP/HTTP receiver: one request is one trace across the processes, rooted at the HTTP request under the client's
+traceparent, with the messaging spans named after subject templates, the scheduler's steps linked to it, and
+errors and aborts marked."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import httpx
 import pytest
 
 from observability.otlp_decode import SpanRecord
 from tests.otlp_receiver import OtlpReceiver
-from tests.server_helpers import ServerHandle, start_server
+from tests.server_helpers import ServerHandle
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
@@ -21,16 +21,10 @@ REQUEST_SPANS = {"send req.submit", "process req.submit", "tokenize", "send req.
                  "generate", "queue", "prefill", "decode", "detokenize", "stream to client"}
 
 
-@pytest.fixture(scope="module")
-def traced(tiny_model_dir: Path) -> Iterator[tuple[ServerHandle, OtlpReceiver]]:
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # export within 0.1 s, so the test does not wait
-        with OtlpReceiver() as receiver:
-            server = start_server(str(tiny_model_dir), extra=["--otlp-endpoint", receiver.url])
-            try:
-                yield server, receiver
-            finally:
-                assert server.stop() == 0
+@pytest.fixture
+def traced(small_ring: ServerHandle, small_ring_spans: OtlpReceiver) -> tuple[ServerHandle, OtlpReceiver]:
+    """The small ring (shared with other files, tests/shared_rings.py) and the receiver of its spans."""
+    return small_ring, small_ring_spans
 
 
 def complete(trace_id: str, root: str) -> Callable[[list[SpanRecord]], bool]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -46,10 +47,16 @@ def new_weights(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: Path) -> Iterator[ServerHandle]:
-    handle = start_server(str(tiny_model_dir))
-    yield handle
-    assert handle.stop() == 0
+def rings(tiny_model_dir: Path, new_weights: Path) -> Iterator[dict[str, ServerHandle]]:
+    """"server" on the tiny model (its weights get swapped) and "fresh" on the new weights, started side by side."""
+    with ThreadPoolExecutor(2) as pool:
+        futures = {"server": pool.submit(start_server, str(tiny_model_dir)),
+                   "fresh": pool.submit(start_server, str(new_weights))}
+    try:
+        yield {name: future.result() for name, future in futures.items()}
+    finally:
+        codes = {name: future.result().stop() for name, future in futures.items() if future.exception() is None}
+    assert codes.get("server") == 0, codes
 
 
 def generate(server: ServerHandle, prompts: list[str], sampling: dict[str, Any] = GREEDY) -> list[dict[str, Any]]:
@@ -74,8 +81,8 @@ def in_flight(server: ServerHandle, count: int) -> tuple[threading.Thread, list[
     return thread, results
 
 
-def test_weights_swapped_under_load_match_a_fresh_server(server: ServerHandle, new_weights: Path) -> None:
-    fresh = start_server(str(new_weights))
+def test_weights_swapped_under_load_match_a_fresh_server(rings: dict[str, ServerHandle], new_weights: Path) -> None:
+    server, fresh = rings["server"], rings["fresh"]
     try:
         expected = [r["output_ids"] for r in generate(fresh, PROMPTS)]
     finally:

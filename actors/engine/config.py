@@ -65,10 +65,12 @@ class EngineConfig:
         "threads for the scheduler's torch compute (0 on a CPU = every core for prefill-sized steps; for "
         "decode-sized steps all cores or all but one, whichever the scheduler measures faster as it serves)"))
     cuda_graph_max_bs: int = field(default=160, metadata=_flag(
-        "largest decode batch replayed from a captured CUDA graph (sizes 1, 2, 4, 8, then steps of 8); larger "
-        "batches, prefill and mixed batches run eagerly; only on cuda"))
+        "largest decode batch run from a graph (sizes 1, 2, 4, 8, then steps of 8; a batch pads to the next): "
+        "CUDA graphs captured at start on a GPU, torch.compile graphs on a CPU, each compiled in the background "
+        "when a batch first needs its size while eager steps serve; larger batches, prefill and mixed batches "
+        "run eagerly"))
     disable_cuda_graph: bool = field(default=False, metadata=_flag(
-        "run every decode step eagerly instead of replaying captured CUDA graphs"))
+        "run every decode step eagerly: no CUDA graphs on a GPU, no compiled decode graphs on a CPU"))
     overlap_schedule: str = field(default="auto", metadata=_flag(
         "plan and launch decode step N+1 before applying step N's tokens, so the host's work hides behind the "
         "device's: auto (on cuda; on a CPU the forward blocks and nothing would overlap), on, off",
@@ -128,9 +130,9 @@ class EngineConfig:
         return self.overlap_schedule == "on"
 
     def graph_max_bs(self) -> int:
-        """Largest CUDA-graph decode batch to capture: 0 (none) off cuda or with --disable-cuda-graph, else
-        `cuda_graph_max_bs` capped at `max_running_requests`."""
-        if self.disable_cuda_graph or not self.resolved_device().startswith("cuda"):
+        """Largest decode batch run from a graph (CUDA graphs on a GPU, compiled on a CPU): 0 (none) with
+        --disable-cuda-graph, else `cuda_graph_max_bs` capped at `max_running_requests`."""
+        if self.disable_cuda_graph:
             return 0
         return min(self.cuda_graph_max_bs, self.max_running_requests)
 

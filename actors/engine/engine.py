@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from actors.engine.batch import Batch, ForwardOutput
+from actors.engine.request_checks import request_error
 from actors.engine.cache_manager import CacheManager
 from actors.engine.config import EngineConfig
 from actors.engine.decode import DecodeManager
@@ -121,13 +122,25 @@ class Engine:
         apply_quantization(model, config, source)  # each quantized layer keeps its kernel plan (reported by stats())
         return cls(model, config, tokenizer if tokenizer is not None else load_tokenizer(source), source.name)
 
+    def start_decode_graphs(self) -> None:
+        """On a CPU, start compiling decode graphs in the background (decode_graph.py); the server calls this
+        when it serves. Nothing to do on a GPU (captured at start) or with graphs off."""
+        if self.runner.graphs is not None:
+            self.runner.graphs.start_compiling()
+
+    def decode_graph_report(self) -> dict[str, str]:
+        """What runs each decode batch size (`SchedulerInfo.decode_graphs`); safe from any thread, since
+        background compiles change it between steps."""
+        return self.runner.graphs.report() if self.runner.graphs is not None else {"mode": "off"}
+
     @property
     def num_slots(self) -> int:
         return self.pool.num_slots
 
     def add_request(self, request: TokenizedRequest) -> ApiError | None:
         """Queue `request`, or say why it cannot run (with the numbers involved)."""
-        rejection = self._validate(request)
+        rejection = request_error(request, self.live, self.vocab_size, self.context_length, self.num_slots,
+                                  self.tokenizer is not None)
         if rejection is not None:
             return rejection
         params = request.sampling
@@ -142,31 +155,6 @@ class Engine:
         else:
             self.prefill.add(req)
         self.live[req.rid] = req
-        return None
-
-    def _validate(self, request: TokenizedRequest) -> ApiError | None:
-        ids, params = request.input_ids, request.sampling
-        if request.rid in self.live:
-            return ApiError(f"request id {request.rid!r} is already in use by a live request", param="rid")
-        if not ids:
-            return ApiError("the prompt is empty", param="input_ids")
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            return ApiError(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="input_ids")
-        if params.max_new_tokens < 0:
-            return ApiError(f"max_new_tokens must be at least 0, got {params.max_new_tokens}", param="max_new_tokens")
-        if params.wants_prompt_logprobs and params.logprob_start_len >= len(ids):
-            return ApiError(f"logprob_start_len must be less than the prompt's {len(ids)} tokens, got "
-                            f"{params.logprob_start_len}", param="logprob_start_len")
-        total = len(ids) + params.max_new_tokens
-        for limit, what in ((self.context_length, "the context length"), (self.num_slots, "the KV pool")):
-            if total > limit:
-                return ApiError(f"{len(ids)} prompt tokens + {params.max_new_tokens} max_new_tokens = {total} "
-                                 f"exceeds {what} ({limit} tokens)", param="max_new_tokens")
-        if any(not s for s in params.stop):
-            return ApiError("stop strings must not be empty", param="stop")
-        if params.stop and self.tokenizer is None:
-            return server_error("stop strings need a tokenizer, and this engine has none")
         return None
 
     def has_work(self) -> bool:
@@ -356,7 +344,8 @@ class Engine:
             num_retractions=self.num_retractions, paused=self.paused, radix_cache=not config.disable_radix_cache,
             chunked_prefill_size=config.chunked_prefill_size if config.chunking else 0,
             overlap_schedule=self.overlap, torch_threads=dict(self._thread_choices),
-            quantization=dict(self._quantization))
+            quantization=dict(self._quantization),
+            decode_graphs=self.decode_graph_report())
 
     def pause(self) -> None:
         """Start no more steps (a step in flight is still applied); requests keep their KV, new ones queue."""
@@ -417,14 +406,8 @@ class Engine:
         return row
 
     def update_weights(self, checkpoint: Any, model_name: str, check_only: bool = False) -> int:
-        """Swap in the weights of `checkpoint` (an `actors.engine.weights.Checkpoint` of the same architecture)
-        in place, so CUDA graphs and kernels keep their tensors; `model_name` is what `stats()` reports from
-        then on. Raises `WeightMismatch` (a ValueError saying what differs) and changes nothing when it does not
-        fit; `check_only` only checks. Returns the KV slots the prefix-cache flush freed.
-
-        The KV of the old weights is not reused: requests holding KV (running, or part-way through a chunked
-        prefill) go back to the front of the queue and recompute theirs with the new weights (their output so
-        far is kept), and the prefix cache is flushed. Call with no step in flight (`has_work()` false, e.g.
-        after `pause`), between steps.
-        """
+        """Swap in the weights of `checkpoint` (a `Checkpoint` of the same architecture) in place; requests
+        holding KV recompute it with them (actors/engine/weight_swap.py). `model_name` is what `stats()` reports
+        from then on. Raises `WeightMismatch` and changes nothing when it does not fit; `check_only` only checks.
+        Call between steps, with none in flight. Returns the KV slots the prefix-cache flush freed."""
         return swap_engine_weights(self, checkpoint, model_name, check_only)

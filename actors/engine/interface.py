@@ -45,6 +45,9 @@ class EngineInterface(Protocol):
         """Run one step; a row per request that produced a token or ended (a request's first row carries its
         `decode` parameters and `queue_time`)."""
 
+    def decode_graph_report(self) -> dict[str, str]:
+        """What runs each decode batch size; unlike the rest, callable from any thread at any time."""
+
     def stats(self) -> SchedulerInfo:
         """Load, KV usage and settings (`rank` 0: the caller knows its own)."""
 

@@ -5,8 +5,8 @@ The runner reads the `Batch` and the token tables. Its input ids are gathered on
 token sampled by a step still in flight is read without the host having seen it. It writes the KV pool
 (through the backend) and, right after sampling, each sampled token into `ids` for the next step; every
 decision and allocation was made before it is called. Nothing here waits for the device. Decode-only
-batches go through the CUDA-graph runner (`cuda_graph.py`) when one is enabled; prefill, mixed and
-oversized batches run eagerly.
+batches go through the decode graph runner (`decode_graph.py`: CUDA graphs on a GPU, compiled graphs on a
+CPU) when one is enabled and has their size ready; prefill, mixed and oversized batches run eagerly.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from actors.engine.batch import Batch, ForwardOutput, PromptScores
-from actors.engine.cuda_graph import CudaGraphRunner
+from actors.engine.decode_graph import DecodeGraphRunner, default_mode
 from actors.engine.kv_pool import KVPool
 from actors.engine.llama import Attention, LlamaForCausalLM, RMSNorm
 from actors.engine.thread_tuner import ThreadTuner
@@ -31,11 +31,12 @@ class ModelRunner:
     """Owns the model and its attention backend over a KV pool."""
 
     def __init__(
-        self, model: LlamaForCausalLM, pool: KVPool, table: TokenTable, backend: str, cuda_graph_max_bs: int = 0,
-        capture: bool | None = None,
+        self, model: LlamaForCausalLM, pool: KVPool, table: TokenTable, backend: str, graph_max_bs: int = 0,
+        graph_mode: str | None = None,
     ) -> None:
-        """`cuda_graph_max_bs` > 0 runs decode batches up to that size through a `CudaGraphRunner` (captured
-        on CUDA; `capture=False` replays eagerly, for tests on any device); 0 runs everything eagerly."""
+        """`graph_max_bs` > 0 runs decode batches up to that size through a `DecodeGraphRunner` (`graph_mode`:
+        None for the device's default, CUDA graphs or compiled graphs; `eager` for tests on any device); 0 runs
+        everything eagerly."""
         self.model = model
         self.table = table
         self.thread_tuner: ThreadTuner | None = None
@@ -47,9 +48,11 @@ class ModelRunner:
         self.tp_sender: Callable[[list[int], list[int], list[int], torch.Tensor, ForwardInfo], None] | None = None
         if backend == "triton" and self.device.type == "cuda":
             use_triton_kernels(model)
-        self.graphs: CudaGraphRunner | None = None
-        if cuda_graph_max_bs > 0:
-            self.graphs = CudaGraphRunner(model, self.backend, table, cuda_graph_max_bs, capture=capture)
+        self.graphs: DecodeGraphRunner | None = None
+        mode = graph_mode or default_mode(self.device)
+        # a CPU decode graph over a gathering attention path would be slower than eager at any context length
+        if graph_max_bs > 0 and (mode != "compile" or self.backend.compiles_decode()):
+            self.graphs = DecodeGraphRunner(model, self.backend, table, graph_max_bs, mode)
 
     def set_thread_policy(self, options: tuple[int, ...], fixed_from_tokens: int) -> None:
         """Run each step on one of `options` torch threads, learned per step size from measured step times

@@ -46,7 +46,7 @@ def prepare_rank(model: LlamaForCausalLM, config: EngineConfig, group: TPGroup) 
     shard_model(model, group)
     apply_quantization(model, config)
     if config.graph_max_bs():
-        log_event(log, logging.INFO, "tensor parallelism runs every step eagerly: CUDA graphs are off", tp=group.size)
+        log_event(log, logging.INFO, "tensor parallelism runs every step eagerly: decode graphs are off", tp=group.size)
     config = dataclasses.replace(config, disable_cuda_graph=True)
     mc = model.config
     kv_heads = model.model.layers[0].self_attn.num_kv_heads

@@ -35,6 +35,8 @@ def swap_engine_weights(engine: Any, checkpoint: Any, model_name: str, check_onl
             req.prompt_logprobs = PromptLogprobs(req.prompt_logprobs.start)
         engine.prefill.add(req, front=True)
     swap_weights(engine.runner.model, checkpoint)
+    if engine.runner.graphs is not None:  # compiled CPU graphs are built again, in the background
+        engine.runner.graphs.weights_changed()
     engine.model_name = model_name
     if holding:
         log_event(log, logging.INFO, "requests recompute their KV with the new weights", requests=len(holding))

@@ -134,7 +134,8 @@ class SchedulerActor:
         self._wake.set()
 
     async def _on_info(self, query: InfoQuery, delivery: Delivery) -> SchedulerInfo:
-        return self._info
+        # the snapshot is taken between steps; the decode graphs compile in the background, even while idle
+        return dataclasses.replace(self._info, decode_graphs=self._engine.decode_graph_report())
 
     async def _on_command(self, command: ControlCommand, delivery: Delivery) -> ControlReply:
         if command.action not in CONTROL_ACTIONS:
@@ -418,4 +419,5 @@ async def scheduler_main(ctx: ActorContext, model: str, config: EngineConfig,
 
     if engine is None:
         engine = Engine.from_source(resolve_model(model), config)
+        engine.start_decode_graphs()
     return await SchedulerActor(ctx, engine, admission, load_weights).start()

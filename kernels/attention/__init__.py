@@ -12,6 +12,7 @@ import importlib.util
 
 import torch
 
+from kernels.attention import kv_store  # noqa: F401  (registers torch.ops.ringserve.store_kv)
 from kernels.attention.backend import AttentionBackend, AttentionMetadata, ForwardInfo
 from kernels.attention.torch_paged import TorchPagedBackend
 

@@ -85,9 +85,17 @@ class AttentionBackend(ABC):
         head_dim]`; returns `[T, n_heads, head_dim]`."""
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer: int, meta: AttentionMetadata) -> None:
-        """Write the step's new keys and values into their slots of `layer`."""
+        """Write the step's new keys and values into their slots of `layer` (through the in-place op of
+        kernels/attention/kv_store.py when compiled)."""
+        if torch.compiler.is_compiling():
+            torch.ops.ringserve.store_kv(self.k_pool, self.v_pool, layer, meta.out_slots, k, v)
+            return
         self.k_pool[layer].index_copy_(0, meta.out_slots, k)
         self.v_pool[layer].index_copy_(0, meta.out_slots, v)
+
+    def compiles_decode(self) -> bool:
+        """Whether a compiled CPU decode graph pays with this backend (its graph path reads the pool in place)."""
+        return False
 
     def init_graph_buffers(self, max_bs: int, token_table: torch.Tensor) -> None:
         """Allocate static metadata buffers for decode batches of up to `max_bs` requests over `token_table`."""

@@ -13,9 +13,11 @@ On a CPU with float32 KV and our C++ kernels built (kernels/cpu), the decode row
 decode attention kernel reads each request's K/V where it lies in the pool (`DecodeRows`). Extend rows always
 take the gather path.
 
-CUDA-graph decode (`init_graph_buffers` and the two prepare hooks) uses static shapes instead: every row
-gathers the full width of the token table and masks keys past its length. That is slow for long contexts;
-it exists so the graph runner's logic can be checked against the eager path on any device.
+Graph decode (`init_graph_buffers` and the two prepare hooks) uses static shapes. Where the CPU kernel runs,
+the static buffers are the rows, KV lengths and output slots the kernel reads, so a compiled CPU decode graph
+(actors/engine/decode_graph.py) reads the pool in place too. Elsewhere every row gathers the full width of
+the token table and masks keys past its length: slow for long contexts, it exists so the graph runner's logic
+can be checked against the eager path on any device.
 """
 
 from __future__ import annotations
@@ -60,10 +62,14 @@ class TorchPagedMetadata(AttentionMetadata):
 
 @dataclass
 class TorchGraphMetadata(AttentionMetadata):
-    """Static decode metadata for CUDA graphs: views of the backend's graph buffers for `bs` rows."""
+    """Static decode metadata for graphs: views of the backend's graph buffers for `bs` rows. Either the
+    paged kernel's inputs (`table`, `rows`, `kv_lens`) or the gathered slots and mask."""
 
-    kv_slots: torch.Tensor = field(default=None)  # type: ignore[assignment]  # [bs, W] the rows' table entries
-    mask: torch.Tensor = field(default=None)  # type: ignore[assignment]  # [bs, 1, 1, W] bool, key j < kv_len
+    kv_slots: torch.Tensor | None = None  # [bs, W] the rows' table entries
+    mask: torch.Tensor | None = None  # [bs, 1, 1, W] bool, key j < kv_len
+    table: torch.Tensor | None = None  # [R, W] int64 the request-to-token table (the CPU kernel reads it)
+    rows: torch.Tensor | None = None  # [bs] int64 table rows
+    kv_lens: torch.Tensor | None = None  # [bs] int64 keys per row
 
 
 class TorchPagedBackend(AttentionBackend):
@@ -78,19 +84,27 @@ class TorchPagedBackend(AttentionBackend):
         self._graph: dict[str, torch.Tensor] = {}
         self.in_place_decode = _in_place_decode(k_pool)
 
+    def compiles_decode(self) -> bool:
+        return self.in_place_decode
+
     def init_graph_buffers(self, max_bs: int, token_table: torch.Tensor) -> None:
         device, width = self.k_pool.device, token_table.shape[1]
-        self._graph = {
-            "table": token_table,
-            "out_slots": torch.zeros(max_bs, dtype=torch.int64, device=device),
-            "kv_slots": torch.zeros(max_bs, width, dtype=torch.int64, device=device),
-            "mask": torch.zeros(max_bs, 1, 1, width, dtype=torch.bool, device=device),
-            "cols": torch.arange(width, device=device),
-        }
-        self._graph["mask"][:, :, :, 0] = True  # dummy rows see one key
+        g = {"table": token_table, "out_slots": torch.zeros(max_bs, dtype=torch.int64, device=device)}
+        if self.in_place_decode:
+            g["rows"] = torch.zeros(max_bs, dtype=torch.int64, device=device)
+            g["kv_lens"] = torch.ones(max_bs, dtype=torch.int64, device=device)  # dummy rows see one key
+        else:
+            g["kv_slots"] = torch.zeros(max_bs, width, dtype=torch.int64, device=device)
+            g["mask"] = torch.zeros(max_bs, 1, 1, width, dtype=torch.bool, device=device)
+            g["cols"] = torch.arange(width, device=device)
+            g["mask"][:, :, :, 0] = True  # dummy rows see one key
+        self._graph = g
 
     def prepare_for_capture(self, bs: int) -> TorchGraphMetadata:
         g = self._graph
+        if self.in_place_decode:
+            return TorchGraphMetadata(out_slots=g["out_slots"][:bs], table=g["table"], rows=g["rows"][:bs],
+                                      kv_lens=g["kv_lens"][:bs])
         return TorchGraphMetadata(out_slots=g["out_slots"][:bs], kv_slots=g["kv_slots"][:bs], mask=g["mask"][:bs])
 
     def prepare_for_replay(self, bs: int, info: ForwardInfo) -> None:
@@ -99,6 +113,10 @@ class TorchPagedBackend(AttentionBackend):
         if kv_lens is None:
             kv_lens = to_device(info.kv_lens_cpu, self.k_pool.device)
         g["out_slots"][:bs].copy_(info.out_slots)
+        if self.in_place_decode:
+            g["rows"][:bs].copy_(info.req_rows)
+            g["kv_lens"][:bs].copy_(kv_lens)
+            return
         g["kv_slots"][:bs].copy_(g["table"][info.req_rows])
         g["mask"][:bs, 0, 0].copy_(g["cols"][None, :] < kv_lens[:, None])
 
@@ -172,8 +190,12 @@ class TorchPagedBackend(AttentionBackend):
     def _forward_graph(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, meta: TorchGraphMetadata
     ) -> torch.Tensor:
-        """Decode over static buffers: one query per row, keys gathered over the table's full width."""
+        """Decode over static buffers: one query per row, read in place by the CPU kernel, or with keys gathered
+        over the table's full width."""
         self.store_kv(k, v, layer, meta)
+        if meta.rows is not None:
+            return torch.ops.ringserve_cpu.paged_decode_attention.default(
+                q, self.k_pool[layer], self.v_pool[layer], meta.table, meta.rows, meta.kv_lens, self.scale)
         bs = q.shape[0]
         qg = q.reshape(bs, self.num_kv_heads, self.rep, self.head_dim)  # [bs, Hkv, rep, D]
         kg = self.k_pool[layer][meta.kv_slots].transpose(1, 2)  # [bs, Hkv, W, D]

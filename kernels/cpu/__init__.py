@@ -4,19 +4,24 @@ paged decode attention over the KV pool in place (`paged_attention.cpp`, its ref
 `torch.ops.ringserve_cpu.group_linear(x, qweight, scales, mins, bias, out_features, bits)` computes
 `x @ W^T + bias` for a weight packed by `kernels.cpu.packing` (q8_0, q4_0 or q4_1), quantizing the rows of x
 to int8 per block of 32 on each call. The ops' schemas and fake (meta) implementations are defined here, so
-they trace into a `torch.compile` graph. Their CPU implementation is the C++ library, JIT-built on first use with
-`torch.utils.cpp_extension.load` (about 30 s, once per host and torch version) into
-`~/.cache/ringserve/torch_extensions` (or `$RINGSERVE_CACHE/torch_extensions`), or, when it cannot be
-built (no compiler, no ninja, a CPU without AVX2), the torch reference of the same math
-(`reference_group_linear`, `reference_paged_decode_attention`), which is slow: `compiled()` says which one runs, and the kernel plan never picks
-the fallback.
+they trace into a `torch.compile` graph. Their CPU implementation is the C++ library, found in this order:
+1. built at `pip install` (setup.py) as `_ringserve_cpu.so` beside this file; it loads only when its record
+   (`_ringserve_cpu.json`) names the current sources' hash and torch version, so an edited .cpp never runs
+   a stale build;
+2. else JIT-built on first use with `torch.utils.cpp_extension.load` (about 30 s, once per host, sources
+   and torch version) into `~/.cache/ringserve/torch_extensions` (or `$RINGSERVE_CACHE/torch_extensions`);
+3. else, when it cannot be built (no compiler, no ninja, a CPU without AVX2), the torch reference of the
+   same math (`reference_group_linear`, `reference_paged_decode_attention`), which is slow.
+`compiled()` says whether the C++ library runs, and the kernel plan never picks the fallback.
 
-Environment: `RINGSERVE_CPU_KERNELS=0` skips the build (the fallback runs); `RINGSERVE_CPU_ISA=avx2` forces
-the AVX2 path on a host that has AVX-512 VNNI (`set_isa` does the same at run time).
+Environment: `RINGSERVE_CPU_KERNELS=0` skips the library (the fallback runs; at install it skips the build);
+`RINGSERVE_CPU_ISA=avx2` forces the AVX2 path on a host that has AVX-512 VNNI (`set_isa` does the same at
+run time).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -26,6 +31,7 @@ from pathlib import Path
 import torch
 
 from kernels.cpu.attention import reference_paged_decode_attention
+from kernels.cpu.build_record import SOURCES, sources_digest
 from kernels.cpu.packing import PackedWeight, pack, reference_group_linear
 
 __all__ = ["PackedWeight", "pack", "group_linear", "compiled", "isa", "best_isa", "set_isa", "cache_dir", "linear",
@@ -34,8 +40,10 @@ __all__ = ["PackedWeight", "pack", "group_linear", "compiled", "isa", "best_isa"
 log = logging.getLogger("kernels.cpu")
 OP = "ringserve_cpu::group_linear"
 _SOURCE = Path(__file__).with_name("qgemm.cpp")  # the linears' kernels (their measured plans hash it)
-_SOURCES = (_SOURCE, Path(__file__).with_name("paged_attention.cpp"))
+_SOURCES = SOURCES
 ATTENTION_OP = "ringserve_cpu::paged_decode_attention"
+_PREBUILT = Path(__file__).with_name("_ringserve_cpu.so")  # setup.py builds it at install
+_PREBUILT_RECORD = _PREBUILT.with_suffix(".json")  # {"sources": sources_digest(), "torch": version}
 
 _lib = torch.library.Library("ringserve_cpu", "DEF")
 _lib.define("group_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, int out_features, "
@@ -76,29 +84,63 @@ def _lacks_avx2() -> bool:
     return flags is not None and not {"avx2", "fma", "f16c"} <= set(flags)
 
 
+def _prebuilt() -> Path | None:
+    """The library built at install, when it was built from these sources against this torch; else None."""
+    try:
+        record = json.loads(_PREBUILT_RECORD.read_text())
+    except (OSError, ValueError):
+        return None  # not built at install (or an editable checkout never installed)
+    if not _PREBUILT.is_file():
+        return None
+    if record.get("torch") != torch.__version__ or record.get("sources") != sources_digest():
+        log.info("CPU kernels built at install are stale (sources or torch changed since); JIT-building them")
+        return None
+    return _PREBUILT
+
+
+def _load_prebuilt() -> bool:
+    """Load the library built at install when it is current; False when there is none or it does not load."""
+    path = _prebuilt()
+    if path is None:
+        return False
+    try:
+        torch.ops.load_library(str(path))  # its TORCH_LIBRARY blocks register the ops
+    except OSError as exc:  # e.g. built against another build of this torch version: JIT-build it instead
+        log.warning("CPU kernels built at install do not load (%s); JIT-building them", exc)
+        return False
+    return True
+
+
+def _jit_build() -> None:
+    """JIT-build (or find built in the cache) and load the library; raises when it cannot be built."""
+    from torch.utils import cpp_extension
+
+    build_dir = cache_dir() / "torch_extensions" / f"torch-{torch.__version__}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # No -march=native: qgemm.cpp chooses AVX-512 VNNI or AVX2 per function at run time, so a build in a
+    # shared home directory serves every host. -fopenmp lets at::parallel_for use torch's OpenMP pool
+    # (the extension binds to the libgomp torch already loaded). setup.py builds with the same flags.
+    start = time.perf_counter()
+    cpp_extension.load(name="ringserve_qgemm", sources=[str(src) for src in _SOURCES], build_directory=str(build_dir),
+                       extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False,
+                       verbose=False)  # loads the library: its TORCH_LIBRARY blocks register the ops
+    seconds = time.perf_counter() - start
+    if seconds > 2:  # it was compiled now, not found built
+        log.info("CPU quantized kernels built in %.0f s into %s", seconds, build_dir)
+
+
 def _build() -> object | None:
-    """Build (or find built) and load the library; its helper ops (`torch.ops.ringserve_qgemm`), or None."""
+    """Load the library (built at install, else JIT-built); its helper ops (`torch.ops.ringserve_qgemm`), or
+    None when only the fallback can run."""
     if os.environ.get("RINGSERVE_CPU_KERNELS", "1") == "0":
         return None
     if _lacks_avx2():
         log.warning("CPU quantized kernels need AVX2, FMA and F16C; using the torch fallback")
         return None
     try:
-        from torch.utils import cpp_extension
-
-        build_dir = cache_dir() / "torch_extensions" / f"torch-{torch.__version__}"
-        build_dir.mkdir(parents=True, exist_ok=True)
-        # No -march=native: qgemm.cpp chooses AVX-512 VNNI or AVX2 per function at run time, so a build in a
-        # shared home directory serves every host. -fopenmp lets at::parallel_for use torch's OpenMP pool
-        # (the extension binds to the libgomp torch already loaded).
-        start = time.perf_counter()
-        cpp_extension.load(name="ringserve_qgemm", sources=[str(src) for src in _SOURCES], build_directory=str(build_dir),
-                           extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False,
-                           verbose=False)  # loads the library: its TORCH_LIBRARY blocks register the ops
+        if not _load_prebuilt():
+            _jit_build()
         module = torch.ops.ringserve_qgemm
-        seconds = time.perf_counter() - start
-        if seconds > 2:  # it was compiled now, not found built
-            log.info("CPU quantized kernels built in %.0f s into %s", seconds, build_dir)
     except Exception as exc:  # no compiler, no ninja, a failed build: the torch fallback runs instead
         log.warning("CPU quantized kernels not built (%s: %s); using the torch fallback", type(exc).__name__,
                     str(exc).splitlines()[0] if str(exc) else "")

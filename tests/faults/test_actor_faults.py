@@ -1,21 +1,36 @@
-"""Actor death and stalls on a real ring: every open stream ends with an explicit error within 2 s, the ring
-fail-stops (no orphan process), and a stalled scheduler turns /health to 503 before the watchdog stops all."""
+"""Actor death and stalls on a real ring (`ringserve serve` of a safetensors directory on its embedded NATS): every
+open stream ends with an explicit error within 2 s, the ring fail-stops (no orphan process), also when its
+embedded NATS server dies, and a stalled scheduler turns /health to 503 before the watchdog stops all.
+
+Each test leaves its ring stopped, so each has one of its own; the module starts them side by side, which on a
+small machine takes less time than starting them one after another."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import httpx
 import pytest
 
-from tests.server_helpers import ServerHandle, start_server
+from tests.server_helpers import ServerHandle, servers_side_by_side
 
 LONG = {"prompt": "Hello", "max_tokens": 3000, "ignore_eos": True, "stream": True, "temperature": 0}
+KILLED = ["scheduler0", "detokenizer0", "tokenizer0"]
+FLAGS = {**{role: ["--max-total-tokens", "8192"] for role in KILLED}, "stalled": ["--max-total-tokens", "8192",
+         "--watchdog-timeout", "6"], "nats": []}
+
+
+@pytest.fixture(scope="module")
+def rings(tiny_model_dir: Path) -> Iterator[dict[str, ServerHandle]]:
+    """One ring per test (`FLAGS`: the killed actor's role, "stalled", "nats"), started side by side."""
+    with servers_side_by_side({name: (str(tiny_model_dir), flags) for name, flags in FLAGS.items()}) as handles:
+        yield handles
 
 
 class StreamWatcher:
@@ -51,27 +66,42 @@ def open_stream(server: ServerHandle) -> StreamWatcher:
     return watcher
 
 
-@pytest.mark.parametrize("role", ["scheduler0", "detokenizer0", "tokenizer0"])
-def test_kill_9_of_any_actor_ends_open_streams_with_an_error_and_stops_the_ring(tiny_model_dir: Path,
+@pytest.mark.parametrize("role", KILLED)
+def test_kill_9_of_any_actor_ends_open_streams_with_an_error_and_stops_the_ring(rings: dict[str, ServerHandle],
                                                                                role: str) -> None:
-    server = start_server(str(tiny_model_dir), extra=["--max-total-tokens", "8192"])
-    try:
-        watcher = open_stream(server)
-        killed_at = time.monotonic()
-        os.kill(server.actor_pids()[role], signal.SIGKILL)
-        watcher.join(timeout=30)
-        assert watcher.ended_at is not None, "the stream hung after an actor died"
-        assert watcher.ended_at - killed_at <= 2.0 + 0.5, f"terminal event after {watcher.ended_at - killed_at:.1f} s"
-        assert watcher.error is None and '"error"' in watcher.last_event, watcher.last_event
-        assert server.proc.wait(timeout=30) == 1, "an actor's death must fail-stop the ring"
-        assert f"actor {role}" in server.log() and "fail-stop" in server.log()
-        assert server.live_actors() == [], "fail-stop left actor processes running"
-    finally:
-        server.stop()
+    server = rings[role]
+    reply = httpx.post(server.base_url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4,
+                                                                 "temperature": 0}, timeout=60)
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
+    models = httpx.get(server.base_url + "/v1/models", timeout=10).json()["data"]
+    assert models[0]["max_model_len"] == 4096  # read from the directory's config (tests/conftest.py)
+    watcher = open_stream(server)
+    killed_at = time.monotonic()
+    os.kill(server.actor_pids()[role], signal.SIGKILL)
+    watcher.join(timeout=30)
+    assert watcher.ended_at is not None, "the stream hung after an actor died"
+    assert watcher.ended_at - killed_at <= 2.0 + 0.5, f"terminal event after {watcher.ended_at - killed_at:.1f} s"
+    assert watcher.error is None and '"error"' in watcher.last_event, watcher.last_event
+    assert server.proc.wait(timeout=30) == 1, "an actor's death must fail-stop the ring"
+    assert f"actor {role}" in server.log() and "fail-stop" in server.log()
+    assert re.search(rf"actor {role} \(pid \d+\) exited with code -9", server.log())
+    assert server.live_actors() == [], "fail-stop left actor processes running"
 
 
-def test_a_stopped_scheduler_fails_streams_turns_health_503_then_the_watchdog_stops_all(tiny_model_dir: Path) -> None:
-    server = start_server(str(tiny_model_dir), extra=["--max-total-tokens", "8192", "--watchdog-timeout", "6"])
+def test_the_launcher_fail_stops_when_its_embedded_nats_server_dies(rings: dict[str, ServerHandle]) -> None:
+    server = rings["nats"]
+    found = re.search(r"started nats-server pid=(\d+)", server.log())
+    assert found, server.log()[-2000:]
+    os.kill(int(found.group(1)), signal.SIGKILL)
+    server.proc.wait(timeout=30)
+    assert server.proc.returncode == 1
+    assert "nats-server" in server.log() and "fail-stop" in server.log()
+    assert server.live_actors() == [], "fail-stop left actor processes running"
+
+
+def test_a_stopped_scheduler_fails_streams_turns_health_503_then_the_watchdog_stops_all(
+        rings: dict[str, ServerHandle]) -> None:
+    server = rings["stalled"]
     scheduler = server.actor_pids()["scheduler0"]
     try:
         watcher = open_stream(server)
@@ -90,4 +120,3 @@ def test_a_stopped_scheduler_fails_streams_turns_health_503_then_the_watchdog_st
             os.kill(scheduler, signal.SIGCONT)
         except ProcessLookupError:
             pass
-        server.stop()

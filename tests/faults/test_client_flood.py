@@ -2,17 +2,17 @@
 client (`--max-client-requests`, by the `c~rid` prefix) and in total (`--max-live-requests`, every way in), and
 answers a request over a cap at once with a 503 and `retry_after` 1 on its output subject, never queueing it.
 
-The ring test pauses generation while it floods, so what is live is exactly what was admitted (no request can
-finish meanwhile): the counts it asserts do not depend on the machine's speed."""
+The ring test (on the clients ring shared with other files, tests/shared_rings.py) pauses generation while it
+floods, so what is live is exactly what was admitted (no request can finish meanwhile): the counts it asserts do
+not depend on the machine's speed."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -27,10 +27,8 @@ from bus.messages import (
 from bus.params import SamplingParams
 from bus.subjects import Subjects
 from tests.faults.nats_auth_helpers import Probe
-from tests.server_helpers import ServerHandle, server_info, start_server, wait_until_idle
-
-CLIENT_CAP = 8
-TOTAL_CAP = 12
+from tests.server_helpers import ServerHandle, server_info, wait_until_idle
+from tests.shared_rings import CLIENT_CAP, TOTAL_CAP, logged
 FLOOD = 200
 LONG = {"max_new_tokens": 4000, "ignore_eos": True, "temperature": 0}  # stays live until aborted
 
@@ -167,21 +165,6 @@ def test_the_scheduler_refuses_over_a_cap_and_frees_slots_on_finish_abort_and_re
 # --- the real ring ---------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def ring(tiny_model_dir: Path) -> Iterator[ServerHandle]:
-    server = start_server(str(tiny_model_dir), extra=[
-        "--nats-client", "alice", "--nats-client", "bob", "--max-client-requests", str(CLIENT_CAP),
-        "--max-live-requests", str(TOTAL_CAP)])
-    yield server
-    assert server.stop() == 0
-
-
-def logged(server: ServerHandle, pattern: str) -> str:
-    found = re.search(pattern, server.log())
-    assert found, f"{pattern!r} not in the launcher log:\n{server.log()[-3000:]}"
-    return found.group(1)
-
-
 def post(base: str, path: str, body: dict[str, Any] | None = None) -> httpx.Response:
     return httpx.post(base + path, json={} if body is None else body, timeout=60)
 
@@ -242,8 +225,10 @@ async def until(condition: Any, what: str, timeout: float = 60.0) -> None:
         await asyncio.sleep(0.05)
 
 
-def test_a_flooding_nats_client_is_capped_and_http_still_answers(ring: ServerHandle) -> None:
-    base = ring.base_url
+def test_a_flooding_nats_client_is_capped_and_http_still_answers(clients_ring: ServerHandle) -> None:
+    """On the shared clients ring (tests/conftest.py), idle when the test starts and when it ends."""
+    ring, base = clients_ring, clients_ring.base_url
+    assert wait_until_idle(base)["num_waiting_reqs"] == 0 and live(base) == 0
 
     async def run() -> None:
         alice, bob = Client(ring, "alice"), Client(ring, "bob")

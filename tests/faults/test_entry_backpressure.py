@@ -6,29 +6,19 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
-from typing import Iterator
 
 import httpx
-import pytest
 
-from tests.server_helpers import ServerHandle, server_info, start_server
+from tests.server_helpers import ServerHandle, server_info
+from tests.shared_rings import QUEUE_CAPACITY
 
-CAPACITY = 3
+CAPACITY = QUEUE_CAPACITY  # --max-queued-requests of the small ring (shared with other files, tests/shared_rings.py)
 CLIENTS = 12
 BODY = {"prompt": "Hello", "max_tokens": 150, "ignore_eos": True, "temperature": 0}
 
 
-@pytest.fixture(scope="module")
-def small_server(tiny_model_dir: Path) -> Iterator[ServerHandle]:
-    handle = start_server(str(tiny_model_dir), extra=["--max-total-tokens", "8192",
-                                                      "--max-queued-requests", str(CAPACITY)])
-    yield handle
-    handle.stop()
-
-
-def test_load_above_capacity_gets_fast_503s_and_leaves_nothing(small_server: ServerHandle) -> None:
-    base = small_server.base_url
+def test_load_above_capacity_gets_fast_503s_and_leaves_nothing(small_ring: ServerHandle) -> None:
+    base = small_ring.base_url
     httpx.post(base + "/v1/completions", json={**BODY, "max_tokens": 2}, timeout=60)  # warm
     before = server_info(base)
     results: list[tuple[int, float, httpx.Response]] = []

@@ -5,23 +5,21 @@ from __future__ import annotations
 
 import socket
 import time
-from pathlib import Path
-from typing import Iterator
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
-from tests.server_helpers import ServerHandle, start_server
+from tests.server_helpers import ServerHandle
+from tests.shared_rings import BODY_READ_TIMEOUT
 
-READ_TIMEOUT = 1.5
+READ_TIMEOUT = BODY_READ_TIMEOUT
 
 
-@pytest.fixture(scope="module")
-def upload_server(tiny_model_dir: Path) -> Iterator[ServerHandle]:
-    handle = start_server(str(tiny_model_dir), extra=["--body-read-timeout", str(READ_TIMEOUT)])
-    yield handle
-    handle.stop()
+@pytest.fixture
+def upload_server(small_ring: ServerHandle) -> ServerHandle:
+    """The small ring (shared with other files, tests/shared_rings.py), with its `--body-read-timeout`."""
+    return small_ring
 
 
 def _partial_upload(server: ServerHandle) -> socket.socket:

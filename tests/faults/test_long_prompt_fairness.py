@@ -10,25 +10,23 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
 
-from tests.server_helpers import ServerHandle, server_info, sse_events, start_server, wait_until_idle
+from tests.server_helpers import ServerHandle, server_info, sse_events, wait_until_idle
+from tests.shared_rings import PREFILL_CHUNK
 
-CHUNK = 32
+CHUNK = PREFILL_CHUNK
 LONG_LEN = 3500  # the tiny model's context is 4096
 DEADLINE = 120.0  # a guard against a hang, not a measured threshold
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir: Path) -> Iterator[ServerHandle]:
-    handle = start_server(str(tiny_model_dir), extra=["--chunked-prefill-size", str(CHUNK),
-                                                      "--max-prefill-tokens", str(CHUNK)])
-    yield handle
-    handle.stop()
+@pytest.fixture
+def server(small_ring: ServerHandle) -> ServerHandle:
+    """The small ring (shared with other files, tests/shared_rings.py): `CHUNK`-token prefill chunks and steps."""
+    return small_ring
 
 
 def post(base: str, path: str) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from bus.messages import AbortRequest, Accepted, GenerateRequest, RequestOutput,
 from bus.permissions import inbox_prefix
 from tests.faults.nats_auth_helpers import Probe, make_tls_files, next_message, tls_block
 from tests.server_helpers import REPO, ServerHandle, start_server
+from tests.shared_rings import CLIENTS, logged
 
 NS = "auth"
 S = {  # one concrete subject of each kind in the subject table, and some that no role should get
@@ -193,12 +194,6 @@ def test_user_and_password_from_the_environment_and_never_from_argv(
     asyncio.run(run())
 
 
-def logged(server: ServerHandle, pattern: str) -> str:
-    found = re.search(pattern, server.log())
-    assert found, f"{pattern!r} not in the launcher log:\n{server.log()[-3000:]}"
-    return found.group(1)
-
-
 def process_ids(server: ServerHandle) -> dict[str, int]:
     """Every process of the deployment: launcher, nats-server, actors."""
     pids = {"launcher": server.proc.pid, **server.actor_pids()}
@@ -273,39 +268,36 @@ async def clients_use_the_ring(url: str, ns: str, alice_file: Path, bob_file: Pa
         await bob.close()
 
 
-def test_the_ring_serves_with_generated_users_and_no_secret_in_argv_or_log(tiny_model_dir: Path) -> None:
-    server = start_server(str(tiny_model_dir), extra=["--nats-client", "alice", "--nats-client", "bob"])
-    try:
-        completion_works(server)
-        url = logged(server, r"started nats-server pid=\d+ url=(\S+)")
-        creds_dir = Path(logged(server, r"nats per-role users credentials_dir=(\S+)"))
-        files = {name: Path(logged(server, rf"nats client credentials client={name} file=(\S+)"))
-                 for name in ("alice", "bob")}
-        assert creds_dir.stat().st_mode & 0o777 == 0o700
-        assert all(f.stat().st_mode & 0o777 == 0o600 for f in creds_dir.iterdir())
-        asyncio.run(clients_use_the_ring(url, server.namespace, files["alice"], files["bob"]))
+def test_the_ring_serves_with_generated_users_and_no_secret_in_argv_or_log(clients_ring: ServerHandle) -> None:
+    """On the shared clients ring (tests/conftest.py), whose teardown checks that its credentials directory goes
+    with the launcher."""
+    server = clients_ring
+    completion_works(server)
+    url = logged(server, r"started nats-server pid=\d+ url=(\S+)")
+    creds_dir = Path(logged(server, r"nats per-role users credentials_dir=(\S+)"))
+    files = {name: Path(logged(server, rf"nats client credentials client={name} file=(\S+)")) for name in CLIENTS}
+    assert creds_dir.stat().st_mode & 0o777 == 0o700
+    assert all(f.stat().st_mode & 0o777 == 0o600 for f in creds_dir.iterdir())
+    asyncio.run(clients_use_the_ring(url, server.namespace, files["alice"], files["bob"]))
 
-        async def stranger_refused() -> bool:
-            try:
-                await (await nats.connect(url, allow_reconnect=False, connect_timeout=2)).close()
-            except Exception as exc:
-                return "authorization" in str(exc).lower()
-            return False
+    async def stranger_refused() -> bool:
+        try:
+            await (await nats.connect(url, allow_reconnect=False, connect_timeout=2)).close()
+        except Exception as exc:
+            return "authorization" in str(exc).lower()
+        return False
 
-        assert asyncio.run(stranger_refused())
-        secrets = {json.loads(f.read_text())["password"] for f in creds_dir.glob("*.json")}
-        assert len(secrets) == 8  # six roles (trace_exporter included), two clients
-        pids = process_ids(server)
-        assert len(pids) == 6, pids
-        for name, pid in pids.items():
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-            assert not any(s in argv for s in secrets), f"a NATS password is on the command line of {name}"
-            if name not in ("launcher", "nats-server"):
-                assert "--nats-creds" in argv
-        assert not any(s in server.log() for s in secrets), "a NATS password is in the launcher log"
-    finally:
-        assert server.stop() == 0
-    assert not creds_dir.exists(), "the credentials directory outlived the launcher"
+    assert asyncio.run(stranger_refused())
+    secrets = {json.loads(f.read_text())["password"] for f in creds_dir.glob("*.json")}
+    assert len(secrets) == 6 + len(CLIENTS)  # six roles (trace_exporter included), and the clients
+    pids = process_ids(server)
+    assert len(pids) == 6, pids
+    for name, pid in pids.items():
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        assert not any(s in argv for s in secrets), f"a NATS password is on the command line of {name}"
+        if name not in ("launcher", "nats-server"):
+            assert "--nats-creds" in argv
+    assert not any(s in server.log() for s in secrets), "a NATS password is in the launcher log"
 
 
 def test_the_ring_serves_on_an_external_nats_with_per_role_users_and_mutual_tls(tiny_model_dir: Path,

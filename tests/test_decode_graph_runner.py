@@ -1,6 +1,6 @@
-"""The CUDA-graph runner's batch-size ladder, padding and static buffers, checked on CPU in no-capture mode
-(replay = the padded static-buffer forward run eagerly) against the plain eager forward; real capture only
-where CUDA is available."""
+"""The decode graph runner's batch-size ladder, padding and static buffers, checked on CPU in eager mode
+(replay = the padded static-buffer forward run eagerly) against the plain eager forward; real CUDA-graph
+capture only where CUDA is available (compiled CPU graphs: tests/test_decode_graph_compile.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the triton case runs under the interpreter on CPU
 
 from actors.engine.config import EngineConfig  # noqa: E402
-from actors.engine.cuda_graph import CudaGraphRunner, batch_size_ladder  # noqa: E402
+from actors.engine.decode_graph import DecodeGraphRunner, batch_size_ladder  # noqa: E402
 from actors.engine.engine import Engine  # noqa: E402
 from actors.engine.model_runner import ModelRunner  # noqa: E402
 from bus.messages import TokenizedRequest  # noqa: E402
@@ -41,9 +41,9 @@ def prompts() -> list[list[int]]:
 
 
 def with_graph_runner(engine: Engine, backend: str, max_bs: int) -> Engine:
-    """Swap in a model runner whose decode goes through a no-capture graph runner."""
-    engine.runner = ModelRunner(engine.runner.model, engine.pool, engine.table, backend, cuda_graph_max_bs=max_bs,
-                                capture=False)
+    """Swap in a model runner whose decode goes through an eager-mode graph runner."""
+    engine.runner = ModelRunner(engine.runner.model, engine.pool, engine.table, backend, graph_max_bs=max_bs,
+                                graph_mode="eager")
     return engine
 
 
@@ -153,7 +153,8 @@ def test_padding_rows_write_only_the_scratch_slot_under_overlap(hf: Any) -> None
 
 
 def test_graph_settings_come_from_the_engine_config() -> None:
-    assert EngineConfig(device="cpu").graph_max_bs() == 0, "no graphs on cpu"
+    assert EngineConfig(device="cpu").graph_max_bs() == 160, "compiled decode graphs on a CPU"
+    assert EngineConfig(device="cpu", disable_cuda_graph=True).graph_max_bs() == 0
     assert EngineConfig(device="cuda", disable_cuda_graph=True).graph_max_bs() == 0
     assert EngineConfig(device="cuda", cuda_graph_max_bs=64, max_running_requests=32).graph_max_bs() == 32
     assert "--cuda-graph-max-bs" in EngineConfig(cuda_graph_max_bs=8).to_argv()
@@ -175,7 +176,7 @@ def test_captured_replay_matches_eager_on_cuda(hf: Any, backend: str) -> None:
 
     engine = gpu_engine(hf, backend, torch.float32, graphs=True, cuda_graph_max_bs=8)
     graphs = engine.runner.graphs
-    assert isinstance(graphs, CudaGraphRunner) and graphs.captured and sorted(graphs.graphs) == [1, 2, 4, 8]
+    assert isinstance(graphs, DecodeGraphRunner) and graphs.captured and sorted(graphs.graphs) == [1, 2, 4, 8]
     plain = gpu_engine(hf, backend, torch.float32, graphs=False)
     assert plain.runner.graphs is None
     reqs = [TokenizedRequest(f"r{i}", p, greedy(MAX_NEW)) for i, p in enumerate(prompts())]

@@ -1,0 +1,210 @@
+"""Compiled CPU decode graphs: `torch.compile` of the decode forward per batch size, built in the background.
+
+What a CUDA graph is on a GPU, a compiled graph is on a CPU: the whole decode forward of one padded batch size
+as one graph (`fullgraph=True, dynamic=False`), Inductor fusing the small ops between the linears and running
+them without Python in between. The linears and attention stay our custom ops (kernels/cpu, with fake
+implementations so they trace), and the KV write is `torch.ops.ringserve.store_kv`, which mutates the pool in
+place.
+
+Compiling takes tens of seconds per size on a small CPU, so it never blocks serving: `request((bs, threads))`
+queues a size (the decode graph runner asks for one when a batch first needs it), one daemon thread compiles queued
+sizes in turn, smallest first, and until a size is ready its steps run eagerly. Each compile is warmed up on
+private dummy inputs (padding rows on the scratch slot, so it touches no request's KV or static buffer), then
+timed side by side with the eager forward on the same inputs; the faster is kept, so a size where compiling
+does not pay stays eager. Inductor's caches live under `$RINGSERVE_CACHE/inductor` (unless
+`TORCHINDUCTOR_CACHE_DIR` is set), so a restart on the same host, torch and model recompiles from the cache
+in seconds. A graph runs only on the torch thread count it was compiled with (Dynamo guards on it), so the key
+of a graph is `(bs, threads)`: the thread tuner's two counts are two graphs, each compiled when first needed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from kernels.cpu import cache_dir
+from kernels.cpu.plan_cache import time_interleaved
+from observability.logging import log_event
+
+log = logging.getLogger("engine.graphs")
+
+Forward = Callable[..., torch.Tensor]
+GraphKey = tuple[int, int]  # (batch size, torch threads)
+
+
+def label(key: GraphKey) -> str:
+    """How a graph is named in reports and logs: "bs 8, 2 threads"."""
+    bs, threads = key
+    return f"bs {bs}, {threads} thread{'s' if threads > 1 else ''}"
+
+
+def configure_inductor() -> None:
+    """Keep Inductor's on-disk caches with ringserve's (`$RINGSERVE_CACHE/inductor`) unless the user chose, and
+    compile in this process: a pool of compile workers would take the cores serving needs, and outlive a
+    scheduler that is killed."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    import torch._inductor.config as inductor_config
+
+    inductor_config.compile_threads = 1
+
+
+class BackgroundCompiler:
+    """Compiles `forward` for batch sizes on request, in one background thread; `ready(key)` gives the result.
+
+    A key is `(bs, threads)`: a compiled graph runs only on the torch thread count it was compiled for (Dynamo
+    guards on it), and the thread tuner runs a size on either count, so each is its own graph.
+    `forward(*inputs)` is the decode forward of `len` rows; `dummy_inputs(bs)` gives private inputs of `bs`
+    padding rows for warming up and timing. Sizes whose compiled forward measures slower than the eager one
+    are recorded as eager (`ready` returns `forward` itself for them), unless `choose` is False (tests: keep
+    every compiled forward).
+    """
+
+    def __init__(self, forward: Forward, dummy_inputs: Callable[[int], tuple[Any, ...]], progress: bool = True,
+                 time_rounds: int = 3, choose: bool = True) -> None:
+        self.forward = forward
+        self.choose = choose
+        self.dummy_inputs = dummy_inputs
+        self.progress = progress
+        self.time_rounds = time_rounds
+        self._compiled: dict[int, Forward] = {}
+        self._report: dict[int, dict[str, Any]] = {}
+        self._queue: list[int] = []
+        self._requested: set[int] = set()
+        self._wake = threading.Condition()
+        self._generation = 0  # bumped by reset(): a compile started before it is stale
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._bar: tqdm | None = None
+
+    def request(self, key: GraphKey) -> None:
+        """Queue `(bs, threads)` for compiling (once; a no-op when it is queued, compiling or done)."""
+        with self._wake:
+            if key in self._requested or self._closed:
+                return
+            self._requested.add(key)
+            self._queue.append(key)
+            self._queue.sort()
+            if self._bar is not None:
+                self._bar.total += 1
+                self._bar.refresh()
+            if self._thread is None:
+                self._start()
+            self._wake.notify()
+
+    def ready(self, key: GraphKey) -> Forward | None:
+        """The forward to run `(bs, threads)` with (compiled, or the eager one where it measured faster), or
+        None while it is not ready."""
+        return self._compiled.get(key)
+
+    def report(self) -> dict[str, str]:
+        """Per size: "compiled (1.6x, 41 s)", "eager (compiled 0.9x)", "compiling", "queued" or "failed: ..."."""
+        with self._wake:
+            states = {key: "queued" for key in self._queue}
+            states.update({key: r["state"] for key, r in self._report.items()})
+        return {label(key): state for key, state in sorted(states.items())}
+
+    def wait(self, key: GraphKey, timeout: float) -> bool:
+        """Block until `(bs, threads)` is ready or failed (tests, benchmarks); whether it is ready."""
+        deadline = time.monotonic() + timeout
+        with self._wake:
+            while key not in self._compiled and not self._report.get(key, {}).get("failed"):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._wake.wait(left)
+        return key in self._compiled
+
+    def demote(self, key: GraphKey, exc: Exception) -> None:
+        """Run `(bs, threads)` eagerly from now on: its compiled forward failed on the serving thread (`exc`)."""
+        log_event(log, logging.WARNING, "compiled decode graph failed when replayed; this size runs eagerly",
+                  graph=label(key),
+                  error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        with self._wake:
+            self._compiled[key] = self.forward
+            self._report[key] = {"state": f"eager (replay failed: {type(exc).__name__})"}
+
+    def reset(self) -> None:
+        """Forget every compiled size and compile the ones asked for again (after the model's weights were
+        swapped: a quantized layer is a new module then, and a graph must not recompile on the serving thread).
+        A compile in progress is discarded when it ends."""
+        with self._wake:
+            self._generation += 1
+            self._compiled.clear()
+            self._report.clear()
+            self._queue = sorted(self._requested)
+            if self._bar is not None:
+                self._bar.total = self._bar.n + len(self._queue)
+                self._bar.refresh()
+            self._wake.notify_all()
+
+    def close(self) -> None:
+        """Compile nothing more (a compile in progress finishes in its daemon thread)."""
+        with self._wake:
+            self._closed = True
+            self._queue.clear()
+            self._wake.notify_all()
+
+    def _start(self) -> None:
+        configure_inductor()
+        self._bar = tqdm(total=len(self._requested), desc="Compiling decode graphs", unit="graph",
+                         disable=not self.progress)
+        self._thread = threading.Thread(target=self._run, name="decode-graph-compiler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        # Every size (and every reset) is one more compiled entry of the same function: let them all stay.
+        # Dynamo's settings are per thread, so this is set here, where the compiles run.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+        while True:
+            with self._wake:
+                while not self._queue and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    return
+                key = self._queue.pop(0)
+                self._report[key] = {"state": "compiling"}
+                generation = self._generation
+            try:
+                chosen, state = self._compile(key)
+                entry: dict[str, Any] = {"state": state}
+            except Exception as exc:  # a size that does not compile stays eager; the server keeps serving
+                log_event(log, logging.WARNING, "decode graph failed to compile; this size runs eagerly",
+                          graph=label(key),
+                          error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+                chosen, entry = self.forward, {"state": f"failed: {type(exc).__name__}", "failed": True}
+            with self._wake:
+                if generation != self._generation:  # reset() meanwhile: it queued this size again
+                    continue
+                self._compiled[key] = chosen
+                self._report[key] = entry
+                self._wake.notify_all()
+            if self._bar is not None:
+                self._bar.set_postfix(graph=label(key))
+                self._bar.update(1)
+
+    def _compile(self, key: GraphKey) -> tuple[Forward, str]:
+        """Compile `(bs, threads)`, warm it up, time it against eager: the forward to keep and its report line."""
+        bs, threads = key
+        torch.set_num_threads(threads)  # this thread's own setting, which the graph is guarded on
+        started = time.perf_counter()
+        compiled = torch.compile(self.forward, fullgraph=True, dynamic=False)
+        inputs = self.dummy_inputs(bs)
+        compiled(*inputs)
+        seconds = time.perf_counter() - started
+        times = time_interleaved({"compiled": lambda: compiled(*inputs), "eager": lambda: self.forward(*inputs)},
+                                 rounds=self.time_rounds)
+        speedup = times["eager"] / times["compiled"]
+        keep = speedup > 1.0 or not self.choose
+        log_event(log, logging.INFO, "decode graph compiled", graph=label(key), seconds=round(seconds, 1),
+                  speedup=round(speedup, 2), runs="compiled" if keep else "eager")
+        if keep:
+            return compiled, f"compiled ({speedup:.2f}x, {seconds:.0f} s)"
+        return self.forward, f"eager (compiled {speedup:.2f}x)"

@@ -1,0 +1,26 @@
+"""Writing a step's new keys and values into the KV pool, as an op a compiled graph keeps in place.
+
+`torch.ops.ringserve.store_kv(k_pool, v_pool, layer, slots, k, v)` copies `k`, `v` `[T, Hkv, D]` into slots
+`slots` `[T]` of layer `layer` of the pools `[L, S, Hkv, D]`. Eager code writes with `index_copy_` directly
+(`AttentionBackend.store_kv`); inside `torch.compile` the same write goes through this op, declared as mutating
+both pools, so Inductor writes the pool where it lies instead of functionalizing a copy of the whole pool per
+layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.library.custom_op("ringserve::store_kv", mutates_args=("k_pool", "v_pool"))
+def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, layer: int, slots: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor) -> None:
+    """Write `k`/`v` at `slots` of `layer` (in place)."""
+    k_pool[layer].index_copy_(0, slots, k)
+    v_pool[layer].index_copy_(0, slots, v)
+
+
+@store_kv.register_fake
+def _store_kv_fake(k_pool: torch.Tensor, v_pool: torch.Tensor, layer: int, slots: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor) -> None:
+    return None

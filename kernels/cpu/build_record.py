@@ -1,0 +1,22 @@
+"""What identifies a build of the CPU kernels, for setup.py (which writes it) and kernels.cpu (which checks it).
+
+Torch-free and importable by file path, so the install-time build and the runtime loader compute the one same
+hash of the same sources.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SOURCE_NAMES = ("qgemm.cpp", "paged_attention.cpp")  # in build order
+SOURCES = tuple(HERE / name for name in SOURCE_NAMES)
+
+
+def sources_digest() -> str:
+    """sha256 over the kernels' .cpp files' bytes, in order."""
+    digest = hashlib.sha256()
+    for path in SOURCES:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()

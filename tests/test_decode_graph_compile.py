@@ -1,0 +1,156 @@
+"""Compiled CPU decode graphs (actors/engine/decode_graph.py compile mode, graph_compiler.py): sizes compile in
+the background while eager steps serve, compiled steps give the eager engine's tokens and KV, the KV write
+stays in place inside a compiled graph, and the real SmolLM2 in float32 still equals transformers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from actors.common.model_source import load_tokenizer, resolve_model
+from bus.messages import TokenizedRequest
+from kernels import cpu as cpu_kernels
+from kernels.attention import kv_store  # noqa: F401  (the op under test)
+from tests.engine_helpers import assert_greedy_matches, engine_for, greedy, hf_greedy, run_to_completion, tokens_of
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.compiled(), reason="compiled decode graphs need the CPU kernels")
+
+COMPILE_TIMEOUT = 600.0  # seconds one size may take to compile on a busy 2-core host
+
+
+@pytest.fixture(autouse=True)
+def graphs_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """conftest turns background compiling off for the servers the tests start; these tests compile."""
+    monkeypatch.setenv("RINGSERVE_CPU_GRAPHS", "1")
+
+
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(11)
+    return [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (4, 9, 6)]
+
+
+def requests(tag: str, max_new: int = 10) -> list[TokenizedRequest]:
+    return [TokenizedRequest(f"{tag}{i}", p, greedy(max_new)) for i, p in enumerate(prompts())]
+
+
+def test_the_kv_write_op_mutates_the_pool_in_place_inside_a_compiled_graph() -> None:
+    pool_k, pool_v = torch.zeros(2, 16, 2, 4), torch.zeros(2, 16, 2, 4)
+    k_ptr = pool_k.data_ptr()
+
+    def write(slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        torch.ops.ringserve.store_kv(pool_k, pool_v, 1, slots, k, v)
+        return pool_k[1, slots].sum()  # read after the write: the graph must keep their order
+
+    compiled = torch.compile(write, fullgraph=True, dynamic=False)
+    slots, k, v = torch.tensor([3, 7]), torch.randn(2, 2, 4), torch.randn(2, 2, 4)
+    total = compiled(slots, k, v)
+    assert pool_k.data_ptr() == k_ptr
+    assert torch.equal(pool_k[1, 3], k[0]) and torch.equal(pool_v[1, 7], v[1])
+    assert pool_k[0].abs().sum() == 0 and pool_k[1, :3].abs().sum() == 0, "only the two slots were written"
+    torch.testing.assert_close(total, k.sum())
+
+
+def test_sizes_compile_in_the_background_while_eager_steps_serve_the_same_tokens(hf: Any) -> None:
+    plain = engine_for(hf, device="cpu", max_total_tokens=512, disable_cuda_graph=True)
+    assert plain.runner.graphs is None and plain.stats().decode_graphs == {"mode": "off"}
+    engine = engine_for(hf, device="cpu", max_total_tokens=512, cuda_graph_max_bs=4)
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.mode == "compile" and graphs.compiler is not None
+    graphs.compiler.choose = False  # keep every compiled size, however it measures on this busy host
+    assert not graphs.can_run([1]), "nothing is compiled before the server starts compiling"
+    assert graphs.report() == {"mode": "compile", "max_bs": "4"}
+
+    engine.start_decode_graphs()  # size 1 at once; size 4 when three requests first decode together
+    served = run_to_completion(engine, requests("a"))  # these steps run eagerly while the sizes compile
+    expected = {rid: tokens_of(rows) for rid, rows in run_to_completion(plain, requests("a")).items()}
+    assert {rid: tokens_of(rows) for rid, rows in served.items()} == expected
+    assert graphs.compiler.wait((1, 1), COMPILE_TIMEOUT) and graphs.compiler.wait((4, 1), COMPILE_TIMEOUT)
+    report = engine.stats().decode_graphs
+    assert report["bs 1, 1 thread"].startswith("compiled") and report["bs 4, 1 thread"].startswith("compiled"), report
+    assert not any(key.startswith("bs 2,") for key in report), "a size no batch needed is not compiled"
+
+    replays = 0
+    replay = graphs.replay
+
+    def counting(*args: Any) -> torch.Tensor:
+        nonlocal replays
+        replays += 1
+        return replay(*args)
+
+    graphs.replay = counting  # type: ignore[method-assign]
+    for engine_ in (plain, engine):
+        engine_.flush_cache()
+    again = run_to_completion(engine, requests("b"))
+    assert replays >= 9, "three requests decode their 9 steps as one padded batch of four, compiled"
+    reference = run_to_completion(plain, requests("b"))
+    for i, prompt in enumerate(prompts()):
+        got = tokens_of(again[f"b{i}"])
+        assert got == tokens_of(reference[f"b{i}"])
+        assert_greedy_matches(hf, prompt, hf_greedy(hf, prompt, 10, None), got)
+    scratch = engine.pool.scratch_slot
+    torch.testing.assert_close(engine.pool.k[:, :scratch], plain.pool.k[:, :scratch], atol=1e-5, rtol=1e-5)
+    engine.check_integrity()
+
+    # A graph is guarded on the torch thread count it was compiled with: on two threads (the thread tuner's
+    # other choice) the same size is another graph, compiled when first needed, never recompiled in the step.
+    torch.set_num_threads(2)
+    try:
+        assert not graphs.can_run([1]), "the one-thread graph does not run on two threads"
+        assert graphs.compiler.wait((1, 2), COMPILE_TIMEOUT)
+        two = run_to_completion(engine, [TokenizedRequest("t2", prompts()[0], greedy(10))])
+    finally:
+        torch.set_num_threads(1)
+    report = engine.stats().decode_graphs
+    assert report["bs 1, 2 threads"].startswith("compiled") and not any("failed" in v for v in report.values())
+    assert tokens_of(two["t2"]) == tokens_of(reference["b0"])
+    graphs.close()
+
+
+def test_smollm2_float32_compiled_decode_still_equals_transformers(smollm_hf: Any) -> None:
+    tokenizer = load_tokenizer(resolve_model("SmolLM2-135M-Instruct"))
+    # the session's transformers model's own tensors (loading the GGUF a second time would cost ~15 s)
+    engine = engine_for(smollm_hf, tokenizer, cuda_graph_max_bs=1, max_total_tokens=4096)
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.compiler is not None
+    graphs.compiler.choose = False
+    engine.start_decode_graphs()
+    assert graphs.compiler.wait((1, 1), COMPILE_TIMEOUT), graphs.report()
+    eos = tokenizer.eos_token_id
+    for i, text in enumerate(["What is the capital of France?", "Write a haiku about the sea.", "用一句话介绍你自己 😀"]):
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                               tokenize=True, return_dict=False)
+        rows = run_to_completion(engine, [TokenizedRequest(f"s{i}", prompt, greedy(24, stop_token_ids=[eos]))])
+        assert_greedy_matches(smollm_hf, prompt, hf_greedy(smollm_hf, prompt, 24, eos), tokens_of(rows[f"s{i}"]))
+    assert engine.stats().decode_graphs["bs 1, 1 thread"].startswith("compiled")
+    graphs.close()
+
+
+def test_swapped_weights_are_compiled_again_and_serve_the_new_weights_tokens() -> None:
+    """int8 layers are new modules after a swap: every compiled size is dropped, steps run eagerly until it is
+    compiled again over the new layers, and the tokens are those of an engine built on the new weights."""
+    from actors.engine.weights import Checkpoint, model_from_hf
+    from kernels.quantization import quantize_linears
+    from tests.engine_helpers import tiny_hf_llama
+
+    old, new = tiny_hf_llama(seed=0), tiny_hf_llama(seed=1)
+    engine = engine_for(old, device="cpu", max_total_tokens=512, cuda_graph_max_bs=1)
+    reference = engine_for(new, device="cpu", max_total_tokens=512, disable_cuda_graph=True)
+    for e in (engine, reference):
+        quantize_linears(e.runner.model, "int8")
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.compiler is not None
+    graphs.compiler.choose = False
+    engine.start_decode_graphs()
+    assert graphs.compiler.wait((1, 1), COMPILE_TIMEOUT)
+    checkpoint = Checkpoint("v2", new.config, dict(model_from_hf(new.config, new.state_dict()).state_dict()))
+    engine.update_weights(checkpoint, "v2")
+    assert graphs.compiler.ready((1, 1)) is None and not graphs.can_run([1]), "the old graph is not replayed"
+    assert graphs.compiler.wait((1, 1), COMPILE_TIMEOUT)
+    assert engine.stats().decode_graphs["bs 1, 1 thread"].startswith("compiled")
+    prompt = [1, 5, 9, 14, 22]
+    got = run_to_completion(engine, [TokenizedRequest("a", prompt, greedy(12))])
+    expected = run_to_completion(reference, [TokenizedRequest("a", prompt, greedy(12))])
+    assert tokens_of(got["a"]) == tokens_of(expected["a"])
+    graphs.close()
