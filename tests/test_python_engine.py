@@ -163,7 +163,8 @@ import json, sys, time
 import ringserve
 engine = ringserve.Engine(model=sys.argv[1])
 print(json.dumps(engine.pids()), flush=True)
-engine.generate(["a", "b", "c"], {"max_new_tokens": 3000, "ignore_eos": True})  # interrupted meanwhile
+# 32k tokens: far longer than the second before the signal, even on a quiet machine (3 x 3000 was not)
+engine.generate(["a", "b", "c", "d", "e", "f", "g", "h"], {"max_new_tokens": 4000, "ignore_eos": True})
 """
 
 

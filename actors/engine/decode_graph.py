@@ -59,10 +59,11 @@ class GraphInputs:
     input_ids: torch.Tensor  # [max_bs] int64
     positions: torch.Tensor  # [max_bs] int64
     logits_index: torch.Tensor  # [max_bs] int64, arange: every decode row samples
-    logits: torch.Tensor  # [max_bs, V] what every graph writes (one buffer, not one per size)
+    logits: torch.Tensor  # [max_bs, V] what every CUDA graph writes (one buffer; empty where none is captured)
 
     @classmethod
     def allocate(cls, max_bs: int, vocab_size: int, dtype: torch.dtype, device: torch.device) -> GraphInputs:
+        """Buffers for `max_bs` rows; `vocab_size` 0 allocates no logits buffer (compiled graphs return theirs)."""
         return cls(
             input_ids=torch.zeros(max_bs, dtype=torch.int64, device=device),
             positions=torch.zeros(max_bs, dtype=torch.int64, device=device),
@@ -106,7 +107,8 @@ class DecodeGraphRunner:
         if self.mode == "cuda_graph" and self.device.type != "cuda":
             raise ValueError("capturing CUDA graphs needs the model on a CUDA device")
         embed = model.model.embed_tokens.weight
-        self.inputs = GraphInputs.allocate(self.max_bs, model.config.vocab_size, embed.dtype, self.device)
+        vocab = 0 if self.mode == "compile" else model.config.vocab_size
+        self.inputs = GraphInputs.allocate(self.max_bs, vocab, embed.dtype, self.device)
         backend.init_graph_buffers(self.max_bs, table.table)
         self.meta: dict[int, AttentionMetadata] = {bs: backend.prepare_for_capture(bs) for bs in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -125,10 +127,9 @@ class DecodeGraphRunner:
 
     def start_compiling(self) -> None:
         """Compile mode: allow background compiles from now on, starting with size 1 on the calling thread's
-        torch threads (the server calls this
-        once it serves; engines built in-process compile nothing unless they call it). `RINGSERVE_CPU_GRAPHS=0`
-        in the environment keeps every size eager (the test suite sets it, so that each server it starts does
-        not spend its first minute compiling)."""
+        torch threads (the server calls this once it serves; engines built in-process compile nothing unless
+        they call it). `RINGSERVE_CPU_GRAPHS=0` in the environment keeps every size eager (the test suite sets
+        it, so that each server it starts does not spend its first minute compiling)."""
         if os.environ.get("RINGSERVE_CPU_GRAPHS", "1") == "0":
             return
         if self.compiler is not None and not self._compiling:

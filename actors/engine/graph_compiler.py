@@ -62,8 +62,8 @@ class BackgroundCompiler:
     A key is `(bs, threads)`: a compiled graph runs only on the torch thread count it was compiled for (Dynamo
     guards on it), and the thread tuner runs a size on either count, so each is its own graph.
     `forward(*inputs)` is the decode forward of `len` rows; `dummy_inputs(bs)` gives private inputs of `bs`
-    padding rows for warming up and timing. Sizes whose compiled forward measures slower than the eager one
-    are recorded as eager (`ready` returns `forward` itself for them), unless `choose` is False (tests: keep
+    padding rows for warming up and timing. Graphs that measure slower than the eager forward are recorded as
+    eager (`ready` returns `forward` itself for them), unless `choose` is False (tests: keep
     every compiled forward).
     """
 
@@ -74,10 +74,10 @@ class BackgroundCompiler:
         self.dummy_inputs = dummy_inputs
         self.progress = progress
         self.time_rounds = time_rounds
-        self._compiled: dict[int, Forward] = {}
-        self._report: dict[int, dict[str, Any]] = {}
-        self._queue: list[int] = []
-        self._requested: set[int] = set()
+        self._compiled: dict[GraphKey, Forward] = {}
+        self._report: dict[GraphKey, dict[str, Any]] = {}
+        self._queue: list[GraphKey] = []
+        self._requested: set[GraphKey] = set()
         self._wake = threading.Condition()
         self._generation = 0  # bumped by reset(): a compile started before it is stale
         self._closed = False
