@@ -25,11 +25,6 @@ from setuptools import setup
 
 ROOT = Path(__file__).resolve().parent
 NAME = "kernels.cpu._ringserve_cpu"
-# The flags kernels.cpu._build() JIT-builds with. No -march=native: the code picks AVX-512 VNNI or AVX2 per
-# function at run time, so one build serves every x86 host. setuptools puts Python's own CFLAGS first
-# (`-g -fwrapv -O3 -Wall -DNDEBUG` on CPython): -g0 and -fno-wrapv undo the two that change the code.
-CFLAGS = ["-O3", "-fopenmp", "-g0", "-fno-wrapv"]
-LDFLAGS = ["-fopenmp"]
 
 
 def _build_record() -> Any:
@@ -41,6 +36,10 @@ def _build_record() -> Any:
 
 
 SOURCES = [f"kernels/cpu/{name}" for name in _build_record().SOURCE_NAMES]
+# The flags kernels.cpu JIT-builds with (build_record.py), plus two: setuptools puts Python's own CFLAGS first
+# (`-g -fwrapv -O3 -Wall -DNDEBUG` on CPython), and -g0 and -fno-wrapv undo the two that change the code.
+CFLAGS = [*_build_record().CFLAGS, "-g0", "-fno-wrapv"]
+LDFLAGS = list(_build_record().LDFLAGS)
 
 
 def _sidecar(library: str) -> str:

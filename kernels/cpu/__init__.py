@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from kernels.cpu.attention import reference_paged_decode_attention
-from kernels.cpu.build_record import SOURCES, sources_digest
+from kernels.cpu.build_record import CFLAGS, LDFLAGS, SOURCES, sources_digest
 from kernels.cpu.packing import PackedWeight, pack, reference_group_linear
 
 __all__ = ["PackedWeight", "pack", "group_linear", "compiled", "isa", "best_isa", "set_isa", "cache_dir", "linear",
@@ -40,7 +40,6 @@ __all__ = ["PackedWeight", "pack", "group_linear", "compiled", "isa", "best_isa"
 log = logging.getLogger("kernels.cpu")
 OP = "ringserve_cpu::group_linear"
 _SOURCE = Path(__file__).with_name("qgemm.cpp")  # the linears' kernels (their measured plans hash it)
-_SOURCES = SOURCES
 ATTENTION_OP = "ringserve_cpu::paged_decode_attention"
 _PREBUILT = Path(__file__).with_name("_ringserve_cpu.so")  # setup.py builds it at install
 _PREBUILT_RECORD = _PREBUILT.with_suffix(".json")  # {"sources": sources_digest(), "torch": version}
@@ -117,12 +116,10 @@ def _jit_build() -> None:
 
     build_dir = cache_dir() / "torch_extensions" / f"torch-{torch.__version__}"
     build_dir.mkdir(parents=True, exist_ok=True)
-    # No -march=native: qgemm.cpp chooses AVX-512 VNNI or AVX2 per function at run time, so a build in a
-    # shared home directory serves every host. -fopenmp lets at::parallel_for use torch's OpenMP pool
-    # (the extension binds to the libgomp torch already loaded). setup.py builds with the same flags.
+    # the flags (build_record.py) are setup.py's too: one build serves every x86 host
     start = time.perf_counter()
-    cpp_extension.load(name="ringserve_qgemm", sources=[str(src) for src in _SOURCES], build_directory=str(build_dir),
-                       extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], is_python_module=False,
+    cpp_extension.load(name="ringserve_qgemm", sources=[str(src) for src in SOURCES], build_directory=str(build_dir),
+                       extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), is_python_module=False,
                        verbose=False)  # loads the library: its TORCH_LIBRARY blocks register the ops
     seconds = time.perf_counter() - start
     if seconds > 2:  # it was compiled now, not found built

@@ -12,6 +12,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SOURCE_NAMES = ("qgemm.cpp", "paged_attention.cpp")  # in build order
 SOURCES = tuple(HERE / name for name in SOURCE_NAMES)
+# No -march=native: qgemm.cpp picks AVX-512 VNNI or AVX2 per function at run time, so one build serves every x86
+# host; -fopenmp lets at::parallel_for use the OpenMP pool torch already loaded.
+CFLAGS = ("-O3", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
 
 
 def sources_digest() -> str:
