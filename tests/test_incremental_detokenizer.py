@@ -29,9 +29,10 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def tok() -> Any:
-    from actors.common.model_source import load_tokenizer, resolve_model
+    from actors.common.model_source import resolve_model
+    from actors.common.text_tokenizer import load_text_model
 
-    return load_tokenizer(resolve_model("SmolLM2-135M-Instruct"))
+    return load_text_model(resolve_model("SmolLM2-135M-Instruct")).tokenizer  # the detokenizer's
 
 
 def params(**kw: Any) -> DecodeParams:

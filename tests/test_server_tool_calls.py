@@ -115,9 +115,10 @@ def test_tool_fields_are_checked() -> None:
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
-    from actors.common.model_source import load_tokenizer, resolve_model
+    from actors.common.model_source import resolve_model
+    from actors.common.text_tokenizer import load_text_model
 
-    return load_tokenizer(resolve_model(MODEL))
+    return load_text_model(resolve_model(MODEL)).tokenizer  # the tokenizer actor's
 
 
 HISTORY = [ChatMessage("user", "Weather in Paris?"),

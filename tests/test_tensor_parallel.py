@@ -19,7 +19,8 @@ import torch.multiprocessing as mp
 
 from actors.engine.config import EngineConfig
 from actors.engine.quantize import apply_quantization, quantization_report
-from actors.engine.tensor_parallel import check_shardable, close_group, init_group
+from actors.engine.tensor_parallel import close_group, init_group
+from actors.engine.tp_checks import check_shardable
 from actors.engine.tp_engine import TPEngine, TPFollower, prepare_rank
 from actors.engine.tp_plan import FORWARD, ForwardPlan, decode_plan, encode_plan
 from actors.engine.weights import model_from_hf

@@ -22,8 +22,9 @@ def test_gpt2_table_is_a_bijection_over_printable_characters() -> None:
 
 @pytest.fixture(scope="module")
 def smollm_tokenizer():
-    from actors.common.model_source import load_tokenizer, resolve_model
-    return load_tokenizer(resolve_model("SmolLM2-135M-Instruct"))
+    from actors.common.model_source import resolve_model
+    from actors.common.text_tokenizer import load_text_model
+    return load_text_model(resolve_model("SmolLM2-135M-Instruct")).tokenizer  # the detokenizer's
 
 
 @pytest.mark.parametrize("text", ["😀", "Hi 😀!", "你好, world", "naïve ☃\n\tend"])

@@ -61,11 +61,12 @@ def test_defaults_and_normalisation() -> None:
 
 def test_chat_template_and_prompt_forms() -> None:
     from actors.common.model_source import load_tokenizer, resolve_model
+    from actors.common.text_tokenizer import load_text_model
     from actors.tokenizer.prompt import PromptEncoder
     from bus.messages import ChatMessage, GenerateRequest
 
-    tokenizer = load_tokenizer(resolve_model("SmolLM2-135M-Instruct"))
-    encoder = PromptEncoder(tokenizer)
+    tokenizer = load_tokenizer(resolve_model("SmolLM2-135M-Instruct"))  # transformers': the expected prompts
+    encoder = PromptEncoder(load_text_model(resolve_model("SmolLM2-135M-Instruct")).tokenizer)  # the actor's
     chat = GenerateRequest(rid="r", messages=[ChatMessage("user", "你好 😀")])
     expected = tokenizer.apply_chat_template([{"role": "user", "content": "你好 😀"}], add_generation_prompt=True,
                                              tokenize=True, return_dict=False)
@@ -81,11 +82,12 @@ def test_chat_template_and_prompt_forms() -> None:
 
 def test_chat_template_switches() -> None:
     from actors.common.model_source import load_tokenizer, resolve_model
+    from actors.common.text_tokenizer import load_text_model
     from actors.tokenizer.prompt import PromptEncoder
     from bus.messages import ChatMessage, GenerateRequest
 
-    tokenizer = load_tokenizer(resolve_model("SmolLM2-135M-Instruct"))
-    encoder = PromptEncoder(tokenizer)
+    tokenizer = load_tokenizer(resolve_model("SmolLM2-135M-Instruct"))  # transformers': the expected prompts
+    encoder = PromptEncoder(load_text_model(resolve_model("SmolLM2-135M-Instruct")).tokenizer)  # the actor's
     turns = [ChatMessage("user", "Name a fruit."), ChatMessage("assistant", "The fruit is")]
     dicts = [{"role": m.role, "content": m.content} for m in turns]
 

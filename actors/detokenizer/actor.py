@@ -26,7 +26,8 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from actors.common.model_source import load_tokenizer, resolve_model
+from actors.common.model_source import resolve_model
+from actors.common.text_tokenizer import load_text_model
 from actors.common.runtime import ActorContext
 from actors.detokenizer import spans as detokenize_spans
 from actors.detokenizer.incremental import IncrementalDecoder
@@ -49,7 +50,7 @@ class DetokenizerActor:
         """`shard`: this detokenizer's id (it serves `{ns}.tokens.{shard}`)."""
         self._ctx = ctx
         self._shard = shard
-        self._tokenizer = load_tokenizer(resolve_model(model))
+        self._tokenizer = load_text_model(resolve_model(model)).tokenizer
         self._token_bytes = TokenBytes(self._tokenizer)  # logprobs' raw token bytes
         self._decoders: dict[str, IncrementalDecoder] = {}
         self._next_seq: dict[str, int] = {}  # per live rid: the seq of its next output

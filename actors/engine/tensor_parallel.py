@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from actors.engine.llama import LlamaForCausalLM, head_dim_of
+from actors.engine.tp_checks import check_shardable
 
 DEFAULT_TIMEOUT_S = 3.0  # a live peer answers a collective in milliseconds; a dead or stopped one never
 
@@ -86,28 +87,6 @@ def close_group() -> None:
             dist.destroy_process_group()
         except Exception:
             pass
-
-
-def check_shardable(config: Any, tp: int) -> None:
-    """Raise ValueError saying why `config`'s model cannot be split over `tp` ranks."""
-    heads, kv_heads, inner = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
-    if tp < 1:
-        raise ValueError(f"--tp must be at least 1, got {tp}")
-    if heads % tp:
-        raise ValueError(f"--tp {tp} must divide the model's {heads} attention heads")
-    if kv_heads % tp and tp % kv_heads:
-        raise ValueError(f"--tp {tp} must divide the model's {kv_heads} KV heads or be a multiple of them "
-                         f"(then each KV head is replicated)")
-    if inner % tp:
-        raise ValueError(f"--tp {tp} must divide the model's MLP size {inner}")
-
-
-def check_tp_quantization(tp: int, method: str) -> None:
-    """Raise ValueError when `--quantization method` cannot run on a shard (`gguf` runs the file's own blocks,
-    which are not split by rank); int8 and int4 quantize each rank's shard."""
-    if tp > 1 and method == "gguf":
-        raise ValueError("--quantization gguf runs the GGUF file's own blocks, which are not split by rank: "
-                         "use int8 or int4 with --tp")
 
 
 class RowParallelLinear(nn.Module):

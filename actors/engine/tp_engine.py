@@ -27,7 +27,8 @@ from actors.engine.engine import Engine
 from actors.engine.kv_pool import KVPool
 from actors.engine.llama import LlamaForCausalLM, head_dim_of
 from actors.engine.quantize import apply_quantization
-from actors.engine.tensor_parallel import TPGroup, TPGroupError, check_tp_quantization, shard_model
+from actors.engine.tensor_parallel import TPGroup, TPGroupError, shard_model
+from actors.engine.tp_checks import check_tp_quantization
 from actors.engine.tp_plan import FORWARD, KEEPALIVE, STOP, ForwardPlan, broadcast_plan, broadcast_step_tensors
 from bus.errors import ApiError, server_error
 from bus.messages import SchedulerInfo, TokenizedRequest, TokenRow

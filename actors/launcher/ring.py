@@ -17,7 +17,7 @@ from typing import Any
 
 from actors.common.model_source import load_config, resolve_model
 from actors.engine.config import EngineConfig
-from actors.engine.tensor_parallel import check_shardable, check_tp_quantization
+from actors.engine.tp_checks import check_shardable, check_tp_quantization
 from actors.entry.settings import entry_argv
 from actors.launcher.nats_auth import NatsPlan, plan_nats
 from actors.launcher.supervisor import ActorSpec, Supervisor

@@ -18,7 +18,8 @@ import logging
 import time
 from typing import Any
 
-from actors.common.model_source import load_config, load_tokenizer, resolve_model
+from actors.common.model_source import load_tokenizer, resolve_model
+from actors.common.text_tokenizer import load_text_model
 from actors.common.runtime import ActorContext
 from actors.detokenizer.placement import DetokenizerPlacement
 from actors.tokenizer.prompt import PromptEncoder
@@ -43,13 +44,6 @@ SCHEDULER_ACCEPT_TIMEOUT = 10.0
 KV_SNAPSHOT_TIMEOUT = 2.0
 
 
-def eos_token_ids(config: Any, tokenizer: Any) -> list[int]:
-    """Every id that ends generation: the config's eos_token_id (int or list) and the tokenizer's."""
-    ids = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
-    ids = [*ids, tokenizer.eos_token_id]
-    return sorted({i for i in ids if isinstance(i, int)})
-
-
 class TokenizerActor:
     """Owns the prompt encoder and the validation rules; keeps no per-request state."""
 
@@ -57,12 +51,13 @@ class TokenizerActor:
         """`detokenizers`: how many the launcher starts (ids 0..n-1), chosen among until one has beat."""
         self._ctx = ctx
         source = resolve_model(model)
-        self._tokenizer = tokenizer = load_tokenizer(source)
-        config = load_config(source)
-        self._encoder = PromptEncoder(tokenizer)
-        self._context_length = int(config.max_position_embeddings)
-        self._eos_ids = eos_token_ids(config, tokenizer)
-        self._grammars = GrammarChecker(tokenizer, int(config.vocab_size))
+        text_model = load_text_model(source)
+        self._tokenizer = text_model.tokenizer
+        self._encoder = PromptEncoder(text_model.tokenizer)
+        self._context_length = text_model.context_length
+        self._eos_ids = text_model.eos_token_ids
+        # xgrammar reads transformers' tokenizer: loaded with the first constrained request
+        self._grammars = GrammarChecker(lambda: load_tokenizer(source), text_model.vocab_size)
         self._router = Router()
         self._resyncs: dict[int, asyncio.Task[None]] = {}  # a KV snapshot being fetched for the router, per replica
         self._detokenizers = DetokenizerPlacement(range(detokenizers))

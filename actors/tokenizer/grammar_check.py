@@ -8,17 +8,18 @@ and runs off the event loop; the backend is loaded on the first constrained requ
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Callable
 
 from bus.errors import ApiError
 from bus.params import SamplingParams
 
 
 class GrammarChecker:
-    """Checks `SamplingParams.grammar` with a compiler for this tokenizer and the model's vocabulary."""
+    """Checks `SamplingParams.grammar` with a compiler for the model's tokenizer and vocabulary."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
-        self._tokenizer = tokenizer
+    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int) -> None:
+        """`load_tokenizer`: transformers' tokenizer of the model (xgrammar reads it), called at first use."""
+        self._load_tokenizer = load_tokenizer
         self._vocab_size = vocab_size
         self._compiler: Any = None
 
@@ -41,5 +42,5 @@ class GrammarChecker:
         if self._compiler is None:
             from kernels.grammar import make_compiler
 
-            self._compiler = make_compiler(self._tokenizer, self._vocab_size, compile_threads=1)
+            self._compiler = make_compiler(self._load_tokenizer(), self._vocab_size, compile_threads=1)
         return self._compiler

@@ -2,19 +2,24 @@
 
 `torch` is always there. `triton` is registered when the `triton` package is installed and `flashinfer` when
 `flashinfer` is; their modules are imported only when such a backend is created, so importing ringserve never
-needs either package.
+needs either package. The names need no torch: the backends themselves (and torch) are imported at first use,
+so the launcher can check `--attention-backend` without importing torch.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from kernels.attention import kv_store  # noqa: F401  (registers torch.ops.ringserve.store_kv)
-from kernels.attention.backend import AttentionBackend, AttentionMetadata, ForwardInfo
-from kernels.attention.torch_paged import TorchPagedBackend
+    from kernels.attention.backend import AttentionBackend, AttentionMetadata, ForwardInfo
+    from kernels.attention.torch_paged import TorchPagedBackend
+
+_EXPORTED = {"AttentionBackend": "kernels.attention.backend", "AttentionMetadata": "kernels.attention.backend",
+             "ForwardInfo": "kernels.attention.backend", "TorchPagedBackend": "kernels.attention.torch_paged"}
 
 # name -> (module, class), imported on first use; `requires` names the package that must be importable
 _LAZY: dict[str, tuple[str, str, str]] = {
@@ -43,6 +48,8 @@ def backend_names() -> tuple[str, ...]:
 def backend_class(name: str) -> type[AttentionBackend]:
     """The class registered as `name`; ValueError names the choices otherwise."""
     if name == "torch":
+        from kernels.attention.torch_paged import TorchPagedBackend
+
         return TorchPagedBackend
     if name not in backend_names():
         hint = f" (the {name!r} backend needs the {_LAZY[name][2]!r} package)" if name in _LAZY else ""
@@ -54,6 +61,13 @@ def backend_class(name: str) -> type[AttentionBackend]:
 def create_backend(name: str, k_pool: torch.Tensor, v_pool: torch.Tensor, num_heads: int) -> AttentionBackend:
     """The backend registered as `name`, over the given pools; ValueError names the choices otherwise."""
     return backend_class(name)(k_pool, v_pool, num_heads)
+
+
+def __getattr__(name: str) -> Any:
+    """The backend classes, imported (with torch) when first named."""
+    if name in _EXPORTED:
+        return getattr(importlib.import_module(_EXPORTED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "ForwardInfo", "TorchPagedBackend", "backend_class",

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.attention import kv_store  # noqa: F401  (registers torch.ops.ringserve.store_kv)
+
 
 @dataclass
 class ForwardInfo:
