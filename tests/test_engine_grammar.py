@@ -179,3 +179,37 @@ def test_stop_strings_and_penalties_with_a_constraint(model: Any, tokenizer: Any
     assert out["stop"][-1].finish.type == "stop" and out["stop"][-1].finish.matched == "-"
     assert re.fullmatch(r"[a-z]{3}-?", text_of(tokenizer, out["stop"])), "the stop string ends it inside the grammar"
     check_json(text_of(tokenizer, out["pen"]))
+
+
+def test_steps_run_while_the_first_constraint_loads_its_compiler(model: Any, tokenizer: Any) -> None:
+    """The tokenizer export loads transformers' tokenizer (for xgrammar) with the first constrained request, on
+    a thread of its own: an unconstrained request finishes meanwhile, and the constrained one follows."""
+    import threading
+
+    from actors.common.model_source import DEFAULT_MODEL, resolve_model
+    from actors.common.text_tokenizer import TextTokenizer, load_text_model
+
+    released = threading.Event()
+
+    class HeldTokenizer(TextTokenizer):
+        def transformers_tokenizer(self) -> Any:
+            assert released.wait(60), "never released"
+            return tokenizer
+
+    exported = load_text_model(resolve_model(DEFAULT_MODEL)).tokenizer
+    held = HeldTokenizer(exported.backend_tokenizer, {
+        "chat_template": None, "special_tokens_map": exported.special_tokens_map, "eos_token_id": EOS,
+        "bos_token_id": exported.bos_token_id, "all_special_ids": exported.all_special_ids, "length": len(exported)})
+    engine = engine_for(model, held, max_total_tokens=2048)
+    assert engine.add_request(TokenizedRequest("json", prompt(), constrained(json_schema=json.dumps(SCHEMA)))) is None
+    assert engine.add_request(TokenizedRequest("free", prompt(9), greedy(6))) is None
+    rows: dict[str, list[Any]] = {"json": [], "free": []}
+    while not rows["free"] or rows["free"][-1].finish is None:
+        for row in engine.step():
+            rows[row.rid].append(row)
+    assert rows["json"] == []  # still waiting for its compiler
+    released.set()
+    while engine.has_work():
+        for row in engine.step():
+            rows[row.rid].append(row)
+    check_json(text_of(tokenizer, rows["json"]))

@@ -84,3 +84,19 @@ def test_rope_theta_and_rejected_configs() -> None:
     config.model_type = "mistral"
     with pytest.raises(ValueError, match="unsupported model_type 'mistral'"):
         model_from_hf(config, hf.state_dict())
+
+
+def test_the_config_kept_beside_converted_weights_is_transformers_config(tmp_path: Any) -> None:
+    """A warm start reads the config saved with the converted GGUF weights instead of importing transformers;
+    a cache from before configs were kept gets one written at its first read."""
+    from actors.common.model_source import DEFAULT_MODEL, load_config, resolve_model
+    from actors.engine.weights import CONFIG_FILE, _config_mismatches, cached_config
+
+    source = resolve_model(DEFAULT_MODEL)
+    hf = load_config(source)
+    kept = cached_config(source, tmp_path)
+    assert (tmp_path / CONFIG_FILE).is_file()
+    assert _config_mismatches(hf, kept) == []
+    assert (kept.model_type, kept.rope_parameters, kept.tie_word_embeddings) == (
+        hf.model_type, hf.rope_parameters, hf.tie_word_embeddings)
+    assert vars(cached_config(source, tmp_path)) == vars(kept)  # read back from the file

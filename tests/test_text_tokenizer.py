@@ -15,7 +15,7 @@ import pytest
 
 from actors.common.chat_template import TemplateRejected, render_chat
 from actors.common.model_source import DEFAULT_MODEL, ModelSource, load_tokenizer, resolve_model
-from actors.common.text_tokenizer import TextTokenizer, load_text_model
+from actors.common.text_tokenizer import TextTokenizer, load_text_model, transformers_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 TEXTS = ["", "Hello world", " x", "a  b   c\t\td\n\ne", "naïve café — “quotes” …", "日本語のテキスト", "🤖🧠 emoji",
@@ -70,6 +70,8 @@ def test_model_chat_template_renders_as_transformers_does(pair: tuple[Any, TextT
         if options.get("continue_final_message") and chat[-1]["role"] != "assistant":
             continue
         assert ours.apply_chat_template(chat, **options) == hf.apply_chat_template(chat, tokenize=False, **options)
+        assert ours.apply_chat_template(chat, tokenize=True, **options) == list(
+            hf.apply_chat_template(chat, tokenize=True, return_dict=False, **options))
 
 
 # Templates using what transformers' environment adds: namespace, tojson, raise_exception, loop controls,
@@ -149,3 +151,10 @@ def test_the_processes_around_the_scheduler_import_no_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_xgrammar_gets_transformers_tokenizer_the_export_came_from(pair: tuple[Any, TextTokenizer]) -> None:
+    hf, ours = pair
+    loaded = transformers_tokenizer(ours)
+    assert not isinstance(loaded, TextTokenizer) and loaded.get_vocab() == hf.get_vocab()
+    assert transformers_tokenizer(ours) is loaded and transformers_tokenizer(hf) is hf

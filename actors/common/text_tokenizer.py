@@ -37,7 +37,10 @@ _SAMPLE_CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "co
 class TextTokenizer:
     """Encode, decode and the chat template, with the names transformers' tokenizers use for them."""
 
-    def __init__(self, backend: Any, meta: dict[str, Any]) -> None:
+    def __init__(self, backend: Any, meta: dict[str, Any], source: ModelSource | None = None) -> None:
+        """`source`: the model, for `transformers_tokenizer` (None: there is none to load)."""
+        self._source = source
+        self._transformers: Any = None
         self.backend_tokenizer = backend  # a tokenizers.Tokenizer, configured as transformers configured it
         self.chat_template: str | dict[str, str] | None = meta["chat_template"]
         self.special_tokens_map: dict[str, str] = meta["special_tokens_map"]
@@ -79,16 +82,34 @@ class TextTokenizer:
 
     def apply_chat_template(self, conversation: list[dict[str, Any]], *, tools: list[Any] | None = None,
                             add_generation_prompt: bool = False, continue_final_message: bool = False,
-                            tokenize: bool = False, **variables: Any) -> str:
-        """The prompt text of `conversation` (only `tokenize=False`: encode the text after)."""
-        if tokenize:
-            raise ValueError("apply_chat_template renders text here; encode it after")
+                            tokenize: bool = False, return_dict: bool = False, **variables: Any) -> str | list[int]:
+        """The prompt text of `conversation`, or with `tokenize` its ids (no BOS added: the template writes its
+        own special tokens). `return_dict` (transformers' encoding object) is not offered."""
+        if return_dict:
+            raise ValueError("apply_chat_template gives text or ids here, not transformers' encoding dict")
         if continue_final_message and add_generation_prompt:
             raise TemplateRejected("continue_final_message and add_generation_prompt cannot both be set")
         template = select_template(self.chat_template, tools)
-        return render_chat(template, conversation, tools=tools, add_generation_prompt=add_generation_prompt,
+        text = render_chat(template, conversation, tools=tools, add_generation_prompt=add_generation_prompt,
                            continue_final_message=continue_final_message,
                            variables={**self.special_tokens_map, **variables})
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+    def transformers_tokenizer(self) -> Any:
+        """transformers' own tokenizer of the model, loaded at the first call (xgrammar reads it)."""
+        if self._transformers is None:
+            if self._source is None:
+                raise ValueError("this exported tokenizer has no model source to load transformers' from")
+            from actors.common.model_source import load_tokenizer
+
+            self._transformers = load_tokenizer(self._source)
+        return self._transformers
+
+
+def transformers_tokenizer(tokenizer: Any) -> Any:
+    """transformers' tokenizer for `tokenizer`: itself, or the one a TextTokenizer was exported from."""
+    return tokenizer.transformers_tokenizer() if isinstance(tokenizer, TextTokenizer) else tokenizer
 
 
 @dataclass(frozen=True)
@@ -125,7 +146,7 @@ def load_text_model(source: ModelSource) -> TextModel:
     if meta["tokenizer"] is not None:
         from tokenizers import Tokenizer
 
-        tokenizer: Any = TextTokenizer(Tokenizer.from_file(str(directory / BACKEND_FILE)), meta["tokenizer"])
+        tokenizer: Any = TextTokenizer(Tokenizer.from_file(str(directory / BACKEND_FILE)), meta["tokenizer"], source)
     else:
         from actors.common.model_source import load_tokenizer
 

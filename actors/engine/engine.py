@@ -115,12 +115,13 @@ class Engine:
     @classmethod
     def from_source(cls, source: Any, config: EngineConfig, tokenizer: Any | None = None) -> Engine:
         """Load the model at `source` (a ModelSource: GGUF or safetensors) and build an engine."""
-        from actors.common.model_source import load_tokenizer
+        from actors.common.text_tokenizer import load_text_model
         from actors.engine.weights import load_model
 
         model = load_model(source, DTYPES[config.resolved_dtype()], config.resolved_device())
         apply_quantization(model, config, source)  # each quantized layer keeps its kernel plan (reported by stats())
-        return cls(model, config, tokenizer if tokenizer is not None else load_tokenizer(source), source.name)
+        return cls(model, config, tokenizer if tokenizer is not None else load_text_model(source).tokenizer,
+                   source.name)
 
     def start_decode_graphs(self) -> None:
         """On a CPU, start compiling decode graphs in the background (decode_graph.py); the server calls this

@@ -4,7 +4,9 @@ A request with an output constraint (`SamplingParams.grammar`: a JSON schema, re
 wait in the prefill queue until its grammar is compiled: `submit` starts the compilation on the backend's
 thread pool (cached per constraint, so repeated schemas cost microseconds) and `collect` hands the request on
 once it is ready, or fails it when the grammar is invalid or took longer than `compile_timeout` seconds. No
-step ever waits for a compilation; when nothing else can run, `wait` sleeps until one finishes.
+step ever waits for a compilation; when nothing else can run, `wait` sleeps until one finishes. The compiler
+itself (xgrammar, and transformers' tokenizer that it reads) is made on a thread of its own with the first
+constrained request, so no step waits for that either.
 
 Each admitted constrained request owns a `GrammarMatcher` (`Req.matcher`). Before sampling, `bitmask` fills
 one packed row per constrained sampling row from its matcher; the sampler masks those rows only, so
@@ -40,7 +42,7 @@ class GrammarManager:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self.compile_timeout = compile_timeout
-        self._compiler: GrammarCompiler | None = None
+        self._compiler: concurrent.futures.Future[GrammarCompiler] | None = None
         self.pending: dict[str, tuple[Req, concurrent.futures.Future[Any], float]] = {}
 
     def __len__(self) -> int:
@@ -52,12 +54,20 @@ class GrammarManager:
         if self._tokenizer is None:
             return server_error("output constraints need a tokenizer, and this engine has none")
         if self._compiler is None:
-            from kernels.grammar import make_compiler
-
-            self._compiler = make_compiler(self._tokenizer, self._vocab_size)
-        future = self._compiler.compile_async(GrammarSpec(kind, source))
-        self.pending[req.rid] = (req, future, time.monotonic() + self.compile_timeout)
+            # the first constrained request makes the compiler (xgrammar and transformers' tokenizer, which it
+            # reads: seconds) on a thread of its own, so no step waits for that either
+            setup = concurrent.futures.ThreadPoolExecutor(1, "grammar-setup")
+            self._compiler = setup.submit(self._make_compiler)
+            setup.shutdown(wait=False)  # the thread ends when the compiler is made
+        self.pending[req.rid] = (req, _then_compile(self._compiler, GrammarSpec(kind, source)),
+                                 time.monotonic() + self.compile_timeout)
         return None
+
+    def _make_compiler(self) -> GrammarCompiler:
+        from actors.common.text_tokenizer import transformers_tokenizer
+        from kernels.grammar import make_compiler
+
+        return make_compiler(transformers_tokenizer(self._tokenizer), self._vocab_size)
 
     def collect(self) -> tuple[list[Req], list[tuple[Req, ApiError]]]:
         """Requests whose grammar is compiled (each with its matcher), and those that failed, with why."""
@@ -118,3 +128,25 @@ class GrammarManager:
                 req.matcher.rollback(n)
                 return []
         return forced
+
+
+def _then_compile(compiler: concurrent.futures.Future[GrammarCompiler],
+                  spec: GrammarSpec) -> concurrent.futures.Future[Any]:
+    """A future of `spec` compiled once `compiler` is made (at once when it is); its error when it failed."""
+    out: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def copy(done: concurrent.futures.Future[Any]) -> None:
+        error = done.exception()
+        if error is not None:
+            out.set_exception(error)
+        else:
+            out.set_result(done.result())
+
+    def compile_with(made: concurrent.futures.Future[GrammarCompiler]) -> None:
+        if made.exception() is not None:
+            copy(made)
+        else:
+            made.result().compile_async(spec).add_done_callback(copy)
+
+    compiler.add_done_callback(compile_with)
+    return out

@@ -2,8 +2,8 @@
 
 Loading goes through transformers (`from_pretrained` handles GGUF de-quantization and safetensors alike);
 we then take its config and state dict. De-quantizing a GGUF takes most of a cold start, so the result is
-kept as safetensors (fused projections, in the load dtype) in the cache next to the converted tokenizer, and
-a warm start reads that file directly. Our model is built on the meta device and the tensors are assigned
+kept as safetensors (fused projections, in the load dtype) in the cache with the config it was converted
+with, and a warm start reads both directly (no transformers import). Our model is built on the meta device and the tensors are assigned
 into it, so no memory is spent on a random initialization.
 
 Weights swapped without a restart (`update_weights_from_disk`): `load_checkpoint` reads a new checkpoint on
@@ -15,11 +15,13 @@ running model's tensors in place, so CUDA graphs and kernels that hold them see 
 
 from __future__ import annotations
 
+import json
 import math
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -33,6 +35,7 @@ from actors.engine.llama import LlamaForCausalLM, fuse_hf_state_dict, head_dim_o
 
 SUPPORTED_MODEL_TYPES = ("llama",)
 WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"  # beside WEIGHTS_FILE: the config the weights were converted with
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: str | torch.device) -> LlamaForCausalLM:
@@ -41,7 +44,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: str | torch.devi
 
     cached = weight_cache_dir(source, dtype)
     if cached is not None and (cached / WEIGHTS_FILE).is_file():
-        return model_from_hf(load_config(source), load_file(cached / WEIGHTS_FILE), device)
+        return model_from_hf(cached_config(source, cached), load_file(cached / WEIGHTS_FILE), device)
     from transformers import AutoModelForCausalLM
 
     hf_model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=dtype, **source.hf_kwargs())
@@ -68,7 +71,19 @@ def save_weights(model: LlamaForCausalLM, directory: Path) -> None:
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=directory.parent, prefix=".staging-"))
     save_file(tensors, str(staging / WEIGHTS_FILE))
+    (staging / CONFIG_FILE).write_text(model.config.to_json_string(use_diff=False))
     publish_directory(staging, directory)
+
+
+def cached_config(source: ModelSource, directory: Path) -> SimpleNamespace:
+    """The model's config as saved beside its converted weights in `directory`: every value as transformers
+    resolved it at conversion, read without importing transformers (that import is seconds of a start)."""
+    path = directory / CONFIG_FILE
+    if not path.is_file():  # weights converted before their config was kept beside them
+        with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as out:
+            out.write(load_config(source).to_json_string(use_diff=False))
+        Path(out.name).replace(path)
+    return SimpleNamespace(**json.loads(path.read_text()))
 
 
 def model_from_hf(

@@ -81,13 +81,13 @@ def _load_rank(model: str, config: Any, args: argparse.Namespace) -> tuple[Any, 
 
 async def leader_main(ctx: Any, model: str, config: Any, admission: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Rank 0: the scheduler actor over a `TPEngine` of the whole replica."""
-    from actors.common.model_source import load_tokenizer
+    from actors.common.text_tokenizer import load_text_model
     from actors.engine.tp_engine import TPEngine
     from actors.scheduler.actor import scheduler_main
 
     group, llama, rank_config, source = _load_rank(model, config, args)
     loop = asyncio.get_running_loop()
-    engine = TPEngine(llama, rank_config, group, load_tokenizer(source), source.name,
+    engine = TPEngine(llama, rank_config, group, load_text_model(source).tokenizer, source.name,
                       on_broken=lambda why: loop.call_soon_threadsafe(ctx.fail, why))
 
     async def close() -> None:

@@ -18,7 +18,7 @@ import logging
 import time
 from typing import Any
 
-from actors.common.model_source import load_tokenizer, resolve_model
+from actors.common.model_source import resolve_model
 from actors.common.text_tokenizer import load_text_model
 from actors.common.runtime import ActorContext
 from actors.detokenizer.placement import DetokenizerPlacement
@@ -56,8 +56,7 @@ class TokenizerActor:
         self._encoder = PromptEncoder(text_model.tokenizer)
         self._context_length = text_model.context_length
         self._eos_ids = text_model.eos_token_ids
-        # xgrammar reads transformers' tokenizer: loaded with the first constrained request
-        self._grammars = GrammarChecker(lambda: load_tokenizer(source), text_model.vocab_size)
+        self._grammars = GrammarChecker(text_model.tokenizer, text_model.vocab_size)
         self._router = Router()
         self._resyncs: dict[int, asyncio.Task[None]] = {}  # a KV snapshot being fetched for the router, per replica
         self._detokenizers = DetokenizerPlacement(range(detokenizers))

@@ -8,7 +8,7 @@ and runs off the event loop; the backend is loaded on the first constrained requ
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable
+from typing import Any
 
 from bus.errors import ApiError
 from bus.params import SamplingParams
@@ -17,9 +17,8 @@ from bus.params import SamplingParams
 class GrammarChecker:
     """Checks `SamplingParams.grammar` with a compiler for the model's tokenizer and vocabulary."""
 
-    def __init__(self, load_tokenizer: Callable[[], Any], vocab_size: int) -> None:
-        """`load_tokenizer`: transformers' tokenizer of the model (xgrammar reads it), called at first use."""
-        self._load_tokenizer = load_tokenizer
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._compiler: Any = None
 
@@ -40,7 +39,8 @@ class GrammarChecker:
 
     def _compiler_for(self) -> Any:
         if self._compiler is None:
+            from actors.common.text_tokenizer import transformers_tokenizer
             from kernels.grammar import make_compiler
 
-            self._compiler = make_compiler(self._load_tokenizer(), self._vocab_size, compile_threads=1)
+            self._compiler = make_compiler(transformers_tokenizer(self._tokenizer), self._vocab_size, compile_threads=1)
         return self._compiler
