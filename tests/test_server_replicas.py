@@ -52,6 +52,35 @@ def system_prompt(topic: int) -> str:
     return f"Briefing {topic}. " + " ".join(f"rule {topic}-{i}: keep item {i} dry;" for i in range(30))
 
 
+def test_the_entry_is_ready_only_once_every_replica_had_a_beat_to_show_up() -> None:
+    """/health turns 200 when the entry's wait ends: not at the first scheduler's beat, else `/get_server_info`
+    and operator commands right after would count one replica of two."""
+    from actors.entry.liveness import LivenessMonitor
+    from bus.messages import Heartbeat, ReplicaLoad
+
+    now = [0.0]
+    liveness = LivenessMonitor(clock=lambda: now[0])
+
+    def replica_beat(replica: int) -> Heartbeat:
+        return Heartbeat(role="scheduler", rank=replica, pid=10 + replica, interval=0.5,
+                         load=ReplicaLoad(replica=replica, interval=0.5))
+
+    async def scenario() -> None:
+        for role in ("tokenizer", "detokenizer"):
+            liveness.record(Heartbeat(role=role, rank=0, pid=1, interval=0.5))
+        liveness.record(replica_beat(1))
+        waiting = asyncio.ensure_future(liveness.wait_for_roles(30.0))
+        await asyncio.sleep(0.2)
+        assert not waiting.done(), "every role beat, but the other replica may not have yet"
+        now[0] = 0.4
+        liveness.record(replica_beat(0))
+        now[0] = 0.7
+        await asyncio.wait_for(waiting, 5)
+
+    asyncio.run(scenario())
+    assert liveness.live_replicas() == [0, 1]
+
+
 def test_both_replicas_serve_and_report(dp_server: ServerHandle, smollm_server: ServerHandle) -> None:
     replicas = info(dp_server)["replicas"]
     assert [r["id"] for r in replicas] == [0, 1] and all(r["up"] and r["tp_size"] == 1 for r in replicas)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from bus.messages import Heartbeat, ReplicaLoad
+from bus.ring_client import TRACK_SETTLE_SECONDS
 from observability.logging import log_event
 
 log = logging.getLogger("entry")
@@ -145,9 +146,12 @@ class LivenessMonitor:
         return new + replaced
 
     async def wait_for_roles(self, timeout: float) -> None:
-        """Return once every required role has beat, or after `timeout` seconds."""
-        deadline = self._clock() + timeout
-        while self.silent_roles() and self._clock() < deadline:
+        """Return once every required role has beat and one heartbeat interval has passed (so every actor that
+        runs has beat: all of a `--dp` ring's replicas count from the first request), or after `timeout`
+        seconds."""
+        start = self._clock()
+        deadline, settled = start + timeout, start + TRACK_SETTLE_SECONDS
+        while (self.silent_roles() or self._clock() < settled) and self._clock() < deadline:
             await asyncio.sleep(0.05)
 
     async def watch(self, on_lost: Callable[[list[str]], Awaitable[None]],
