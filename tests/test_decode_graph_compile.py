@@ -4,7 +4,9 @@ stays in place inside a compiled graph, and the real SmolLM2 in float32 still eq
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+import time
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -105,7 +107,25 @@ def test_sizes_compile_in_the_background_while_eager_steps_serve_the_same_tokens
     report = engine.stats().decode_graphs
     assert report["bs 1, 2 threads"].startswith("compiled") and not any("failed" in v for v in report.values())
     assert tokens_of(two["t2"]) == tokens_of(reference["b0"])
+    # With nothing queued the compile thread ends (an idle one keeps an OpenMP team that slows every op of the
+    # serving thread); the next size asked for starts another.
+    assert wait_for(lambda: not compiler_threads()), "the compile thread lives on with nothing to compile"
+    graphs.compiler.request((2, 1))
+    assert graphs.compiler.wait((2, 1), COMPILE_TIMEOUT) and wait_for(lambda: not compiler_threads())
     graphs.close()
+
+
+def compiler_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "decode-graph-compiler"]
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def test_smollm2_float32_compiled_decode_still_equals_transformers(smollm_hf: Any) -> None:
