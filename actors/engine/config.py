@@ -23,6 +23,9 @@ SCHEDULE_POLICIES = ("fcfs", "lpm")
 OVERLAP_CHOICES = ("auto", "on", "off")
 CPU_MEM_FRACTION = 0.1  # of available host memory, when the KV pool lives on the CPU
 GPU_MEM_FRACTION = 0.85  # of free GPU memory after the weights are loaded
+# An automatic pool size is rounded down to a multiple of this: the pool's shape is part of a compiled decode
+# graph, so a size that moved with the free memory at every start missed Inductor's on-disk cache every time.
+POOL_ROUNDING = 4096
 
 
 def _flag(help: str, **argparse_kwargs: Any) -> dict[str, Any]:
@@ -165,7 +168,10 @@ class EngineConfig:
             fields = {"sized_from": memory.source, **memory.fields()}
             fields.pop("memory_source")
             budget = memory.bytes * fraction
-        tokens = max(1, min(int(budget // bytes_per_token), cap))
+        tokens = min(int(budget // bytes_per_token), cap)
+        if tokens > POOL_ROUNDING:
+            tokens -= tokens % POOL_ROUNDING
+        tokens = max(1, tokens)
         log_event(log, logging.INFO, "sized the KV pool", tokens=tokens, bytes_per_token=bytes_per_token,
                   pool_bytes=tokens * bytes_per_token, fraction=fraction, capped_by_running_requests=tokens == cap,
                   **fields)
