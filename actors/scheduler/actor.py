@@ -23,7 +23,6 @@ import dataclasses
 import logging
 import time
 from collections import OrderedDict, defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from actors.common.model_source import resolve_model
@@ -32,6 +31,7 @@ from actors.engine.config import EngineConfig
 from actors.engine.interface import EngineInterface
 from actors.scheduler import request_spans
 from actors.scheduler.admission import Admission
+from actors.scheduler.engine_thread import on_engine_thread, on_passing_thread
 from actors.scheduler.kv_events import KvEventPublisher
 from actors.scheduler.weight_update import (
     FIRST_WEIGHT_VERSION, UPDATE_WEIGHTS, PendingUpdate, WeightLoader, check_command, load_failure, refusal, swapped,
@@ -73,7 +73,6 @@ class SchedulerActor:
         self._engine = engine
         self._inbox: list[tuple[str, Any]] = []
         self._wake = asyncio.Event()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         # aborts that arrived before their request (the two travel on different subjects)
         self._early_aborts: OrderedDict[str, float] = OrderedDict()
         self._checked_idle = True
@@ -171,7 +170,7 @@ class SchedulerActor:
             log_event(log, logging.INFO, "loading new weights", model_path=command.model_path, mode=command.mode)
             loop = asyncio.get_running_loop()
             try:
-                checkpoint = await loop.run_in_executor(None, self._load_weights, command.model_path)
+                checkpoint = await on_passing_thread(self._load_weights, command.model_path, name="weight-loader")
             except Exception as exc:  # no such checkpoint, a model this engine cannot run, or a bug
                 log_event(log, logging.WARNING, "loading new weights failed", model_path=command.model_path,
                           error=repr(exc)[:500])
@@ -211,8 +210,7 @@ class SchedulerActor:
         self._update = None
         command = update.command
         try:
-            freed = await asyncio.get_running_loop().run_in_executor(
-                self._executor, self._engine.update_weights, update.checkpoint, command.model_path or "")
+            freed = await on_engine_thread(self._engine.update_weights, update.checkpoint, command.model_path or "")
         except Exception as exc:  # the check passed, so the weights may be half-copied: stop serving them
             log.exception("swapping the weights failed")
             update.done.set_result(ControlReply(ok=False, message=f"swapping the weights failed: {exc!r}"[:1000]))
@@ -231,7 +229,6 @@ class SchedulerActor:
         await self._publish(rows)
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         try:
             while not self._ctx.stopping.is_set():
                 await self._publish(await self._apply_inbox())
@@ -246,7 +243,7 @@ class SchedulerActor:
                     continue
                 self._checked_idle = False
                 started = tracing.now_ns()
-                rows = await loop.run_in_executor(self._executor, self._engine.step)
+                rows = await on_engine_thread(self._engine.step)
                 self._info = self._snapshot()
                 step_tp = self._spans.step(self._engine.last_plan(), self._info.step, started, tracing.now_ns())
                 await self._publish(rows, step_tp)
@@ -418,6 +415,6 @@ async def scheduler_main(ctx: ActorContext, model: str, config: EngineConfig,
         return load_checkpoint(path, DTYPES[config.resolved_dtype()])
 
     if engine is None:
-        engine = Engine.from_source(resolve_model(model), config)
+        engine = await on_engine_thread(Engine.from_source, resolve_model(model), config)
         engine.start_decode_graphs()
     return await SchedulerActor(ctx, engine, admission, load_weights).start()

@@ -84,11 +84,16 @@ async def leader_main(ctx: Any, model: str, config: Any, admission: Any, args: a
     from actors.common.text_tokenizer import load_text_model
     from actors.engine.tp_engine import TPEngine
     from actors.scheduler.actor import scheduler_main
+    from actors.scheduler.engine_thread import on_engine_thread
 
-    group, llama, rank_config, source = _load_rank(model, config, args)
     loop = asyncio.get_running_loop()
-    engine = TPEngine(llama, rank_config, group, load_text_model(source).tokenizer, source.name,
-                      on_broken=lambda why: loop.call_soon_threadsafe(ctx.fail, why))
+
+    def build() -> TPEngine:  # on the thread that will run its steps (actors/scheduler/engine_thread.py)
+        group, llama, rank_config, source = _load_rank(model, config, args)
+        return TPEngine(llama, rank_config, group, load_text_model(source).tokenizer, source.name,
+                        on_broken=lambda why: loop.call_soon_threadsafe(ctx.fail, why))
+
+    engine = await on_engine_thread(build)
 
     async def close() -> None:
         await loop.run_in_executor(None, engine.close)
@@ -101,9 +106,13 @@ async def leader_main(ctx: Any, model: str, config: Any, admission: Any, args: a
 async def follower_main(ctx: Any, model: str, config: Any, args: argparse.Namespace) -> dict[str, Any]:
     """A follower rank: run rank 0's plans in a thread until rank 0 says stop (exit 0) or is gone (exit 1)."""
     from actors.engine.tp_engine import TPFollower
+    from actors.scheduler.engine_thread import on_passing_thread
 
-    group, llama, rank_config, _ = _load_rank(model, config, args)
-    follower = TPFollower(llama, rank_config, group)
+    def load() -> TPFollower:  # on a thread that ends with it: the steps run on the follower's own thread
+        group, llama, rank_config, _ = _load_rank(model, config, args)
+        return TPFollower(llama, rank_config, group)
+
+    follower = await on_passing_thread(load, name="tp-load")
     ctx.live_rids = lambda: follower.live
     loop = asyncio.get_running_loop()
     ended: asyncio.Future[None] = loop.create_future()
