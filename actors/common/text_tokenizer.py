@@ -95,7 +95,6 @@ class TextTokenizer:
                            variables={**self.special_tokens_map, **variables})
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
-
     def transformers_tokenizer(self) -> Any:
         """transformers' own tokenizer of the model, loaded at the first call (xgrammar reads it)."""
         if self._transformers is None:

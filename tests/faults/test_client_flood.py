@@ -157,7 +157,6 @@ def test_the_scheduler_refuses_over_a_cap_and_frees_slots_on_finish_abort_and_re
         assert actor._admission.client_live("alice") == 2 and len(actor._admission) == 4
         await actor._publish(engine.abort_all())
         assert len(actor._admission) == 0
-        actor._executor.shutdown()
 
     asyncio.run(run())
 
