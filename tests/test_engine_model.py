@@ -86,17 +86,44 @@ def test_rope_theta_and_rejected_configs() -> None:
         model_from_hf(config, hf.state_dict())
 
 
-def test_the_config_kept_beside_converted_weights_is_transformers_config(tmp_path: Any) -> None:
-    """A warm start reads the config saved with the converted GGUF weights instead of importing transformers;
-    a cache from before configs were kept gets one written at its first read."""
-    from actors.common.model_source import DEFAULT_MODEL, load_config, resolve_model
-    from actors.engine.weights import CONFIG_FILE, _config_mismatches, cached_config
+def test_the_resolved_config_is_transformers_config_read_back_without_it(tmp_path: Any, monkeypatch: Any) -> None:
+    """Starts read the model's config from the cache instead of importing transformers: the packaged GGUF's and
+    a safetensors directory's resolved config agree with transformers', and the second read comes from the file
+    (transformers' loader is not called again)."""
+    from actors.common import model_source
+    from actors.common.model_source import DEFAULT_MODEL, load_config, resolve_model, resolved_config
+    from actors.engine.weights import _config_mismatches
 
-    source = resolve_model(DEFAULT_MODEL)
-    hf = load_config(source)
-    kept = cached_config(source, tmp_path)
-    assert (tmp_path / CONFIG_FILE).is_file()
-    assert _config_mismatches(hf, kept) == []
-    assert (kept.model_type, kept.rope_parameters, kept.tie_word_embeddings) == (
-        hf.model_type, hf.rope_parameters, hf.tie_word_embeddings)
-    assert vars(cached_config(source, tmp_path)) == vars(kept)  # read back from the file
+    monkeypatch.setenv("RINGSERVE_CACHE", str(tmp_path / "cache"))
+    tiny = tmp_path / "tiny"
+    tiny_hf_llama().save_pretrained(tiny)
+    for source in (resolve_model(DEFAULT_MODEL), resolve_model(str(tiny))):
+        hf = load_config(source)
+        kept = resolved_config(source)
+        assert _config_mismatches(hf, kept) == []
+        assert (kept.model_type, kept.rope_parameters, kept.tie_word_embeddings) == (
+            hf.model_type, hf.rope_parameters, hf.tie_word_embeddings)
+        with monkeypatch.context() as patched:
+            patched.setattr(model_source, "load_config", lambda _: pytest.fail("transformers was asked again"))
+            assert vars(resolved_config(source)) == vars(kept)
+
+
+def test_a_safetensors_directory_loads_without_transformers_sharded_or_not(tmp_path: Any, monkeypatch: Any) -> None:
+    """Our loader reads the checkpoint's own tensors (one file, or shards with their index) in the asked dtype:
+    the same logits as transformers' model."""
+    from actors.common.model_source import resolve_model
+    from actors.engine.weights import SHARD_INDEX, load_model
+
+    monkeypatch.setenv("RINGSERVE_CACHE", str(tmp_path / "cache"))
+    hf = tiny_hf_llama()
+    ids = torch.tensor([[1, 5, 9, 200, 7]])
+    with torch.no_grad():
+        want = hf(ids).logits[0]
+    for name, shard in (("whole", "5GB"), ("sharded", "100KB")):
+        directory = tmp_path / name
+        hf.save_pretrained(directory, max_shard_size=shard)
+        assert (directory / SHARD_INDEX).is_file() == (name == "sharded")
+        model = load_model(resolve_model(str(directory)), torch.float32, "cpu")
+        runner = PagedRunner(model, 1)
+        torch.testing.assert_close(runner.feed([ids[0].tolist()])[0], want[-1], rtol=1e-4, atol=1e-4)
+        assert load_model(resolve_model(str(directory)), torch.bfloat16, "cpu").lm_head.weight.dtype == torch.bfloat16

@@ -147,6 +147,7 @@ def test_the_processes_around_the_scheduler_import_no_torch() -> None:
     modules = ["actors.launcher.cli", "actors.launcher.ring", "actors.entry.app", "actors.tokenizer.actor",
                "actors.detokenizer.actor"]
     code = (f"import importlib, sys; [importlib.import_module(m) for m in {modules!r}]; "
+            "sys.modules['actors.launcher.cli'].build_parser().parse_args(['serve']); "  # every flag declared
             "print([n for n in ('torch', 'transformers', 'xgrammar') if n in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

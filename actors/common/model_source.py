@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
+import importlib.metadata
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -68,6 +74,22 @@ def gguf_cache_key(source: ModelSource) -> str:
     return hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:24]
 
 
+@contextlib.contextmanager
+def converting(final: Path) -> Iterator[bool]:
+    """Hold the lock of the cache entry `final` while converting it; yields whether it still needs converting.
+
+    Every actor of a ring (and every ring started at once) may find an entry missing at the same moment; the
+    first converts it while the others wait for it here instead of each doing the same seconds of work.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(final.parent / f".{final.name}.lock", "a+b") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield not final.exists()
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def publish_directory(staging: Path, final: Path) -> None:
     """Move a fully written `staging` directory to `final` (another process may have won the race)."""
     try:
@@ -87,13 +109,14 @@ def metadata_directory(source: ModelSource) -> str:
     cached = cache_root() / "gguf-metadata" / gguf_cache_key(source)
     if (cached / "config.json").is_file():
         return str(cached)
-    from transformers import AutoConfig, AutoTokenizer
+    with converting(cached) as needed:
+        if needed:
+            from transformers import AutoConfig, AutoTokenizer
 
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".staging-"))
-    AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file).save_pretrained(staging)
-    AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file).save_pretrained(staging)
-    publish_directory(staging, cached)
+            staging = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".staging-"))
+            AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file).save_pretrained(staging)
+            AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file).save_pretrained(staging)
+            publish_directory(staging, cached)
     return str(cached)
 
 
@@ -109,3 +132,25 @@ def load_config(source: ModelSource) -> Any:
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(metadata_directory(source))
+
+
+def resolved_config(source: ModelSource) -> SimpleNamespace:
+    """The model's config with every value as transformers resolves it (defaults filled in, older field names
+    converted), read from the cache without importing transformers: that import is seconds of every start.
+    The first reader resolves it with transformers and keeps it, keyed by the config's file and transformers'
+    version."""
+    if source.gguf_file is not None:
+        files = gguf_cache_key(source)
+    else:
+        config = Path(source.directory) / "config.json"
+        stat = config.stat()
+        files = f"{config.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    key = hashlib.sha256(f"{importlib.metadata.version('transformers')}|{files}".encode()).hexdigest()[:24]
+    path = cache_root() / "configs" / f"{key}.json"
+    if not path.is_file():
+        with converting(path) as needed:
+            if needed:
+                with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as out:
+                    out.write(load_config(source).to_json_string(use_diff=False))
+                Path(out.name).replace(path)
+    return SimpleNamespace(**json.loads(path.read_text()))

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from actors.common.chat_template import TemplateRejected, render_chat, select_template
-from actors.common.model_source import ModelSource, cache_root, gguf_cache_key, publish_directory
+from actors.common.model_source import ModelSource, cache_root, converting, gguf_cache_key, publish_directory
 
 log = logging.getLogger("text_tokenizer")
 FORMAT = 1  # bump when the export's contents change
@@ -140,7 +140,9 @@ def load_text_model(source: ModelSource) -> TextModel:
     """The model's tokenizer and limits, from the export in the cache (made first if there is none)."""
     directory = cache_root() / "text-model" / export_key(source)
     if not (directory / EXPORT_FILE).is_file():
-        _export(source, directory)
+        with converting(directory) as needed:
+            if needed:
+                _export(source, directory)
     meta = json.loads((directory / EXPORT_FILE).read_text())
     if meta["tokenizer"] is not None:
         from tokenizers import Tokenizer

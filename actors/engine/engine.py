@@ -40,6 +40,7 @@ from actors.engine.jump_forward import JumpForward
 from actors.engine.kv_pool import KVPool
 from actors.engine.llama import LlamaForCausalLM, head_dim_of
 from actors.engine.model_runner import ModelRunner
+from actors.engine.output_rows import StepLogprobs, output_row
 from actors.engine.prefill import PrefillManager
 from actors.engine.quantize import apply_quantization, quantization_report
 from actors.engine.prefix_cache import create_prefix_cache
@@ -273,9 +274,7 @@ class Engine:
         """Apply the sampled tokens: stop checks, prefix caching, freeing; the step's output rows."""
         out.wait()
         tokens = out.tokens_cpu.tolist()
-        logprobs = out.logprobs_cpu.tolist() if out.logprobs_cpu is not None else None
-        top_ids = out.top_ids_cpu.tolist() if out.top_ids_cpu is not None else None
-        top_lps = out.top_logprobs_cpu.tolist() if out.top_logprobs_cpu is not None else None
+        logprobs = StepLogprobs(out)
         if out.prompt is not None:
             out.prompt.give_to(batch.reqs, lambda req: self.live.get(req.rid) is req)
         rows: list[TokenRow] = []
@@ -300,11 +299,7 @@ class Engine:
             if finish is not None:
                 self._release(req)
             row = self._output(req, new, finish)
-            if logprobs is not None and req.params.return_logprob:
-                n = req.params.top_logprobs_num
-                row.logprobs = [logprobs[k]]
-                row.top_ids = [top_ids[k][:n] if top_ids and n else []]
-                row.top_logprobs = [top_lps[k][:n] if top_lps and n else []]
+            logprobs.fill(row, req, k)
             rows.append(row)
         return rows
 
@@ -388,23 +383,10 @@ class Engine:
         return self._output(req, [], FinishReason("error", error=server_error(message)))
 
     def _output(self, req: Req, token_ids: list[int], finish: FinishReason | None) -> TokenRow:
-        first = not req.first_row_sent
-        if first:
-            req.first_row_sent = True
-        if first and req.admitted:  # the hit rate counts prompts that reached the prefix cache
+        if not req.first_row_sent and req.admitted:  # the hit rate counts prompts that reached the prefix cache
             self._prompt_tokens += req.prompt_len
             self._cached_tokens += req.cached_tokens
-        row = TokenRow(rid=req.rid, token_ids=token_ids, prompt_tokens=req.prompt_len,
-                       completion_tokens=req.output_len, cached_tokens=req.cached_tokens, finish=finish,
-                       decode=req.params.decode_params() if first else None,
-                       queue_time=req.queue_time if first else None)
-        scored = req.prompt_logprobs
-        complete = scored is not None and scored.complete(req.prompt_len)
-        if first and (req.params.return_prompt_ids or complete):
-            row.prompt_ids = req.ids[: req.prompt_len]
-        if first and complete:
-            scored.fill(row)  # type: ignore[union-attr]
-        return row
+        return output_row(req, token_ids, finish)
 
     def update_weights(self, checkpoint: Any, model_name: str, check_only: bool = False) -> int:
         """Swap in the weights of `checkpoint` (a `Checkpoint` of the same architecture) in place; requests

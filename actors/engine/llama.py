@@ -140,7 +140,10 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config: Any) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # No random init: every tensor is assigned from the checkpoint. On the meta device (where weights.py
+        # builds the model) Embedding's normal_ alone imports ~900 modules: ~1.8 s of every start.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(head_dim_of(config), rope_theta_of(config))

@@ -25,9 +25,8 @@ import torch.distributed as dist
 from torch import nn
 
 from actors.engine.llama import LlamaForCausalLM, head_dim_of
-from actors.engine.tp_checks import check_shardable
+from actors.engine.tp_checks import DEFAULT_TIMEOUT_S, check_shardable
 
-DEFAULT_TIMEOUT_S = 3.0  # a live peer answers a collective in milliseconds; a dead or stopped one never
 
 
 class TPGroupError(RuntimeError):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+DEFAULT_TIMEOUT_S = 3.0  # a live peer answers a collective in milliseconds; a dead or stopped one never
+
 
 def check_shardable(config: Any, tp: int) -> None:
     """Raise ValueError saying why `config`'s model cannot be split over `tp` ranks."""

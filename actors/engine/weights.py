@@ -1,10 +1,10 @@
 """Build our Llama from Hugging Face weights: from a model on disk, or from an in-memory config + state dict.
 
-Loading goes through transformers (`from_pretrained` handles GGUF de-quantization and safetensors alike);
-we then take its config and state dict. De-quantizing a GGUF takes most of a cold start, so the result is
-kept as safetensors (fused projections, in the load dtype) in the cache with the config it was converted
-with, and a warm start reads both directly (no transformers import). Our model is built on the meta device and the tensors are assigned
-into it, so no memory is spent on a random initialization.
+A safetensors directory is read directly (its config as transformers resolves it, `resolved_config`, cached
+so that no start but the first imports transformers). A GGUF goes through transformers' `from_pretrained`,
+which de-quantizes it; that takes most of a cold start, so the result is kept as safetensors (fused
+projections, in the load dtype) in the cache, and a warm start reads it directly. Our model is built on the
+meta device and the tensors are assigned into it, so no memory is spent on a random initialization.
 
 Weights swapped without a restart (`update_weights_from_disk`): `load_checkpoint` reads a new checkpoint on
 the CPU (while the old weights keep serving), `swap_weights` checks that it has the running model's
@@ -21,7 +21,6 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -29,29 +28,51 @@ from torch import nn
 from tqdm import tqdm
 
 from actors.common.model_source import (
-    ModelSource, cache_root, gguf_cache_key, load_config, publish_directory, resolve_model,
+    ModelSource, cache_root, converting, gguf_cache_key, publish_directory, resolve_model, resolved_config,
 )
 from actors.engine.llama import LlamaForCausalLM, fuse_hf_state_dict, head_dim_of, rope_theta_of
 
 SUPPORTED_MODEL_TYPES = ("llama",)
 WEIGHTS_FILE = "model.safetensors"
-CONFIG_FILE = "config.json"  # beside WEIGHTS_FILE: the config the weights were converted with
+SHARD_INDEX = "model.safetensors.index.json"
+IGNORED_TENSORS = (".rotary_emb.inv_freq",)  # kept by some older checkpoints; computed, not loaded
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: str | torch.device) -> LlamaForCausalLM:
-    """Load `source` in `dtype` onto `device`: from the weight cache when a GGUF was converted before."""
+    """Load `source` in `dtype` onto `device`: a safetensors directory directly, a GGUF from the weight cache
+    (converted by transformers at its first load)."""
+    cached = weight_cache_dir(source, dtype)
+    if cached is None:
+        return model_from_hf(resolved_config(source), read_safetensors(Path(source.directory), dtype), device)
+    if not (cached / WEIGHTS_FILE).is_file():
+        with converting(cached) as needed:
+            if needed:
+                from transformers import AutoModelForCausalLM
+
+                hf_model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=dtype, **source.hf_kwargs())
+                model = model_from_hf(hf_model.config, hf_model.state_dict(), device)
+                save_weights(model, cached)
+                return model
+    return model_from_hf(resolved_config(source), read_safetensors(cached, dtype), device)
+
+
+def read_safetensors(directory: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors checkpoint in `directory` (one file or shards), floats in `dtype`."""
     from safetensors.torch import load_file
 
-    cached = weight_cache_dir(source, dtype)
-    if cached is not None and (cached / WEIGHTS_FILE).is_file():
-        return model_from_hf(cached_config(source, cached), load_file(cached / WEIGHTS_FILE), device)
-    from transformers import AutoModelForCausalLM
-
-    hf_model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=dtype, **source.hf_kwargs())
-    model = model_from_hf(hf_model.config, hf_model.state_dict(), device)
-    if cached is not None:
-        save_weights(model, cached)
-    return model
+    index = directory / SHARD_INDEX
+    if index.is_file():
+        files = sorted({directory / name for name in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{directory} has no .safetensors weights (other formats are not read)")
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        for name, tensor in load_file(path).items():
+            if not name.endswith(IGNORED_TENSORS):
+                tensors[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    return tensors
 
 
 def weight_cache_dir(source: ModelSource, dtype: torch.dtype) -> Path | None:
@@ -71,19 +92,7 @@ def save_weights(model: LlamaForCausalLM, directory: Path) -> None:
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=directory.parent, prefix=".staging-"))
     save_file(tensors, str(staging / WEIGHTS_FILE))
-    (staging / CONFIG_FILE).write_text(model.config.to_json_string(use_diff=False))
     publish_directory(staging, directory)
-
-
-def cached_config(source: ModelSource, directory: Path) -> SimpleNamespace:
-    """The model's config as saved beside its converted weights in `directory`: every value as transformers
-    resolved it at conversion, read without importing transformers (that import is seconds of a start)."""
-    path = directory / CONFIG_FILE
-    if not path.is_file():  # weights converted before their config was kept beside them
-        with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as out:
-            out.write(load_config(source).to_json_string(use_diff=False))
-        Path(out.name).replace(path)
-    return SimpleNamespace(**json.loads(path.read_text()))
 
 
 def model_from_hf(

@@ -15,7 +15,7 @@ import argparse
 import logging
 from typing import Any
 
-from actors.common.model_source import load_config, resolve_model
+from actors.common.model_source import resolve_model, resolved_config
 from actors.engine.config import EngineConfig
 from actors.engine.tp_checks import check_shardable, check_tp_quantization
 from actors.entry.settings import entry_argv
@@ -73,7 +73,7 @@ class Ring:
             self.subjects = Subjects(args.namespace)
             EngineConfig.from_args(args)
             if args.tp != 1:  # heads that --tp does not divide: refused before any process starts
-                check_shardable(load_config(self.source), args.tp)
+                check_shardable(resolved_config(self.source), args.tp)
                 check_tp_quantization(args.tp, args.quantization)
         except (FileNotFoundError, ValueError) as exc:
             raise RingError(str(exc)) from exc

@@ -11,9 +11,9 @@ live requests (in total, and per NATS client by the `c~rid` prefix) are checked 
 the request; one over a cap is answered at once with a 503 (`retry_after` 1) on its output subject. A slot is
 freed when the request's final row is published (finish, abort, error) or when the engine rejects it.
 
-Weights from disk (`update_weights_from_disk` on the control subject, `weight_update.py`): loaded in another
-thread, then swapped between steps once the engine's requests finished, paused or were aborted; requests
-arriving meanwhile are held here and run on the new weights.
+Weights from disk (`update_weights_from_disk` on the control subject, `weight_update.py`'s `WeightUpdates`):
+loaded in another thread, then swapped between steps once the engine's requests finished, paused or were
+aborted; requests arriving meanwhile are held and run on the new weights.
 """
 
 from __future__ import annotations
@@ -31,11 +31,9 @@ from actors.engine.config import EngineConfig
 from actors.engine.interface import EngineInterface
 from actors.scheduler import request_spans
 from actors.scheduler.admission import Admission
-from actors.scheduler.engine_thread import on_engine_thread, on_passing_thread
+from actors.scheduler.engine_thread import on_engine_thread
 from actors.scheduler.kv_events import KvEventPublisher
-from actors.scheduler.weight_update import (
-    FIRST_WEIGHT_VERSION, UPDATE_WEIGHTS, PendingUpdate, WeightLoader, check_command, load_failure, refusal, swapped,
-)
+from actors.scheduler.weight_update import UPDATE_WEIGHTS, WeightLoader, WeightUpdates
 from bus.connection import Delivery
 from bus.errors import ApiError, server_error
 from bus.messages import (
@@ -60,12 +58,7 @@ class SchedulerActor:
                  load_weights: WeightLoader | None = None) -> None:
         """`load_weights`: reads a checkpoint for `update_weights_from_disk` (None: the command is refused)."""
         self._ctx = ctx
-        self._load_weights = load_weights
-        self._loading = False  # an update_weights_from_disk is under way (one at a time)
-        self._update: PendingUpdate | None = None  # its checkpoint, once loaded and checked
-        self._held: list[TokenizedRequest] = []  # requests that arrived during the update, added after the swap
-        self._weight_version = FIRST_WEIGHT_VERSION
-        self._swaps = 0
+        self._updates = WeightUpdates(engine, load_weights)
         self._admission = admission if admission is not None else Admission()  # (an empty one is falsy)
         self._refusals_unlogged = 0
         self._refusal_logged_at = float("-inf")
@@ -122,7 +115,7 @@ class SchedulerActor:
     def _live_rids(self) -> int:
         """Requests held: in the engine or admitted (until its final row is published), queued, or held."""
         queued = sum(1 for kind, _ in self._inbox if kind == "add")
-        return max(self._engine.live_rids(), len(self._admission)) + queued + len(self._held)
+        return max(self._engine.live_rids(), len(self._admission)) + queued + len(self._updates.held)
 
     async def _on_abort(self, msg: AbortRequest, delivery: Delivery) -> None:
         try:
@@ -140,14 +133,14 @@ class SchedulerActor:
         if command.action not in CONTROL_ACTIONS:
             return ControlReply(ok=False, message=f"unknown action {command.action!r}; one of {list(CONTROL_ACTIONS)}")
         if command.action == UPDATE_WEIGHTS:
-            return await self._update_weights(command)
+            return await self._updates.load(command, self._submit_update)
         done: asyncio.Future[ControlReply] = asyncio.get_running_loop().create_future()
         self._inbox.append(("control", (command.action, done)))
         self._wake.set()
         return await done
 
     def _snapshot(self) -> SchedulerInfo:
-        return dataclasses.replace(self._engine.stats(), rank=self._ctx.rank, weight_version=self._weight_version,
+        return dataclasses.replace(self._engine.stats(), rank=self._ctx.rank, weight_version=self._updates.version,
                                    requests_routed=self._routed)
 
     def _load(self) -> ReplicaLoad:
@@ -159,73 +152,18 @@ class SchedulerActor:
                            cache_hit_rate=info.cache_hit_rate, kv_epoch=self._kv.epoch, kv_seq=self._kv.seq,
                            tp_size=info.tp_size)
 
-    async def _update_weights(self, command: ControlCommand) -> ControlReply:
-        """Load the checkpoint (in another thread), then have the loop swap it in; the reply once it did."""
-        error = check_command(command, self._load_weights is not None, self._loading)
-        if error is not None:
-            return refusal(error)
-        self._loading = True
-        try:
-            started = time.monotonic()
-            log_event(log, logging.INFO, "loading new weights", model_path=command.model_path, mode=command.mode)
-            loop = asyncio.get_running_loop()
-            try:
-                checkpoint = await on_passing_thread(self._load_weights, command.model_path, name="weight-loader")
-            except Exception as exc:  # no such checkpoint, a model this engine cannot run, or a bug
-                log_event(log, logging.WARNING, "loading new weights failed", model_path=command.model_path,
-                          error=repr(exc)[:500])
-                return load_failure(command.model_path or "", exc)
-            log_event(log, logging.INFO, "loaded new weights", model_path=command.model_path,
-                      seconds=round(time.monotonic() - started, 2))
-            done: asyncio.Future[ControlReply] = loop.create_future()
-            self._inbox.append(("update", (command, checkpoint, done)))
-            self._wake.set()
-            return await done
-        finally:
-            self._loading = False
-
-    def _begin_update(self, command: ControlCommand, checkpoint: Any, done: asyncio.Future[ControlReply],
-                      rows: list[TokenRow]) -> None:
-        """Check the checkpoint against the running model, then stop feeding the engine until the swap."""
-        try:
-            self._engine.update_weights(checkpoint, command.model_path or "", check_only=True)
-        except ValueError as exc:
-            done.set_result(refusal(ApiError(str(exc)[:1000], param="model_path")))
-            return
-        update = PendingUpdate(command, checkpoint, done, self._info.paused, self._engine.live_rids())
-        if command.mode == "pause":
-            self._engine.pause()
-        elif command.mode == "abort":
-            rows.extend(self._engine.abort_all())
-        self._update = update
+    def _submit_update(self, command: ControlCommand, checkpoint: Any, done: asyncio.Future[ControlReply]) -> None:
+        self._inbox.append(("update", (command, checkpoint, done)))
+        self._wake.set()
 
     async def _maybe_swap(self) -> None:
-        """Swap the pending checkpoint in once the engine is ready: no step in flight and, unless paused, no
-        request left on the old weights; then hand the engine the requests held meanwhile."""
-        update = self._update
-        if update is None or self._engine.has_work():
+        """Swap a pending checkpoint in once the engine is ready; then hand it the requests held meanwhile."""
+        swap = await self._updates.swap_when_ready(self._ctx.fail)
+        if swap is None:
             return
-        if update.command.mode != "pause" and self._engine.live_rids():
-            return
-        self._update = None
-        command = update.command
-        try:
-            freed = await on_engine_thread(self._engine.update_weights, update.checkpoint, command.model_path or "")
-        except Exception as exc:  # the check passed, so the weights may be half-copied: stop serving them
-            log.exception("swapping the weights failed")
-            update.done.set_result(ControlReply(ok=False, message=f"swapping the weights failed: {exc!r}"[:1000]))
-            self._ctx.fail(f"swapping the weights failed: {exc!r}")
-            return
-        self._swaps += 1
-        self._weight_version = command.weight_version or str(int(FIRST_WEIGHT_VERSION) + self._swaps)
-        if command.mode == "pause" and not update.was_paused:
-            self._engine.resume()
-        held, self._held = self._held, []
-        rows = [row for item in held if (row := await self._take(item)) is not None]
+        rows = [row for item in swap.held if (row := await self._take(item)) is not None]
         self._info = self._snapshot()
-        reply = swapped(update, self._weight_version, freed, len(held))
-        log_event(log, logging.INFO, "swapped the weights", **reply.detail)
-        update.done.set_result(reply)
+        swap.done.set_result(swap.reply)
         await self._publish(rows)
 
     async def _run(self) -> None:
@@ -278,9 +216,9 @@ class SchedulerActor:
                 if not done.done():
                     done.set_result(reply)
             elif kind == "update":
-                self._begin_update(*item, rows)
-            elif self._update is not None:  # the weights are about to change: it runs on the new ones
-                self._held.append(item)
+                rows.extend(self._updates.begin(*item, paused=self._info.paused))
+            elif self._updates.hold(item):  # the weights are about to change: it runs on the new ones
+                pass
             else:
                 row = await self._take(item)
                 if row is not None:
@@ -312,10 +250,9 @@ class SchedulerActor:
 
     def _abort_held(self, rid: str) -> TokenRow | None:
         """End a request held during a weight update (its abort row), or None if `rid` is not held."""
-        item = next((held for held in self._held if held.rid == rid), None)
+        item = self._updates.abort_held(rid)
         if item is None:
             return None
-        self._held.remove(item)
         self._spans.queued(item)
         return self._abort_row(item)
 
@@ -350,10 +287,10 @@ class SchedulerActor:
             return ControlReply(ok=True, message="flushed the prefix cache",
                                 detail={"freed_tokens": self._engine.flush_cache()})
         if action == "abort_all":
-            aborted = self._engine.abort_all() + [self._abort_row(item) for item in self._held]
-            for item in self._held:
+            held = self._updates.take_held()
+            aborted = self._engine.abort_all() + [self._abort_row(item) for item in held]
+            for item in held:
                 self._spans.queued(item)
-            self._held = []
             rows.extend(aborted)
             return ControlReply(ok=True, message=f"aborted {len(aborted)} requests", detail={"aborted": len(aborted)})
         if action == "pause":

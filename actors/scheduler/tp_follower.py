@@ -30,7 +30,7 @@ log = logging.getLogger("scheduler")
 
 def add_tp_arguments(parser: argparse.ArgumentParser) -> None:
     """`--tp` and `--tp-timeout` (`ringserve serve` and the scheduler take them)."""
-    from actors.engine.tensor_parallel import DEFAULT_TIMEOUT_S
+    from actors.engine.tp_checks import DEFAULT_TIMEOUT_S
 
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor-parallel ranks per scheduler replica: one scheduler process per rank, each "
