@@ -5,8 +5,8 @@
 // out[b, h] = softmax_j(scale * q[b, h] . K[s_j, h / rep]) @ V[s_j, h / rep],   s_j = table[rows[b], j], j < kv_lens[b]
 //
 // One work item is a (request, KV head) pair: its `rep` query heads (GQA) share each K and V row loaded. Two
-// passes over the keys: the scores of all rep heads into a per-thread buffer, then the softmax weights and the
-// weighted sum of V rows. float32 only; AVX2 + FMA vector loops for head_dim a multiple of 8 (every Llama),
+// passes over the keys: the scores of all rep heads into a per-thread buffer (eight keys at a time), then the
+// softmax weights and the weighted sum of V rows (accumulated in registers, up to four heads per pass). float32 only; AVX2 + FMA vector loops for head_dim a multiple of 8 (every Llama),
 // scalar loops otherwise. Compiled with per-function target attributes, as qgemm.cpp.
 
 #include <ATen/Parallel.h>
@@ -48,11 +48,60 @@ inline float hsum_avx2(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// The sums of eight vectors, as one vector: lane t holds the sum of a[t]'s lanes.
+__attribute__((target("avx2,fma")))
+inline __m256 hsum8_avx2(const __m256* a) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// out[r][i0 .. i0+16) = sum_j p[r][j] * V[slots[j]][i0 .. i0+16) for RB heads at once: 2*RB accumulators
+// stay in registers over all n rows (one pass over V per 16 columns and RB heads).
+template <int RB>
+__attribute__((target("avx2,fma")))
+inline void weighted_v_avx2(const float* v, int64_t kv_stride, const int64_t* slots, int64_t n, const float* p,
+                            int64_t p_stride, int i0, float* out, int64_t out_stride) {
+  __m256 acc[RB][2];
+  for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const float* vr = v + slots[j] * kv_stride + i0;
+    const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
+    for (int r = 0; r < RB; ++r) {
+      const __m256 w = _mm256_set1_ps(p[r * p_stride + j]);
+      acc[r][0] = _mm256_fmadd_ps(w, v0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(w, v1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) {
+    _mm256_storeu_ps(out + r * out_stride + i0, acc[r][0]);
+    _mm256_storeu_ps(out + r * out_stride + i0 + 8, acc[r][1]);
+  }
+}
+
 // One (request, KV head): q [rep][d] (rows `q_stride` apart), K/V rows at `kv + slot * kv_stride`, out like q.
+// Scores eight keys at a time (eight independent FMA chains per head, one transposing reduction), then the
+// softmax, then the weighted V rows for up to four heads per pass. d is a multiple of 8.
 __attribute__((target("avx2,fma")))
 void head_group_avx2(const float* q, int64_t q_stride, const float* k, const float* v, int64_t kv_stride,
                      const int64_t* slots, int64_t n, int rep, int d, float scale, float* out, float* scores) {
-  for (int64_t j = 0; j < n; ++j) {
+  const __m256 scale_v = _mm256_set1_ps(scale);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const float* kr[8];
+    for (int t = 0; t < 8; ++t) kr[t] = k + slots[j + t] * kv_stride;
+    for (int r = 0; r < rep; ++r) {
+      const float* qr = q + r * q_stride;
+      __m256 acc[8];
+      for (int t = 0; t < 8; ++t) acc[t] = _mm256_setzero_ps();
+      for (int i = 0; i < d; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(qr + i);
+        for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[t] + i), acc[t]);
+      }
+      _mm256_storeu_ps(scores + r * n + j, _mm256_mul_ps(hsum8_avx2(acc), scale_v));
+    }
+  }
+  for (; j < n; ++j) {
     const float* kr = k + slots[j] * kv_stride;
     for (int r = 0; r < rep; ++r) {
       const float* qr = q + r * q_stride;
@@ -64,31 +113,42 @@ void head_group_avx2(const float* q, int64_t q_stride, const float* k, const flo
   for (int r = 0; r < rep; ++r) {
     float* sr = scores + r * n;
     float m = -INFINITY;
-    for (int64_t j = 0; j < n; ++j) m = std::max(m, sr[j]);
+    for (int64_t t = 0; t < n; ++t) m = std::max(m, sr[t]);
     const __m256 mv = _mm256_set1_ps(m);
     __m256 sum = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-      const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(sr + j), mv));
-      _mm256_storeu_ps(sr + j, e);
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) {
+      const __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(sr + t), mv));
+      _mm256_storeu_ps(sr + t, e);
       sum = _mm256_add_ps(sum, e);
     }
     float total = hsum_avx2(sum);
-    for (; j < n; ++j) {
-      sr[j] = std::exp(sr[j] - m);
-      total += sr[j];
+    for (; t < n; ++t) {
+      sr[t] = std::exp(sr[t] - m);
+      total += sr[t];
     }
-    const float inv = 1.0f / total;
-    for (j = 0; j < n; ++j) sr[j] *= inv;
+    const __m256 inv = _mm256_set1_ps(1.0f / total);
+    for (t = 0; t + 8 <= n; t += 8) _mm256_storeu_ps(sr + t, _mm256_mul_ps(_mm256_loadu_ps(sr + t), inv));
+    for (; t < n; ++t) sr[t] *= 1.0f / total;
   }
-  for (int r = 0; r < rep; ++r) std::fill(out + r * q_stride, out + r * q_stride + d, 0.0f);
-  for (int64_t j = 0; j < n; ++j) {
-    const float* vr = v + slots[j] * kv_stride;
-    for (int r = 0; r < rep; ++r) {
-      const __m256 p = _mm256_set1_ps(scores[r * n + j]);
-      float* o = out + r * q_stride;
-      for (int i = 0; i < d; i += 8)
-        _mm256_storeu_ps(o + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + i), _mm256_loadu_ps(o + i)));
+  for (int i0 = 0; i0 < d; i0 += 16) {
+    if (i0 + 16 > d) {  // d % 16 == 8: the last 8 columns, one head at a time
+      for (int r = 0; r < rep; ++r) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t t = 0; t < n; ++t)
+          acc = _mm256_fmadd_ps(_mm256_set1_ps(scores[r * n + t]), _mm256_loadu_ps(v + slots[t] * kv_stride + i0), acc);
+        _mm256_storeu_ps(out + r * q_stride + i0, acc);
+      }
+      break;
+    }
+    int r = 0;
+    for (; r + 4 <= rep; r += 4)
+      weighted_v_avx2<4>(v, kv_stride, slots, n, scores + r * n, n, i0, out + r * q_stride, q_stride);
+    switch (rep - r) {
+      case 3: weighted_v_avx2<3>(v, kv_stride, slots, n, scores + r * n, n, i0, out + r * q_stride, q_stride); break;
+      case 2: weighted_v_avx2<2>(v, kv_stride, slots, n, scores + r * n, n, i0, out + r * q_stride, q_stride); break;
+      case 1: weighted_v_avx2<1>(v, kv_stride, slots, n, scores + r * n, n, i0, out + r * q_stride, q_stride); break;
+      default: break;
     }
   }
 }
