@@ -69,9 +69,13 @@ def cache_root() -> Path:
 def gguf_cache_key(source: ModelSource) -> str:
     """A key that changes whenever the GGUF file does (its path, size and mtime)."""
     assert source.gguf_file is not None
-    gguf = Path(source.directory) / source.gguf_file
-    stat = gguf.stat()
-    return hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:24]
+    return hashlib.sha256(file_identity(Path(source.directory) / source.gguf_file).encode()).hexdigest()[:24]
+
+
+def file_identity(path: Path) -> str:
+    """What changes whenever the file at `path` does: its resolved path, size and mtime."""
+    stat = path.stat()
+    return f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
 
 
 @contextlib.contextmanager
@@ -139,12 +143,8 @@ def resolved_config(source: ModelSource) -> SimpleNamespace:
     converted), read from the cache without importing transformers: that import is seconds of every start.
     The first reader resolves it with transformers and keeps it, keyed by the config's file and transformers'
     version."""
-    if source.gguf_file is not None:
-        files = gguf_cache_key(source)
-    else:
-        config = Path(source.directory) / "config.json"
-        stat = config.stat()
-        files = f"{config.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    files = gguf_cache_key(source) if source.gguf_file is not None else file_identity(
+        Path(source.directory) / "config.json")
     key = hashlib.sha256(f"{importlib.metadata.version('transformers')}|{files}".encode()).hexdigest()[:24]
     path = cache_root() / "configs" / f"{key}.json"
     if not path.is_file():

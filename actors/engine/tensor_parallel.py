@@ -28,7 +28,6 @@ from actors.engine.llama import LlamaForCausalLM, head_dim_of
 from actors.engine.tp_checks import DEFAULT_TIMEOUT_S, check_shardable
 
 
-
 class TPGroupError(RuntimeError):
     """A collective of the tensor-parallel group failed or timed out: a rank died or hangs."""
 

@@ -217,9 +217,7 @@ class SchedulerActor:
                     done.set_result(reply)
             elif kind == "update":
                 rows.extend(self._updates.begin(*item, paused=self._info.paused))
-            elif self._updates.hold(item):  # the weights are about to change: it runs on the new ones
-                pass
-            else:
+            elif not self._updates.hold(item):  # held while the weights change: it runs on the new ones
                 row = await self._take(item)
                 if row is not None:
                     rows.append(row)
