@@ -9,7 +9,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from bus.messages import ControlReply, SchedulerInfo
+from bus.messages import ControlReply, ReplicaLoad, SchedulerInfo
+
+# operator commands and load queries wait for every replica heard within this many of its heartbeat intervals;
+# routing (MISSED_BEATS) gives up sooner, since a request can go elsewhere and a command cannot
+ASKED_BEATS = 20
 
 # per replica in /get_server_info's `replicas`, beside `id`, `tp_size` and `up`
 REPLICA_FIELDS = ("requests_routed", "num_running_reqs", "num_waiting_reqs", "kv_used_tokens", "kv_total_tokens",
@@ -17,6 +21,19 @@ REPLICA_FIELDS = ("requests_routed", "num_running_reqs", "num_waiting_reqs", "kv
 
 SUMMED_INFO = ("num_running_reqs", "num_waiting_reqs", "kv_used_tokens", "kv_total_tokens", "kv_running_tokens",
                "kv_cached_tokens", "num_retractions", "requests_routed")
+
+
+def left(load: ReplicaLoad, live_rids: int) -> bool:
+    """Whether the replica whose last beat carried `load` and `live_rids` left on purpose: drained, holding
+    nothing (its silence is no loss)."""
+    return load.draining and live_rids == 0
+
+
+def asked(load: ReplicaLoad, live_rids: int, silent_s: float) -> bool:
+    """Whether a command or load query waits for the replica whose last beat carried `load` and `live_rids`,
+    `silent_s` seconds ago: unless it left or was silent for ASKED_BEATS beats. A replica whose loop was busy
+    for a few beats (a long step on a loaded host) answers late, not never."""
+    return not left(load, live_rids) and silent_s <= ASKED_BEATS * load.interval
 
 
 def combined_info(infos: list[SchedulerInfo]) -> SchedulerInfo:

@@ -20,10 +20,10 @@ from nats.aio.subscription import Subscription
 from bus.connection import BusConnection, Delivery
 from bus.errors import ApiError, server_error
 from bus.messages import (
-    MISSED_BEATS, AbortRequest, Accepted, ControlCommand, ControlReply, GenerateRequest, Heartbeat, InfoQuery,
+    AbortRequest, Accepted, ControlCommand, ControlReply, GenerateRequest, Heartbeat, InfoQuery,
     RequestOutput, SchedulerInfo,
 )
-from bus.replica_replies import combined_reply
+from bus.replica_replies import asked, combined_reply
 from bus.subjects import Subjects, scoped_rid, validate_rid
 from observability.logging import log_event
 
@@ -200,7 +200,7 @@ class RingClient:
         self.subjects = subjects
         self.submit_timeout = submit_timeout
         self.stall_timeout = stall_timeout
-        self._replicas: dict[int, tuple[float, float]] = {}  # replica id -> (last heartbeat, its interval)
+        self._replicas: dict[int, tuple[float, Heartbeat]] = {}  # replica id -> (when its last beat came, the beat)
         self._tracking_since: float | None = None
 
     def stream(self, rid: str, traceparent: str | None = None) -> RequestStream:
@@ -253,16 +253,16 @@ class RingClient:
         return sorted(infos, key=lambda info: info.rank)
 
     async def track_replicas(self) -> None:
-        """Follow the scheduler replicas' heartbeats, so `live_replicas` can say how many answer a command."""
+        """Follow the scheduler replicas' heartbeats, so `replicas_to_ask` can say how many answer a command."""
         async def on_heartbeat(beat: Heartbeat, delivery: Delivery) -> None:
             if beat.load is not None:
-                self._replicas[beat.load.replica] = (time.monotonic(), beat.interval)
+                self._replicas[beat.load.replica] = (time.monotonic(), beat)
 
         self._tracking_since = time.monotonic()
         await self.bus.subscribe(self.subjects.heartbeat, Heartbeat, on_heartbeat)
 
-    async def live_replicas(self) -> int:
-        """How many scheduler replicas beat lately (missing at most MISSED_BEATS beats; 0 unless
+    async def replicas_to_ask(self) -> int:
+        """How many scheduler replicas a command should wait for (bus/replica_replies.py `asked`; 0 unless
         `track_replicas`); waits out the first heartbeat interval after tracking starts, so every replica has
         had a chance to beat."""
         if self._tracking_since is None:
@@ -271,4 +271,5 @@ class RingClient:
         if settle > 0:
             await asyncio.sleep(settle)
         now = time.monotonic()
-        return sum(1 for seen, interval in self._replicas.values() if now - seen <= MISSED_BEATS * interval)
+        return sum(1 for seen, beat in self._replicas.values()
+                   if beat.load is not None and asked(beat.load, beat.live_rids, now - seen))

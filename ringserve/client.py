@@ -318,7 +318,7 @@ class Client:
         or when not every replica did it."""
         self._operator_only(action)
         try:
-            reply: ControlReply = await self.ring.command(action, timeout, expected=await self.ring.live_replicas(),
+            reply: ControlReply = await self.ring.command(action, timeout, expected=await self.ring.replicas_to_ask(),
                                                           **arguments)
         except asyncio.TimeoutError as exc:
             raise server_error(f"the scheduler did not answer: {exc}", 503) from exc
@@ -357,7 +357,7 @@ class Client:
         """The scheduler's load and settings (as in `/get_server_info`), with `model_path` and `weight_version`."""
         self._operator_only("get_server_info")
         try:
-            infos = await self.ring.infos(await self.ring.live_replicas(), CONTROL_TIMEOUT)
+            infos = await self.ring.infos(await self.ring.replicas_to_ask(), CONTROL_TIMEOUT)
         except asyncio.TimeoutError as exc:
             raise server_error(f"the scheduler did not answer: {exc}", 503) from exc
         info = combined_info(infos)

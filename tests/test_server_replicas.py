@@ -78,8 +78,36 @@ def test_the_entry_is_ready_only_once_every_replica_had_a_beat_to_show_up() -> N
         await asyncio.wait_for(waiting, 5)
 
     asyncio.run(scenario())
-    assert liveness.live_replicas() == [0, 1]
+    assert liveness.replicas_to_ask() == [0, 1]
 
+
+def test_commands_wait_for_a_replica_busy_for_a_few_beats_not_for_one_gone_or_drained() -> None:
+    """A replica whose loop stalled past the loss threshold (a long step on a loaded host) is still asked, so a
+    flush or info query right then reaches both; one silent for ASKED_BEATS beats, or one that drained and
+    said so, is not waited for."""
+    from actors.entry.liveness import LivenessMonitor
+    from bus.messages import Heartbeat, ReplicaLoad
+    from bus.replica_replies import ASKED_BEATS
+
+    now = [0.0]
+    liveness = LivenessMonitor(silence_s=2.0, clock=lambda: now[0])
+
+    def beat(replica: int) -> None:
+        liveness.record(Heartbeat(role="scheduler", rank=replica, pid=10 + replica, interval=0.5,
+                                  load=ReplicaLoad(replica=replica, interval=0.5)))
+
+    beat(0), beat(1)
+    now[0] = 3.0
+    beat(0)
+    assert liveness.lost() == ["scheduler1"] and liveness.replicas_to_ask() == [0, 1]
+    now[0] = ASKED_BEATS * 0.5 + 0.1
+    beat(0)
+    assert liveness.replicas_to_ask() == [0]
+    draining = ReplicaLoad(replica=1, interval=0.5, draining=True)
+    liveness.record(Heartbeat(role="scheduler", rank=1, pid=11, interval=0.5, live_rids=2, load=draining))
+    assert liveness.replicas_to_ask() == [0, 1], "a replica still draining what it holds is asked"
+    liveness.record(Heartbeat(role="scheduler", rank=1, pid=11, interval=0.5, live_rids=0, load=draining))
+    assert liveness.replicas_to_ask() == [0], "one that drained is not"
 
 def test_both_replicas_serve_and_report(dp_server: ServerHandle, smollm_server: ServerHandle) -> None:
     replicas = info(dp_server)["replicas"]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 from bus.messages import Heartbeat, ReplicaLoad
+from bus.replica_replies import asked, left
 from bus.ring_client import TRACK_SETTLE_SECONDS
 from observability.logging import log_event
 
@@ -46,8 +47,8 @@ class ActorBeat:
 
 
 def _left(beat: ActorBeat) -> bool:
-    """A replica that drained and said so in its last beat left on purpose, holding nothing: not lost."""
-    return beat.load is not None and beat.load.draining and beat.live_rids == 0
+    """A replica that drained and said so in its last beat left on purpose: not lost."""
+    return beat.load is not None and left(beat.load, beat.live_rids)
 
 
 class LivenessMonitor:
@@ -92,12 +93,13 @@ class LivenessMonitor:
                          "silent": [b.name for b in beats if not self._alive(b, now)]}
         return out
 
-    def live_replicas(self) -> list[int]:
-        """The scheduler replicas (their ids) that beat within `silence_s` seconds: the schedulers whose beats
-        carry a load (a `--tp` replica's follower ranks beat as schedulers too, without one)."""
+    def replicas_to_ask(self) -> list[int]:
+        """The scheduler replicas (their ids) an operator command or load query waits for (bus/replica_replies.py
+        `asked`): the schedulers whose beats carry a load (a `--tp` replica's follower ranks beat as schedulers
+        too, without one), unless they left or have been silent far longer than `silence_s`."""
         now = self._clock()
         return sorted(b.rank for b in self._beats.values()
-                      if b.role == "scheduler" and b.load is not None and self._alive(b, now))
+                      if b.role == "scheduler" and b.load is not None and asked(b.load, b.live_rids, now - b.seen_at))
 
     def live_members(self, role: str) -> list[int]:
         """The ids (ranks) of `role`'s actors that beat within `silence_s` seconds."""

@@ -263,7 +263,7 @@ class EntryService:
     async def scheduler_infos(self) -> list[SchedulerInfo]:
         """Every live scheduler replica's load report, by replica id; ApiError 503 if none answers."""
         try:
-            return await self.client.infos(len(self.liveness.live_replicas()), self.info_timeout)
+            return await self.client.infos(len(self.liveness.replicas_to_ask()), self.info_timeout)
         except asyncio.TimeoutError as exc:
             raise ApiError(str(exc), 503, type="server_error") from exc
 
@@ -277,7 +277,7 @@ class EntryService:
         ApiError 503 if none answers within `timeout` (default `control_timeout`) seconds."""
         try:
             return await self.client.command(command, timeout or self.control_timeout,
-                                             expected=len(self.liveness.live_replicas()))
+                                             expected=len(self.liveness.replicas_to_ask()))
         except asyncio.TimeoutError as exc:
             raise ApiError(str(exc), 503, type="server_error") from exc
 
