@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from actors.engine.graph_compiler import configure_inductor  # noqa: E402
+from actors.engine.graph_compiler import configure_inductor, private_copy  # noqa: E402
 from bench.compile_check import build_engine  # noqa: E402
 from kernels.cpu.plan_cache import time_interleaved  # noqa: E402
 
@@ -37,10 +36,7 @@ def main() -> None:
     configure_inductor()
     inputs = compiler.dummy_inputs(args.batch)
     forward = compiler.forward
-    function = forward.__func__
-    # a twin function on its own code object, so the two compiles keep separate Dynamo caches
-    twin = types.MethodType(types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
-                                               function.__defaults__, function.__closure__), forward.__self__)
+    twin = private_copy(forward)  # a code object of its own, so the two compiles keep separate Dynamo caches
     guarded = torch.compile(forward, fullgraph=True, dynamic=False)
     skipped = torch.compile(twin, fullgraph=True, dynamic=False,
                             options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})

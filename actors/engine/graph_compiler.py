@@ -23,6 +23,7 @@ import logging
 import os
 import threading
 import time
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -56,9 +57,15 @@ def configure_inductor() -> None:
     inductor_config.compile_threads = 1
 
 
-def _code_of(forward: Forward) -> Any:
-    """The code object Dynamo keeps `forward`'s compiled entries on (a bound method's function's)."""
-    return getattr(forward, "__func__", forward).__code__
+def private_copy(forward: Forward) -> Forward:
+    """`forward` on a code object of its own. Dynamo keeps compiled entries on the code object, and the graphs
+    skip its guards on the model's modules, so an entry compiled for one engine's model would pass for any
+    other engine's in the process (tests, benchmarks): each compiler traces its own copy."""
+    function = getattr(forward, "__func__", forward)
+    copy = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                              function.__defaults__, function.__closure__)
+    owner = getattr(forward, "__self__", None)
+    return types.MethodType(copy, owner) if owner is not None else copy
 
 
 class BackgroundCompiler:
@@ -69,12 +76,13 @@ class BackgroundCompiler:
     `forward(*inputs)` is the decode forward of `len` rows; `dummy_inputs(bs)` gives private inputs of `bs`
     padding rows for warming up and timing. Graphs that measure slower than the eager forward are recorded as
     eager (`ready` returns `forward` itself for them), unless `choose` is False (tests: keep
-    every compiled forward).
+    every compiled forward). `traced`: the copy of `forward` that is compiled (`private_copy`).
     """
 
     def __init__(self, forward: Forward, dummy_inputs: Callable[[int], tuple[Any, ...]], progress: bool = True,
                  time_rounds: int = 3, choose: bool = True) -> None:
         self.forward = forward
+        self.traced = private_copy(forward)  # what torch.compile traces (its Dynamo cache is this compiler's)
         self.choose = choose
         self.dummy_inputs = dummy_inputs
         self.progress = progress
@@ -185,7 +193,7 @@ class BackgroundCompiler:
                 self._report[key] = {"state": "compiling"}
                 generation = self._generation
             if generation != self._cleared_generation:  # after reset(): the old graphs' guards would still pass
-                torch._dynamo.reset_code(_code_of(self.forward))
+                torch._dynamo.reset_code(getattr(self.traced, "__func__", self.traced).__code__)
                 self._cleared_generation = generation
             try:
                 chosen, state = self._compile(key)
@@ -214,7 +222,7 @@ class BackgroundCompiler:
         # (bench/compiled_guards.py): skip them. The runner picks the graph by key itself, inputs and the
         # thread count stay guarded, and the modules change only in a weight swap, after which reset() has every
         # graph compiled again, with Dynamo's cache of `forward` emptied first (above).
-        compiled = torch.compile(self.forward, fullgraph=True, dynamic=False,
+        compiled = torch.compile(self.traced, fullgraph=True, dynamic=False,
                                  options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         inputs = self.dummy_inputs(bs)
         compiled(*inputs)
