@@ -3,8 +3,8 @@ in one process, as the graph compiler does (nn-module guards skipped) and with e
 
     python bench/compiled_guards.py [--quantization gguf] [--batch 1] [--threads 1]
 
-Prints the best time per call of each (the minimum over interleaved rounds) and their ratio (actors/engine/graph_compiler.py explains
-why skipping the guards is safe there).
+Prints the best time per call of each (the minimum over interleaved rounds) and their ratio
+(actors/engine/graph_compiler.py explains why skipping the guards is safe there).
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ def main() -> None:
     assert torch.equal(guarded(*inputs), skipped(*inputs)), "the two compiles disagree"
     print(f"{args.quantization}, batch {args.batch}, {args.threads} thread(s): ms per compiled forward")
     for _ in range(args.rounds):
-        times = time_interleaved({"all guards": lambda: guarded(*inputs), "module guards skipped":
-                                  lambda: skipped(*inputs)}, rounds=15, target_s=0.05)
-        print(f"  all guards {times['all guards'] * 1e3:.2f}  module guards skipped "
-              f"{times['module guards skipped'] * 1e3:.2f}  ratio {times['all guards'] / times['module guards skipped']:.2f}")
+        times = time_interleaved({"all": lambda: guarded(*inputs), "skipped": lambda: skipped(*inputs)},
+                                 rounds=15, target_s=0.05)
+        print(f"  all guards {times['all'] * 1e3:.2f}  module guards skipped {times['skipped'] * 1e3:.2f}  "
+              f"ratio {times['all'] / times['skipped']:.2f}")
 
 
 if __name__ == "__main__":

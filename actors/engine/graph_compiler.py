@@ -93,7 +93,7 @@ class BackgroundCompiler:
         self._requested: set[GraphKey] = set()
         self._wake = threading.Condition()
         self._generation = 0  # bumped by reset(): a compile started before it is stale
-        self._cleared_generation = 0  # the generation Dynamo's cache of `forward` was last emptied for
+        self._cleared_generation = 0  # the generation Dynamo's cache of `traced` was last emptied for
         self._closed = False
         self._thread: threading.Thread | None = None
         self._bar: tqdm | None = None
@@ -221,7 +221,7 @@ class BackgroundCompiler:
         # Dynamo's guards on every module attribute and parameter cost 0.6-2 ms of a ~10 ms batch-1 step
         # (bench/compiled_guards.py): skip them. The runner picks the graph by key itself, inputs and the
         # thread count stay guarded, and the modules change only in a weight swap, after which reset() has every
-        # graph compiled again, with Dynamo's cache of `forward` emptied first (above).
+        # graph compiled again, with Dynamo's cache of `traced` emptied first (above).
         compiled = torch.compile(self.traced, fullgraph=True, dynamic=False,
                                  options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         inputs = self.dummy_inputs(bs)
