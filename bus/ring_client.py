@@ -273,3 +273,14 @@ class RingClient:
         now = time.monotonic()
         return sum(1 for seen, beat in self._replicas.values()
                    if beat.load is not None and asked(beat.load, beat.live_rids, now - seen))
+
+    async def wait_for_replicas(self, count: int, timeout: float) -> int:
+        """Wait until `count` scheduler replicas have beat since `track_replicas`, or `timeout` seconds; how many
+        did. For a ring this process just started: a replica busy past the first heartbeat interval (its first
+        steps on a loaded host) would not be counted by the first command."""
+        deadline = time.monotonic() + timeout
+        seen = await self.replicas_to_ask()
+        while self._tracking_since is not None and seen < count and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            seen = await self.replicas_to_ask()
+        return seen

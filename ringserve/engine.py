@@ -94,6 +94,9 @@ class Engine:
         self._client = Client(ring.url, ring.subjects.namespace, credentials=ring.credentials("entry"),
                               max_in_flight=max_in_flight, served_model=ring.served_name, name="ringserve-engine")
         await self._client.connect()
+        seen = await self._client.ring.wait_for_replicas(args.dp, args.startup_timeout)
+        if seen < args.dp:
+            raise RuntimeError(f"only {seen} of {args.dp} scheduler replicas beat within {args.startup_timeout:g}s")
         if http:
             self.http_url = f"http://{args.host}:{args.port}"
         print(f"ringserve: ready in {time.monotonic() - started:.1f}s", file=sys.stderr, flush=True)
