@@ -58,9 +58,9 @@ def configure_inductor() -> None:
 
 
 def private_copy(forward: Forward) -> Forward:
-    """`forward` on a code object of its own. Dynamo keeps compiled entries on the code object, and the graphs
-    skip its guards on the model's modules, so an entry compiled for one engine's model would pass for any
-    other engine's in the process (tests, benchmarks): each compiler traces its own copy."""
+    """`forward` on a code object of its own. Dynamo keeps compiled entries on the code object and tries each
+    whose guards pass; with the module guards skipped, an entry compiled for another size's thread count, another
+    engine's model or the weights before a swap could pass, so every graph is traced from its own copy."""
     function = getattr(forward, "__func__", forward)
     copy = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
                               function.__defaults__, function.__closure__)
@@ -76,13 +76,12 @@ class BackgroundCompiler:
     `forward(*inputs)` is the decode forward of `len` rows; `dummy_inputs(bs)` gives private inputs of `bs`
     padding rows for warming up and timing. Graphs that measure slower than the eager forward are recorded as
     eager (`ready` returns `forward` itself for them), unless `choose` is False (tests: keep
-    every compiled forward). `traced`: the copy of `forward` that is compiled (`private_copy`).
+    every compiled forward). Each graph is compiled from its own copy of `forward` (`private_copy`).
     """
 
     def __init__(self, forward: Forward, dummy_inputs: Callable[[int], tuple[Any, ...]], progress: bool = True,
                  time_rounds: int = 3, choose: bool = True) -> None:
         self.forward = forward
-        self.traced = private_copy(forward)  # what torch.compile traces (its Dynamo cache is this compiler's)
         self.choose = choose
         self.dummy_inputs = dummy_inputs
         self.progress = progress
@@ -93,7 +92,6 @@ class BackgroundCompiler:
         self._requested: set[GraphKey] = set()
         self._wake = threading.Condition()
         self._generation = 0  # bumped by reset(): a compile started before it is stale
-        self._cleared_generation = 0  # the generation Dynamo's cache of `traced` was last emptied for
         self._closed = False
         self._thread: threading.Thread | None = None
         self._bar: tqdm | None = None
@@ -192,9 +190,6 @@ class BackgroundCompiler:
                 key = self._queue.pop(0)
                 self._report[key] = {"state": "compiling"}
                 generation = self._generation
-            if generation != self._cleared_generation:  # after reset(): the old graphs' guards would still pass
-                torch._dynamo.reset_code(getattr(self.traced, "__func__", self.traced).__code__)
-                self._cleared_generation = generation
             try:
                 chosen, state = self._compile(key)
                 entry: dict[str, Any] = {"state": state}
@@ -219,10 +214,10 @@ class BackgroundCompiler:
         torch.set_num_threads(threads)  # this thread's own setting, which the graph is guarded on
         started = time.perf_counter()
         # Dynamo's guards on every module attribute and parameter cost 0.6-2 ms of a ~10 ms batch-1 step
-        # (bench/compiled_guards.py): skip them. The runner picks the graph by key itself, inputs and the
-        # thread count stay guarded, and the modules change only in a weight swap, after which reset() has every
-        # graph compiled again, with Dynamo's cache of `traced` emptied first (above).
-        compiled = torch.compile(self.traced, fullgraph=True, dynamic=False,
+        # (bench/compiled_guards.py): skip them. Each graph is traced from a copy of the forward on a code object
+        # of its own, so no other graph's entry (another size, thread count, engine, or the weights before a
+        # swap) can pass the guards that are left; the runner picks the graph by key itself.
+        compiled = torch.compile(private_copy(self.forward), fullgraph=True, dynamic=False,
                                  options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
         inputs = self.dummy_inputs(bs)
         compiled(*inputs)
