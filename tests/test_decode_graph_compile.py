@@ -169,7 +169,11 @@ def test_swapped_weights_are_compiled_again_and_serve_the_new_weights_tokens() -
     engine.update_weights(checkpoint, "v2")
     assert graphs.compiler.ready((1, 1)) is None and not graphs.can_run([1]), "the old graph is not replayed"
     assert graphs.compiler.wait((1, 1), COMPILE_TIMEOUT)
-    assert graphs.compiler.ready((1, 1)) is not old_graph, "compiled again, on a copy of the forward of its own"
+    def traced_code(graph: object) -> object:
+        return graph._torchdynamo_orig_callable.__func__.__code__  # type: ignore[attr-defined]
+
+    # module guards are skipped, so the old graph's Dynamo entry must not sit on the code object traced now
+    assert traced_code(graphs.compiler.ready((1, 1))) is not traced_code(old_graph)
     assert engine.stats().decode_graphs["bs 1, 1 thread"].startswith("compiled")
     prompt = [1, 5, 9, 14, 22]
     got = run_to_completion(engine, [TokenizedRequest("a", prompt, greedy(12))])
