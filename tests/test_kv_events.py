@@ -186,6 +186,9 @@ def test_events_over_nats_reach_two_routers_alike_and_a_gap_resyncs(nats_server)
                 await got.put(events.seq)
 
             await tok.subscribe(subjects.kv_events_any, KvEvents, on_events)
+            # two connections: the server must hold both subscriptions before the first publish (a CI run lost it)
+            await tok.flush()
+            await sched.flush()
             for router in routers:
                 for r in (0, 1):
                     router.on_heartbeat(ReplicaLoad(replica=r, interval=0.5, kv_total_tokens=10_000), 0.0)
