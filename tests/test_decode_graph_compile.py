@@ -180,3 +180,53 @@ def test_swapped_weights_are_compiled_again_and_serve_the_new_weights_tokens() -
     expected = run_to_completion(reference, [TokenizedRequest("a", prompt, greedy(12))])
     assert tokens_of(got["a"]) == tokens_of(expected["a"])
     graphs.close()
+
+
+def test_a_graph_compiled_for_two_threads_never_serves_a_one_thread_call() -> None:
+    """The thread tuner runs a size on either thread count, and module guards are skipped: each (bs, threads)
+    graph must be the only Dynamo entry on its code object, guarded on its own thread count, so a 1-thread call
+    runs the 1-thread graph (a 2-thread graph serving 1-thread steps made one stream 2x slower)."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from actors.engine.graph_compiler import BackgroundCompiler, private_copy
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(16, 16)
+
+        @torch.no_grad()  # as the real model's forward
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.silu(self.proj(x)) * 2
+
+        def decode(self, x: torch.Tensor) -> torch.Tensor:  # as the runner's undecorated `_decode_forward`
+            return self(x)
+
+    model = Tiny()
+    with pytest.raises(TypeError, match="decorated"):  # its Dynamo entries would sit on torch's shared wrapper
+        private_copy(model.forward)
+    compiler = BackgroundCompiler(model.decode, lambda bs: (torch.randn(bs, 16),), progress=False, choose=False)
+    for key in ((1, 1), (1, 2)):
+        compiler.request(key)
+        assert compiler.wait(key, COMPILE_TIMEOUT), compiler.report()
+
+    def entries(key: tuple[int, int]) -> list[Any]:
+        traced = compiler.ready(key)._torchdynamo_orig_callable  # type: ignore[union-attr]
+        return _debug_get_cache_entry_list(traced.__func__.__code__)
+
+    for key in ((1, 1), (1, 2)):
+        (entry,) = entries(key)
+        assert f'"num_threads":{key[1]}' in str(entry.guard_manager), f"{key} is guarded on its thread count"
+    x = torch.randn(1, 16)
+    outputs: list[torch.Tensor] = []
+
+    def one_thread_call() -> None:
+        torch.set_num_threads(1)
+        outputs.append(compiler.ready((1, 1))(x))  # type: ignore[misc]
+
+    caller = threading.Thread(target=one_thread_call)
+    caller.start()
+    caller.join()
+    assert len(entries((1, 1))) == 1, "the 1-thread call ran the 1-thread graph without a recompile"
+    torch.testing.assert_close(outputs[0], model(x))
+    compiler.close()

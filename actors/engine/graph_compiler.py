@@ -60,8 +60,12 @@ def configure_inductor() -> None:
 def private_copy(forward: Forward) -> Forward:
     """`forward` on a code object of its own. Dynamo keeps compiled entries on the code object and tries each
     whose guards pass; with the module guards skipped, an entry compiled for another size's thread count, another
-    engine's model or the weights before a swap could pass, so every graph is traced from its own copy."""
+    engine's model or the weights before a swap could pass, so every graph is traced from its own copy.
+    `forward` must not be decorated (`no_grad` and the like): Dynamo skips torch's decorator frames, so the
+    entries would land on a code object all copies share."""
     function = getattr(forward, "__func__", forward)
+    if hasattr(function, "__wrapped__"):
+        raise TypeError(f"{function.__qualname__} is decorated: pass an undecorated function that calls it")
     copy = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
                               function.__defaults__, function.__closure__)
     owner = getattr(forward, "__self__", None)
