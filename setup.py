@@ -1,6 +1,6 @@
 """Builds the CPU kernels at install time; all of the package's metadata lives in pyproject.toml.
 
-`kernels/cpu/qgemm.cpp` and `kernels/cpu/paged_attention.cpp` are compiled with `torch.utils.cpp_extension` into
+`kernels/cpu/qgemm.cpp`, `paged_attention.cpp` and `give_way.cpp` are compiled with `torch.utils.cpp_extension` into
 one plain shared library, `kernels/cpu/_ringserve_cpu.so` (not a Python module: `kernels.cpu` loads it with
 `torch.ops.load_library` and its TORCH_LIBRARY blocks register the ops). Beside it, `_ringserve_cpu.json`
 records the sources' hash, the flags and the torch version it was built with, so a checkout whose .cpp files

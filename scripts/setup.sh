@@ -6,7 +6,7 @@ PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --upgrade pip
 # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build on CPU machines. With it, what
-# setup.py's build of the CPU kernels needs (ninja compiles the two files in parallel; numpy only keeps torch's
+# setup.py's build of the CPU kernels needs (ninja compiles the files in parallel; numpy only keeps torch's
 # import quiet).
 .venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.13.0" "setuptools>=68" wheel ninja numpy
 # No isolated build env: setup.py compiles the kernels against this venv's torch (no second torch download, and

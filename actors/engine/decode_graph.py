@@ -30,6 +30,7 @@ import bisect
 import dataclasses
 import os
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -135,6 +136,10 @@ class DecodeGraphRunner:
         if self.compiler is not None and not self._compiling:
             self._compiling = True
             self.compiler.request((self.sizes[0], torch.get_num_threads()))
+
+    def serving(self) -> AbstractContextManager[None]:
+        """Wrap each engine step in this: in compile mode a compile running meanwhile gives way to it."""
+        return self.compiler.serving() if self.compiler is not None else nullcontext()
 
     def report(self) -> dict[str, str]:
         """What runs each decode size: the mode, and in compile mode each requested graph's state (by size and

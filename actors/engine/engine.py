@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import random
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -172,17 +173,18 @@ class Engine:
         If the forward fails, every request of the batch ends with an "error" finish and the engine goes on.
         """
         self.steps += 1
-        rows = self._admit_compiled()
-        if self.overlap:
-            rows += self._step_overlapped()
-        else:
-            batch = self._last_batch = self.schedule()
-            if batch is not None:
-                try:
-                    out = self.launch(batch)
-                except Exception as exc:
-                    return rows + self._fail_batch(batch, exc)
-                rows += self.finish(batch, out)
+        with self.runner.graphs.serving() if self.runner.graphs is not None else nullcontext():
+            rows = self._admit_compiled()
+            if self.overlap:
+                rows += self._step_overlapped()
+            else:
+                batch = self._last_batch = self.schedule()
+                if batch is not None:
+                    try:
+                        out = self.launch(batch)
+                    except Exception as exc:
+                        return rows + self._fail_batch(batch, exc)
+                    rows += self.finish(batch, out)
         if self._last_batch is None and self._inflight is None:  # idle but for grammars still compiling
             self.grammars.wait(IDLE_COMPILE_WAIT)
         return rows

@@ -8,7 +8,9 @@ place.
 
 Compiling takes tens of seconds per size on a small CPU, so it never blocks serving: `request((bs, threads))`
 queues a size (the decode graph runner asks for one when a batch first needs it), one daemon thread compiles queued
-sizes in turn, smallest first, and until a size is ready its steps run eagerly. Each compile is warmed up on
+sizes in turn, smallest first, and until a size is ready its steps run eagerly. The compile thread gives way to
+the steps served meanwhile (`serving()`, kernels/cpu/give_way.py): it runs Python in the gaps between steps
+and in short slices during them, so a step is not made to wait for the GIL. Each compile is warmed up on
 private dummy inputs (padding rows on the scratch slot, so it touches no request's KV or static buffer), then
 timed side by side with the eager forward on the same inputs; the faster is kept, so a size where compiling
 does not pay stays eager. Inductor's caches live under `$RINGSERVE_CACHE/inductor` (unless
@@ -25,12 +27,14 @@ import threading
 import time
 import types
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from kernels.cpu import cache_dir
+from kernels.cpu.give_way import give_way_to_steps, stepping
 from kernels.cpu.plan_cache import time_interleaved
 from observability.logging import log_event
 
@@ -127,6 +131,11 @@ class BackgroundCompiler:
             states.update({key: r["state"] for key, r in self._report.items()})
         return {label(key): state for key, state in sorted(states.items())}
 
+    def serving(self) -> AbstractContextManager[None]:
+        """Wrap each step served in this: while a compile runs, its thread gives way to the step's Python
+        (kernels/cpu/give_way.cpp; without it a compile stalled steps for seconds)."""
+        return stepping(self._thread is not None)
+
     def wait(self, key: GraphKey, timeout: float) -> bool:
         """Block until `(bs, threads)` is ready or failed (tests, benchmarks); whether it is ready."""
         deadline = time.monotonic() + timeout
@@ -186,10 +195,12 @@ class BackgroundCompiler:
         # Every size (and every reset) is one more compiled entry of the same function: let them all stay.
         # Dynamo's settings are per thread, so this is set here, where the compiles run.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+        give_way_to_steps(True)
         while True:
             with self._wake:
                 if not self._queue or self._closed:
                     self._thread = None
+                    give_way_to_steps(False)
                     return
                 key = self._queue.pop(0)
                 self._report[key] = {"state": "compiling"}
