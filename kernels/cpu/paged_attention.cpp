@@ -6,8 +6,10 @@
 //
 // One work item is a (request, KV head) pair: its `rep` query heads (GQA) share each K and V row loaded. Two
 // passes over the keys: the scores of all rep heads into a per-thread buffer (eight keys at a time), then the
-// softmax weights and the weighted sum of V rows (accumulated in registers, up to four heads per pass). float32 only; AVX2 + FMA vector loops for head_dim a multiple of 8 (every Llama),
-// scalar loops otherwise. Compiled with per-function target attributes, as qgemm.cpp.
+// softmax weights and the weighted sum of V rows (accumulated in registers, up to four heads per pass). The
+// scoring pass prefetches the K and V rows of the keys 16 ahead (scattered slots defeat the hardware
+// prefetcher). float32 only; AVX2 + FMA vector loops for head_dim a multiple of 8 (every Llama), scalar loops
+// otherwise. Compiled with per-function target attributes, as qgemm.cpp.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -21,6 +23,8 @@
 #include <vector>
 
 namespace {
+
+constexpr int64_t kPrefetchKeys = 16;  // how many keys ahead the loops prefetch K and V rows
 
 // exp for x <= 0 (softmax after subtracting the max), Cephes' polynomial: relative error ~2e-7.
 __attribute__((target("avx2,fma")))
@@ -66,6 +70,8 @@ inline void weighted_v_avx2(const float* v, int64_t kv_stride, const int64_t* sl
   for (int r = 0; r < RB; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
     const float* vr = v + slots[j] * kv_stride + i0;
+    if (j + kPrefetchKeys < n)
+      _mm_prefetch(reinterpret_cast<const char*>(v + slots[j + kPrefetchKeys] * kv_stride + i0), _MM_HINT_T0);
     const __m256 v0 = _mm256_loadu_ps(vr), v1 = _mm256_loadu_ps(vr + 8);
     for (int r = 0; r < RB; ++r) {
       const __m256 w = _mm256_set1_ps(p[r * p_stride + j]);
@@ -90,6 +96,16 @@ void head_group_avx2(const float* q, int64_t q_stride, const float* k, const flo
   for (; j + 8 <= n; j += 8) {
     const float* kr[8];
     for (int t = 0; t < 8; ++t) kr[t] = k + slots[j + t] * kv_stride;
+    // The slots are scattered, so no hardware prefetcher sees the next rows coming: ask for the K rows
+    // kPrefetchKeys ahead into L1, and their V rows into L2 for the second pass.
+    for (int64_t t = j + kPrefetchKeys; t < std::min(n, j + kPrefetchKeys + 8); ++t) {
+      const char* kp = reinterpret_cast<const char*>(k + slots[t] * kv_stride);
+      const char* vp = reinterpret_cast<const char*>(v + slots[t] * kv_stride);
+      for (int b = 0; b < d * 4; b += 64) {
+        _mm_prefetch(kp + b, _MM_HINT_T0);
+        _mm_prefetch(vp + b, _MM_HINT_T1);
+      }
+    }
     for (int r = 0; r < rep; ++r) {
       const float* qr = q + r * q_stride;
       __m256 acc[8];
