@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from typing import Any, AsyncIterator, Awaitable, Coroutine, Generator, Generic, Iterator, TypeVar
 
 T = TypeVar("T")
 CANCEL_GRACE_SECONDS = 10.0  # how long an interrupted call waits for its requests to be aborted
+WAIT_SLICE_SECONDS = 0.2  # how soon a blocked call notices a Ctrl-C that another thread received
 
 
 class LoopThread:
@@ -66,8 +68,17 @@ class LoopThread:
                 finished.set()
 
         future = asyncio.run_coroutine_threadsafe(guarded(), self.loop)
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            return future.result(timeout)
+            # Waited in short slices: the kernel may hand Ctrl-C to the loop thread, and then only the main
+            # thread's return to Python between slices runs the handler that raises KeyboardInterrupt here.
+            while True:
+                left = WAIT_SLICE_SECONDS if deadline is None else deadline - time.monotonic()
+                try:
+                    return future.result(max(min(left, WAIT_SLICE_SECONDS), 0.0))
+                except concurrent.futures.TimeoutError:
+                    if future.done() or (deadline is not None and time.monotonic() >= deadline):
+                        raise  # the awaitable's own TimeoutError, or the caller's timeout
         except BaseException:
             if future.cancel():
                 finished.wait(CANCEL_GRACE_SECONDS)
