@@ -23,7 +23,8 @@ def loop() -> Iterator[LoopThread]:
 
 
 @pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="POSIX threads' signals")
-def test_a_ctrl_c_delivered_to_the_loop_thread_interrupts_the_waiting_caller(loop: LoopThread) -> None:
+def test_a_ctrl_c_delivered_to_the_loop_thread_interrupts_the_waiting_caller(loop: LoopThread,
+                                                                            request: pytest.FixtureRequest) -> None:
     assert threading.current_thread() is threading.main_thread()  # where Python runs signal handlers
     cancelled = threading.Event()
 
@@ -34,6 +35,9 @@ def test_a_ctrl_c_delivered_to_the_loop_thread_interrupts_the_waiting_caller(loo
             cancelled.set()
             raise
 
+    # A shell's background job inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
     timer = threading.Timer(0.3, signal.pthread_kill, (loop._thread.ident, signal.SIGINT))
     timer.start()
     started = time.monotonic()

@@ -159,8 +159,9 @@ def test_stream_and_async_forms(engine: ringserve.Engine) -> None:
 
 
 SCRIPT = """
-import json, sys, time
+import json, signal, sys, time
 import ringserve
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even when launched in the background
 engine = ringserve.Engine(model=sys.argv[1])
 print(json.dumps(engine.pids()), flush=True)
 while True:  # interrupted in a generate, however fast the machine makes each one
