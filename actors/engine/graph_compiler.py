@@ -61,6 +61,16 @@ def configure_inductor() -> None:
     inductor_config.compile_threads = 1
 
 
+def compile_options() -> dict[str, object]:
+    """Inductor's options for a decode graph. Dynamo's guards on every module attribute and parameter cost
+    0.6-2 ms of a ~10 ms batch-1 step (bench/compile_options.py): skipped (`private_copy` says why that is safe
+    here). So are the wrapper's checks of every input's and op output's size, stride and alignment (~580 Python
+    calls a step, 1.08-1.11x at batch 1, bench/compile_options.py): the inputs' guards stay, the parameters keep
+    their shapes (a weight swap recompiles), and our ops' outputs are what their fake implementations say."""
+    return {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe, "size_asserts": False,
+            "alignment_asserts": False}
+
+
 def private_copy(forward: Forward) -> Forward:
     """`forward` on a code object of its own. Dynamo keeps compiled entries on the code object and tries each
     whose guards pass; with the module guards skipped, an entry compiled for another size's thread count, another
@@ -218,7 +228,7 @@ class BackgroundCompiler:
                     continue
                 self._compiled[key] = chosen
                 self._report[key] = entry
-                self._wake.notify_all()
+                    self._wake.notify_all()
             if self._bar is not None:
                 self._bar.set_postfix(graph=label(key))
                 self._bar.update(1)
@@ -228,12 +238,10 @@ class BackgroundCompiler:
         bs, threads = key
         torch.set_num_threads(threads)  # this thread's own setting, which the graph is guarded on
         started = time.perf_counter()
-        # Dynamo's guards on every module attribute and parameter cost 0.6-2 ms of a ~10 ms batch-1 step
-        # (bench/compiled_guards.py): skip them. Each graph is traced from a copy of the forward on a code object
-        # of its own, so no other graph's entry (another size, thread count, engine, or the weights before a
-        # swap) can pass the guards that are left; the runner picks the graph by key itself.
-        compiled = torch.compile(private_copy(self.forward), fullgraph=True, dynamic=False,
-                                 options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+        # Each graph is traced from a copy of the forward on a code object of its own, so no other graph's entry
+        # (another size, thread count, engine, or the weights before a swap) can pass the guards left by
+        # compile_options(); the runner picks the graph by key itself.
+        compiled = torch.compile(private_copy(self.forward), fullgraph=True, dynamic=False, options=compile_options())
         inputs = self.dummy_inputs(bs)
         compiled(*inputs)
         seconds = time.perf_counter() - started

@@ -10,7 +10,7 @@ import hashlib
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SOURCE_NAMES = ("qgemm.cpp", "paged_attention.cpp", "give_way.cpp")  # in build order
+SOURCE_NAMES = ("qgemm.cpp", "paged_attention.cpp", "kv_store.cpp", "give_way.cpp")  # in build order
 SOURCES = tuple(HERE / name for name in SOURCE_NAMES)
 # No -march=native: qgemm.cpp picks AVX-512 VNNI or AVX2 per function at run time, so one build serves every x86
 # host; -fopenmp lets at::parallel_for use the OpenMP pool torch already loaded.
