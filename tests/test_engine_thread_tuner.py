@@ -74,3 +74,32 @@ def test_the_model_runner_times_its_steps_for_the_tuner() -> None:
     assert tokens_of(tuned["r"]) == tokens_of(plain["r"])
     assert engine.runner.thread_tuner is not None
     assert engine.runner.thread_tuner.preferred().keys() == {"1-1 tokens"}  # 11 decode steps, both counts tried
+
+
+def test_forgetting_tries_every_count_again() -> None:
+    """What the tuner learnt before a decode graph was ready timed the eager forward: it starts over."""
+    tuner = ThreadTuner((1, 2), fixed_from_tokens=64, explore_every=50, warmup=2)
+    serve(tuner, 1, {1: 0.010, 2: 0.030}, 20)  # eager, under a compile's load: one thread cheaper
+    assert tuner.preferred() == {"1-1 tokens": 1}
+    tuner.forget()
+    assert tuner.preferred() == {}
+    after = serve(tuner, 1, {1: 0.012, 2: 0.008}, 20)  # the compiled graph: two threads cheaper
+    # one thread ran last: no switch to discount before its samples, then two (the first uncounted)
+    assert after[:5] == [1, 1, 2, 2, 2] and after[5:] == [2] * 15
+    assert tuner.preferred() == {"1-1 tokens": 2}
+
+
+def test_the_model_runner_makes_the_tuner_forget_when_a_decode_graph_settles() -> None:
+    engine = engine_for(tiny_hf_llama())
+    runner = engine.runner
+    runner.set_thread_policy((1, 2), fixed_from_tokens=64)
+    assert runner.graphs is not None and runner.graphs.compiler is not None  # compile mode, nothing compiled
+    before = torch.get_num_threads()
+    try:
+        run_to_completion(engine, [TokenizedRequest("a", [5, 9, 2], greedy(12))])
+        assert runner.thread_tuner.preferred().keys() == {"1-1 tokens"}
+        runner.graphs.compiler.demote((1, 1), RuntimeError("a graph settles"))  # what some size runs changed
+        run_to_completion(engine, [TokenizedRequest("b", [5, 9, 2], greedy(2))])  # one decode step: relearning
+        assert runner.thread_tuner.preferred() == {}
+    finally:
+        torch.set_num_threads(before)

@@ -149,6 +149,11 @@ class DecodeGraphRunner:
             out.update(self.compiler.report())
         return out
 
+    def changes(self) -> int:
+        """Compile mode: a count that grows whenever a size starts to run another forward (a graph became ready
+        or was demoted, or all were reset); 0 in the other modes, whose forwards never change."""
+        return self.compiler.changes() if self.compiler is not None else 0
+
     def weights_changed(self) -> None:
         """Compile mode: recompile every compiled size in the background (eager until then) after the model's
         weights were swapped. CUDA graphs read the parameters in place and need nothing."""

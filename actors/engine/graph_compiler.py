@@ -110,6 +110,7 @@ class BackgroundCompiler:
         self._requested: set[GraphKey] = set()
         self._wake = threading.Condition()
         self._generation = 0  # bumped by reset(): a compile started before it is stale
+        self._changes = 0  # bumped whenever what some size runs changes (changes())
         self._closed = False
         self._thread: threading.Thread | None = None
         self._bar: tqdm | None = None
@@ -133,6 +134,12 @@ class BackgroundCompiler:
         """The forward to run `(bs, threads)` with (compiled, or the eager one where it measured faster), or
         None while it is not ready."""
         return self._compiled.get(key)
+
+    def changes(self) -> int:
+        """A count that grows whenever what some size runs changes: a graph became ready (compiled, eager or
+        failed), one was demoted, or `reset` forgot them all. Step times measured before it changed timed
+        another forward (the thread tuner relearns, actors/engine/model_runner.py)."""
+        return self._changes
 
     def report(self) -> dict[str, str]:
         """Per size: "compiled (1.6x, 41 s)", "eager (compiled 0.9x)", "compiling", "queued" or "failed: ..."."""
@@ -165,6 +172,7 @@ class BackgroundCompiler:
         with self._wake:
             self._compiled[key] = self.forward
             self._report[key] = {"state": f"eager (replay failed: {type(exc).__name__})"}
+            self._changes += 1
 
     def reset(self) -> None:
         """Forget every compiled size and compile the ones asked for again (after the model's weights were
@@ -172,6 +180,7 @@ class BackgroundCompiler:
         A compile in progress is discarded when it ends."""
         with self._wake:
             self._generation += 1
+            self._changes += 1
             self._compiled.clear()
             self._report.clear()
             self._queue = sorted(self._requested)
@@ -228,7 +237,8 @@ class BackgroundCompiler:
                     continue
                 self._compiled[key] = chosen
                 self._report[key] = entry
-                    self._wake.notify_all()
+                self._changes += 1
+                self._wake.notify_all()
             if self._bar is not None:
                 self._bar.set_postfix(graph=label(key))
                 self._bar.update(1)

@@ -49,6 +49,7 @@ class ModelRunner:
         if backend == "triton" and self.device.type == "cuda":
             use_triton_kernels(model)
         self.graphs: DecodeGraphRunner | None = None
+        self._graph_changes = 0  # `graphs.changes()` when the thread tuner last started learning
         mode = graph_mode or default_mode(self.device)
         # a CPU decode graph over a gathering attention path would be slower than eager at any context length
         if graph_max_bs > 0 and (mode != "compile" or self.backend.compiles_decode()):
@@ -65,6 +66,9 @@ class ModelRunner:
         the sampling rows and which of them it constrains (`GrammarManager.bitmask`)."""
         tuner = self.thread_tuner
         if tuner is not None:
+            if self.graphs is not None and self.graphs.changes() != self._graph_changes:
+                self._graph_changes = self.graphs.changes()
+                tuner.forget()  # it timed another forward (thread_tuner.py)
             threads = tuner.choose(batch.num_tokens)
             if threads != torch.get_num_threads():
                 torch.set_num_threads(threads)

@@ -11,10 +11,13 @@ at 32 streams ~10% faster on two.
 Steps are grouped by size (powers of two of their token count); for each group the tuner keeps a moving
 average of the seconds per token of each thread count, tries every count a few times first, then runs the
 cheaper one and re-tries the other every `explore_every` steps of the group, for `EXPLORE_RUN` steps in a
-row, so it follows drift (longer contexts, other load, a decode graph compiled meanwhile). The first step
-after the count changed is not counted: it pays for the switch (measured in serving: single re-tries kept a
-one-stream `gguf` decode on two threads at 22 ms per token, against 14 ms on one). Steps of `fixed_from_tokens` tokens or more (prefill-sized, compute-bound) always use
-the most threads.
+row, so it follows drift (longer contexts, other load). The first step after the count changed is not
+counted: it pays for the switch (measured in serving: single re-tries kept a one-stream `gguf` decode on two
+threads at 22 ms per token, against 14 ms on one). When a decode graph becomes ready the runner makes the
+tuner forget (`forget`): what it learnt timed the eager forward, under the compile's load (in one serving
+run, steps timed during the warm-up's compiles kept one stream on one thread at 15 ms per step, against 9.5
+on two). Steps of `fixed_from_tokens` tokens or more (prefill-sized, compute-bound) always use the most
+threads.
 """
 
 from __future__ import annotations
@@ -98,6 +101,11 @@ class ThreadTuner:
         group.samples[threads] = seen + 1
         old = group.cost.get(threads)
         group.cost[threads] = per_token if old is None else old + SMOOTHING * (per_token - old)
+
+    def forget(self) -> None:
+        """Drop what was learnt (every size tries every count again): the steps it came from ran another
+        forward, e.g. eagerly before a compiled decode graph was ready, and under the compile's load."""
+        self._groups.clear()
 
     def preferred(self) -> dict[str, int]:
         """The thread count each learned step size runs on, e.g. {"16-31 tokens": 2} (for logs and stats)."""

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import os
 
-# Before torch loads OpenMP: idle OpenMP threads sleep instead of spinning. On a small machine the other actors
-# need those cycles, and a spinning or preempted team member stalls every parallel region (measured under
-# load: 806 ms per batch-1 decode step with spinning threads, 172 ms with passive ones).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Before torch loads OpenMP: idle OpenMP threads spin only briefly, then sleep. On a small machine the other
+# actors need those cycles, and a spinning or preempted team member stalls every parallel region (measured under
+# load: 806 ms per batch-1 decode step with libgomp's default 3 ms of spinning, 172 ms with none). With none
+# (OMP_WAIT_POLICY=PASSIVE) every op of a step waits for its workers to wake, though: a batch-1 `gguf` step on
+# two threads took 24-35 ms against 8.7-11 ms with 3000 spins (~30 us; docs/benchmarks.md).
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", "3000")
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402

@@ -31,7 +31,7 @@ from actors.engine.config import EngineConfig
 from actors.engine.interface import EngineInterface
 from actors.scheduler import request_spans
 from actors.scheduler.admission import Admission
-from actors.scheduler.engine_thread import on_engine_thread
+from actors.scheduler.engine_thread import on_engine_thread, serial_torch_on_this_thread
 from actors.scheduler.kv_events import KvEventPublisher
 from actors.scheduler.weight_update import UPDATE_WEIGHTS, WeightLoader, WeightUpdates
 from bus.connection import Delivery
@@ -352,4 +352,5 @@ async def scheduler_main(ctx: ActorContext, model: str, config: EngineConfig,
     if engine is None:
         engine = await on_engine_thread(Engine.from_source, resolve_model(model), config)
         engine.start_decode_graphs()
+    serial_torch_on_this_thread()
     return await SchedulerActor(ctx, engine, admission, load_weights).start()

@@ -6,7 +6,8 @@ waits for its workers to wake. Measured on 2 cores (one `gguf` decode step at ba
 engine was built on the event loop's thread and stepped on another, 20.5–22 ms when built and stepped on the
 same one. So the engine is built on the engine thread (`on_engine_thread`), and other torch work that cannot
 wait for the steps (reading a checkpoint for a weight update) runs on a thread that ends with it
-(`on_passing_thread`), taking its team along.
+(`on_passing_thread`), taking its team along. The event loop's thread, which touches the engine between steps,
+runs its torch ops serially (`serial_torch_on_this_thread`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,19 @@ ENGINE_EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
 async def on_engine_thread(fn: Callable[..., T], *args: Any) -> T:
     """`fn(*args)` on the engine thread (after the steps queued before it)."""
     return await asyncio.get_running_loop().run_in_executor(ENGINE_EXECUTOR, fn, *args)
+
+
+def serial_torch_on_this_thread() -> None:
+    """Run the calling thread's torch ops on one thread: the scheduler's event loop calls it once the engine is
+    built. The loop adds, aborts and frees requests between steps, and a copy of more than 32k elements there
+    (the KV pool's free-slot list) is a parallel op, which would give the loop's thread an OpenMP team of its
+    own for the rest of the process's life: measured in one process on 2 cores, a batch-1 `gguf` step on two
+    threads took 21-23 ms while such a team lived and 10-11 ms without (and the thread tuner then kept one
+    stream on one thread). `torch.set_num_threads` also sets what a thread started later takes on its first
+    parallel op, so this must come after the engine thread took its own (the model's load does)."""
+    import torch
+
+    torch.set_num_threads(1)
 
 
 async def on_passing_thread(fn: Callable[..., T], *args: Any, name: str = "engine-side") -> T:
