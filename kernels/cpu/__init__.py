@@ -1,5 +1,7 @@
-"""Our own CPU kernels as torch custom ops: weight-only quantized GEMV/GEMM in groups of 32 (`qgemm.cpp`) and
-paged decode attention over the KV pool in place (`paged_attention.cpp`, its reference in `attention.py`).
+"""Our own CPU kernels as torch custom ops: weight-only quantized GEMV/GEMM in groups of 32 (`qgemm.cpp`),
+paged decode attention over the KV pool in place (`paged_attention.cpp`, its reference in `attention.py`), and
+the CPU kernel of the KV write `ringserve::store_kv` (`kv_store.cpp`; schema and torch implementation in
+kernels/attention/kv_store.py, which runs where the library is not loaded).
 
 `torch.ops.ringserve_cpu.group_linear(x, qweight, scales, mins, bias, out_features, bits)` computes
 `x @ W^T + bias` for a weight packed by `kernels.cpu.packing` (q8_0, q4_0 or q4_1), quantizing the rows of x
