@@ -15,6 +15,10 @@ the in-process baselines, so nothing competes for the cores:
                      HTTP ITL at level 1 against the engine's own decode step time (the ring's overhead).
   --llama-server     llama.cpp's llama-server (bench/build_llama_server.sh) on the same GGUF, same prompts, one
                      parallel slot per request of the largest level; prints ringserve/llama-server per level.
+With --passes N all of it runs N times, every other pass with the baselines first and in reverse order
+(ringserve, transformers, llama-server; then llama-server, transformers, ringserve), and a last table gives
+each pass's ratios and their median: on a host whose speed drifts within minutes, one pass's ratios carry
+the drift, and a drift that is steady over a pair of mirrored passes cancels in their ratios.
 With --system-prompt-tokens N every prompt shares a ~N-token system prompt, and a probe reports the TTFT of
 a request that reuses it from the prefix cache against the first one that had to prefill it.
 
@@ -34,6 +38,7 @@ import json
 import math
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -109,6 +114,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                             "the one bench/build_llama_server.sh builds)")
     extra.add_argument("--baseline-threads", type=int, default=0,
                        help="torch threads for both baselines (default: 0 = one per core, like the scheduler)")
+    extra.add_argument("--passes", type=int, default=1,
+                       help="run ringserve and the baselines this many times, every other pass with the baselines "
+                            "first (A B / B A), and print each pass's ratios and their median: on a host whose "
+                            "speed drifts, one pass's ratios carry the drift (default: %(default)s)")
     extra.add_argument("--output-json", default="", help="write every figure to this JSON file")
     extra.add_argument("--plot", default="", help="write a PNG of throughput and latency per level (needs matplotlib)")
     args = p.parse_args(argv)
@@ -119,6 +128,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.compare_dp and (args.rates or args.hf_baseline or args.engine_baseline or args.plot
                             or "--dp" in args.server_args.split()):
         p.error("--compare-dp launches its own servers (with --dp 1 and 2) and runs no baselines, rates or plot")
+    if args.passes < 1 or (args.compare_dp and args.passes > 1):
+        p.error("--passes must be >= 1 (and 1 with --compare-dp)")
     if args.dp_system_prompts < 1:
         p.error("--dp-system-prompts must be >= 1")
     return args
@@ -248,19 +259,8 @@ def comparison(summaries: list[LevelSummary], engine: dict[int, Any], hf: dict[i
     return render(rows), overhead
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark; 0 when every request succeeded."""
-    args = parse_args(argv)
-    if args.compare_dp:
-        from bench.dp_compare import compare_dp
-
-        report = json_safe({"machine": machine_info(), **compare_dp(args)})
-        if args.output_json:
-            Path(args.output_json).write_text(json.dumps(report, indent=2))
-            print(f"wrote {args.output_json}")
-        return 0 if all(run["completed"] == run["requests"] for run in report["runs"]) else 1
-    system = system_prompt(args.system_prompt_tokens)
-    loads = {"start": warn_if_busy("at the start")}
+def serve_and_load(args: argparse.Namespace, system: str) -> tuple[list[LevelSummary], dict[str, Any]]:
+    """Launch ringserve (or use --base-url), run every level, stop it: the levels' summaries and the probe."""
     launched = None
     try:
         if args.launch:
@@ -278,26 +278,102 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_table(summaries))
     print()
-    if args.hf_baseline or args.engine_baseline:
-        loads["baselines"] = warn_if_busy("before the baselines")
-    engine, hf = run_baselines(args, system)
-    llama = run_llama_server(args, system) if args.llama_server else {}
-    loads["end"] = machine_info()["load_avg_1m"]
-    table, overhead = comparison(summaries, engine, hf, llama) if (engine or hf or llama) else ("", {})
-    if table:
+    return summaries, probe
+
+
+def run_pass(args: argparse.Namespace, system: str, baselines_first: bool) -> dict[str, Any]:
+    """One pass: ringserve's load and every baseline asked for, one after the other (the baselines first when
+    `baselines_first`); its figures, with the load average before each part."""
+    loads: dict[str, float] = {}
+    parts: dict[str, Any] = {}
+
+    def ringserve() -> None:
+        loads["ringserve"] = warn_if_busy("before ringserve's load")
+        parts["summaries"], parts["probe"] = serve_and_load(args, system)
+
+    def transformers_and_engine() -> None:
+        parts["engine"], parts["hf"] = run_baselines(args, system)
+
+    def llama_server() -> None:
+        if args.llama_server:
+            parts["llama"] = run_llama_server(args, system)
+
+    def baselines() -> None:
+        if args.hf_baseline or args.engine_baseline or args.llama_server:
+            loads["baselines"] = warn_if_busy("before the baselines")
+        # reversed when they run first, so a pass is ringserve, transformers, llama-server or the mirror of it
+        for part in (llama_server, transformers_and_engine) if baselines_first else (transformers_and_engine,
+                                                                                      llama_server):
+            part()
+
+    for part in (baselines, ringserve) if baselines_first else (ringserve, baselines):
+        part()
+    return {"summaries": parts["summaries"], "probe": parts["probe"], "engine": parts.get("engine", {}),
+            "hf": parts.get("hf", {}), "llama": parts.get("llama", {}), "loads": loads}
+
+
+def ratio_summary(passes: list[dict[str, Any]]) -> str:
+    """Per level, ringserve's output tok/s over each baseline's in every pass, and the median over the passes."""
+    rows = [["concurrency", "ringserve/transformers per pass", "median", "ringserve/llama-server per pass",
+             "median"]]
+    for i, s in enumerate(passes[0]["summaries"]):
+        level = int(s.level)
+        cells = [str(level)]
+        for baseline in ("hf", "llama"):
+            ratios = [p["summaries"][i].output_tok_s / p[baseline][level]["output_tok_s"] for p in passes
+                      if p[baseline].get(level, {}).get("output_tok_s")]
+            cells += [" ".join(f"{r:.2f}x" for r in ratios) or "-",
+                      f"{statistics.median(ratios):.2f}x" if ratios else "-"]
+        rows.append(cells)
+    return render(rows, note="passes alternate the order: ringserve first, then the baselines first")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; 0 when every request succeeded."""
+    args = parse_args(argv)
+    if args.compare_dp:
+        from bench.dp_compare import compare_dp
+
+        report = json_safe({"machine": machine_info(), **compare_dp(args)})
+        if args.output_json:
+            Path(args.output_json).write_text(json.dumps(report, indent=2))
+            print(f"wrote {args.output_json}")
+        return 0 if all(run["completed"] == run["requests"] for run in report["runs"]) else 1
+    system = system_prompt(args.system_prompt_tokens)
+    start_load = machine_info()["load_avg_1m"]  # each part of a pass warns when the machine is busy
+    passes = []
+    for n in range(args.passes):
+        if args.passes > 1:
+            print(f"=== pass {n + 1} of {args.passes} ===", flush=True)
+        one = run_pass(args, system, baselines_first=n % 2 == 1)
+        table, overhead = (comparison(one["summaries"], one["engine"], one["hf"], one["llama"])
+                           if (one["engine"] or one["hf"] or one["llama"]) else ("", {}))
+        if table:
+            print()
+            print(table)
+        if overhead:
+            print(f"ring overhead at batch 1: HTTP ITL p50 {overhead['http_itl_p50_ms']:.1f} ms vs engine decode "
+                  f"step p50 {overhead['engine_step_p50_ms']:.1f} ms ({overhead['overhead_ms']:+.1f} ms, "
+                  f"{overhead['ratio']:.2f}x)")
+        passes.append({**one, "overhead": overhead})
+    if args.passes > 1 and (passes[0]["hf"] or passes[0]["llama"]):
         print()
-        print(table)
-    if overhead:
-        print(f"ring overhead at batch 1: HTTP ITL p50 {overhead['http_itl_p50_ms']:.1f} ms vs engine decode step "
-              f"p50 {overhead['engine_step_p50_ms']:.1f} ms ({overhead['overhead_ms']:+.1f} ms, "
-              f"{overhead['ratio']:.2f}x)")
+        print(ratio_summary(passes))
+    first = passes[0]
     report = {
         "date": datetime.date.today().isoformat(), "machine": machine_info(),
         "config": {k: v for k, v in vars(args).items() if k not in ("levels", "rates")},
-        "levels": [s.to_dict() for s in summaries], "shared_prefix": probe,
-        "hf_baseline": {str(k): v for k, v in hf.items()}, "engine_baseline": {str(k): v for k, v in engine.items()},
-        "llama_server": {str(k): v for k, v in llama.items()},
-        "ring_overhead": overhead, "load_avg_1m": loads,
+        "levels": [s.to_dict() for s in first["summaries"]], "shared_prefix": first["probe"],
+        "hf_baseline": {str(k): v for k, v in first["hf"].items()},
+        "engine_baseline": {str(k): v for k, v in first["engine"].items()},
+        "llama_server": {str(k): v for k, v in first["llama"].items()},
+        "ring_overhead": first["overhead"], "load_avg_1m": {"start": start_load, **first["loads"],
+                                                            "end": machine_info()["load_avg_1m"]},
+        "passes": [{"levels": [s.to_dict() for s in p["summaries"]],
+                    "hf_baseline": {str(k): v for k, v in p["hf"].items()},
+                    "engine_baseline": {str(k): v for k, v in p["engine"].items()},
+                    "llama_server": {str(k): v for k, v in p["llama"].items()}, "load_avg_1m": p["loads"]}
+                   for p in passes],
     }
     report = json_safe(report)
     if args.output_json:
@@ -311,8 +387,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {args.plot}")
         except ImportError:
             print('no plot: matplotlib is missing (.venv/bin/pip install -e ".[bench]")', file=sys.stderr)
-    return 0 if all(s.failed == 0 for s in summaries) else 1
-
+    return 0 if all(s.failed == 0 for p in passes for s in p["summaries"]) else 1
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,7 +1,7 @@
 """The CPU paged decode attention kernel (kernels/cpu/paged_attention.cpp) against its torch reference: GQA
 group sizes 1-4, head dims on the vector path and off it (not a multiple of 8), context lengths 1 to 1500
-through scattered slots of a shared table, 1 and 2 threads; its fake implementation; the fallback without a
-build."""
+through scattered slots of a shared table, 1 and 2 threads (the same numbers on either); its fake
+implementation; the fallback without a build."""
 
 from __future__ import annotations
 
@@ -46,6 +46,30 @@ def test_the_kernel_matches_the_reference(heads: int, kv_heads: int, head_dim: i
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+@needs_build
+@pytest.mark.parametrize("heads,kv_heads,head_dim,lens", [(9, 3, 64, [300]), (8, 2, 16, [9]), (6, 1, 64, [40, 7]),
+                                                          (3, 1, 5, [17])])
+def test_the_output_does_not_depend_on_the_thread_count(heads: int, kv_heads: int, head_dim: int,
+                                                        lens: list[int]) -> None:
+    """One or two requests (a few work items, split unevenly over two threads): two threads give one thread's
+    output bit for bit (the thread tuner switches counts between steps, and a request's greedy tokens must not
+    change with it)."""
+    torch.manual_seed(heads + head_dim)
+    q, k, v, table, rows, kv_lens = case(heads, kv_heads, head_dim, lens)
+    scale = head_dim**-0.5
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpu_kernels.paged_decode_attention(q, k, v, table, rows, kv_lens, scale)
+        torch.set_num_threads(2)
+        two = cpu_kernels.paged_decode_attention(q, k, v, table, rows, kv_lens, scale)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(two, one)
+    torch.testing.assert_close(two, reference_paged_decode_attention(q, k, v, table, rows, kv_lens, scale),
+                               atol=2e-6, rtol=1e-5)
 
 
 @needs_build
