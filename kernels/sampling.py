@@ -176,23 +176,40 @@ def _draw(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         scaled = scaled.masked_fill(scaled < scaled.amax(dim=-1, keepdim=True) + log_min_p, float("-inf"))
 
     token_ids = ids if ids is not None else torch.arange(vocab, device=device)[None, :]
-    keys = to_device([_row_keys(r.seed, r.position) for r in rows], device)  # [S, 2]
+    keys = to_device([[_as_int32(k) for k in _row_keys(r.seed, r.position)] for r in rows], device,
+                     torch.int32)  # [S, 2]
     pick = (scaled + _gumbel(keys, token_ids)).argmax(dim=-1)  # [S]; -inf + finite noise stays -inf, no NaN
     return pick if ids is None else ids.gather(1, pick[:, None]).squeeze(1)
 
 
-def _mul32(x, c: int):  # works on Python ints and int64 tensors alike
-    """`(x * c) mod 2**32` for `0 <= x, c < 2**32` without overflowing int64 (16-bit halves of x)."""
-    return ((x & 0xFFFF) * c + ((((x >> 16) * c) & 0xFFFF) << 16)) & _M32
-
-
-def _fmix32(h):
-    """MurmurHash3's 32-bit finaliser: a bijection on [0, 2**32) with full avalanche."""
-    h = h ^ (h >> 16)
-    h = _mul32(h, 0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = _mul32(h, 0xC2B2AE35)
+def _fmix32(h: int) -> int:
+    """MurmurHash3's 32-bit finaliser on a Python int in [0, 2**32): a bijection with full avalanche."""
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & _M32
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & _M32
     return h ^ (h >> 16)
+
+
+def _as_int32(value: int) -> int:
+    """The int32 with the same 32 bits as `value` in [0, 2**32)."""
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+_MIX1, _MIX2 = _as_int32(0x85EBCA6B), _as_int32(0xC2B2AE35)
+
+
+def _fmix32_(h: torch.Tensor) -> torch.Tensor:
+    """`_fmix32` on an int32 tensor holding 32-bit values, in place: int32 products wrap to the same low 32 bits,
+    and each shift is masked to be a logical one. In place and in int32, since the noise of a step is [S, V]: the
+    int64 form with new temporaries took 72 ms for 32 rows of SmolLM2's vocabulary, this one 14
+    (bench/sampling_cost.py); tests/test_kernels_sampling.py checks it against the hash in Python's exact ints."""
+    h ^= (h >> 16) & 0xFFFF
+    h *= _MIX1
+    h ^= (h >> 13) & 0x7FFFF
+    h *= _MIX2
+    h ^= (h >> 16) & 0xFFFF
+    return h
 
 
 def _row_keys(seed: int, position: int) -> tuple[int, int]:
@@ -204,12 +221,17 @@ def _row_keys(seed: int, position: int) -> tuple[int, int]:
 
 
 def _gumbel(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """Gumbel noise `[S, V]` hashed from per-row `keys` `[S, 2]` and `token_ids` (`[S, V]` or `[1, V]`)."""
-    h = _fmix32(token_ids ^ keys[:, :1])
-    h = _fmix32((h + keys[:, 1:]) & _M32)
+    """Gumbel noise `[S, V]` hashed from per-row int32 `keys` `[S, 2]` (`_row_keys`' bits) and `token_ids`
+    (`[S, V]` or `[1, V]`)."""
+    h = _fmix32_(token_ids.to(torch.int32) ^ keys[:, :1])  # a new [S, V] tensor, hashed in place from here on
+    h += keys[:, 1:]
+    h = _fmix32_(h)
     # 23 bits as an odd multiple of 2**-24: exact in float32 and strictly inside (0, 1), so both logs are finite.
-    u = ((h >> 9) * 2 + 1).float() * 2.0**-24
-    return -torch.log(-torch.log(u))
+    h >>= 9
+    h &= 0x7FFFFF
+    h *= 2
+    h += 1
+    return h.float().mul_(2.0**-24).log_().neg_().log_().neg_()
 
 
 @dataclass

@@ -217,3 +217,33 @@ def test_extreme_settings_do_not_crash_and_behave_as_greedy_or_off() -> None:
     out = sample(logits, [SamplingRow(1.0, top_k=2**62, top_p=1e-9, min_p=1.0, num_top_logprobs=VOCAB + 5)] * 8)
     assert out.tokens.tolist() == logits.argmax(-1).tolist()
     assert out.top_ids is not None and out.top_ids.shape == (8, VOCAB) and not out.top_logprobs.isnan().any()
+
+
+def _exact_fmix32(h: int) -> int:
+    """MurmurHash3's finaliser in Python's unbounded ints: the reference for the in-place int32 tensor form."""
+    mask = 0xFFFFFFFF
+    h ^= h >> 16
+    h = (h * 0x85EBCA6B) & mask
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) & mask
+    return h ^ (h >> 16)
+
+
+def test_the_gumbel_noise_is_the_exact_32_bit_hash_of_key_and_token() -> None:
+    """The tensor hash runs in place in int32, where products wrap and values above 2**31 are negative: every
+    value (keys and token ids across the whole 32-bit range, a [1, V] id row broadcast and a [S, V] one) must
+    still be the exact 32-bit hash, and the noise the same float32 arithmetic on it."""
+    from kernels.sampling import _as_int32, _gumbel
+
+    gen = torch.Generator().manual_seed(11)
+    unsigned_keys = torch.randint(0, 2**32, (4, 2), generator=gen).tolist()
+    unsigned_keys[0] = [0xFFFFFFFF, 0x80000000]
+    keys = torch.tensor([[_as_int32(k) for k in row] for row in unsigned_keys], dtype=torch.int32)
+    for token_ids in (torch.arange(300)[None, :], torch.randint(0, 2**32, (4, 300), generator=gen)):
+        got = _gumbel(keys, token_ids)
+        ids = token_ids.expand(4, -1).tolist()
+        exact = [[_exact_fmix32((_exact_fmix32(t ^ k0) + k1) & 0xFFFFFFFF) for t in row]
+                 for row, (k0, k1) in zip(ids, unsigned_keys)]
+        u = ((torch.tensor(exact) >> 9) * 2 + 1).float() * 2.0**-24
+        assert torch.equal(got, -torch.log(-torch.log(u)))
+        assert got.shape == (4, 300) and torch.isfinite(got).all()
