@@ -282,34 +282,29 @@ def serve_and_load(args: argparse.Namespace, system: str) -> tuple[list[LevelSum
 
 
 def run_pass(args: argparse.Namespace, system: str, baselines_first: bool) -> dict[str, Any]:
-    """One pass: ringserve's load and every baseline asked for, one after the other (the baselines first when
-    `baselines_first`); its figures, with the load average before each part."""
+    """One pass: ringserve's load, then transformers (and the engine), then llama-server, or all of it in reverse
+    order when `baselines_first`; its figures, with the load average before each part."""
     loads: dict[str, float] = {}
-    parts: dict[str, Any] = {}
+    figures: dict[str, Any] = {"engine": {}, "hf": {}, "llama": {}}
 
     def ringserve() -> None:
         loads["ringserve"] = warn_if_busy("before ringserve's load")
-        parts["summaries"], parts["probe"] = serve_and_load(args, system)
+        figures["summaries"], figures["probe"] = serve_and_load(args, system)
 
     def transformers_and_engine() -> None:
-        parts["engine"], parts["hf"] = run_baselines(args, system)
+        if args.hf_baseline or args.engine_baseline:
+            loads["transformers"] = warn_if_busy("before the in-process baselines")
+        figures["engine"], figures["hf"] = run_baselines(args, system)
 
     def llama_server() -> None:
         if args.llama_server:
-            parts["llama"] = run_llama_server(args, system)
+            loads["llama_server"] = warn_if_busy("before llama-server")
+            figures["llama"] = run_llama_server(args, system)
 
-    def baselines() -> None:
-        if args.hf_baseline or args.engine_baseline or args.llama_server:
-            loads["baselines"] = warn_if_busy("before the baselines")
-        # reversed when they run first, so a pass is ringserve, transformers, llama-server or the mirror of it
-        for part in (llama_server, transformers_and_engine) if baselines_first else (transformers_and_engine,
-                                                                                      llama_server):
-            part()
-
-    for part in (baselines, ringserve) if baselines_first else (ringserve, baselines):
+    order = [ringserve, transformers_and_engine, llama_server]
+    for part in reversed(order) if baselines_first else order:
         part()
-    return {"summaries": parts["summaries"], "probe": parts["probe"], "engine": parts.get("engine", {}),
-            "hf": parts.get("hf", {}), "llama": parts.get("llama", {}), "loads": loads}
+    return {**figures, "loads": loads}
 
 
 def ratio_summary(passes: list[dict[str, Any]]) -> str:

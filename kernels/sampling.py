@@ -175,9 +175,8 @@ def _draw(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         log_min_p = to_device([r.min_p for r in rows], device, torch.float32).log()[:, None]
         scaled = scaled.masked_fill(scaled < scaled.amax(dim=-1, keepdim=True) + log_min_p, float("-inf"))
 
-    token_ids = ids if ids is not None else torch.arange(vocab, device=device)[None, :]
-    keys = to_device([[_as_int32(k) for k in _row_keys(r.seed, r.position)] for r in rows], device,
-                     torch.int32)  # [S, 2]
+    token_ids = ids if ids is not None else torch.arange(vocab, device=device, dtype=torch.int32)[None, :]
+    keys = to_device([_row_keys(r.seed, r.position) for r in rows], device, torch.int32)  # [S, 2]
     pick = (scaled + _gumbel(keys, token_ids)).argmax(dim=-1)  # [S]; -inf + finite noise stays -inf, no NaN
     return pick if ids is None else ids.gather(1, pick[:, None]).squeeze(1)
 
@@ -213,17 +212,19 @@ def _fmix32_(h: torch.Tensor) -> torch.Tensor:
 
 
 def _row_keys(seed: int, position: int) -> tuple[int, int]:
-    """Two 32-bit keys from a 64-bit seed and a position, hashed on the host (plain Python ints)."""
+    """Two 32-bit keys from a 64-bit seed and a position, hashed on the host (plain Python ints), as the int32
+    values with their bits (what `_gumbel` takes)."""
     h = _fmix32(((seed >> 32) & _M32) ^ 0x9E3779B9)
     h = _fmix32(h ^ (seed & _M32))
     k1 = _fmix32(h ^ (position & _M32))
-    return k1, _fmix32(k1 ^ 0x5BD1E995)
+    return _as_int32(k1), _as_int32(_fmix32(k1 ^ 0x5BD1E995))
 
 
 def _gumbel(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """Gumbel noise `[S, V]` hashed from per-row int32 `keys` `[S, 2]` (`_row_keys`' bits) and `token_ids`
     (`[S, V]` or `[1, V]`)."""
     h = _fmix32_(token_ids.to(torch.int32) ^ keys[:, :1])  # a new [S, V] tensor, hashed in place from here on
+    # (the sorted ids of top-k/top-p rows are int64, for the gather after the draw: converted here)
     h += keys[:, 1:]
     h = _fmix32_(h)
     # 23 bits as an odd multiple of 2**-24: exact in float32 and strictly inside (0, 1), so both logs are finite.
