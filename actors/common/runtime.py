@@ -7,8 +7,9 @@ is lost for good or the actor calls `ctx.fail()` (exit 1, so the launcher tears 
 SIGTERM/SIGINT drains: the first signal sets `ctx.draining` and runs the actor's `ctx.on_drain` hooks (each
 stops its intake: unsubscribes, refuses new HTTP requests), heartbeats go on (saying `draining`), and once
 `ctx.live_rids()` is 0 the actor stops. When the process that started the actor has died (the signal is its
-death signal), it stops at once instead. A second signal, or `--drain-timeout` seconds, stops it at once
-(what it still holds ends through its `on_stop` hooks). A signal before the actor is ready stops it at once.
+death signal), it stops at once instead, and exits hard if that takes over `ORPHAN_EXIT_SECONDS`. A second
+signal, or `--drain-timeout` seconds, stops it at once (what it still holds ends through its `on_stop` hooks).
+A signal before the actor is ready stops it at once.
 
 The actor connects with the credentials its flags name (a file path or a user name; passwords only in files or
 the environment, never on the command line) and with its role's own reply-inbox prefix (bus/permissions.py).
@@ -22,6 +23,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -38,6 +41,10 @@ log = logging.getLogger("actor")
 HEARTBEAT_SECONDS = 0.5
 DEFAULT_DRAIN_SECONDS = 30.0
 DRAIN_POLL_SECONDS = 0.05
+# How long an orphan (its parent died) may take to stop before it exits hard: the NATS server died with the
+# parent, so closing the bus and flushing spans can only wait out their timeouts (nats-py's drain: 30 s), and
+# a compile thread inside an import can hold the interpreter's exit as long.
+ORPHAN_EXIT_SECONDS = 3.0
 
 
 @dataclass
@@ -120,9 +127,13 @@ async def _serve(role: str, rank: int, args: argparse.Namespace, main: ActorMain
     def on_signal(sig: signal.Signals) -> None:
         # not ready yet, the second signal, or the parent died (its death signal, bus/embedded_server.py
         # `die_with_parent`: no one waits for a drain then): stop now
-        if not serving or ctx.draining.is_set() or os.getppid() != parent:
-            log_event(log, logging.INFO, "stopping", role=role, rank=rank, signal=sig.name)
+        orphaned = os.getppid() != parent
+        if not serving or ctx.draining.is_set() or orphaned:
+            log_event(log, logging.INFO, "stopping", role=role, rank=rank, signal=sig.name, orphaned=orphaned)
             ctx.stopping.set()
+            if orphaned:
+                threading.Thread(target=_exit_after, args=(ORPHAN_EXIT_SECONDS, ctx), name="orphan-exit",
+                                 daemon=True).start()
         else:
             log_event(log, logging.INFO, "draining", role=role, rank=rank, signal=sig.name,
                       live_rids=ctx.live_rids(), timeout_s=args.drain_timeout)
@@ -157,6 +168,13 @@ async def _serve(role: str, rank: int, args: argparse.Namespace, main: ActorMain
     except Exception:  # closing is best effort on the way out
         pass
     return ctx.exit_code
+
+
+def _exit_after(seconds: float, ctx: ActorContext) -> None:
+    """End the process with the actor's exit code `seconds` from now, wherever its stop is waiting by then."""
+    time.sleep(seconds)
+    logging.shutdown()  # flush the log handlers: os._exit skips them
+    os._exit(ctx.exit_code)
 
 
 async def _drain(ctx: ActorContext, timeout: float) -> None:
