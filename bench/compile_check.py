@@ -4,8 +4,9 @@
 
 For each quantization, builds the engine as the server does (decode graphs in compile mode, actors/engine/
 decode_graph.py), compiles the graph of every batch size asked for (kept even where it measures slower, so both
-can be timed), and reports how long the first size took to be ready from the engine's construction: with
-Inductor's cache warm (a second run) that is the warm start. Then for each batch size it prefills that many
+can be timed), and reports how long the first size took to be ready from the engine's construction: on a second
+run, which loads the graphs the first stored (actors/engine/graph_store.py), that is the warm start
+(`RINGSERVE_GRAPH_STORE=0` traces every graph again). Then for each batch size it prefills that many
 prompts of `--context` tokens and times decode steps, alternating eager and compiled steps of the same engine
 (the same requests, the same load on the machine), and prints the median of each and their ratio.
 """

@@ -4,8 +4,9 @@ variant that undoes one of them, called in turn.
 
     python bench/compile_options.py [--quantization gguf] [--batch 1] [--threads 1] [--variants guards,asserts]
 
-Variants: `guards` keeps Dynamo's guards on every module attribute and parameter; `asserts` keeps the wrapper's
-size, stride and alignment checks. Prints the best time per call of each (the minimum over interleaved rounds)
+Variants: `guards` checks the graph's guards (every parameter's and input's layout, torch's global state) on every
+call, where the served graph checks them once when compiled or loaded; `asserts` keeps the wrapper's size, stride
+and alignment checks. Prints the best time per call of each (the minimum over interleaved rounds)
 and each variant's time over the served one's.
 """
 
@@ -19,14 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from actors.engine.graph_compiler import compile_options, configure_inductor, private_copy  # noqa: E402
+from actors.engine.graph_compiler import bind, compile_graph, compile_options, configure_inductor  # noqa: E402
 from bench.compile_check import build_engine  # noqa: E402
 from kernels.cpu.plan_cache import time_interleaved  # noqa: E402
 
-VARIANTS = {
-    "guards": lambda options: {k: v for k, v in options.items() if k != "guard_filter_fn"},
-    "asserts": lambda options: {**options, "size_asserts": True, "alignment_asserts": True},
-}
+VARIANTS = ("guards", "asserts")
 
 
 def main() -> None:
@@ -48,12 +46,14 @@ def main() -> None:
     compiler = engine.runner.graphs.compiler
     configure_inductor()
     inputs = compiler.dummy_inputs(args.batch)
-    served = compile_options()
-    # each compile traces a copy of the forward on a code object of its own, so each keeps its own Dynamo cache
-    graphs = {"served": torch.compile(private_copy(compiler.forward), fullgraph=True, dynamic=False, options=served)}
-    for name in variants:
-        graphs[name] = torch.compile(private_copy(compiler.forward), fullgraph=True, dynamic=False,
-                                     options=VARIANTS[name](served))
+    module, served = compiler.module, compile_options()
+    graphs = {"served": bind(compile_graph(module, inputs, served), module)}
+    if "guards" in variants:
+        checked = compile_graph(module, inputs, served)
+        graphs["guards"] = lambda *a: checked(module, *a)
+    if "asserts" in variants:
+        graphs["asserts"] = bind(compile_graph(module, inputs, {**served, "size_asserts": True,
+                                                                "alignment_asserts": True}), module)
     reference = graphs["served"](*inputs)
     for name, graph in graphs.items():
         assert torch.equal(graph(*inputs), reference), f"the {name} compile disagrees with the served one"

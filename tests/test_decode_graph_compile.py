@@ -169,11 +169,7 @@ def test_swapped_weights_are_compiled_again_and_serve_the_new_weights_tokens() -
     engine.update_weights(checkpoint, "v2")
     assert graphs.compiler.ready((1, 1)) is None and not graphs.can_run([1]), "the old graph is not replayed"
     assert graphs.compiler.wait((1, 1), COMPILE_TIMEOUT)
-    def traced_code(graph: object) -> object:
-        return graph._torchdynamo_orig_callable.__func__.__code__  # type: ignore[attr-defined]
-
-    # module guards are skipped, so the old graph's Dynamo entry must not sit on the code object traced now
-    assert traced_code(graphs.compiler.ready((1, 1))) is not traced_code(old_graph)
+    assert graphs.compiler.ready((1, 1)) is not old_graph
     assert engine.stats().decode_graphs["bs 1, 1 thread"].startswith("compiled")
     prompt = [1, 5, 9, 14, 22]
     got = run_to_completion(engine, [TokenizedRequest("a", prompt, greedy(12))])
@@ -182,51 +178,68 @@ def test_swapped_weights_are_compiled_again_and_serve_the_new_weights_tokens() -
     graphs.close()
 
 
-def test_a_graph_compiled_for_two_threads_never_serves_a_one_thread_call() -> None:
-    """The thread tuner runs a size on either thread count, and module guards are skipped: each (bs, threads)
-    graph must be the only Dynamo entry on its code object, guarded on its own thread count, so a 1-thread call
-    runs the 1-thread graph (a 2-thread graph serving 1-thread steps made one stream 2x slower)."""
-    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+class Tiny(torch.nn.Module):
+    """A module shaped like `DecodeStep`: its forward calls a decorated model forward."""
 
-    from actors.engine.graph_compiler import BackgroundCompiler, private_copy
+    def __init__(self, width: int = 16, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.proj = torch.nn.Linear(width, width)
 
-    class Tiny(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.proj = torch.nn.Linear(16, 16)
+    @torch.no_grad()  # as the real model's forward
+    def inner(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.silu(self.proj(x)) * 2
 
-        @torch.no_grad()  # as the real model's forward
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return torch.nn.functional.silu(self.proj(x)) * 2
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
 
-        def decode(self, x: torch.Tensor) -> torch.Tensor:  # as the runner's undecorated `_decode_forward`
-            return self(x)
 
-    model = Tiny()
-    with pytest.raises(TypeError, match="decorated"):  # its Dynamo entries would sit on torch's shared wrapper
-        private_copy(model.forward)
-    compiler = BackgroundCompiler(model.decode, lambda bs: (torch.randn(bs, 16),), progress=False, choose=False)
-    for key in ((1, 1), (1, 2)):
-        compiler.request(key)
-        assert compiler.wait(key, COMPILE_TIMEOUT), compiler.report()
+def test_graphs_are_stored_per_thread_count_and_a_restart_loads_them_over_its_own_weights(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiled graph is written to disk under everything it was compiled from; a new compiler (a restart)
+    loads it without tracing and runs its own module's weights through it. A graph holds its thread count in
+    its guards: the 2-thread graph is refused on a 1-thread caller."""
+    from actors.engine import graph_compiler
+    from actors.engine.graph_compiler import BackgroundCompiler
+    from actors.engine.graph_store import GraphStore
 
-    def entries(key: tuple[int, int]) -> list[Any]:
-        traced = compiler.ready(key)._torchdynamo_orig_callable  # type: ignore[union-attr]
-        return _debug_get_cache_entry_list(traced.__func__.__code__)
-
-    for key in ((1, 1), (1, 2)):
-        (entry,) = entries(key)
-        assert f'"num_threads":{key[1]}' in str(entry.guard_manager), f"{key} is guarded on its thread count"
+    monkeypatch.setenv("RINGSERVE_CACHE", str(tmp_path))
+    traced: list[int] = []
+    real_compile = graph_compiler.compile_graph
+    monkeypatch.setattr(graph_compiler, "compile_graph",
+                        lambda module, inputs, options=None: traced.append(1) or real_compile(module, inputs, options))
     x = torch.randn(1, 16)
-    outputs: list[torch.Tensor] = []
+    first = BackgroundCompiler(Tiny(seed=0), lambda bs: (x[:bs].clone(),), progress=False, choose=False)
+    for key in ((1, 1), (1, 2)):
+        first.request(key)
+        assert first.wait(key, COMPILE_TIMEOUT), first.report()
+    assert len(traced) == 2 and len(list((tmp_path / "decode_graphs").glob("*.graph"))) == 2
+    assert not any("stored" in state for state in first.report().values()), first.report()
+    first.close()
 
-    def one_thread_call() -> None:
-        torch.set_num_threads(1)
-        outputs.append(compiler.ready((1, 1))(x))  # type: ignore[misc]
+    restarted_module = Tiny(seed=1)  # same layout, other weights
+    restarted = BackgroundCompiler(restarted_module, lambda bs: (x[:bs].clone(),), progress=False, choose=False)
+    for key in ((1, 1), (1, 2)):
+        restarted.request(key)
+        assert restarted.wait(key, COMPILE_TIMEOUT), restarted.report()
+    assert len(traced) == 2, "the restart traced nothing"
+    assert all(state.endswith(", stored)") for state in restarted.report().values()), restarted.report()
+    torch.testing.assert_close(restarted.ready((1, 1))(x), restarted_module(x))  # type: ignore[misc]
+    restarted.close()
 
-    caller = threading.Thread(target=one_thread_call)
-    caller.start()
-    caller.join()
-    assert len(entries((1, 1))) == 1, "the 1-thread call ran the 1-thread graph without a recompile"
-    torch.testing.assert_close(outputs[0], model(x))
-    compiler.close()
+    store = GraphStore(restarted_module, graph_compiler.compile_options())
+    found: dict[int, object] = {}
+
+    def load_on(threads: int) -> None:
+        torch.set_num_threads(threads)
+        found[threads] = store.load((1, 2), (x,))
+
+    for threads in (2, 1):
+        caller = threading.Thread(target=load_on, args=(threads,))
+        caller.start()
+        caller.join()
+    assert found[2] is not None, "the 2-thread graph loads on two threads"
+    assert found[1] is None, "the 2-thread graph's guards refuse a 1-thread caller"
+    # another layout is another file: nothing stored fits a wider module
+    assert store.path((1, 1), (x,)) != GraphStore(Tiny(width=32), graph_compiler.compile_options()).path(
+        (1, 1), (torch.randn(1, 32),))

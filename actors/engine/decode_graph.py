@@ -81,6 +81,22 @@ def default_mode(device: torch.device) -> str:
     return "cuda_graph" if device.type == "cuda" else "compile"
 
 
+class DecodeStep(torch.nn.Module):
+    """The decode forward over explicit inputs, as a module: what compile mode compiles. A compiled graph reads
+    the parameters (and the attention backend) through its module when called, so a graph stored by one
+    process runs another's weights when bound to its `DecodeStep` (actors/engine/graph_store.py)."""
+
+    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.model = model
+        self.backend = backend
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                logits_index: torch.Tensor) -> torch.Tensor:
+        """Logits `[bs, V]` of one decode step."""
+        return self.model(input_ids, positions, self.backend, meta, logits_index)
+
+
 class DecodeGraphRunner:
     """Decode forwards for batches of up to `max_bs` requests, from captured or compiled graphs."""
 
@@ -107,6 +123,7 @@ class DecodeGraphRunner:
             raise ValueError(f"unknown graph mode {self.mode!r}; choose one of {list(GRAPH_MODES)}")
         if self.mode == "cuda_graph" and self.device.type != "cuda":
             raise ValueError("capturing CUDA graphs needs the model on a CUDA device")
+        self.step = DecodeStep(model, backend)
         embed = model.model.embed_tokens.weight
         vocab = 0 if self.mode == "compile" else model.config.vocab_size
         self.inputs = GraphInputs.allocate(self.max_bs, vocab, embed.dtype, self.device)
@@ -118,7 +135,7 @@ class DecodeGraphRunner:
             self._capture_all(progress)
         elif self.mode == "compile":
             self._dummies = {bs: self._dummy_inputs(bs) for bs in self.sizes}  # taken before any step runs
-            self.compiler = BackgroundCompiler(self._decode_forward, self._dummies.__getitem__, progress)
+            self.compiler = BackgroundCompiler(self.step, self._dummies.__getitem__, progress)
         self._compiling = False
 
     @property
@@ -199,14 +216,11 @@ class DecodeGraphRunner:
             forward = self.compiler.ready(key)
             assert forward is not None, f"decode graph {key} replayed before it was ready (can_run says when)"
             args = (i.input_ids[:bs], i.positions[:bs], self.meta[bs], i.logits_index[:bs])
-            # Never compile on the serving thread (a recompile would stall every request for many seconds):
-            # Dynamo's settings are per thread, and here a failed guard raises instead.
-            torch._dynamo.config.error_on_recompile = True
             try:
                 return forward(*args)[:n]
             except Exception as exc:  # raised before the graph ran: this size runs eagerly from now on
                 self.compiler.demote(key, exc)
-                return self._decode_forward(*args)[:n]
+                return self.step.forward(*args)[:n]
         return self._forward(bs)[:n]
 
     def _fill_inputs(self, bs: int, req_rows: list[int], positions: list[int]) -> None:
@@ -230,11 +244,6 @@ class DecodeGraphRunner:
         )
         self.backend.prepare_for_replay(bs, info)
 
-    def _decode_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                        logits_index: torch.Tensor) -> torch.Tensor:
-        """The decode forward over explicit inputs (what compile mode compiles): logits `[bs, V]`."""
-        return self.model(input_ids, positions, self.backend, meta, logits_index)
-
     def _dummy_inputs(self, bs: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """Private copies of size `bs`'s inputs, every row padding, for compiling and timing off the static
         buffers (which the serving thread fills meanwhile)."""
@@ -251,7 +260,7 @@ class DecodeGraphRunner:
     def _forward(self, bs: int) -> torch.Tensor:
         """The static-buffer forward of size `bs` (what a CUDA graph captures): logits into the shared buffer."""
         i = self.inputs
-        logits = self._decode_forward(i.input_ids[:bs], i.positions[:bs], self.meta[bs], i.logits_index[:bs])
+        logits = self.step.forward(i.input_ids[:bs], i.positions[:bs], self.meta[bs], i.logits_index[:bs])
         return i.logits[:bs].copy_(logits)
 
     def _capture_all(self, progress: bool) -> None:

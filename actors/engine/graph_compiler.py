@@ -4,7 +4,8 @@ What a CUDA graph is on a GPU, a compiled graph is on a CPU: the whole decode fo
 as one graph (`fullgraph=True, dynamic=False`), Inductor fusing the small ops between the linears and running
 them without Python in between. The linears and attention stay our custom ops (kernels/cpu, with fake
 implementations so they trace), and the KV write is `torch.ops.ringserve.store_kv`, which mutates the pool in
-place.
+place. What is compiled is a module whose `forward(*inputs)` is the decode forward (`DecodeStep`,
+actors/engine/decode_graph.py), so that a stored graph can be bound to another engine's module when loaded.
 
 Compiling takes tens of seconds per size on a small CPU, so it never blocks serving: `request((bs, threads))`
 queues a size (the decode graph runner asks for one when a batch first needs it), one daemon thread compiles queued
@@ -13,10 +14,15 @@ the steps served meanwhile (`serving()`, kernels/cpu/give_way.py): it runs Pytho
 and in short slices during them, so a step is not made to wait for the GIL. Each compile is warmed up on
 private dummy inputs (padding rows on the scratch slot, so it touches no request's KV or static buffer), then
 timed side by side with the eager forward on the same inputs; the faster is kept, so a size where compiling
-does not pay stays eager. Inductor's caches live under `$RINGSERVE_CACHE/inductor` (unless
-`TORCHINDUCTOR_CACHE_DIR` is set), so a restart on the same host, torch and model recompiles from the cache
-in seconds. A graph runs only on the torch thread count it was compiled with (Dynamo guards on it), so the key
-of a graph is `(bs, threads)`: the thread tuner's two counts are two graphs, each compiled when first needed.
+does not pay stays eager. Each graph is compiled with Dynamo's ahead-of-time entry point and kept on
+disk (actors/engine/graph_store.py), so a restart on the same host, torch, code and model loads it in about
+three seconds instead of tracing the model again (20-35 s per graph even when Inductor's caches, under
+`$RINGSERVE_CACHE/inductor` unless `TORCHINDUCTOR_CACHE_DIR` is set, hit). A graph runs only on the torch
+thread count it was compiled with (its guards hold the count, which Inductor plans its parallel loops for), so
+the key of a graph is `(bs, threads)`: the thread tuner's two counts are two graphs, each compiled when first
+needed.
+A graph's guards are checked once, when it is compiled or loaded; a replay skips them, since the runner picks
+the graph by its key and feeds it the same static buffers every step.
 """
 
 from __future__ import annotations
@@ -25,7 +31,6 @@ import logging
 import os
 import threading
 import time
-import types
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -33,6 +38,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from actors.engine.graph_store import GraphStore
 from kernels.cpu import cache_dir
 from kernels.cpu.give_way import give_way_to_steps, stepping
 from kernels.cpu.plan_cache import time_interleaved
@@ -62,45 +68,53 @@ def configure_inductor() -> None:
 
 
 def compile_options() -> dict[str, object]:
-    """Inductor's options for a decode graph. Dynamo's guards on every module attribute and parameter cost
-    0.6-2 ms of a ~10 ms batch-1 step (bench/compile_options.py): skipped (`private_copy` says why that is safe
-    here). So are the wrapper's checks of every input's and op output's size, stride and alignment (~580
-    Python calls a step; 1.15-1.21x faster at batch 1 without, bench/compile_options.py): the inputs' guards
-    stay, the parameters keep their shapes (a weight swap recompiles), and our ops' outputs are what their fake
-    implementations say."""
-    return {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe, "size_asserts": False,
+    """Inductor's options for a decode graph. Guards: only those that can be stored and checked again in
+    another process (tensor layouts, torch's global state such as the thread count, shapes) are kept, and they
+    are checked when a graph is compiled or loaded, not per step (checked on every call, with every
+    parameter's layout among them, they cost a batch-1 forward 13-16%, bench/compile_options.py). Skipped too:
+    the wrapper's checks of every input's and op output's size, stride and alignment (~580 Python calls a step;
+    1.15-1.21x faster at batch 1 without, bench/compile_options.py): the parameters keep their shapes (a
+    weight swap compiles again) and our ops' outputs are what their fake implementations say."""
+    return {"guard_filter_fn": torch.compiler.keep_portable_guards_unsafe, "size_asserts": False,
             "alignment_asserts": False}
 
 
-def private_copy(forward: Forward) -> Forward:
-    """`forward` on a code object of its own. Dynamo keeps compiled entries on the code object and tries each
-    whose guards pass; with the module guards skipped, an entry compiled for another size's thread count, another
-    engine's model or the weights before a swap could pass, so every graph is traced from its own copy.
-    `forward` must not be decorated (`no_grad` and the like): Dynamo skips torch's decorator frames, so the
-    entries would land on a code object all copies share."""
-    function = getattr(forward, "__func__", forward)
-    if hasattr(function, "__wrapped__"):
-        raise TypeError(f"{function.__qualname__} is decorated: pass an undecorated function that calls it")
-    copy = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
-                              function.__defaults__, function.__closure__)
-    owner = getattr(forward, "__self__", None)
-    return types.MethodType(copy, owner) if owner is not None else copy
+def compile_graph(module: torch.nn.Module, inputs: tuple[Any, ...],
+                  options: dict[str, object] | None = None) -> Any:
+    """`module.forward` compiled whole for `inputs` (`fullgraph`, static shapes) with Dynamo's ahead-of-time
+    entry point: a function called as `graph(module, *inputs)` that `GraphStore` can save and load."""
+    compiled = torch.compile(module.forward, fullgraph=True, dynamic=False, options=options or compile_options())
+    return compiled.aot_compile((inputs, {}))
+
+
+def bind(graph: Any, module: torch.nn.Module) -> Forward:
+    """A compiled or loaded `graph` as a forward over the inputs alone, its guards no longer checked per call
+    (the module docstring says why)."""
+    graph.disable_guard_check()
+
+    def forward(*inputs: Any) -> torch.Tensor:
+        return graph(module, *inputs)
+
+    return forward
 
 
 class BackgroundCompiler:
-    """Compiles `forward` for batch sizes on request, in one background thread; `ready(key)` gives the result.
+    """Compiles `module` for batch sizes on request, in one background thread; `ready(key)` gives the result.
 
-    A key is `(bs, threads)`: a compiled graph runs only on the torch thread count it was compiled for (Dynamo
-    guards on it), and the thread tuner runs a size on either count, so each is its own graph.
-    `forward(*inputs)` is the decode forward of `len` rows; `dummy_inputs(bs)` gives private inputs of `bs`
-    padding rows for warming up and timing. Graphs that measure slower than the eager forward are recorded as
-    eager (`ready` returns `forward` itself for them), unless `choose` is False (tests: keep
-    every compiled forward). Each graph is compiled from its own copy of `forward` (`private_copy`).
+    A key is `(bs, threads)`: a compiled graph runs only on the torch thread count it was compiled for (its
+    guards hold it), and the thread tuner runs a size on either count, so each is its own graph.
+    `module.forward(*inputs)` is the decode forward of `len` rows; `dummy_inputs(bs)` gives private inputs of
+    `bs` padding rows for warming up and timing. Graphs that measure slower than the eager forward are recorded
+    as eager (`ready` returns `module.forward` itself for them), unless `choose` is False (tests: keep every
+    compiled forward). Graphs are loaded from and saved to a `GraphStore` (`store=False`: neither).
     """
 
-    def __init__(self, forward: Forward, dummy_inputs: Callable[[int], tuple[Any, ...]], progress: bool = True,
-                 time_rounds: int = 3, choose: bool = True) -> None:
-        self.forward = forward
+    def __init__(self, module: torch.nn.Module, dummy_inputs: Callable[[int], tuple[Any, ...]],
+                 progress: bool = True, time_rounds: int = 3, choose: bool = True, store: bool = True) -> None:
+        self.module = module
+        self.forward: Forward = module.forward
+        self.use_store = store
+        self._store: GraphStore | None = None  # made when first needed, again after a reset (new weights)
         self.choose = choose
         self.dummy_inputs = dummy_inputs
         self.progress = progress
@@ -182,6 +196,7 @@ class BackgroundCompiler:
         with self._wake:
             self._generation += 1
             self._changes += 1
+            self._store = None  # the new weights may have another layout
             self._compiled.clear()
             self._report.clear()
             self._queue = sorted(self._requested)
@@ -212,9 +227,6 @@ class BackgroundCompiler:
         self._thread.start()
 
     def _run(self) -> None:
-        # Every size (and every reset) is one more compiled entry of the same function: let them all stay.
-        # Dynamo's settings are per thread, so this is set here, where the compiles run.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
         give_way_to_steps(True)
         while True:
             with self._wake:
@@ -244,16 +256,26 @@ class BackgroundCompiler:
                 self._bar.set_postfix(graph=label(key))
                 self._bar.update(1)
 
+    def _graph_store(self) -> GraphStore | None:
+        """The store for the module's current weights' layout (None when storing is off)."""
+        if self._store is None and self.use_store:
+            self._store = GraphStore(self.module, compile_options())
+        return self._store
+
     def _compile(self, key: GraphKey) -> tuple[Forward, str]:
         """Compile `(bs, threads)`, warm it up, time it against eager: the forward to keep and its report line."""
         bs, threads = key
         torch.set_num_threads(threads)  # this thread's own setting, which the graph is guarded on
         started = time.perf_counter()
-        # Each graph is traced from a copy of the forward on a code object of its own, so no other graph's entry
-        # (another size, thread count, engine, or the weights before a swap) can pass the guards left by
-        # compile_options(); the runner picks the graph by key itself.
-        compiled = torch.compile(private_copy(self.forward), fullgraph=True, dynamic=False, options=compile_options())
         inputs = self.dummy_inputs(bs)
+        store = self._graph_store()
+        graph = store.load(key, inputs) if store is not None else None
+        loaded = graph is not None
+        if graph is None:
+            graph = compile_graph(self.module, inputs)
+            if store is not None:
+                store.save(key, inputs, graph)
+        compiled = bind(graph, self.module)
         compiled(*inputs)
         seconds = time.perf_counter() - started
         times = time_interleaved({"compiled": lambda: compiled(*inputs), "eager": lambda: self.forward(*inputs)},
@@ -261,7 +283,8 @@ class BackgroundCompiler:
         speedup = times["eager"] / times["compiled"]
         keep = speedup > 1.0 or not self.choose
         log_event(log, logging.INFO, "decode graph compiled", graph=label(key), seconds=round(seconds, 1),
-                  speedup=round(speedup, 2), runs="compiled" if keep else "eager")
+                  speedup=round(speedup, 2), runs="compiled" if keep else "eager",
+                  source="stored" if loaded else "traced")
         if keep:
-            return compiled, f"compiled ({speedup:.2f}x, {seconds:.0f} s)"
+            return compiled, f"compiled ({speedup:.2f}x, {seconds:.0f} s{', stored' if loaded else ''})"
         return self.forward, f"eager (compiled {speedup:.2f}x)"
