@@ -243,3 +243,18 @@ def test_graphs_are_stored_per_thread_count_and_a_restart_loads_them_over_its_ow
     # another layout is another file: nothing stored fits a wider module
     assert store.path((1, 1), (x,)) != GraphStore(Tiny(width=32), graph_compiler.compile_options()).path(
         (1, 1), (torch.randn(1, 32),))
+
+
+def test_the_graph_store_keeps_only_the_most_recently_used_files(tmp_path: Any) -> None:
+    import os
+
+    from actors.engine.graph_store import prune
+
+    for i in range(5):
+        path = tmp_path / f"{i}.graph"
+        path.write_bytes(b"x")
+        os.utime(path, (1000 + i, 1000 + i))
+    os.utime(tmp_path / "0.graph", (2000, 2000))  # loaded lately
+    (tmp_path / "notes.txt").write_text("not a graph")
+    prune(tmp_path, keep=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0.graph", "3.graph", "4.graph", "notes.txt"]

@@ -13,8 +13,8 @@ of the inputs, the attention backend's plain settings and the compile options. A
 file, never a stale graph. What the name cannot see the graph's own guards check when it is loaded (tensor
 shapes, dtypes, torch's global state such as the thread count): a file whose guards fail, or that does not
 load, is compiled again and replaced. Loading unpickles the file, as Inductor does with its own cache: the
-directory (`$RINGSERVE_CACHE/decode_graphs`) must be as trusted as the code. `RINGSERVE_GRAPH_STORE=0` neither
-reads nor writes it.
+directory (`$RINGSERVE_CACHE/decode_graphs`) must be as trusted as the code. The `MAX_FILES` most recently used
+graphs are kept. `RINGSERVE_GRAPH_STORE=0` neither reads nor writes it.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from observability.logging import log_event
 log = logging.getLogger("engine.graphs")
 
 STORE_VERSION = 1  # bump when what a file holds, or how it is keyed, changes
+MAX_FILES = 64  # graphs kept (~3 MB each): the least recently used beyond these are deleted when one is saved
 _PACKAGES = ("actors/engine", "kernels")  # the code a decode graph is traced from
 _ROOT = Path(__file__).resolve().parents[2]
 
@@ -130,6 +131,7 @@ class GraphStore:
                 graph = torch.compiler.load_compiled_function(f, external_data={"module": self.module})
             if not graph.guard_check(self.module, *inputs):
                 raise ValueError("its guards fail on this engine's inputs")
+            os.utime(path)  # recently used: kept by `prune`
         except Exception as exc:  # any unusable file is compiled again and replaced
             log_event(log, logging.WARNING, "stored decode graph not used; compiling it again", path=str(path),
                       error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
@@ -144,6 +146,15 @@ class GraphStore:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             graph.save_compiled_function(str(path), external_data={"module": self.module})
+            prune(self.directory)
         except Exception as exc:
             log_event(log, logging.WARNING, "could not store a compiled decode graph", path=str(path),
                       error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+
+
+def prune(directory: Path, keep: int = MAX_FILES) -> None:
+    """Delete all but the `keep` most recently used graphs in `directory` (every code or model change names
+    new files, so old ones would pile up)."""
+    files = sorted(directory.glob("*.graph"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in files[keep:]:
+        old.unlink(missing_ok=True)
