@@ -166,6 +166,19 @@ def test_every_k8s_actor_lists_all_three_nats_nodes_and_mounts_only_its_own_cred
     assert len(models) == 1, models  # the entry names the model the others load
 
 
+def test_the_scheduler_keeps_its_cache_on_a_volume_where_the_image_puts_it() -> None:
+    """Converted weights, kernel plans and compiled decode graphs survive a restart of the scheduler."""
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    [cache] = re.findall(r"^ENV RINGSERVE_CACHE=(\S+)$", dockerfile, re.M)
+    assert f"chown 10001 {cache}" in dockerfile  # a fresh volume takes the image's owner: the actors' uid
+    assert "scheduler-cache" in load_compose()["volumes"]
+    scheduler = load_resources()[("StatefulSet", "ringserve-scheduler")]
+    [container] = scheduler["spec"]["template"]["spec"]["containers"]
+    assert {"name": "cache", "mountPath": cache} in container["volumeMounts"]
+    [claim] = scheduler["spec"]["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == "cache" and claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+
+
 def test_the_entry_deployment_serves_http_with_the_api_key() -> None:
     resources = load_resources()
     workload, argv = _k8s_actors()["entry"]
@@ -244,7 +257,8 @@ def test_compose_runs_three_nats_nodes_jaeger_and_one_worker_per_actor() -> None
         assert args.namespace == NAMESPACE and args.nats_creds == f"/creds/{role}.json"
         [creds] = [v for v in service["volumes"] if v.endswith(":/creds/" + role + ".json:ro")]
         assert creds.startswith("${RINGSERVE_NATS_DIR:?") and creds.split("}")[1].startswith(f"/{role}.json:")
-        assert len(service["volumes"]) == 1  # only its own role's credentials
+        others = [v for v in service["volumes"] if v != creds]  # besides its own role's credentials
+        assert others == (["scheduler-cache:/var/cache/ringserve"] if role == "scheduler" else []), (role, others)
         assert all(service["depends_on"][f"nats-{i}"]["condition"] == "service_healthy" for i in range(3))
         build = service["build"]
         assert (DEPLOY / build["context"] / build["dockerfile"]).resolve() == (DEPLOY / "Dockerfile").resolve()
