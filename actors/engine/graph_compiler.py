@@ -20,8 +20,7 @@ three seconds instead of tracing the model again (20-35 s per graph even when In
 `$RINGSERVE_CACHE/inductor` unless `TORCHINDUCTOR_CACHE_DIR` is set, hit). A graph runs only on the torch
 thread count it was compiled with (its guards hold the count, which Inductor plans its parallel loops for), so
 the key of a graph is `(bs, threads)`: the thread tuner's two counts are two graphs, each compiled when first
-needed.
-A graph's guards are checked once, when it is compiled or loaded; a replay skips them, since the runner picks
+needed. A graph's guards are checked once, when it is compiled or loaded; a replay skips them, since the runner picks
 the graph by its key and feeds it the same static buffers every step.
 """
 
