@@ -240,9 +240,16 @@ def test_graphs_are_stored_per_thread_count_and_a_restart_loads_them_over_its_ow
         caller.join()
     assert found[2] is not None, "the 2-thread graph loads on two threads"
     assert found[1] is None, "the 2-thread graph's guards refuse a 1-thread caller"
-    # another layout is another file: nothing stored fits a wider module
+    # another layout is another file: nothing stored fits a wider module, nor one whose layer chose another kernel
     assert store.path((1, 1), (x,)) != GraphStore(Tiny(width=32), graph_compiler.compile_options()).path(
         (1, 1), (torch.randn(1, 32),))
+    planned = Tiny(seed=1)
+    planned.proj.plan = {1: "q8_0"}  # type: ignore[assignment]  # as a QuantLinear's kernel plan
+    other = Tiny(seed=1)
+    other.proj.plan = {1: "float32"}  # type: ignore[assignment]
+    options = graph_compiler.compile_options()
+    assert GraphStore(planned, options).path((1, 1), (x,)) != GraphStore(other, options).path((1, 1), (x,))
+    assert GraphStore(planned, options).path((1, 1), (x,)) == GraphStore(planned, options).path((1, 1), (x,))
 
 
 def test_the_graph_store_keeps_only_the_most_recently_used_files(tmp_path: Any) -> None:

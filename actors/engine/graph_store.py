@@ -9,7 +9,8 @@ it calls still come from Inductor's cache, so a load after that cache was cleare
 A file is named by everything the graph was compiled from (`GraphStore.identity`): the graph key (batch size,
 torch threads), torch and Python versions, the CPU model and ISA flags, the source of the engine and kernels
 packages, the model's configuration, the shapes, strides and dtypes of the module's parameters and buffers and
-of the inputs, the attention backend's plain settings and the compile options. A change to any is another
+of the inputs, every submodule's plain attributes (a quantized layer's kernel plan, the attention backend's
+settings) and the compile options. A change to any is another
 file, never a stale graph. What the name cannot see the graph's own guards check when it is loaded (tensor
 shapes, dtypes, torch's global state such as the thread count): a file whose guards fail, or that does not
 load, is compiled again and replaced. Loading unpickles the file, as Inductor does with its own cache: the
@@ -99,8 +100,11 @@ class GraphStore:
     def _base_identity(module: torch.nn.Module, options: dict[str, Any]) -> dict[str, Any]:
         cpu = cpu_info()
         config = getattr(getattr(module, "model", module), "config", None)
-        extras = {name: _settings(value) for name, value in vars(module).items()
-                  if not name.startswith("_") and not isinstance(value, torch.nn.Module)}
+        # every module's own plain attributes: what Dynamo baked in without a guard that survives storing (a
+        # quantized layer's kernel plan, its packed weights' layouts, a backend's settings)
+        modules = {name: {attr: _settings(value) for attr, value in sorted(vars(m).items())
+                          if not attr.startswith("_") and not isinstance(value, torch.nn.Module)}
+                   for name, m in module.named_modules()}
         return {
             "version": STORE_VERSION, "torch": torch.__version__, "python": platform.python_version(),
             "cpu": cpu["model"], "flags": sorted(cpu["flags"].split()), "source": source_digest(),
@@ -108,7 +112,7 @@ class GraphStore:
             "config": repr(config.to_dict() if hasattr(config, "to_dict") else config),
             "tensors": {name: _tensor_layout(t) for name, t in
                         [*module.named_parameters(), *module.named_buffers()]},
-            "attributes": extras,
+            "modules": modules,
             "options": {k: getattr(v, "__qualname__", repr(v)) for k, v in sorted(options.items())},
         }
 
