@@ -105,14 +105,13 @@ class BackgroundCompiler:
     `module.forward(*inputs)` is the decode forward of `len` rows; `dummy_inputs(bs)` gives private inputs of
     `bs` padding rows for warming up and timing. Graphs that measure slower than the eager forward are recorded
     as eager (`ready` returns `module.forward` itself for them), unless `choose` is False (tests: keep every
-    compiled forward). Graphs are loaded from and saved to a `GraphStore` (`store=False`: neither).
+    compiled forward). Graphs are loaded from and saved to a `GraphStore` (`RINGSERVE_GRAPH_STORE=0`: neither).
     """
 
     def __init__(self, module: torch.nn.Module, dummy_inputs: Callable[[int], tuple[Any, ...]],
-                 progress: bool = True, time_rounds: int = 3, choose: bool = True, store: bool = True) -> None:
+                 progress: bool = True, time_rounds: int = 3, choose: bool = True) -> None:
         self.module = module
         self.forward: Forward = module.forward
-        self.use_store = store
         self._store: GraphStore | None = None  # made when first needed, again after a reset (new weights)
         self.choose = choose
         self.dummy_inputs = dummy_inputs
@@ -255,9 +254,9 @@ class BackgroundCompiler:
                 self._bar.set_postfix(graph=label(key))
                 self._bar.update(1)
 
-    def _graph_store(self) -> GraphStore | None:
-        """The store for the module's current weights' layout (None when storing is off)."""
-        if self._store is None and self.use_store:
+    def _graph_store(self) -> GraphStore:
+        """The store for the module's current weights' layout."""
+        if self._store is None:
             self._store = GraphStore(self.module, compile_options())
         return self._store
 
@@ -268,12 +267,11 @@ class BackgroundCompiler:
         started = time.perf_counter()
         inputs = self.dummy_inputs(bs)
         store = self._graph_store()
-        graph = store.load(key, inputs) if store is not None else None
+        graph = store.load(key, inputs)
         loaded = graph is not None
         if graph is None:
             graph = compile_graph(self.module, inputs)
-            if store is not None:
-                store.save(key, inputs, graph)
+            store.save(key, inputs, graph)
         compiled = bind(graph, self.module)
         compiled(*inputs)
         seconds = time.perf_counter() - started

@@ -64,8 +64,9 @@ def _tensor_layout(t: torch.Tensor) -> list[Any]:
 
 
 def _value_layout(value: Any, depth: int = 0) -> Any:
-    """What of a value a graph depends on: a tensor's layout, a plain value itself, a dataclass or container
-    field by field (other objects by type name: their state is the code's, under `source_digest`)."""
+    """What of a value a graph depends on: a tensor's layout, a plain value itself, a dataclass, container or
+    plain object (an attention backend) field by field, down to a few levels (deeper objects by type name:
+    their state is the code's, under `source_digest`)."""
     if isinstance(value, torch.Tensor):
         return _tensor_layout(value)
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -78,14 +79,10 @@ def _value_layout(value: Any, depth: int = 0) -> Any:
         return [_value_layout(v, depth + 1) for v in value]
     if isinstance(value, dict):
         return {str(k): _value_layout(v, depth + 1) for k, v in value.items()}
+    if depth <= 1 and hasattr(value, "__dict__") and not callable(value):
+        return {"type": type(value).__name__,
+                **{name: _value_layout(v, depth + 1) for name, v in sorted(vars(value).items())}}
     return type(value).__name__
-
-
-def _settings(value: Any) -> Any:
-    """An attribute's layout; for a plain object (an attention backend), that of each of its own attributes."""
-    if hasattr(value, "__dict__") and not isinstance(value, torch.Tensor) and not dataclasses.is_dataclass(value):
-        return {name: _value_layout(v, 1) for name, v in sorted(vars(value).items())}
-    return _value_layout(value)
 
 
 class GraphStore:
@@ -102,7 +99,7 @@ class GraphStore:
         config = getattr(getattr(module, "model", module), "config", None)
         # every module's own plain attributes: what Dynamo baked in without a guard that survives storing (a
         # quantized layer's kernel plan, its packed weights' layouts, a backend's settings)
-        modules = {name: {attr: _settings(value) for attr, value in sorted(vars(m).items())
+        modules = {name: {attr: _value_layout(value) for attr, value in sorted(vars(m).items())
                           if not attr.startswith("_") and not isinstance(value, torch.nn.Module)}
                    for name, m in module.named_modules()}
         return {
