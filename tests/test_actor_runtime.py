@@ -12,6 +12,7 @@ from pathlib import Path
 
 from actors.common.runtime import ORPHAN_EXIT_SECONDS
 from bus.embedded_server import EmbeddedNatsServer
+from tests.server_helpers import process_alive, wait_for
 from tests.stuck_actor import HANG_SECONDS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,24 +29,6 @@ time.sleep(600)
 """
 
 
-def gone(pid: int) -> bool:
-    """Whether `pid` has exited (a zombie nobody reaps counts as exited)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
-        return True
-    return state in ("Z", "X")
-
-
-def wait_for(condition, timeout: float) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 def test_an_orphaned_actor_whose_stop_hangs_exits_hard_soon_after_its_parent_dies(
         nats_server: EmbeddedNatsServer, tmp_path: Path) -> None:
     log = tmp_path / "actor.log"
@@ -58,7 +41,7 @@ def test_an_orphaned_actor_whose_stop_hangs_exits_hard_soon_after_its_parent_die
         parent.send_signal(signal.SIGKILL)
         parent.wait()
         killed = time.monotonic()
-        assert wait_for(lambda: gone(actor), HANG_SECONDS / 2), "the orphan's hung stop kept it alive"
+        assert wait_for(lambda: not process_alive(actor), HANG_SECONDS / 2), "the orphan's hung stop kept it alive"
         took = time.monotonic() - killed
         text = log.read_text(errors="replace")
         assert "orphaned=True" in text, text
@@ -67,5 +50,5 @@ def test_an_orphaned_actor_whose_stop_hangs_exits_hard_soon_after_its_parent_die
         if parent.poll() is None:
             parent.kill()
             parent.wait()
-        if not gone(actor):
+        if process_alive(actor):
             os.kill(actor, signal.SIGKILL)

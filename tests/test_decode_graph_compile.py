@@ -5,8 +5,7 @@ stays in place inside a compiled graph, and the real SmolLM2 in float32 still eq
 from __future__ import annotations
 
 import threading
-import time
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from bus.messages import TokenizedRequest
 from kernels import cpu as cpu_kernels
 from kernels.attention import kv_store  # noqa: F401  (the op under test)
 from tests.engine_helpers import assert_greedy_matches, engine_for, greedy, hf_greedy, run_to_completion, tokens_of
+from tests.server_helpers import wait_for
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.compiled(), reason="compiled decode graphs need the CPU kernels")
 
@@ -117,15 +117,6 @@ def test_sizes_compile_in_the_background_while_eager_steps_serve_the_same_tokens
 
 def compiler_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "decode-graph-compiler"]
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def test_smollm2_float32_compiled_decode_still_equals_transformers(smollm_hf: Any) -> None:

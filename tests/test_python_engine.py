@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -21,20 +20,12 @@ import httpx
 import pytest
 
 import ringserve
-from tests.server_helpers import REPO, ServerHandle
+from tests.server_helpers import REPO, ServerHandle, process_alive, wait_for
 
 MODEL = "SmolLM2-135M-Instruct"
 GREEDY = {"max_new_tokens": 12, "temperature": 0}
 PROMPTS = ["The capital of France is", "List three colors:", "def fibonacci(n):"]
 CHAT = [{"role": "user", "content": "Name a fruit."}]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +35,7 @@ def engine() -> Iterator[ringserve.Engine]:
         pids = started.pids()
         yield started
     assert set(pids) == {"scheduler0", "tokenizer0", "detokenizer0", "nats-server"}
-    assert [name for name, pid in pids.items() if alive(pid)] == [], "shutdown left processes running"
+    assert [name for name, pid in pids.items() if process_alive(pid)] == [], "shutdown left processes running"
 
 
 def http_generate(server: ServerHandle, body: dict[str, Any]) -> Any:
@@ -182,10 +173,8 @@ def test_no_process_is_left_behind_when_the_caller_is_interrupted_or_killed(tiny
         time.sleep(0.5)  # the script is generating now
         proc.send_signal(how)
         proc.wait(timeout=60)
-        deadline = time.monotonic() + 20
-        while any(alive(pid) for pid in pids.values()) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert [name for name, pid in pids.items() if alive(pid)] == []
+        wait_for(lambda: not any(process_alive(pid) for pid in pids.values()), 20)
+        assert [name for name, pid in pids.items() if process_alive(pid)] == []
         if how == signal.SIGINT:
             assert "KeyboardInterrupt" in (proc.stderr.read() or "")  # type: ignore[union-attr]
     finally:
