@@ -1,6 +1,6 @@
 """Builds the CPU kernels at install time; all of the package's metadata lives in pyproject.toml.
 
-`kernels/cpu/qgemm.cpp`, `paged_attention.cpp` and `give_way.cpp` are compiled with `torch.utils.cpp_extension` into
+The `kernels/cpu` sources (build_record.py lists them and their headers) are compiled with `torch.utils.cpp_extension` into
 one plain shared library, `kernels/cpu/_ringserve_cpu.so` (not a Python module: `kernels.cpu` loads it with
 `torch.ops.load_library` and its TORCH_LIBRARY blocks register the ops). Beside it, `_ringserve_cpu.json`
 records the sources' hash, the flags and the torch version it was built with, so a checkout whose .cpp files
@@ -36,6 +36,7 @@ def _build_record() -> Any:
 
 
 SOURCES = [f"kernels/cpu/{name}" for name in _build_record().SOURCE_NAMES]
+HEADERS = [f"kernels/cpu/{name}" for name in _build_record().HEADER_NAMES]
 # The flags kernels.cpu JIT-builds with (build_record.py), plus two: setuptools puts Python's own CFLAGS first
 # (`-g -fwrapv -O3 -Wall -DNDEBUG` on CPython), and -g0 and -fno-wrapv undo the two that change the code.
 CFLAGS = [*_build_record().CFLAGS, "-g0", "-fno-wrapv"]
@@ -108,7 +109,7 @@ def _kernels_build() -> dict:
             return self._get_inplace_equivalent(self.get_finalized_command("build_py"), ext)[0]
 
     extension = CppExtension(NAME, list(SOURCES), extra_compile_args={"cxx": CFLAGS}, extra_link_args=LDFLAGS,
-                             optional=True)
+                             depends=HEADERS, optional=True)
     return {"ext_modules": [extension],
             "cmdclass": {"build_ext": BuildKernels.with_options(no_python_abi_suffix=True)}}
 

@@ -103,6 +103,10 @@ class QuantLinear(nn.Module):
         """The kernel a call with `rows` rows runs."""
         return self.plan.get(min(rows.bit_length(), self._top), self.default)
 
+    def packed_for(self, rows: int) -> PackedWeight | None:
+        """The packed weight a call with `rows` rows reads, or None when its kernel is not a group kernel."""
+        return self.packed.get(self.kernel_for(rows))
+
     def run(self, rows: torch.Tensor, kernel: str) -> torch.Tensor:
         """`rows` `[M, in]` float32 through `kernel` (one the layer holds the weights for)."""
         if kernel == "float32":

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.attention import AttentionBackend, AttentionMetadata
+from kernels.cpu.decode_layer import fused_decode_layer
 
 SUPPORTED_ROPE_TYPES = ("default",)
 
@@ -122,6 +123,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Set where a decode step's whole layer may run as one CPU op (model_runner.use_cpu_decode_layers).
+        self.fused_decode = False
 
     def forward(
         self,
@@ -131,6 +134,13 @@ class DecoderLayer(nn.Module):
         backend: AttentionBackend,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
+        if self.fused_decode:
+            attn, mlp = self.self_attn, self.mlp
+            out = fused_decode_layer(x, cos, sin, (self.input_layernorm, self.post_attention_layernorm),
+                                     (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj), attn.num_heads,
+                                     attn.layer, backend, meta)
+            if out is not None:
+                return out
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 

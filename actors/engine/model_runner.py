@@ -19,7 +19,7 @@ import torch
 from actors.engine.batch import Batch, ForwardOutput, PromptScores
 from actors.engine.decode_graph import DecodeGraphRunner, default_mode
 from actors.engine.kv_pool import KVPool
-from actors.engine.llama import Attention, LlamaForCausalLM, RMSNorm
+from actors.engine.llama import Attention, DecoderLayer, LlamaForCausalLM, RMSNorm
 from actors.engine.thread_tuner import ThreadTuner
 from actors.engine.token_table import TokenTable
 from kernels.attention import AttentionBackend, ForwardInfo, create_backend
@@ -48,6 +48,8 @@ class ModelRunner:
         self.tp_sender: Callable[[list[int], list[int], list[int], torch.Tensor, ForwardInfo], None] | None = None
         if backend == "triton" and self.device.type == "cuda":
             use_triton_kernels(model)
+        if self.device.type == "cpu" and self.backend.compiles_decode():
+            use_cpu_decode_layers(model)
         self.graphs: DecodeGraphRunner | None = None
         self._graph_changes = 0  # `graphs.changes()` when the thread tuner last started learning
         mode = graph_mode or default_mode(self.device)
@@ -172,6 +174,16 @@ class ModelRunner:
 
         return PromptScores(spans, host(scored.logprobs), host(scored.ranks), host(scored.top_ids),
                             host(scored.top_logprobs))  # type: ignore[arg-type]
+
+
+def use_cpu_decode_layers(model: LlamaForCausalLM) -> None:
+    """Let `model`'s layers run decode steps as one C++ op each (kernels/cpu/decode_layer.py), where their
+    linears are quantized to group kernels; the op itself checks per step that it applies."""
+    from kernels.quantization import QuantLinear
+
+    for module in model.modules():
+        if isinstance(module, DecoderLayer):
+            module.fused_decode = any(isinstance(m, QuantLinear) and m.packed for m in module.modules())
 
 
 def use_triton_kernels(model: LlamaForCausalLM) -> None:

@@ -95,6 +95,13 @@ class AttentionBackend(ABC):
         self.k_pool[layer].index_copy_(0, meta.out_slots, k)
         self.v_pool[layer].index_copy_(0, meta.out_slots, v)
 
+    def in_place_decode_inputs(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                        float] | None:
+        """Where every token of the step is a decode row read in place by the CPU paged kernel: its inputs
+        (token table, table rows `[T]`, KV lengths `[T]`, softmax scale), for a kernel that runs a whole layer
+        (kernels/cpu/decode_layer.py); None otherwise."""
+        return None
+
     def compiles_decode(self) -> bool:
         """Whether a compiled CPU decode graph pays with this backend (its graph path reads the pool in place)."""
         return False

@@ -87,6 +87,17 @@ class TorchPagedBackend(AttentionBackend):
     def compiles_decode(self) -> bool:
         return self.in_place_decode
 
+    def in_place_decode_inputs(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                        float] | None:
+        if isinstance(meta, TorchGraphMetadata):
+            if meta.rows is None or meta.table is None or meta.kv_lens is None:
+                return None
+            return meta.table, meta.rows, meta.kv_lens, self.scale
+        d = meta.decode if isinstance(meta, TorchPagedMetadata) else None
+        if d is None or meta.groups:  # type: ignore[union-attr]
+            return None
+        return d.table, d.rows, d.kv_lens, self.scale  # decode rows only: token b is row b
+
     def init_graph_buffers(self, max_bs: int, token_table: torch.Tensor) -> None:
         device, width = self.k_pool.device, token_table.shape[1]
         g = {"table": token_table, "out_slots": torch.zeros(max_bs, dtype=torch.int64, device=device)}

@@ -1,5 +1,6 @@
 """Our own CPU kernels as torch custom ops: weight-only quantized GEMV/GEMM in groups of 32 (`qgemm.cpp`),
-paged decode attention over the KV pool in place (`paged_attention.cpp`, its reference in `attention.py`), and
+paged decode attention over the KV pool in place (`paged_attention.cpp`, its reference in `attention.py`), a
+whole decoder layer of a decode step in one op (`decode_layer.cpp`, its reference in `decode_layer.py`), and
 the CPU kernel of the KV write `ringserve::store_kv` (`kv_store.cpp`; schema and torch implementation in
 kernels/attention/kv_store.py, which runs where the library is not loaded).
 
@@ -11,9 +12,11 @@ they trace into a `torch.compile` graph. Their CPU implementation is the C++ lib
    (`_ringserve_cpu.json`) names the current sources' hash and torch version, so an edited .cpp never runs
    a stale build;
 2. else JIT-built on first use with `torch.utils.cpp_extension.load` (about 30 s, once per host, sources
-   and torch version) into `~/.cache/ringserve/torch_extensions` (or `$RINGSERVE_CACHE/torch_extensions`);
+   and torch version) into `~/.cache/ringserve/torch_extensions` (or `$RINGSERVE_CACHE/torch_extensions`), one
+   directory per torch version and sources' digest;
 3. else, when it cannot be built (no compiler, no ninja, a CPU without AVX2), the torch reference of the
-   same math (`reference_group_linear`, `reference_paged_decode_attention`), which is slow.
+   same math (`reference_group_linear`, `reference_paged_decode_attention`, `reference_decode_layer`), which
+   is slow.
 `compiled()` says whether the C++ library runs, and the kernel plan never picks the fallback.
 
 Environment: `RINGSERVE_CPU_KERNELS=0` skips the library (the fallback runs; at install it skips the build);
@@ -34,6 +37,7 @@ import torch
 
 from kernels.cpu.attention import reference_paged_decode_attention
 from kernels.cpu.build_record import CFLAGS, LDFLAGS, SOURCES, sources_digest
+from kernels.cpu.decode_layer import reference_decode_layer
 from kernels.cpu.packing import PackedWeight, pack, reference_group_linear
 
 __all__ = ["PackedWeight", "pack", "group_linear", "compiled", "isa", "best_isa", "set_isa", "cache_dir", "linear",
@@ -51,6 +55,12 @@ _lib.define("group_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins,
             "int bits) -> Tensor")
 _lib.define("paged_decode_attention(Tensor q, Tensor k_layer, Tensor v_layer, Tensor table, Tensor rows, "
             "Tensor kv_lens, float scale) -> Tensor")
+# the four linears in order qkv, o, gate_up, down; writes the rows' K/V into both pools, in place
+_lib.define("decode_layer(Tensor x, Tensor cos, Tensor sin, Tensor norm1, Tensor norm2, float eps, Tensor[] qweights, "
+            "Tensor[] scales, Tensor?[] mins, Tensor?[] biases, int[] bits, int[] out_features, Tensor(a!) k_pool, "
+            "Tensor(b!) v_pool, int layer, Tensor out_slots, Tensor table, Tensor rows, Tensor kv_lens, "
+            "int num_heads, float scale) -> Tensor")
+DECODE_LAYER_OP = "ringserve_cpu::decode_layer"
 
 
 @torch.library.register_fake(OP)
@@ -63,6 +73,11 @@ def _group_linear_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
 def _paged_decode_attention_fake(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, table: torch.Tensor,
                                  rows: torch.Tensor, kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
     return torch.empty_like(q)
+
+
+@torch.library.register_fake(DECODE_LAYER_OP)
+def _decode_layer_fake(x: torch.Tensor, *args: object) -> torch.Tensor:
+    return torch.empty_like(x)
 
 
 _state: dict[str, object | None] = {}
@@ -116,7 +131,8 @@ def _jit_build() -> None:
     """JIT-build (or find built in the cache) and load the library; raises when it cannot be built."""
     from torch.utils import cpp_extension
 
-    build_dir = cache_dir() / "torch_extensions" / f"torch-{torch.__version__}"
+    # torch's JIT versioning hashes the .cpp files only: the digest in the path covers their headers too
+    build_dir = cache_dir() / "torch_extensions" / f"torch-{torch.__version__}-{sources_digest()[:12]}"
     build_dir.mkdir(parents=True, exist_ok=True)
     # the flags (build_record.py) are setup.py's too: one build serves every x86 host
     start = time.perf_counter()
@@ -159,6 +175,7 @@ def _extension() -> object | None:
                 if module is None:
                     _lib.impl("group_linear", reference_group_linear, "CPU")
                     _lib.impl("paged_decode_attention", reference_paged_decode_attention, "CPU")
+                    _lib.impl("decode_layer", reference_decode_layer, "CPU")
                 _state["module"] = module
     return _state["module"]
 

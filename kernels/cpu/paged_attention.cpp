@@ -22,35 +22,15 @@
 #include <cstdint>
 #include <vector>
 
+#include "paged_attention.h"
+#include "simd.h"
+
 namespace {
 
+using ringserve_cpu::exp_avx2;
+using ringserve_cpu::hsum_avx2;
+
 constexpr int64_t kPrefetchKeys = 16;  // how many keys ahead the loops prefetch K and V rows
-
-// exp for x <= 0 (softmax after subtracting the max), Cephes' polynomial: relative error ~2e-7.
-__attribute__((target("avx2,fma")))
-inline __m256 exp_avx2(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
-  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  const __m256i n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
-}
-
-__attribute__((target("avx2,fma")))
-inline float hsum_avx2(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // The sums of eight vectors, as one vector: lane t holds the sum of a[t]'s lanes.
 __attribute__((target("avx2,fma")))
@@ -87,10 +67,12 @@ inline void weighted_v_avx2(const float* v, int64_t kv_stride, const int64_t* sl
 
 // One (request, KV head): q [rep][d] (rows `q_stride` apart), K/V rows at `kv + slot * kv_stride`, out like q.
 // Scores eight keys at a time (eight independent FMA chains per head, one transposing reduction), then the
-// softmax, then the weighted V rows for up to four heads per pass. d is a multiple of 8.
+// softmax, then the weighted V rows for up to four heads per pass. d is a multiple of 8. With `stats`, the
+// weights stay unnormalized and each head's max score and sum of weights go to stats[2r], stats[2r + 1].
 __attribute__((target("avx2,fma")))
 void head_group_avx2(const float* q, int64_t q_stride, const float* k, const float* v, int64_t kv_stride,
-                     const int64_t* slots, int64_t n, int rep, int d, float scale, float* out, float* scores) {
+                     const int64_t* slots, int64_t n, int rep, int d, float scale, float* out, float* scores,
+                     float* stats) {
   const __m256 scale_v = _mm256_set1_ps(scale);
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
@@ -143,6 +125,11 @@ void head_group_avx2(const float* q, int64_t q_stride, const float* k, const flo
       sr[t] = std::exp(sr[t] - m);
       total += sr[t];
     }
+    if (stats) {
+      stats[2 * r] = m;
+      stats[2 * r + 1] = total;
+      continue;
+    }
     const __m256 inv = _mm256_set1_ps(1.0f / total);
     for (t = 0; t + 8 <= n; t += 8) _mm256_storeu_ps(sr + t, _mm256_mul_ps(_mm256_loadu_ps(sr + t), inv));
     for (; t < n; ++t) sr[t] *= 1.0f / total;
@@ -170,7 +157,8 @@ void head_group_avx2(const float* q, int64_t q_stride, const float* k, const flo
 }
 
 void head_group_scalar(const float* q, int64_t q_stride, const float* k, const float* v, int64_t kv_stride,
-                       const int64_t* slots, int64_t n, int rep, int d, float scale, float* out, float* scores) {
+                       const int64_t* slots, int64_t n, int rep, int d, float scale, float* out, float* scores,
+                       float* stats) {
   for (int r = 0; r < rep; ++r) {
     const float* qr = q + r * q_stride;
     float* sr = scores + r * n;
@@ -184,11 +172,16 @@ void head_group_scalar(const float* q, int64_t q_stride, const float* k, const f
     }
     float total = 0.0f;
     for (int64_t j = 0; j < n; ++j) total += (sr[j] = std::exp(sr[j] - m));
+    if (stats) {
+      stats[2 * r] = m;
+      stats[2 * r + 1] = total;
+    }
+    const float norm = stats ? 1.0f : total;
     float* o = out + r * q_stride;
     std::fill(o, o + d, 0.0f);
     for (int64_t j = 0; j < n; ++j) {
       const float* vr = v + slots[j] * kv_stride;
-      const float p = sr[j] / total;
+      const float p = sr[j] / norm;
       for (int i = 0; i < d; ++i) o[i] += p * vr[i];
     }
   }
@@ -198,6 +191,19 @@ const bool kHasAvx2 = [] {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 }();
+
+}  // namespace
+
+void ringserve_cpu::attend_head_group(const float* q, int64_t q_stride, const float* k, const float* v,
+                                      int64_t kv_stride, const int64_t* slots, int64_t n, int rep, int d, float scale,
+                                      float* out, float* scores, float* stats) {
+  if (kHasAvx2 && d % 8 == 0)
+    head_group_avx2(q, q_stride, k, v, kv_stride, slots, n, rep, d, scale, out, scores, stats);
+  else
+    head_group_scalar(q, q_stride, k, v, kv_stride, slots, n, rep, d, scale, out, scores, stats);
+}
+
+namespace {
 
 // q [B, H, D]; k_layer, v_layer [S, Hkv, D] (one layer of the pool); table [R, W] int64; rows, kv_lens [B] int64.
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_layer, const at::Tensor& v_layer,
@@ -227,7 +233,6 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_layer
   float* op = out.data_ptr<float>();
   for (int64_t i = 0; i < b; ++i)
     TORCH_CHECK(lp[i] >= 1 && lp[i] <= width, "paged_decode_attention: kv_len ", lp[i], " outside [1, ", width, "]");
-  const bool vec = kHasAvx2 && d % 8 == 0;
   at::parallel_for(0, b * hkv, 1, [&](int64_t w0, int64_t w1) {
     thread_local std::vector<float> scores;
     for (int64_t w = w0; w < w1; ++w) {
@@ -236,12 +241,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_layer
       const float* qg = qp + (i * h + g * rep) * d;
       float* og = op + (i * h + g * rep) * d;
       const int64_t* slots = tp + rp[i] * tstride;
-      if (vec)
-        head_group_avx2(qg, d, kp + g * d, vp + g * d, kv_stride, slots, n, rep, (int)d, (float)scale, og,
-                        scores.data());
-      else
-        head_group_scalar(qg, d, kp + g * d, vp + g * d, kv_stride, slots, n, rep, (int)d, (float)scale, og,
-                          scores.data());
+      ringserve_cpu::attend_head_group(qg, d, kp + g * d, vp + g * d, kv_stride, slots, n, rep, (int)d, (float)scale,
+                                       og, scores.data());
     }
   });
   return out;

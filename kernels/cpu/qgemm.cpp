@@ -30,10 +30,14 @@
 #include <string>
 #include <vector>
 
+#include "qgemm.h"
+
 namespace {
 
-constexpr int QK = 32;    // weights and activations per group
-constexpr int TILE = 16;  // output rows per packed tile
+using ringserve_cpu::PackedRef;
+using ringserve_cpu::QuantRows;
+constexpr int QK = ringserve_cpu::kQK;
+constexpr int TILE = ringserve_cpu::kTile;
 constexpr int MAXMB = 4;  // activation rows per register block
 
 enum Kind { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
@@ -51,15 +55,6 @@ int detect_isa() {
 
 const int kBestIsa = detect_isa();
 int g_isa = kBestIsa;
-
-// Activations of M rows quantized per block of 32: q (int8, K padded to whole blocks), d (fp32 scale),
-// s (sum of the block's q, which the offset weights' correction and q4_1's min term need).
-struct QuantRows {
-  const int8_t* q;
-  const float* d;
-  const int32_t* s;
-  int64_t kp, kb;
-};
 
 __attribute__((target("avx2,fma")))
 void quantize_block_avx2(const float* x, int8_t* q, float* d, int32_t* s) {
@@ -96,18 +91,8 @@ void quantize_block_avx2(const float* x, int8_t* q, float* d, int32_t* s) {
 void quantize_rows(const float* x, int64_t m, int64_t k, int8_t* q, float* d, int32_t* s) {
   const int64_t kb = (k + QK - 1) / QK, kp = kb * QK;
   at::parallel_for(0, m, m * k >= (1 << 16) ? 1 : m, [&](int64_t r0, int64_t r1) {
-    float tail[QK];
-    for (int64_t r = r0; r < r1; ++r) {
-      for (int64_t b = 0; b < kb; ++b) {
-        const float* src = x + r * k + b * QK;
-        if ((b + 1) * QK > k) {  // K not a multiple of 32: the last block is zero-padded
-          std::memset(tail, 0, sizeof(tail));
-          std::memcpy(tail, src, sizeof(float) * (k - b * QK));
-          src = tail;
-        }
-        quantize_block_avx2(src, q + r * kp + b * QK, d + r * kb + b, s + r * kb + b);
-      }
-    }
+    for (int64_t r = r0; r < r1; ++r)
+      ringserve_cpu::quantize_row_blocks(x + r * k, k, 0, kb, q + r * kp, d + r * kb, s + r * kb);
   });
 }
 
@@ -115,6 +100,18 @@ inline int32_t quad(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return v;
+}
+
+// A thread streams its tiles' weights, contiguous, once per call. The hardware prefetcher stops at every 4 KB
+// page boundary, and at batch 1 every load waits on memory: asking for the lines 2 KB ahead made the step's
+// linears ~1.09x faster (two threads, Intel Xeon with AVX-512 VNNI, 2026-12-03; 1-4 KB measured alike).
+// Past a tile's end it reaches into the thread's next tile (or, at its last, a little of the next thread's).
+constexpr int64_t kPrefetchBytes = 2048;
+
+template <int64_t BYTES>
+inline void prefetch_ahead(const uint8_t* block) {
+  for (int64_t line = 0; line < BYTES; line += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(block + kPrefetchBytes + line), _MM_HINT_T0);
 }
 
 // ---- AVX-512 VNNI: one 16-row tile x MB activation rows -----------------------------------------------
@@ -130,6 +127,7 @@ void tile_vnni(const uint8_t* w, const uint16_t* sc, const uint16_t* mn, const Q
   for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t b = 0; b < a.kb; ++b) {
     const uint8_t* wb = w + b * BLOCK_BYTES;
+    prefetch_ahead<BLOCK_BYTES>(wb);
     __m512i ai[MB][CH];
     for (int m = 0; m < MB; ++m) {
       const int32_t sum = a.s[(m0 + m) * a.kb + b];
@@ -191,6 +189,7 @@ void half_avx2(const uint8_t* w, const uint16_t* sc, const uint16_t* mn, const Q
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < a.kb; ++b) {
     const uint8_t* wb = w + b * BLOCK_BYTES;  // w already points at this half's 32 bytes of each vector
+    prefetch_ahead<BLOCK_BYTES>(wb);  // the first half's pass brings the lines; the second finds them cached
     __m256i ai[MB];
     if constexpr (KIND == Q8_0) {
       __m256i even[MB], odd[MB];
@@ -273,68 +272,94 @@ void tile_rows(const uint8_t* w, const uint16_t* sc, const uint16_t* mn, const Q
 
 }  // namespace
 
+ringserve_cpu::PackedRef ringserve_cpu::packed_ref(const at::Tensor& qweight, const at::Tensor& scales,
+                                                   const std::optional<at::Tensor>& mins, const at::Tensor& bias,
+                                                   int64_t out_features, int64_t in_features, int64_t bits) {
+  TORCH_CHECK(g_isa != ISA_NONE, "ringserve qgemm: this CPU has neither AVX2 nor AVX-512 VNNI");
+  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4");
+  const int64_t kb = (in_features + QK - 1) / QK, tiles = (out_features + TILE - 1) / TILE;
+  const int64_t block_bytes = bits == 8 ? 512 : 256;
+  TORCH_CHECK(qweight.is_contiguous() && qweight.numel() == tiles * kb * block_bytes &&
+                  qweight.scalar_type() == at::kByte, "qweight does not match out_features and K");
+  TORCH_CHECK(scales.is_contiguous() && scales.numel() == tiles * kb * TILE && scales.scalar_type() == at::kHalf,
+              "bad scales");
+  const bool has_min = mins.has_value() && mins->defined();
+  TORCH_CHECK(!has_min || (bits == 4 && mins->is_contiguous() && mins->numel() == scales.numel() &&
+                           mins->scalar_type() == at::kHalf), "mins must be fp16 like scales, for 4 bits only");
+  const bool has_bias = bias.defined();
+  TORCH_CHECK(!has_bias || (bias.is_contiguous() && bias.scalar_type() == at::kFloat && bias.numel() == out_features),
+              "bias must be out_features contiguous float32 values");
+  return PackedRef{qweight.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
+                   has_min ? reinterpret_cast<const uint16_t*>(mins->data_ptr<at::Half>()) : nullptr,
+                   has_bias ? bias.data_ptr<float>() : nullptr, out_features, in_features, kb, tiles, block_bytes,
+                   bits == 8 ? Q8_0 : has_min ? Q4_1 : Q4_0};
+}
+
+void ringserve_cpu::quantize_row_blocks(const float* x, int64_t k, int64_t b0, int64_t b1, int8_t* q, float* d,
+                                        int32_t* s) {
+  float tail[QK];
+  for (int64_t b = b0; b < b1; ++b) {
+    const float* src = x + b * QK;
+    if ((b + 1) * QK > k) {  // K not a multiple of 32: the last block is zero-padded
+      std::memset(tail, 0, sizeof(tail));
+      std::memcpy(tail, src, sizeof(float) * (k - b * QK));
+      src = tail;
+    }
+    quantize_block_avx2(src, q + b * QK, d + b, s + b);
+  }
+}
+
+void ringserve_cpu::linear_tiles(const PackedRef& p, const QuantRows& a, int64_t m, int64_t t0, int64_t t1, float* y) {
+  // Each tile's weights stay in L1/L2 while they are reused for every activation row.
+  for (int64_t t = t0; t < t1; ++t) {
+    const uint8_t* wt = p.w + t * p.kb * p.block_bytes;
+    const uint16_t* st = p.scales + t * p.kb * TILE;
+    const uint16_t* mt = p.mins ? p.mins + t * p.kb * TILE : nullptr;
+    const int nvalid = (int)std::min<int64_t>(TILE, p.out_features - t * TILE);
+    const float* bt = p.bias ? p.bias + t * TILE : nullptr;
+    for (int64_t m0 = 0; m0 < m; m0 += MAXMB) {
+      const int mb = (int)std::min<int64_t>(MAXMB, m - m0);
+      float* yt = y + t * TILE;
+      if (p.kind == Q8_0) tile_rows<Q8_0>(wt, st, mt, a, m0, mb, yt, p.out_features, nvalid, bt);
+      else if (p.kind == Q4_0) tile_rows<Q4_0>(wt, st, mt, a, m0, mb, yt, p.out_features, nvalid, bt);
+      else tile_rows<Q4_1>(wt, st, mt, a, m0, mb, yt, p.out_features, nvalid, bt);
+    }
+  }
+}
+
+namespace {
+
 // y[M, N] = x[M, K] W^T (+ bias) with W packed as described at the top; `bits` is 8 (q8_0) or 4 (q4_0, or
 // q4_1 when `mins` is given).
 at::Tensor group_linear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& mins, const c10::optional<at::Tensor>& bias,
                         int64_t out_features, int64_t bits) {
-  TORCH_CHECK(g_isa != ISA_NONE, "ringserve qgemm: this CPU has neither AVX2 nor AVX-512 VNNI");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be a 2-D float32 tensor");
-  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4");
   const at::Tensor xc = x.contiguous();
-  const int64_t m = xc.size(0), k = xc.size(1), kb = (k + QK - 1) / QK, kp = kb * QK;
-  const int64_t tiles = (out_features + TILE - 1) / TILE;
-  const int64_t block_bytes = bits == 8 ? 512 : 256;
-  TORCH_CHECK(qweight.numel() == tiles * kb * block_bytes && qweight.scalar_type() == at::kByte,
-              "qweight does not match out_features and K");
-  TORCH_CHECK(scales.numel() == tiles * kb * TILE && scales.scalar_type() == at::kHalf, "bad scales");
-  const bool has_min = mins.has_value() && mins->defined();
-  TORCH_CHECK(!has_min || (bits == 4 && mins->numel() == scales.numel() && mins->scalar_type() == at::kHalf),
-              "mins must be fp16 like scales, for 4 bits only");
-  const float* bias_p = nullptr;
-  at::Tensor bias_c;
-  if (bias.has_value() && bias->defined()) {
-    bias_c = bias->contiguous().to(at::kFloat);
-    TORCH_CHECK(bias_c.numel() == out_features, "bias must have out_features values");
-    bias_p = bias_c.data_ptr<float>();
-  }
+  const int64_t m = xc.size(0), k = xc.size(1);
+  const at::Tensor bias_c = bias.has_value() && bias->defined() ? bias->contiguous().to(at::kFloat) : at::Tensor();
+  const at::Tensor wc = qweight.contiguous(), sc = scales.contiguous();
+  const std::optional<at::Tensor> mc = mins.has_value() && mins->defined() ? std::optional<at::Tensor>(mins->contiguous())
+                                                                           : std::nullopt;
+  const PackedRef p = ringserve_cpu::packed_ref(wc, sc, mc, bias_c, out_features, k, bits);
   at::Tensor y = at::empty({m, out_features}, xc.options());
   if (m == 0 || out_features == 0) return y;
   // The quantized activations live in per-thread scratch that only grows: no allocation per call.
   thread_local std::vector<int8_t> qa;
   thread_local std::vector<float> da;
   thread_local std::vector<int32_t> sa;
+  const int64_t kb = p.kb, kp = kb * QK;
   if ((int64_t)qa.size() < m * kp) qa.resize(m * kp);
   if ((int64_t)da.size() < m * kb) da.resize(m * kb), sa.resize(m * kb);
   quantize_rows(xc.data_ptr<float>(), m, k, qa.data(), da.data(), sa.data());
   const QuantRows a{qa.data(), da.data(), sa.data(), kp, kb};
-  const at::Tensor wc = qweight.contiguous(), sc = scales.contiguous();
-  const at::Tensor mc = has_min ? mins->contiguous() : at::Tensor();
-  const uint8_t* w = wc.data_ptr<uint8_t>();
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(sc.data_ptr<at::Half>());
-  const uint16_t* mn = has_min ? reinterpret_cast<const uint16_t*>(mc.data_ptr<at::Half>()) : nullptr;
   float* yp = y.data_ptr<float>();
-  const int kind = bits == 8 ? Q8_0 : has_min ? Q4_1 : Q4_0;
-  // Threads split the output tiles; each walks every activation row over its tiles, so a tile's weights
-  // stay in L1/L2 while they are reused for all rows.
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const uint8_t* wt = w + t * kb * block_bytes;
-      const uint16_t* st = s + t * kb * TILE;
-      const uint16_t* mt = mn ? mn + t * kb * TILE : nullptr;
-      const int nvalid = (int)std::min<int64_t>(TILE, out_features - t * TILE);
-      const float* bt = bias_p ? bias_p + t * TILE : nullptr;
-      for (int64_t m0 = 0; m0 < m; m0 += MAXMB) {
-        const int mb = (int)std::min<int64_t>(MAXMB, m - m0);
-        float* yt = yp + t * TILE;
-        if (kind == Q8_0) tile_rows<Q8_0>(wt, st, mt, a, m0, mb, yt, out_features, nvalid, bt);
-        else if (kind == Q4_0) tile_rows<Q4_0>(wt, st, mt, a, m0, mb, yt, out_features, nvalid, bt);
-        else tile_rows<Q4_1>(wt, st, mt, a, m0, mb, yt, out_features, nvalid, bt);
-      }
-    }
-  });
+  // Threads split the output tiles; each walks every activation row over its tiles.
+  at::parallel_for(0, p.tiles, 1, [&](int64_t t0, int64_t t1) { ringserve_cpu::linear_tiles(p, a, m, t0, t1, yp); });
   return y;
 }
+
+}  // namespace
 
 // The ISA path in use ("avx512vnni", "avx2" or "none").
 std::string isa() { return g_isa == ISA_AVX512VNNI ? "avx512vnni" : g_isa == ISA_AVX2 ? "avx2" : "none"; }
