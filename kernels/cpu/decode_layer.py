@@ -63,13 +63,13 @@ def fused_decode_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, no
     """The layer's output `[T, C]` through the one op, or None where it does not apply (the caller then runs
     the layer's modules). `norms`: the two RMSNorms (`weight`, `eps`); `linears`: qkv, o, gate_up, down;
     `backend`/`meta`: the step's attention backend and metadata."""
-    from kernels.quantization import QuantLinear
-
     attention = backend.in_place_decode_inputs(meta)
     if attention is None or x.dtype != torch.float32 or norms[0].eps != norms[1].eps:
         return None
     rows = x.shape[0]
-    packed = [linear.packed_for(rows) if isinstance(linear, QuantLinear) else None for linear in linears]
+    # a quantized linear (kernels.quantization.QuantLinear, which imports this package: hence no isinstance)
+    # has `packed_for`; any other linear leaves the layer to its modules
+    packed = [linear.packed_for(rows) if hasattr(linear, "packed_for") else None for linear in linears]
     if any(p is None for p in packed):
         return None
     table, table_rows, kv_lens, scale = attention
