@@ -158,6 +158,22 @@ def warn_if_busy(when: str) -> float:
 
 def run_load(args: argparse.Namespace, base_url: str, system: str) -> tuple[list[LevelSummary], dict[str, Any]]:
     """Warm up, probe the shared prefix (if any), then run every level; summaries and the probe's figures."""
+    cfg = warm_up(args, base_url, system)
+    probe: dict[str, Any] = {}
+    if system:
+        server.flush_cache(base_url)
+        cold = asyncio.run(client.single(cfg, conversation(0, system), 2))
+        hot = asyncio.run(client.single(cfg, conversation(1, system), 2))
+        probe = {"prompt_tokens": cold.prompt_tokens, "ttft_first_ms": cold.ttft * 1e3,
+                 "ttft_reuse_ms": hot.ttft * 1e3, "ratio": hot.ttft / cold.ttft if cold.ttft else math.nan}
+        print(f"shared system prompt ({cold.prompt_tokens} prompt tokens): TTFT first {cold.ttft * 1e3:.0f} ms, "
+              f"reusing it {hot.ttft * 1e3:.0f} ms ({probe['ratio']:.2f}x)", flush=True)
+    return run_levels(args, cfg, system), probe
+
+
+def warm_up(args: argparse.Namespace, base_url: str, system: str) -> client.ClientConfig:
+    """One short request, and with --launch one wave per level and the decode graphs they asked for; the
+    client config for the load."""
     cfg = client.ClientConfig(base_url, server.served_model(base_url), args.max_tokens, args.endpoint,
                               ignore_eos=not args.no_ignore_eos)
     warm = asyncio.run(client.single(cfg, [{"role": "user", "content": "Say hello."}], 8))
@@ -170,20 +186,16 @@ def run_load(args: argparse.Namespace, base_url: str, system: str) -> tuple[list
         graphs = server.wait_for_decode_graphs(base_url, args.launch_timeout)
         if graphs:
             print(f"decode graphs after {time.monotonic() - started:.0f} s of compiling: {graphs}", flush=True)
-    probe: dict[str, Any] = {}
-    if system:
-        server.flush_cache(base_url)
-        cold = asyncio.run(client.single(cfg, conversation(0, system), 2))
-        hot = asyncio.run(client.single(cfg, conversation(1, system), 2))
-        probe = {"prompt_tokens": cold.prompt_tokens, "ttft_first_ms": cold.ttft * 1e3,
-                 "ttft_reuse_ms": hot.ttft * 1e3, "ratio": hot.ttft / cold.ttft if cold.ttft else math.nan}
-        print(f"shared system prompt ({cold.prompt_tokens} prompt tokens): TTFT first {cold.ttft * 1e3:.0f} ms, "
-              f"reusing it {hot.ttft * 1e3:.0f} ms ({probe['ratio']:.2f}x)", flush=True)
+    return cfg
+
+
+def run_levels(args: argparse.Namespace, cfg: client.ClientConfig, system: str) -> list[LevelSummary]:
+    """Every level (concurrency or request rate) of the load, each from a cold prefix cache; their summaries."""
     summaries = []
     plan = [("rate", r, args.num_prompts) for r in args.rates] or [
         ("concurrency", c, requests_for_level(c, args.num_prompts, args.rounds)) for c in args.levels]
     for mode, level, n in plan:
-        server.flush_cache(base_url)  # every level starts with a cold prefix cache (ringserve/SGLang only)
+        server.flush_cache(cfg.base_url)  # every level starts with a cold prefix cache (ringserve/SGLang only)
         convs = level_conversations(n, system)
         if mode == "rate":
             results, wall = asyncio.run(client.run_poisson(cfg, convs, level, args.max_concurrency, args.seed))
@@ -194,7 +206,7 @@ def run_load(args: argparse.Namespace, base_url: str, system: str) -> tuple[list
         print(f"  {mode} {level:g}: {summary.completed}/{n} ok, {summary.output_tok_s:.1f} out tok/s, "
               f"ITL p50 {summary.itl_ms['p50']:.1f} ms, TTFT p50 {summary.ttft_ms['p50']:.0f} ms"
               + (f"  errors: {summary.errors}" if summary.errors else ""), flush=True)
-    return summaries, probe
+    return summaries
 
 
 def run_baselines(args: argparse.Namespace, system: str) -> tuple[dict[int, Any], dict[int, Any]]:

@@ -209,6 +209,7 @@ class SchedulerInfo:
     radix_cache: bool = True
     chunked_prefill_size: int = 0
     overlap_schedule: bool = False  # the engine plans step N+1 before applying step N
+    stream_interval: int = 1  # tokens per published row of a request (--stream-interval)
     # torch threads each decode step size runs on, as the scheduler measured them (empty: fixed or not yet known)
     torch_threads: dict[str, int] = field(default_factory=dict)
     # --quantization int8/int4: the method, the ISA, and per linear shape and row count the kernel measured

@@ -78,10 +78,11 @@ def smollm_server(nats_server: EmbeddedNatsServer) -> Iterator[ServerHandle]:
 
 @pytest.fixture(scope="session")
 def overlap_shards_server(nats_server: EmbeddedNatsServer) -> Iterator[ServerHandle]:
-    """SmolLM2 with the engine's overlap loop forced on and two detokenizer shards, on the session's NATS server:
-    shared by the overlap-loop and elastic-detokenizer tests (neither flag changes what the other tests)."""
+    """SmolLM2 with the engine's overlap loop forced on, two detokenizer shards and `--stream-interval 3`, on the
+    session's NATS server: shared by the overlap-loop, elastic-detokenizer and stream-interval tests (no flag
+    changes what the others test)."""
     handle = start_server(DEFAULT_MODEL, nats_url=nats_server.url,
-                          extra=["--overlap-schedule", "on", "--detokenizer-shards", "2"])
+                          extra=["--overlap-schedule", "on", "--detokenizer-shards", "2", "--stream-interval", "3"])
     yield handle
     assert handle.stop() == 0, handle.log()[-3000:]
 

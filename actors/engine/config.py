@@ -78,6 +78,10 @@ class EngineConfig:
         "plan and launch decode step N+1 before applying step N's tokens, so the host's work hides behind the "
         "device's: auto (on cuda; on a CPU the forward blocks and nothing would overlap), on, off",
         choices=OVERLAP_CHOICES))
+    stream_interval: int = field(default=1, metadata=_flag(
+        "tokens per message of a request's output through the ring (its first and last rows go at once): 1 "
+        "sends every token as it is made; k > 1 sends a stream's tokens k at a time, saving the ring's work "
+        "per message, which on a small CPU host takes the cores a decode step needs"))
     grammar_compile_timeout: float = field(default=30.0, metadata=_flag(
         "seconds an output constraint (json_schema, regex, ebnf) may take to compile before its request fails; "
         "compiling never delays other requests"))
@@ -85,7 +89,7 @@ class EngineConfig:
         "decode the tokens an output constraint forces one step each, instead of appending them at once"))
 
     def __post_init__(self) -> None:
-        for name in ("max_prefill_tokens", "max_running_requests", "cuda_graph_max_bs"):
+        for name in ("max_prefill_tokens", "max_running_requests", "cuda_graph_max_bs", "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("max_total_tokens", "torch_threads"):

@@ -2,7 +2,8 @@
 
 Loop: apply what arrived (new requests, aborts, control commands) -> one engine step in a worker thread, so
 the bus stays responsive during the forward pass -> publish that step's token rows, one message per
-detokenizer (each request's rows go to the detokenizer stamped on its TokenizedRequest). The engine is
+detokenizer (each request's rows go to the detokenizer stamped on its TokenizedRequest; with
+`--stream-interval` k, a request's rows are joined k tokens at a time first: stream_interval.py). The engine is
 touched only between steps, from this loop, so it needs no locks, and only through `EngineInterface`: its
 rows are already the wire's `TokenRow`s. When the engine falls idle the loop calls its `on_idle` once.
 
@@ -33,6 +34,7 @@ from actors.scheduler import request_spans
 from actors.scheduler.admission import Admission
 from actors.scheduler.engine_thread import on_engine_thread, serial_torch_on_this_thread
 from actors.scheduler.kv_events import KvEventPublisher
+from actors.scheduler.stream_interval import StreamCoalescer
 from actors.scheduler.weight_update import UPDATE_WEIGHTS, WeightLoader, WeightUpdates
 from bus.connection import Delivery
 from bus.errors import ApiError, server_error
@@ -55,9 +57,11 @@ class SchedulerActor:
     """Bridges the bus and the engine."""
 
     def __init__(self, ctx: ActorContext, engine: EngineInterface, admission: Admission | None = None,
-                 load_weights: WeightLoader | None = None) -> None:
-        """`load_weights`: reads a checkpoint for `update_weights_from_disk` (None: the command is refused)."""
+                 load_weights: WeightLoader | None = None, stream_interval: int = 1) -> None:
+        """`load_weights`: reads a checkpoint for `update_weights_from_disk` (None: the command is refused);
+        `stream_interval`: tokens per published row of a request (`--stream-interval`, stream_interval.py)."""
         self._ctx = ctx
+        self._streams = StreamCoalescer(stream_interval)
         self._updates = WeightUpdates(engine, load_weights)
         self._admission = admission if admission is not None else Admission()  # (an empty one is falsy)
         self._refusals_unlogged = 0
@@ -141,7 +145,7 @@ class SchedulerActor:
 
     def _snapshot(self) -> SchedulerInfo:
         return dataclasses.replace(self._engine.stats(), rank=self._ctx.rank, weight_version=self._updates.version,
-                                   requests_routed=self._routed)
+                                   requests_routed=self._routed, stream_interval=self._streams.interval)
 
     def _load(self) -> ReplicaLoad:
         """This replica's load for its heartbeat (the tokenizers route by it); `rank` is the replica id."""
@@ -174,6 +178,7 @@ class SchedulerActor:
                 await self._kv.publish(*self._engine.kv_events())  # aborts, flushes and swaps evict too
                 self._info = self._snapshot()
                 if not self._engine.has_work():
+                    await self._send(self._streams.flush())  # no step follows soon to carry them
                     self._check_when_idle()
                     self._wake.clear()
                     if not self._inbox:
@@ -184,7 +189,7 @@ class SchedulerActor:
                 rows = await on_engine_thread(self._engine.step)
                 self._info = self._snapshot()
                 step_tp = self._spans.step(self._engine.last_plan(), self._info.step, started, tracing.now_ns())
-                await self._publish(rows, step_tp)
+                await self._publish(rows, step_tp, after_step=True)
                 await self._kv.publish(*self._engine.kv_events())  # one message per step at most
         except Exception as exc:
             log.exception("engine loop crashed")
@@ -297,18 +302,25 @@ class SchedulerActor:
         self._engine.resume()
         return ControlReply(ok=True, message="continued")
 
-    async def _publish(self, outputs: list[TokenRow], step_traceparent: str | None = None) -> None:
-        """Publish rows, one message per detokenizer (`step_traceparent`: the step span they came from)."""
-        if not outputs:
-            return
-        by_detokenizer: dict[int, list[TokenRow]] = defaultdict(list)
-        now = tracing.now_ns() if tracing.enabled() else 0
+    async def _publish(self, outputs: list[TokenRow], step_traceparent: str | None = None,
+                       after_step: bool = False) -> None:
+        """Publish rows, one message per detokenizer, or hold them for `--stream-interval` (`after_step`: a
+        step's rows; `step_traceparent`: the step span they came from)."""
+        now = tracing.now_ns() if tracing.enabled() and outputs else 0
         for out in outputs:
             if out.finish is not None:  # its final row (finish, abort, error): the request's slot is free
                 self._admission.release(out.rid)
             if out.decode is not None:  # a request's first row
                 out.traceparent = self._spans.traceparent(out.rid)
             self._spans.output(out, now)
+        await self._send(self._streams.take(outputs, after_step), step_traceparent)
+
+    async def _send(self, outputs: list[TokenRow], step_traceparent: str | None = None) -> None:
+        """Publish rows as they are, one message per detokenizer."""
+        if not outputs:
+            return
+        by_detokenizer: dict[int, list[TokenRow]] = defaultdict(list)
+        for out in outputs:
             by_detokenizer[self._detokenizer(out)].append(out)
         for detokenizer, rows in by_detokenizer.items():
             await self._publish_rows(self._ctx.subjects.tokens(detokenizer), rows, step_traceparent)
@@ -353,4 +365,4 @@ async def scheduler_main(ctx: ActorContext, model: str, config: EngineConfig,
         engine = await on_engine_thread(Engine.from_source, resolve_model(model), config)
         engine.start_decode_graphs()
     serial_torch_on_this_thread()
-    return await SchedulerActor(ctx, engine, admission, load_weights).start()
+    return await SchedulerActor(ctx, engine, admission, load_weights, config.stream_interval).start()
