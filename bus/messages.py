@@ -40,7 +40,9 @@ class GenerateRequest:
     ends; at most one of the two may be true. `tools` (messages only) are the function tools the model may
     call, as OpenAI's `{"type": "function", "function": {"name", "description", "parameters"}}`: the tokenizer
     renders them through the chat template (or its default tool prompt); enforcing and parsing calls is the
-    sender's part (the HTTP entry's).
+    sender's part (the HTTP entry's). `stream=False` says the sender reads only the whole output: the
+    outputs are the same deltas, but fewer (the first token at once, then up to 64 tokens each), which costs
+    the ring less.
     Subscribe to `{ns}.out.{rid}` before publishing, or the first outputs may be missed.
     """
 
@@ -53,6 +55,7 @@ class GenerateRequest:
     continue_final_message: bool = False  # messages only: continue the last (assistant) message, no new turn
     openai_names: bool = False  # errors name parameters as OpenAI bodies do (max_tokens), not natively
     tools: list[dict[str, Any]] | None = None  # messages only: function tools to render in the prompt
+    stream: bool = True  # False: the sender reads only the whole output (fewer, larger outputs)
 
 
 @dataclass
@@ -64,6 +67,7 @@ class TokenizedRequest:
     input_ids: list[int]
     sampling: SamplingParams
     detokenizer: int = 0
+    stream: bool = True  # the sender's GenerateRequest.stream
 
 
 @dataclass

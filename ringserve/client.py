@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Sequence
 from urllib.parse import urlsplit
@@ -262,8 +262,9 @@ class Client:
             raise server_error(f"{what} did not finish within {timeout:g}s (aborted)", 504) from None
 
     async def _collect_outputs(self, request: GenerateRequest) -> list[RequestOutput]:
-        """All outputs of one request; raises the ApiError of an error output."""
-        async with contextlib.aclosing(self.outputs(request)) as stream:
+        """All outputs of one request; raises the ApiError of an error output. Nothing reads the outputs as
+        they come, so the request says so (`stream=False`: fewer, larger outputs)."""
+        async with contextlib.aclosing(self.outputs(replace(request, stream=False))) as stream:
             outputs = [out async for out in stream]
         if outputs[-1].error is not None:
             raise outputs[-1].error

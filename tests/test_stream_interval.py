@@ -2,21 +2,25 @@
 
 Unit tests of the coalescer (first and final rows at once, joined rows keep every token and logprob, a request
 that produced nothing in a step is flushed), the scheduler's loop flushing what it holds when the engine pauses,
-and the real ring with `--stream-interval 3`: the same tokens and text as the plain server, streamed three at a
-time, with logprobs per token."""
+the real ring with `--stream-interval 3`: the same tokens and text as the plain server, streamed three at a
+time, with logprobs per token; and a request read whole (`stream` false, as non-streamed HTTP answers are) sent
+in three outputs instead of a hundred, with the same tokens."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import httpx
+import msgpack
+import nats
 import pytest
 
 from actors.common.model_source import DEFAULT_MODEL
 from actors.engine.config import EngineConfig
 from actors.scheduler.actor import SchedulerActor
-from actors.scheduler.stream_interval import StreamCoalescer
+from actors.scheduler.stream_interval import WHOLE_OUTPUT_INTERVAL, StreamCoalescer
 from bus.messages import BatchTokenOutput, FinishReason, TokenizedRequest, TokenRow
 from bus.params import DecodeParams, SamplingParams
 from tests.faults.test_client_flood import FakeCtx, FakeEngine
@@ -66,6 +70,22 @@ def test_a_request_absent_from_a_step_or_aborted_between_steps_gets_what_was_hel
     streams.take([row("c", 1, 0, first=True)], True)
     streams.take([row("c", 1, 1)], True)
     assert [r.token_ids for r in streams.flush()] == [[2]] and len(streams) == 0
+
+
+def test_a_whole_output_request_is_held_64_tokens_at_a_time_until_its_final_row() -> None:
+    streams = StreamCoalescer(1)
+    streams.whole_output("w")
+    assert [r.rid for r in streams.take([row("w", 1, 0, first=True), row("s", 1, 0, first=True)], True)] == ["w", "s"]
+    published = [r for done in range(1, 1 + WHOLE_OUTPUT_INTERVAL)
+                 for r in streams.take([row("w", 1, done), row("s", 1, done)], True)]
+    assert [r.token_ids for r in published if r.rid == "w"] == [list(range(2, 2 + WHOLE_OUTPUT_INTERVAL))]
+    assert len([r for r in published if r.rid == "s"]) == WHOLE_OUTPUT_INTERVAL  # a streamed one, row by row
+    assert streams.take([row("w", 1, 65)], True) == []
+    (last,) = streams.take([row("w", 2, 66, finish=True)], True)
+    assert (last.token_ids, last.completion_tokens, last.finish.type) == ([66, 67, 68], 68, "length")
+    again = [row("w", 1, 0, first=True), row("w", 1, 1)]  # forgotten with its final row: a new "w" streams
+    assert streams.take(again, True) is again
+    assert StreamCoalescer(100)._whole_interval == 100  # a longer stream interval holds it longer still
 
 
 def test_the_interval_is_a_validated_flag() -> None:
@@ -180,3 +200,55 @@ def test_the_ring_streams_the_same_tokens_three_at_a_time(smollm_server: ServerH
     assert (text, tokens) == streamed_completion(smollm_server.base_url)[:2] and len(tokens) == 20
     assert chunks <= 1 + 7  # 20 tokens: the first, then at most three per chunk
     wait_until_idle(interval_server.base_url)
+
+
+def nats_outputs(server: ServerHandle, rid: str, stream: bool, max_new_tokens: int) -> list[dict[str, Any]]:
+    """The RequestOutput bodies of one request a plain NATS client submits with `stream`."""
+    async def scenario() -> list[dict[str, Any]]:
+        nc = await nats.connect(server.nats_url)
+        sub = await nc.subscribe(f"{server.namespace}.out.{rid}")
+        await nc.publish(f"{server.namespace}.req.submit", msgpack.packb({"type": "GenerateRequest", "body": {
+            "rid": rid, "text": PROMPT, "stream": stream,
+            "sampling": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True}}}))
+        outputs = []
+        while not outputs or not (outputs[-1]["finish"] or outputs[-1]["error"]):
+            outputs.append(msgpack.unpackb((await sub.next_msg(timeout=60)).data)["body"])
+        await nc.close()
+        return outputs
+
+    return asyncio.run(scenario())
+
+
+def outputs_during(server: ServerHandle, call: Any) -> tuple[Any, int]:
+    """`call()`'s result and how many request outputs the ring published meanwhile (nothing else running)."""
+    async def scenario() -> tuple[Any, int]:
+        nc = await nats.connect(server.nats_url)
+        sub = await nc.subscribe(f"{server.namespace}.out.>")
+        await nc.flush()
+        result = await asyncio.to_thread(call)
+        count = 0
+        with contextlib.suppress(nats.errors.TimeoutError):
+            while True:
+                await sub.next_msg(timeout=0.5)
+                count += 1
+        await nc.close()
+        return result, count
+
+    return asyncio.run(scenario())
+
+
+def test_a_request_read_whole_costs_the_ring_three_outputs_not_a_hundred(smollm_server: ServerHandle) -> None:
+    streamed = nats_outputs(smollm_server, "streamed-1", True, 100)
+    whole = nats_outputs(smollm_server, "whole-1", False, 100)
+    assert len(streamed) == 100
+    assert [len(out["token_ids"]) for out in whole] == [1, WHOLE_OUTPUT_INTERVAL, 100 - 1 - WHOLE_OUTPUT_INTERVAL]
+    assert [t for out in whole for t in out["token_ids"]] == [t for out in streamed for t in out["token_ids"]]
+    assert "".join(out["text"] for out in whole) == "".join(out["text"] for out in streamed)
+    native = {"text": PROMPT, "sampling_params": {"max_new_tokens": 100, "temperature": 0, "ignore_eos": True}}
+    answer, published = outputs_during(smollm_server, lambda: httpx.post(
+        smollm_server.base_url + "/generate", json=native, timeout=120).json())
+    assert answer["output_ids"] == [t for out in streamed for t in out["token_ids"]] and published == 3
+    openai = {"model": DEFAULT_MODEL, "prompt": PROMPT, "max_tokens": 100, "temperature": 0, "ignore_eos": True}
+    answer, published = outputs_during(smollm_server, lambda: httpx.post(
+        smollm_server.base_url + "/v1/completions", json=openai, timeout=120).json())
+    assert answer["choices"][0]["text"] == "".join(out["text"] for out in streamed) and published == 3

@@ -81,7 +81,9 @@ def parse_generate(body: dict[str, Any]) -> tuple[list[GenerateRequest], int, bo
     if len(prompts) * n > MAX_CHOICES:
         raise ApiError(f"{len(prompts)} prompts × n={n} is more than {MAX_CHOICES} results",
                        param="n" if n > 1 else ("text" if body.get("text") is not None else "input_ids"))
-    gen_reqs = [GenerateRequest(rid=rid, text=text, input_ids=ids, sampling=dict(sampling)) for text, ids in prompts]
+    stream = STREAM.read(body, False)
+    gen_reqs = [GenerateRequest(rid=rid, text=text, input_ids=ids, sampling=dict(sampling), stream=stream)
+                for text, ids in prompts]
     return gen_reqs, n, batch or n > 1
 
 
@@ -91,7 +93,7 @@ def generate_route(service: EntryService) -> Route:
     async def answer(request: Request) -> Response:
         body = await read_json(request)
         gen_reqs, n, listed = parse_generate(body)
-        stream = STREAM.read(body, False)
+        stream = gen_reqs[0].stream
         deltas = STREAM_DELTAS.read(body, False)
         sampling = gen_reqs[0].sampling  # the choices differ only in rid and seed
         group = await ChoiceGroup.start(service, request, gen_reqs, n)

@@ -238,7 +238,7 @@ def parse_chat(body: dict[str, Any], rid: str, served_model: str,
     template = {name: Spec(doc, kind="boolean", name=name).read(body, default) for name, doc, default in (
         ("add_generation_prompt", "end the prompt with the assistant's turn header", True),
         ("continue_final_message", "continue the final (assistant) message instead of opening a new turn", False))}
-    return GenerateRequest(rid=rid, messages=turns, sampling=sampling, openai_names=True,
+    return GenerateRequest(rid=rid, messages=turns, sampling=sampling, openai_names=True, stream=options.stream,
                            tools=options.tools.tools if options.tools else None, **template), options
 
 
@@ -281,8 +281,9 @@ def parse_completion(body: dict[str, Any], rid: str,
         if options.logprobs:
             sampling["logprob_start_len"] = 0
             options.echo_logprobs = True
-    return [GenerateRequest(rid=rid, text=p, sampling=sampling, openai_names=True) if isinstance(p, str)
-            else GenerateRequest(rid=rid, input_ids=p, sampling=sampling, openai_names=True) for p in prompts], options
+    text_or_ids = [{"text": p} if isinstance(p, str) else {"input_ids": p} for p in prompts]
+    return [GenerateRequest(rid=rid, sampling=sampling, openai_names=True, stream=options.stream, **prompt)
+            for prompt in text_or_ids], options
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:

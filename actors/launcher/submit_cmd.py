@@ -97,7 +97,7 @@ def build_request(args: argparse.Namespace) -> GenerateRequest:
         raise ApiError(f"--{str(exc).split(':', 1)[0].split('[')[0].replace('_', '-')}: {exc}",
                        param="messages" if args.messages is not None else "input_ids") from exc
     return GenerateRequest(rid=args.rid or new_rid(), text=args.text, messages=messages, input_ids=input_ids,
-                           sampling=sampling)
+                           sampling=sampling, stream=args.stream or args.json)
 
 
 async def _submit(args: argparse.Namespace) -> int:

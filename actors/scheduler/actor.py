@@ -3,9 +3,10 @@
 Loop: apply what arrived (new requests, aborts, control commands) -> one engine step in a worker thread, so
 the bus stays responsive during the forward pass -> publish that step's token rows, one message per
 detokenizer (each request's rows go to the detokenizer stamped on its TokenizedRequest; with
-`--stream-interval` k, a request's rows are joined k tokens at a time first: stream_interval.py). The engine is
-touched only between steps, from this loop, so it needs no locks, and only through `EngineInterface`: its
-rows are already the wire's `TokenRow`s. When the engine falls idle the loop calls its `on_idle` once.
+`--stream-interval` k, a request's rows are joined k tokens at a time first, and a non-streamed one's more:
+stream_interval.py). The engine is touched only between steps, from this loop, so it needs no locks, and only
+through `EngineInterface`: its rows are already the wire's `TokenRow`s. When the engine falls idle the loop
+calls its `on_idle` once.
 
 Admission (`admission.py`): every request arrives here, from HTTP and from NATS clients alike, so the caps on
 live requests (in total, and per NATS client by the `c~rid` prefix) are checked here, before the engine sees
@@ -238,6 +239,8 @@ class SchedulerActor:
         if not known:
             self._detokenizer_of[item.rid] = item.detokenizer
         error = self._add(item)
+        if error is None and not item.stream:
+            self._streams.whole_output(item.rid)
         if error is not None:
             if not known:
                 del self._detokenizer_of[item.rid]

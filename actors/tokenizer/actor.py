@@ -218,7 +218,8 @@ class TokenizerActor:
             if span is not None:
                 span.set_attribute("gen_ai.usage.input_tokens", len(input_ids))
         detokenizer = self._detokenizers.choose(req.rid, time.monotonic())
-        tokenized = TokenizedRequest(rid=req.rid, input_ids=input_ids, sampling=sampling, detokenizer=detokenizer)
+        tokenized = TokenizedRequest(rid=req.rid, input_ids=input_ids, sampling=sampling, detokenizer=detokenizer,
+                                     stream=req.stream)
         replica = self._router.route(input_ids, time.monotonic())
         subject = self._ctx.subjects.tokenized if replica is None else self._ctx.subjects.tokenized_for(replica)
         try:
