@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -31,6 +32,21 @@ def isa_paths() -> list[str]:
     return ["avx512vnni", "avx2"] if cpu_kernels.best_isa() == "avx512vnni" else ["avx2"]
 
 
+def each_isa_path_and_thread_count() -> Iterator[tuple[str, int]]:
+    """Run the kernels on every ISA path and on 1 and 2 threads in turn, yielding each (path, threads); both
+    restored after."""
+    best, previous = cpu_kernels.isa(), torch.get_num_threads()
+    try:
+        for path in isa_paths():
+            cpu_kernels.set_isa(path)
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                yield path, threads
+    finally:
+        cpu_kernels.set_isa(best)
+        torch.set_num_threads(previous)
+
+
 def run(x: torch.Tensor, fmt: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor,
                                                                                                    torch.Tensor]:
     """(the op's output, the reference's) for `x` times `weight` packed as `fmt`."""
@@ -44,25 +60,16 @@ def run(x: torch.Tensor, fmt: str, weight: torch.Tensor, bias: torch.Tensor | No
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_kernel_matches_the_reference_on_every_isa_path_shape_row_count_and_thread_count(fmt: str) -> None:
     torch.manual_seed(0)
-    best = cpu_kernels.isa()
-    previous = torch.get_num_threads()
-    try:
-        for path in isa_paths():
-            cpu_kernels.set_isa(path)
-            for threads in (1, 2):
-                torch.set_num_threads(threads)
-                for n, k in SHAPES:
-                    weight, bias = torch.randn(n, k), torch.randn(n)
-                    for rows in ROWS:
-                        x = torch.randn(rows, k) * 3
-                        got, want = run(x, fmt, weight, bias if rows % 2 else None)
-                        assert got.shape == (rows, n)
-                        # the integer dot products are exact; only the float sums' order differs
-                        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * want.abs().max().item(),
-                                                   msg=f"{fmt} {path} threads={threads} N={n} K={k} rows={rows}")
-    finally:
-        cpu_kernels.set_isa(best)
-        torch.set_num_threads(previous)
+    for path, threads in each_isa_path_and_thread_count():
+        for n, k in SHAPES:
+            weight, bias = torch.randn(n, k), torch.randn(n)
+            for rows in ROWS:
+                x = torch.randn(rows, k) * 3
+                got, want = run(x, fmt, weight, bias if rows % 2 else None)
+                assert got.shape == (rows, n)
+                # the integer dot products are exact; only the float sums' order differs
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4 * want.abs().max().item(),
+                                           msg=f"{fmt} {path} threads={threads} N={n} K={k} rows={rows}")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

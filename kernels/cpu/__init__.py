@@ -1,4 +1,5 @@
-"""Our own CPU kernels as torch custom ops: weight-only quantized GEMV/GEMM in groups of 32 (`qgemm.cpp`),
+"""Our own CPU kernels as torch custom ops: weight-only quantized GEMV/GEMM in groups of 32 (`qgemm.cpp`), a
+float32 linear for the few rows of a decode step (`f32_gemv.cpp`, chosen per host by kernels/float_linear.py),
 paged decode attention over the KV pool in place (`paged_attention.cpp`, its reference in `attention.py`), a
 whole decoder layer of a decode step in one op (`decode_layer.cpp`, its reference in `decode_layer.py`), and
 the CPU kernel of the KV write `ringserve::store_kv` (`kv_store.cpp`; schema and torch implementation in
@@ -41,7 +42,7 @@ from kernels.cpu.decode_layer import reference_decode_layer
 from kernels.cpu.packing import PackedWeight, pack, reference_group_linear
 
 __all__ = ["PackedWeight", "pack", "group_linear", "compiled", "isa", "best_isa", "set_isa", "cache_dir", "linear",
-           "paged_decode_attention"]
+           "paged_decode_attention", "f32_linear"]
 
 log = logging.getLogger("kernels.cpu")
 OP = "ringserve_cpu::group_linear"
@@ -61,6 +62,8 @@ _lib.define("decode_layer(Tensor x, Tensor cos, Tensor sin, Tensor norm1, Tensor
             "Tensor(b!) v_pool, int layer, Tensor out_slots, Tensor table, Tensor rows, Tensor kv_lens, "
             "int num_heads, float scale) -> Tensor")
 DECODE_LAYER_OP = "ringserve_cpu::decode_layer"
+_lib.define("f32_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")  # x [M, K] @ weight[N, K]^T + bias
+F32_LINEAR_OP = "ringserve_cpu::f32_linear"
 
 
 @torch.library.register_fake(OP)
@@ -78,6 +81,16 @@ def _paged_decode_attention_fake(q: torch.Tensor, k_layer: torch.Tensor, v_layer
 @torch.library.register_fake(DECODE_LAYER_OP)
 def _decode_layer_fake(x: torch.Tensor, *args: object) -> torch.Tensor:
     return torch.empty_like(x)
+
+
+@torch.library.register_fake(F32_LINEAR_OP)
+def _f32_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], weight.shape[0]))
+
+
+def reference_f32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`f32_linear` in torch (its fallback): `F.linear`."""
+    return torch.nn.functional.linear(x, weight, bias)
 
 
 _state: dict[str, object | None] = {}
@@ -176,6 +189,7 @@ def _extension() -> object | None:
                     _lib.impl("group_linear", reference_group_linear, "CPU")
                     _lib.impl("paged_decode_attention", reference_paged_decode_attention, "CPU")
                     _lib.impl("decode_layer", reference_decode_layer, "CPU")
+                    _lib.impl("f32_linear", reference_f32_linear, "CPU")
                 _state["module"] = module
     return _state["module"]
 
@@ -218,6 +232,13 @@ def linear() -> object:
     notices."""
     _extension()
     return torch.ops.ringserve_cpu.group_linear.default
+
+
+def f32_linear() -> object:
+    """The float32 linear op's overload (`torch.ops.ringserve_cpu.f32_linear.default`, called as `(x, weight,
+    bias)` with `x` `[M, K]` and `weight` `[N, K]` contiguous float32), the library loaded first."""
+    _extension()
+    return torch.ops.ringserve_cpu.f32_linear.default
 
 
 def paged_decode_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, table: torch.Tensor,

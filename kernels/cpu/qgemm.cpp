@@ -364,6 +364,8 @@ at::Tensor group_linear(const at::Tensor& x, const at::Tensor& qweight, const at
 // The ISA path in use ("avx512vnni", "avx2" or "none").
 std::string isa() { return g_isa == ISA_AVX512VNNI ? "avx512vnni" : g_isa == ISA_AVX2 ? "avx2" : "none"; }
 
+bool ringserve_cpu::isa_is_avx512() { return g_isa == ISA_AVX512VNNI; }
+
 // The best path this CPU supports, whatever set_isa chose.
 std::string best_isa() { return kBestIsa == ISA_AVX512VNNI ? "avx512vnni" : kBestIsa == ISA_AVX2 ? "avx2" : "none"; }
 

@@ -40,6 +40,9 @@ PackedRef packed_ref(const at::Tensor& qweight, const at::Tensor& scales, const 
 // the row's block 0. One thread.
 void quantize_row_blocks(const float* x, int64_t k, int64_t b0, int64_t b1, int8_t* q, float* d, int32_t* s);
 
+// Whether the kernels run their AVX-512 path (set_isa may force AVX2 on a host that has AVX-512 VNNI).
+bool isa_is_avx512();
+
 // y[M, out_features] (row stride out_features) for output tiles [t0, t1) of `w`, from M quantized rows. One
 // thread; tiles are the unit to split across threads.
 void linear_tiles(const PackedRef& w, const QuantRows& a, int64_t m, int64_t t0, int64_t t1, float* y);
