@@ -3,9 +3,9 @@
 //
 // Why: at one row a float32 linear only streams its weight from memory, and MKL's sgemm/sgemv does that at a
 // third of the memory's speed on some hosts (AMD Zen 4: 10-12 GB/s where a plain sum reads ~30;
-// docs/benchmarks.md, "float32 on the AMD host"). Here each thread takes blocks of output rows; for each block
-// the x rows (at most four at a time) are multiplied with the block's weight rows in one pass over K, so every
-// weight byte is loaded once per four x rows.
+// docs/benchmarks.md, "float32 on the AMD host"). Here each thread takes a range of output rows, in blocks of
+// several rows; for each block the x rows (at most four at a time) are multiplied with the block's weight rows
+// in one pass over K, so every weight byte is loaded once per four x rows.
 //
 // Order of the sums: per output, 16 (AVX-512) or 8 (AVX2) lanes of partial sums along K, a tail of K % lanes
 // masked into them, then the lanes added. It is not MKL's order, so results differ from torch's in the last
@@ -26,8 +26,8 @@
 
 namespace {
 
-constexpr int kMaxRows = 4;      // x rows per pass over the weight
-constexpr int kBlock = 4;        // weight (output) rows per block
+constexpr int kMaxRows = 4;  // x rows per pass over the weight
+constexpr int kTask = 16;    // weight rows per unit of the threads' split (a multiple of every block below)
 constexpr int64_t kGrainBytes = 64 << 10;  // weight bytes per parallel task at least
 
 // y[m][n0 + r] for M x rows and R weight rows from n0: one pass over K, every weight vector used M times.
@@ -92,15 +92,33 @@ void block_avx2(const float* x, const float* w, int64_t k, int64_t n0, float* y,
       y[m * ldy + n0 + r] = ringserve_cpu::hsum_avx2(acc[m][r]) + (bias ? bias[n0 + r] : 0.0f);
 }
 
-// Weight rows [n0, n1) for M x rows: whole blocks of kBlock rows, then the rest one row at a time.
+// Weight rows per block for M x rows: as many as the vector registers hold as accumulators (M x R of them, plus
+// the x rows and a weight vector: 32 registers with AVX-512, 16 with AVX2). Each block row is another stream of
+// loads in flight, and more streams read the memory faster: at one row R = 16 reads ~33 GB/s on two Zen 4
+// threads where R = 4 read ~21 (bench/fp32_gemv.py).
+template <int M>
+constexpr int kRowsAvx512 = M == 1 ? 16 : M <= 3 ? 8 : 6;
+template <int M>
+constexpr int kRowsAvx2 = M == 1 ? 8 : M == 2 ? 4 : 2;
+
+// Weight rows [n0, n1) for M x rows: whole blocks, then the rest one row at a time.
+template <int M, int R, bool AVX512>
+void rows_range_isa(const float* x, const float* w, int64_t k, int64_t n0, int64_t n1, float* y, int64_t ldy,
+                    const float* bias) {
+  int64_t n = n0;
+  for (; n + R <= n1; n += R)
+    AVX512 ? block_avx512<M, R>(x, w, k, n, y, ldy, bias) : block_avx2<M, R>(x, w, k, n, y, ldy, bias);
+  for (; n < n1; ++n)
+    AVX512 ? block_avx512<M, 1>(x, w, k, n, y, ldy, bias) : block_avx2<M, 1>(x, w, k, n, y, ldy, bias);
+}
+
 template <int M>
 void rows_range(const float* x, const float* w, int64_t k, int64_t n0, int64_t n1, float* y, int64_t ldy,
                 const float* bias, bool avx512) {
-  int64_t n = n0;
-  for (; n + kBlock <= n1; n += kBlock)
-    avx512 ? block_avx512<M, kBlock>(x, w, k, n, y, ldy, bias) : block_avx2<M, kBlock>(x, w, k, n, y, ldy, bias);
-  for (; n < n1; ++n)
-    avx512 ? block_avx512<M, 1>(x, w, k, n, y, ldy, bias) : block_avx2<M, 1>(x, w, k, n, y, ldy, bias);
+  if (avx512)
+    rows_range_isa<M, kRowsAvx512<M>, true>(x, w, k, n0, n1, y, ldy, bias);
+  else
+    rows_range_isa<M, kRowsAvx2<M>, false>(x, w, k, n0, n1, y, ldy, bias);
 }
 
 void rows_for(int64_t rows, const float* x, const float* w, int64_t k, int64_t n0, int64_t n1, float* y,
@@ -130,10 +148,10 @@ at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& weight, const std::
   const float* xp = x.data_ptr<float>();
   const float* wp = weight.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t blocks = (n + kBlock - 1) / kBlock;
-  const int64_t grain = std::max<int64_t>(1, kGrainBytes / (kBlock * k * 4));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    const int64_t n0 = b0 * kBlock, n1 = std::min(n, b1 * kBlock);
+  const int64_t tasks = (n + kTask - 1) / kTask;
+  const int64_t grain = std::max<int64_t>(1, kGrainBytes / (kTask * k * 4));
+  at::parallel_for(0, tasks, grain, [&](int64_t t0, int64_t t1) {
+    const int64_t n0 = t0 * kTask, n1 = std::min(n, t1 * kTask);
     for (int64_t m0 = 0; m0 < m; m0 += kMaxRows)
       rows_for(std::min<int64_t>(kMaxRows, m - m0), xp + m0 * k, wp, k, n0, n1, yp + m0 * n, n, b, avx512);
   });
