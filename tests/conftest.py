@@ -22,6 +22,13 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 os.environ.setdefault("RINGSERVE_CPU_GRAPHS", "0")
 
 
+@pytest.fixture
+def plan_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Kernel plans and float32 GEMV choices a test measures go to a temporary cache (`RINGSERVE_CACHE`)."""
+    monkeypatch.setenv("RINGSERVE_CACHE", str(tmp_path))
+    return tmp_path
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny model with a 4096-token context: a whole ring starts in seconds."""

@@ -25,13 +25,6 @@ SHAPES = [(1, 1), (3, 7), (5, 16), (7, 17), (9, 33), (64, 576), (130, 1000)]
 ROWS = [1, 2, 3, 4, 5, 9]
 
 
-@pytest.fixture
-def plan_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Measurements made by a test go to a temporary cache."""
-    monkeypatch.setenv("RINGSERVE_CACHE", str(tmp_path))
-    return tmp_path
-
-
 @needs_build
 def test_the_kernel_matches_torch_on_every_isa_path_shape_row_count_and_thread_count() -> None:
     torch.manual_seed(0)

@@ -20,13 +20,6 @@ from tests.engine_helpers import engine_for, greedy, run_to_completion, tiny_hf_
 COMPILED = cpu_kernels.compiled()  # built (or found built) now, in the usual cache, before any test moves it
 
 
-@pytest.fixture
-def plan_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Kernel plans measured by a test go to a temporary cache (the extension is already loaded)."""
-    monkeypatch.setenv("RINGSERVE_CACHE", str(tmp_path))
-    return tmp_path
-
-
 @pytest.mark.parametrize("method, kernel, tolerance", [("int8", "q8_0", 0.02), ("int8", "int_mm", 0.02),
                                                        ("int4", "q4_1", 0.12)])
 def test_quantized_linears_are_close_to_float(method: str, kernel: str, tolerance: float) -> None:

@@ -27,7 +27,7 @@
 namespace {
 
 constexpr int kMaxRows = 4;  // x rows per pass over the weight
-constexpr int kTask = 16;    // weight rows per unit of the threads' split (a multiple of every block below)
+constexpr int kTask = 48;    // weight rows per unit of the threads' split (a multiple of every block below)
 constexpr int64_t kGrainBytes = 64 << 10;  // weight bytes per parallel task at least
 
 // y[m][n0 + r] for M x rows and R weight rows from n0: one pass over K, every weight vector used M times.
