@@ -154,7 +154,7 @@ def _rank(rank: int, tp: int, addr: str, args: argparse.Namespace, queue: Any) -
                 result[kind]["allreduce_alone_ms"] = alone[kind]
             queue.put(result)
     finally:
-        tensor_parallel.close_group()
+        tensor_parallel.close_group(group)
 
 
 def _tp1(args: argparse.Namespace) -> dict[str, Any]:

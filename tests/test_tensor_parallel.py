@@ -87,6 +87,7 @@ def _rank_main(rank: int, size: int, addr: str, scenarios: list[Any], queue: Any
     """One rank: every scenario in turn (rank 0 runs its requests; followers run rank 0's plans). With `kill`
     (rank 0 only): SIGKILL or SIGSTOP the follower `peer_pid` mid-generation and report how the requests end."""
     torch.set_num_threads(1)
+    group = None
     try:
         group = init_group(rank, size, addr, "cpu", timeout_s=TIMEOUT_S)
         hf = tiny_hf_llama()  # seeded: the same weights in every process
@@ -109,7 +110,7 @@ def _rank_main(rank: int, size: int, addr: str, scenarios: list[Any], queue: Any
         queue.put((rank, f"error: {exc!r}"))
         sys.exit(1)
     finally:
-        close_group()
+        close_group(group)
 
 
 def _kill_follower(engine: TPEngine, waves: list[Wave], how: str, pid: int) -> dict[str, Any]:

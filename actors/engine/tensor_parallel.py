@@ -78,13 +78,23 @@ def init_group(rank: int, size: int, init_addr: str, device: str | torch.device,
     return TPGroup(rank, size, device, tensor_group, plan_group)
 
 
-def close_group() -> None:
-    """Leave the process group (best effort: a broken group may not tear down cleanly)."""
-    if dist.is_initialized():
+def close_group(group: TPGroup | None = None) -> None:
+    """Leave the process group (best effort: a broken group may not tear down cleanly).
+
+    With a healthy `group`, every rank first waits for the others on a barrier (the collective timeout): gloo
+    aborts a process (`std::terminate`) whose peer tears its pairs down while it still has a receive in flight.
+    """
+    if not dist.is_initialized():
+        return
+    if group is not None and group.broken is None:
         try:
-            dist.destroy_process_group()
-        except Exception:
+            group.collective(lambda: dist.barrier(group=group.plan_group), "leave barrier")
+        except TPGroupError:
             pass
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
 
 
 class RowParallelLinear(nn.Module):
