@@ -14,12 +14,13 @@ kernel measured fastest on this host for its shape and row count.
   on SmolLM2 a 4-bit head cut greedy agreement with float32 from 54% of tokens to 22%.
 - `gguf`: each layer's weight as its GGUF file stores it (`q8_0`, `q4_0` or `q4_1` blocks, packed as they are
   by actors/engine/gguf_blocks.py, never requantized), through our group kernel of that format.
-- Every method may also run `float32` (the layer then keeps its float32 weight as well).
+- Every method may also run its float32 weight (the layer then keeps it as well) by torch's `float32` or by
+  oneDNN's `onednn` matmul (kernels/float_linear.py), where those measure faster than its quantized kernels.
 
-A `KernelPlan` maps each linear shape `(out, in)` to its kernel per row-count bucket (`rows.bit_length()`;
-more rows than the largest bucket follow it). `measure_kernel_plan` times every candidate side by side on the
-model's own shapes at the row counts the server runs and keeps the fastest that is not slower than float32,
-so `--quantization` never makes a step slower; the result is cached on disk per host
+A `KernelPlan` (kernels/linear_plan.py) maps each linear shape `(out, in)` to its kernel per row-count bucket.
+`measure_kernel_plan` times every candidate side by side on the model's own shapes at the row counts the
+server runs and keeps the fastest that is not slower than float32, so `--quantization` never makes a step
+slower; the result is cached on disk per host
 (`kernels.cpu.plan_cache`). A token's output never depends on the other rows of its batch: every kernel
 scales activations per row (or per row and block).
 """
@@ -37,6 +38,8 @@ from torch import nn
 import kernels.cpu as cpu_kernels
 from kernels.cpu import plan_cache
 from kernels.cpu.packing import PackedWeight, pack
+from kernels.float_linear import onednn_available, onednn_linear
+from kernels.linear_plan import KernelPlan, ShapePlan, kernel_for
 
 log = logging.getLogger("kernels.quantization")
 METHODS = ("int8", "int4", "gguf")
@@ -45,10 +48,9 @@ GROUP_KERNELS = ("q8_0", "q4_0", "q4_1")
 # choose_kernel)
 CANDIDATES = {"int8": ("q8_0", "int_mm"), "int4": ("q4_1",), **{fmt: (fmt,) for fmt in GROUP_KERNELS}}
 HEAD_NAMES = ("lm_head",)  # linears int4 keeps at int8
+FLOAT_WEIGHT_KERNELS = ("float32", "onednn")  # the kernels that read the float32 weight
 FLOAT_MARGIN = 0.95  # a quantized kernel must measure at least 5% faster than float32 to be chosen (noise)
 NEAR_TIE = 1.10  # a better-quality kernel within 10% of the fastest is taken instead
-ShapePlan = dict[int, str]  # rows.bit_length() -> kernel
-KernelPlan = dict[tuple[int, int], ShapePlan]  # (out_features, in_features) -> its ShapePlan
 
 
 def default_kernel(method: str) -> str:
@@ -73,13 +75,12 @@ class QuantLinear(nn.Module):
         self.method = method
         self.plan = dict(plan or {})
         self.default = packed.format if packed is not None else default_kernel(method)
-        self._top = max(self.plan, default=0)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         kernels = (set(self.plan.values()) or {self.default}) | set(hold)
         weight = linear.weight.detach().float()
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float(), persistent=False)
         # float32 weights are shared, not copied (a tied LM head keeps sharing the embedding's)
-        self.register_buffer("weight_f", weight if "float32" in kernels else None, persistent=False)
+        self.register_buffer("weight_f", weight if kernels & set(FLOAT_WEIGHT_KERNELS) else None, persistent=False)
         self.packed: dict[str, PackedWeight] = {k: packed if packed is not None and k == packed.format
                                                 else pack(weight, k) for k in kernels if k in GROUP_KERNELS}
         self._group_linear = cpu_kernels.linear()
@@ -101,7 +102,7 @@ class QuantLinear(nn.Module):
 
     def kernel_for(self, rows: int) -> str:
         """The kernel a call with `rows` rows runs."""
-        return self.plan.get(min(rows.bit_length(), self._top), self.default)
+        return kernel_for(self.plan, rows, self.default)
 
     def packed_for(self, rows: int) -> PackedWeight | None:
         """The packed weight a call with `rows` rows reads, or None when its kernel is not a group kernel."""
@@ -111,6 +112,10 @@ class QuantLinear(nn.Module):
         """`rows` `[M, in]` float32 through `kernel` (one the layer holds the weights for)."""
         if kernel == "float32":
             return F.linear(rows, self.weight_f, self.bias)
+        if kernel == "onednn":
+            if torch.compiler.is_compiling():
+                return torch.ops.ringserve.onednn_linear(rows, self.weight_f, self.bias)
+            return onednn_linear(rows, self.weight_f, self.bias)
         if kernel in self.packed:
             p = self.packed[kernel]
             if torch.compiler.is_compiling():  # the custom op (with its fake) traces; the bare function not
@@ -168,9 +173,10 @@ def quantize_linears(model: nn.Module, method: str, plan: KernelPlan | None = No
 
 
 def candidates(method: str) -> tuple[str, ...]:
-    """Kernels timed for `method` on this host: float32 first, then the method's, in quality order. Our group
-    kernels only when compiled (their torch fallback is far slower than float32); `int_mm` needs fbgemm."""
-    out = ["float32"]
+    """Kernels timed for `method` on this host in quality order: the float32 weight's first (torch's, then
+    oneDNN's where torch has it), then the method's. Our group kernels only when compiled (their torch fallback
+    is far slower than float32); `int_mm` needs fbgemm."""
+    out = ["float32", *(["onednn"] if onednn_available() else [])]
     for kernel in CANDIDATES[method]:
         if kernel in GROUP_KERNELS and not cpu_kernels.compiled():
             continue
@@ -181,7 +187,7 @@ def candidates(method: str) -> tuple[str, ...]:
 
 
 def choose_kernel(times: dict[str, float], order: tuple[str, ...]) -> str:
-    """The kernel to run given seconds per call: float32 unless a quantized kernel beats it by the margin;
+    """The kernel to run given seconds per call: torch's float32 unless another kernel beats it by the margin;
     among those, the fastest, or the best-quality one (earliest in `order`) within `NEAR_TIE` of it."""
     fast = {k: t for k, t in times.items() if k != "float32" and t <= FLOAT_MARGIN * times["float32"]}
     if not fast:
@@ -228,23 +234,3 @@ def speedup(times: dict[str, dict[str, float]], plan: KernelPlan, rows: int) -> 
             chosen += measured[plan[(n, k)][r.bit_length()]]
     return base / chosen if chosen else 1.0
 
-
-def plan_buckets(plan: ShapePlan) -> dict[str, str]:
-    """One shape's plan as readable ranges, adjacent buckets of one kernel merged, the last open-ended:
-    e.g. {"1-15 rows": "q8_0", "16+ rows": "float32"}."""
-    out: dict[str, str] = {}
-    items = sorted(plan.items())
-    start = 0
-    for i, (bits, kernel) in enumerate(items):
-        if i + 1 < len(items) and items[i + 1][1] == kernel:
-            continue
-        low = 1 << (items[start][0] - 1)
-        out[f"{low}+ rows" if i + 1 == len(items) else f"{low}-{(1 << bits) - 1} rows"] = kernel
-        start = i + 1
-    return out
-
-
-def plan_report(plan: KernelPlan) -> dict[str, str]:
-    """A whole plan for logs and `/get_server_info`: {"576->960 1-15 rows": "q8_0", ...} (in->out features)."""
-    return {f"{k}->{n} {rows}": kernel for (n, k), shape_plan in sorted(plan.items())
-            for rows, kernel in plan_buckets(shape_plan).items()}

@@ -1,9 +1,11 @@
-"""Our float32 GEMV for few-row linears (kernels/cpu/f32_gemv.cpp, kernels/float_linear.py).
+"""Float32 linears by the kernel measured fastest per shape and row count (kernels/float_linear.py): our GEMV
+(kernels/cpu/f32_gemv.cpp), oneDNN's matmul, torch's.
 
-The kernel against torch's `F.linear` on odd shapes, row counts, thread counts and both ISA paths; bad inputs
-refused; `GemvLinear` sharing its layer's Parameters, running ours only up to its row count and tracing into a
-compiled graph; the per-host measurement and the swap; and the real SmolLM2 with the GEMV on every linear
-giving transformers' greedy tokens, alone and batched."""
+Our GEMV against torch's `F.linear` on odd shapes, row counts, thread counts and both ISA paths; bad inputs
+refused; oneDNN's against torch's; `FloatLinear` sharing its layer's Parameters and running, eagerly and traced
+into a compiled graph, the kernel its plan names for each row count; the per-host measurement, its choice
+rule and the swap; and the real SmolLM2 with our GEMV and oneDNN on every linear giving transformers' greedy
+tokens, alone and batched."""
 
 from __future__ import annotations
 
@@ -16,10 +18,14 @@ import torch.nn.functional as F
 from torch import nn
 
 import kernels.cpu as cpu_kernels
-from kernels.float_linear import GEMV_ROWS, GemvLinear, gemv_report, measure_gemv_rows, use_f32_gemv
+from kernels.float_linear import (
+    FLOAT_KERNELS, GEMV_MAX_ROWS, FloatLinear, choose_float_kernel, float_report, measure_float_plan,
+    onednn_available, onednn_linear, use_float_plan,
+)
 from tests.test_kernels_cpu_qgemm import each_isa_path_and_thread_count
 
 needs_build = pytest.mark.skipif(not cpu_kernels.compiled(), reason="the C++ kernels did not build here")
+needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN")
 # (out N, in K): K below, at and past a vector (8 or 16 lanes) with tails, N not a multiple of the 4-row block
 SHAPES = [(1, 1), (3, 7), (5, 16), (7, 17), (9, 33), (64, 576), (130, 1000)]
 ROWS = [1, 2, 3, 4, 5, 9]
@@ -53,47 +59,86 @@ def test_inputs_the_kernel_cannot_read_are_refused() -> None:
         op(x, weight, torch.randn(3))
 
 
-@needs_build
-def test_a_gemv_linear_shares_its_parameters_and_runs_ours_up_to_its_rows_compiled_too() -> None:
-    torch.manual_seed(1)
-    linear = nn.Linear(40, 24)
-    layer = GemvLinear(linear, gemv_rows=2)
-    assert layer.weight is linear.weight and layer.bias is linear.bias
-    three = torch.randn(3, 40)
-    assert torch.equal(layer(three), F.linear(three, linear.weight, linear.bias))  # torch's own past its rows
-    one = torch.randn(1, 1, 40)
-    assert layer(one).shape == (1, 1, 24)
-    torch.testing.assert_close(layer(one), linear(one), rtol=1e-5, atol=1e-5)
-    with torch.no_grad():
-        linear.weight.mul_(2)  # a weight update copying into the layer's Parameter reaches the GemvLinear
-    torch.testing.assert_close(layer(one), linear(one), rtol=1e-5, atol=1e-5)
+@needs_onednn
+def test_onednn_matches_torch_on_odd_shapes_row_counts_and_layouts() -> None:
+    torch.manual_seed(2)
+    for n, k in SHAPES:
+        weight, bias = torch.randn(n, k), torch.randn(n)
+        for rows in (1, 3, 4, 33, 130):
+            x = torch.randn(rows, k)
+            torch.testing.assert_close(onednn_linear(x, weight, bias if rows % 2 else None),
+                                       F.linear(x, weight, bias if rows % 2 else None), rtol=1e-5, atol=1e-5 * k ** 0.5)
+    x = torch.randn(2, 3, 80)[..., ::2]  # batched and strided, as a layer may be called
+    weight = torch.randn(12, 40)
+    torch.testing.assert_close(onednn_linear(x, weight, None), F.linear(x, weight), rtol=1e-5, atol=1e-4)
 
+
+def _traced_targets(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[str]]:
+    """`layer(x)` compiled whole, and the ops its graph called."""
     traced: list[str] = []
 
     def backend(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Any:
         traced.extend(str(node.target) for node in gm.graph.nodes)
         return gm.forward
 
-    compiled = torch.compile(layer, backend=backend, fullgraph=True, dynamic=False)
-    torch.testing.assert_close(compiled(one), linear(one), rtol=1e-5, atol=1e-5)
-    assert any("ringserve_cpu.f32_linear" in target for target in traced), traced
+    torch._dynamo.reset()
+    return torch.compile(layer, backend=backend, fullgraph=True, dynamic=False)(x), traced
 
 
 @needs_build
-def test_the_host_measures_each_shape_and_only_chosen_shapes_are_swapped(plan_dir: Path) -> None:
-    chosen, measured = measure_gemv_rows([(24, 40), (40, 24)], rounds=1)
-    assert set(chosen) == {(24, 40), (40, 24)} and set(chosen.values()) <= {0, *GEMV_ROWS}
-    assert set(measured["times"]) == {f"{n},{k},{r}" for n, k in chosen for r in GEMV_ROWS}
-    assert all(set(t) == {"float32", "f32_gemv"} for t in measured["times"].values()) and not measured["cached"]
-    assert measure_gemv_rows([(24, 40), (40, 24)], rounds=1)[0] == chosen  # read back from the cache
+@needs_onednn
+def test_a_float_linear_shares_its_parameters_and_runs_its_plans_kernel_per_row_count_compiled_too() -> None:
+    torch.manual_seed(1)
+    linear = nn.Linear(40, 24)
+    layer = FloatLinear(linear, {1: "f32_gemv", 2: "float32", 3: "onednn"})  # 1 row, 2-3 rows, 4+ rows
+    assert layer.weight is linear.weight and layer.bias is linear.bias
+    three = torch.randn(3, 40)
+    assert torch.equal(layer(three), F.linear(three, linear.weight, linear.bias))  # torch's own at 2-3 rows
+    one, many = torch.randn(1, 1, 40), torch.randn(2, 5, 40)
+    assert layer(one).shape == (1, 1, 24) and layer(many).shape == (2, 5, 24)
+    for x in (one, many):
+        torch.testing.assert_close(layer(x), linear(x), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        linear.weight.mul_(2)  # a weight update copying into the layer's Parameter reaches the FloatLinear
+    for x in (one, many):
+        torch.testing.assert_close(layer(x), linear(x), rtol=1e-5, atol=1e-5)
+    for x, op in ((one, "ringserve_cpu.f32_linear"), (many, "ringserve.onednn_linear"), (three, "linear")):
+        y, traced = _traced_targets(layer, x)
+        torch.testing.assert_close(y, linear(x), rtol=1e-5, atol=1e-5)
+        assert any(op in target for target in traced), (x.shape, traced)
+    with pytest.raises(ValueError, match="unknown float32 kernels"):
+        FloatLinear(linear, {1: "q8_0"})
+
+
+def test_another_kernel_than_torchs_is_chosen_only_when_faster_by_the_margin() -> None:
+    assert choose_float_kernel({"float32": 1.0, "f32_gemv": 0.5, "onednn": 0.7}) == "f32_gemv"
+    assert choose_float_kernel({"float32": 1.0, "onednn": 0.9}) == "onednn"
+    assert choose_float_kernel({"float32": 1.0, "onednn": 0.97}) == "float32"  # within the noise
+    assert choose_float_kernel({"float32": 1.0}) == "float32"
+
+
+@needs_build
+@needs_onednn
+def test_the_host_measures_each_shape_and_row_count_and_only_shapes_it_helps_are_swapped(plan_dir: Path) -> None:
+    shapes = {(24, 40): [1, 2, 4, 8], (40, 24): [1, 4]}
+    plan, measured = measure_float_plan(shapes, rounds=1)
+    assert plan.keys() == shapes.keys() and set(plan[(24, 40)]) == {1, 2, 3, 4} and set(plan[(40, 24)]) == {1, 3}
+    assert {f"{n},{k},{r}" for (n, k), rows in shapes.items() for r in rows} == set(measured["times"])
+    for entry, times in measured["times"].items():
+        rows = int(entry.split(",")[2])
+        assert set(times) == {"float32", "onednn", *(["f32_gemv"] if rows <= GEMV_MAX_ROWS else [])}, entry
+    assert all(set(p.values()) <= set(FLOAT_KERNELS) for p in plan.values()) and not measured["cached"]
+    again, measured_again = measure_float_plan(shapes, rounds=1)  # read back from the cache
+    assert again == plan and measured_again["cached"]
     model = nn.Sequential(nn.Linear(40, 24), nn.ReLU(), nn.Linear(24, 40))
-    assert use_f32_gemv(model, {(24, 40): 4, (40, 24): 0}) == 1
-    assert isinstance(model[0], GemvLinear) and type(model[2]) is nn.Linear
-    assert gemv_report(model) == {"40->24 1-4 rows": "f32_gemv"}
+    assert use_float_plan(model, {(24, 40): {1: "f32_gemv", 2: "f32_gemv", 3: "onednn"}, (40, 24): {1: "float32"}}) == 1
+    assert isinstance(model[0], FloatLinear) and type(model[2]) is nn.Linear
+    assert float_report(model) == {"40->24 1-3 rows": "f32_gemv", "40->24 4+ rows": "onednn"}
 
 
 @needs_build
-def test_smollm2_with_the_gemv_on_every_linear_gives_transformers_greedy_tokens(
+@needs_onednn
+def test_smollm2_with_our_gemv_and_onednn_on_every_linear_gives_transformers_greedy_tokens(
         smollm_hf: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     import actors.engine.quantize as quantize
     from actors.common.model_source import resolve_model
@@ -102,11 +147,13 @@ def test_smollm2_with_the_gemv_on_every_linear_gives_transformers_greedy_tokens(
     from tests.engine_helpers import assert_greedy_matches, greedy, hf_greedy, run_to_completion, tokens_of
     from tests.test_engine_smollm2 import MAX_NEW, PROMPTS
 
-    monkeypatch.setattr(quantize, "measure_gemv_rows",  # this host's choice aside: every shape, up to 4 rows
-                        lambda shapes: ({shape: 4 for shape in shapes}, {"cached": False}))
+    forced = {1: "f32_gemv", 2: "f32_gemv", **{bits: "onednn" for bits in range(3, 12)}}  # prefill: oneDNN
+    monkeypatch.setattr(quantize, "measure_float_plan",  # this host's choice aside
+                        lambda shape_rows: ({shape: forced for shape in shape_rows}, {"cached": False}))
     engine = Engine.from_source(resolve_model("SmolLM2-135M-Instruct"), EngineConfig(device="cpu"))
     report = engine.stats().quantization
-    assert report["method"] == "none" and report["576->49152 1-4 rows"] == "f32_gemv", report  # the tied head too
+    assert report["method"] == "none" and report["576->49152 1-3 rows"] == "f32_gemv", report  # the tied head too
+    assert report["576->49152 4+ rows"] == "onednn", report
     assert engine.runner.model.lm_head.weight is engine.runner.model.model.embed_tokens.weight
     tokenizer, eos = engine.tokenizer, engine.tokenizer.eos_token_id
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
@@ -118,6 +165,6 @@ def test_smollm2_with_the_gemv_on_every_linear_gives_transformers_greedy_tokens(
 
     alone = run_to_completion(engine, [request("alone", 0)])  # decode steps of one row
     assert_greedy_matches(smollm_hf, prompts[0], expected[0], tokens_of(alone["alone"]))
-    together = run_to_completion(engine, [request(f"t{i}", i) for i in range(len(PROMPTS))])  # of up to 4 rows
+    together = run_to_completion(engine, [request(f"t{i}", i) for i in range(len(PROMPTS))])  # 4 rows: oneDNN
     for i in range(len(PROMPTS)):
         assert_greedy_matches(smollm_hf, prompts[i], expected[i], tokens_of(together[f"t{i}"]))

@@ -12,9 +12,9 @@ from torch import nn
 import kernels.cpu as cpu_kernels
 from actors.engine.weights import model_from_hf
 from bus.messages import TokenizedRequest
-from kernels.quantization import (
-    QuantLinear, choose_kernel, measure_kernel_plan, plan_buckets, plan_report, quantize_linears,
-)
+from kernels.linear_plan import plan_buckets, plan_report
+from kernels.float_linear import onednn_available
+from kernels.quantization import QuantLinear, candidates, choose_kernel, measure_kernel_plan, quantize_linears
 from tests.engine_helpers import engine_for, greedy, run_to_completion, tiny_hf_llama, tokens_of
 
 COMPILED = cpu_kernels.compiled()  # built (or found built) now, in the usual cache, before any test moves it
@@ -90,6 +90,28 @@ def test_a_plan_runs_float32_where_the_quantized_kernel_was_measured_slower() ->
         torch.testing.assert_close(layer(one), linear(one), rtol=0.05, atol=0.05)
 
 
+@pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN")
+def test_a_plan_runs_onednn_on_the_float32_weight_where_it_was_measured_fastest() -> None:
+    torch.manual_seed(4)
+    linear = nn.Linear(64, 32)
+    layer = QuantLinear(linear, "int8", {1: "q8_0", 2: "onednn"})  # 2 rows and more: oneDNN on float32
+    assert layer.weight_f is not None and layer.weight_f.data_ptr() == linear.weight.data_ptr()
+    with torch.no_grad():
+        x = torch.randn(5, 64)
+        torch.testing.assert_close(layer(x), linear(x), rtol=1e-5, atol=1e-5)
+        traced: list[str] = []
+
+        def backend(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> object:
+            traced.extend(str(node.target) for node in gm.graph.nodes)
+            return gm.forward
+
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, backend=backend, fullgraph=True, dynamic=False)
+        torch.testing.assert_close(compiled(x), linear(x), rtol=1e-5, atol=1e-5)
+    assert any("ringserve.onednn_linear" in target for target in traced), traced
+    assert candidates("int8")[:2] == ("float32", "onednn")
+
+
 def test_the_choice_is_never_slower_than_float32_and_prefers_quality_in_a_near_tie() -> None:
     order = ("float32", "q8_0", "int_mm")
     assert choose_kernel({"float32": 1.0, "q8_0": 1.2, "int_mm": 0.5}, order) == "int_mm"
@@ -133,5 +155,5 @@ def test_apply_quantization_measures_its_kernels_and_reports_them(method: str, p
     assert {k: v for k, v in report.items() if k not in ("method", "isa")} == plan_report(plan)
     assert any(" 1-" in key or " 1+" in key for key in report)
     if method == "int4":  # the head's shape was measured among int8's kernels
-        assert set(model.lm_head.plan.values()) <= {"float32", "q8_0", "int_mm"}
+        assert set(model.lm_head.plan.values()) <= {"float32", "onednn", "q8_0", "int_mm"}
     assert quantization_report(model_from_hf(hf.config, hf.state_dict(), "cpu")) == {}

@@ -5,8 +5,8 @@ For int8 and int4, which kernel each linear shape runs is measured per row-count
 (`measure_kernel_plan`, cached on disk per host) at the row counts the server runs: decode batches
 1, 2, 4, … 64 and prefill chunks up to `--chunked-prefill-size` (the LM head, which sees one row per request,
 up to 64). A bucket where no quantized kernel is faster on this CPU runs the float32 weights, so
-`--quantization` never makes a step slower. Unquantized on the CPU, each linear shape runs our float32 GEMV
-at the few-row calls (decode steps of 1-4 requests) where it measures faster than torch's
+`--quantization` never makes a step slower. Unquantized on the CPU, each linear shape runs, per row-count
+bucket of the same ladder, the float32 kernel measured fastest: torch's, our GEMV at 1-3 rows, or oneDNN's
 (kernels/float_linear.py).
 """
 
@@ -22,10 +22,10 @@ import kernels.cpu as cpu_kernels
 from actors.common.model_source import ModelSource
 from actors.engine.config import EngineConfig
 from kernels.cpu.packing import PackedWeight
-from kernels.float_linear import gemv_candidates, gemv_report, measure_gemv_rows, use_f32_gemv
+from kernels.float_linear import float_candidates, float_report, measure_float_plan, onednn_available, use_float_plan
+from kernels.linear_plan import KernelPlan, plan_report
 from kernels.quantization import (
-    KernelPlan, QuantLinear, layer_method, linear_shapes, measure_kernel_plan, plan_report, quantize_linears,
-    speedup,
+    QuantLinear, layer_method, linear_shapes, measure_kernel_plan, quantize_linears, speedup,
 )
 from observability.logging import log_event
 
@@ -81,12 +81,13 @@ def model_plan(model: nn.Module) -> KernelPlan:
 def quantization_report(model: nn.Module) -> dict[str, str]:
     """What `/get_server_info` shows as `quantization`: the method, the kernels' ISA path and the kernel each
     linear shape runs per row count, e.g. {"method": "int8", "isa": "avx2", "576->960 1-31 rows": "q8_0",
-    "576->960 32+ rows": "float32", …}; unquantized, the shapes that run our float32 GEMV at few rows
-    ({"method": "none", "isa": ..., "576->1536 1-4 rows": "f32_gemv", …}), else {}."""
+    "576->960 32+ rows": "float32", …}; unquantized, the shapes that run another float32 kernel than torch's
+    ({"method": "none", "isa": ..., "576->1536 1-3 rows": "f32_gemv", "576->1536 4+ rows": "onednn", …}),
+    else {}."""
     layer = next((m for m in model.modules() if isinstance(m, QuantLinear)), None)
     if layer is None:
-        gemv = gemv_report(model)
-        return {"method": "none", "isa": cpu_kernels.isa(), **gemv} if gemv else {}
+        chosen = float_report(model)
+        return {"method": "none", "isa": cpu_kernels.isa(), **chosen} if chosen else {}
     plan = model_plan(model)
     report = {"method": layer.method, "isa": cpu_kernels.isa()}
     if not any(plan.values()):
@@ -136,7 +137,7 @@ def apply_quantization(model: nn.Module, config: EngineConfig, source: ModelSour
     method = config.quantization
     on_cpu = config.resolved_device() == "cpu" and config.resolved_dtype() == "float32"
     if method == "none" or (method == "auto" and not on_cpu):
-        return _float32_linears(model, on_cpu)
+        return _float32_linears(model, config, on_cpu)
     if not on_cpu:
         raise ValueError(f"--quantization {method} needs --device cpu and float32 weights")
     if method == "gguf":
@@ -153,7 +154,7 @@ def apply_quantization(model: nn.Module, config: EngineConfig, source: ModelSour
         log_event(log, logging.INFO, "quantization auto", chosen=method,
                   **{f"int8_speedup_batch{b}": round(s, 2) for b, s in zip(AUTO_BATCHES, speedups)})
         if method == "none":
-            return _float32_linears(model, on_cpu)
+            return _float32_linears(model, config, on_cpu)
     if not cpu_kernels.compiled():
         log_event(log, logging.WARNING, "CPU group kernels not built: quantized layers run torch's kernels or "
                   "float32 where those are slower", method=method)
@@ -161,15 +162,16 @@ def apply_quantization(model: nn.Module, config: EngineConfig, source: ModelSour
     return method, plan
 
 
-def _float32_linears(model: nn.Module, on_cpu: bool) -> tuple[str, KernelPlan]:
-    """Unquantized: on the CPU, the linear shapes our float32 GEMV measures faster at few rows run it
-    (kernels/float_linear.py)."""
-    if on_cpu and cpu_kernels.compiled():
-        start = time.perf_counter()
-        shapes = sorted({(m.out_features, m.in_features) for _, m in gemv_candidates(model)})
-        gemv_rows, measured = measure_gemv_rows(shapes)
-        use_f32_gemv(model, gemv_rows)
-        log_event(log, logging.INFO, "float32 linears at few rows", isa=cpu_kernels.isa(), cached=measured["cached"],
-                  seconds=round(time.perf_counter() - start, 2),
-                  choices=", ".join(f"{k}: {v}" for k, v in gemv_report(model).items()) or "torch's everywhere")
-    return "none", {}
+def _float32_linears(model: nn.Module, config: EngineConfig, on_cpu: bool) -> tuple[str, KernelPlan]:
+    """Unquantized: on the CPU, each linear shape runs per row-count bucket the float32 kernel measured fastest
+    here (kernels/float_linear.py); returns ("none", that plan)."""
+    if not on_cpu or not (cpu_kernels.compiled() or onednn_available()):
+        return "none", {}
+    start = time.perf_counter()
+    shapes = {(m.out_features, m.in_features) for _, m in float_candidates(model)}
+    plan, measured = measure_float_plan({s: r for s, r in plan_rows(model, config).items() if s in shapes})
+    use_float_plan(model, plan)
+    log_event(log, logging.INFO, "float32 kernels per linear shape and step size", isa=cpu_kernels.isa(),
+              cached=measured["cached"], seconds=round(time.perf_counter() - start, 2),
+              choices=", ".join(f"{k}: {v}" for k, v in float_report(model).items()) or "torch's everywhere")
+    return "none", plan

@@ -5,6 +5,10 @@ CPU (model and ISA flags), on torch (its float32 GEMM and `torch._int_mm`), on o
 thread count, so the cache key holds all of them; a change of any re-measures. Plans live as JSON under
 `$RINGSERVE_CACHE/kernel_plans` (default `~/.cache/ringserve/kernel_plans`); delete a file to re-measure.
 `RINGSERVE_KERNEL_PLAN_CACHE=0` neither reads nor writes the cache.
+
+A plan measured while the host was busy (load average above `BUSY_LOAD` per core: a test run, a benchmark)
+holds that moment's contention, under which a kernel on two threads loses to one on one; it is measured again
+the first time it is wanted on a quiet host.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 from kernels.cpu import _SOURCE, cache_dir, isa
 
 PLAN_VERSION = 1  # bump when the plan's meaning or format changes
+BUSY_LOAD = 0.75  # load average (1 min) per core above which the host counts as busy
 
 
 def cpu_info() -> dict[str, str]:
@@ -57,15 +62,28 @@ def _enabled() -> bool:
     return os.environ.get("RINGSERVE_KERNEL_PLAN_CACHE", "1") != "0"
 
 
+def load_per_core() -> float:
+    """The host's load average over the last minute per CPU core (0 where the OS does not say)."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except (AttributeError, OSError):
+        return 0.0
+
+
 def load(key: dict[str, Any]) -> dict[str, Any] | None:
-    """The measurements stored under `key`, or None (none stored, unreadable, or the cache is off)."""
+    """The measurements stored under `key`, or None (none stored, unreadable, the cache off, or measured on a
+    busy host and the host is quiet now)."""
     if not _enabled():
         return None
     try:
         stored = json.loads(_path(key).read_text())
     except (OSError, ValueError):
         return None
-    return stored.get("result") if stored.get("key") == key else None
+    if stored.get("key") != key:
+        return None
+    if stored.get("load_per_core", 0.0) > BUSY_LOAD >= load_per_core():
+        return None
+    return stored.get("result")
 
 
 def store(key: dict[str, Any], result: dict[str, Any]) -> Path | None:
@@ -76,8 +94,8 @@ def store(key: dict[str, Any], result: dict[str, Any]) -> Path | None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"key": key, "result": result, "measured": time.strftime("%Y-%m-%d %H:%M:%S")},
-                                  indent=1))
+        tmp.write_text(json.dumps({"key": key, "result": result, "measured": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                   "load_per_core": round(load_per_core(), 2)}, indent=1))
         tmp.replace(path)
     except OSError:
         return None
