@@ -139,7 +139,9 @@ p = pack(torch.randn(20, 50), "q8_0")
 x = torch.randn(3, 50)
 assert torch.equal(k.group_linear(x, p), reference_group_linear(x, p.qweight, p.scales, None, None, 20, 8))
 from kernels.quantization import candidates
-assert candidates("int8") in (("float32",), ("float32", "int_mm")) and candidates("int4") == ("float32",)
+from kernels.float_linear import onednn_available
+floats = ("float32", "onednn") if onednn_available() else ("float32",)
+assert candidates("int8") in (floats, floats + ("int_mm",)) and candidates("int4") == floats
 print("ok")
 """
     env = {**os.environ, "RINGSERVE_CPU_KERNELS": "0", "RINGSERVE_CACHE": str(tmp_path)}

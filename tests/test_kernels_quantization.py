@@ -14,7 +14,9 @@ from actors.engine.weights import model_from_hf
 from bus.messages import TokenizedRequest
 from kernels.linear_plan import plan_buckets, plan_report
 from kernels.float_linear import onednn_available
-from kernels.quantization import QuantLinear, candidates, choose_kernel, measure_kernel_plan, quantize_linears
+from kernels.quantization import (
+    QuantLinear, candidates, choose_kernel, measure_kernel_plan, quantize_linears, speedup,
+)
 from tests.engine_helpers import engine_for, greedy, run_to_completion, tiny_hf_llama, tokens_of
 
 COMPILED = cpu_kernels.compiled()  # built (or found built) now, in the usual cache, before any test moves it
@@ -110,6 +112,14 @@ def test_a_plan_runs_onednn_on_the_float32_weight_where_it_was_measured_fastest(
         torch.testing.assert_close(compiled(x), linear(x), rtol=1e-5, atol=1e-5)
     assert any("ringserve.onednn_linear" in target for target in traced), traced
     assert candidates("int8")[:2] == ("float32", "onednn")
+
+
+def test_auto_weighs_the_plan_against_the_fastest_float32_kernel() -> None:
+    times = {"8,8,1": {"float32": 2.0, "onednn": 1.0, "q8_0": 0.5}, "8,8,2": {"float32": 2.0, "q8_0": 1.0},
+             "16,8,1": {"float32": 4.0, "onednn": 3.0, "q8_0": 3.5}}
+    plan = {(8, 8): {1: "q8_0", 2: "q8_0"}, (16, 8): {1: "onednn"}}
+    assert speedup(times, plan, 1) == pytest.approx((1.0 + 3.0) / (0.5 + 3.0))
+    assert speedup(times, plan, 2) == pytest.approx(2.0)  # where oneDNN was not measured, torch's
 
 
 def test_the_choice_is_never_slower_than_float32_and_prefers_quality_in_a_near_tie() -> None:
