@@ -20,9 +20,8 @@ kernel measured fastest on this host for its shape and row count.
 A `KernelPlan` (kernels/linear_plan.py) maps each linear shape `(out, in)` to its kernel per row-count bucket.
 `measure_kernel_plan` times every candidate side by side on the model's own shapes at the row counts the
 server runs and keeps the fastest that is not slower than float32, so `--quantization` never makes a step
-slower; the result is cached on disk per host
-(`kernels.cpu.plan_cache`). A token's output never depends on the other rows of its batch: every kernel
-scales activations per row (or per row and block).
+slower; the result is cached on disk per host (`kernels.cpu.plan_cache`). A token's output never depends on
+the other rows of its batch: every kernel scales activations per row (or per row and block).
 """
 
 from __future__ import annotations
@@ -49,7 +48,7 @@ GROUP_KERNELS = ("q8_0", "q4_0", "q4_1")
 CANDIDATES = {"int8": ("q8_0", "int_mm"), "int4": ("q4_1",), **{fmt: (fmt,) for fmt in GROUP_KERNELS}}
 HEAD_NAMES = ("lm_head",)  # linears int4 keeps at int8
 FLOAT_WEIGHT_KERNELS = ("float32", "onednn")  # the kernels that read the float32 weight
-FLOAT_MARGIN = 0.95  # a quantized kernel must measure at least 5% faster than float32 to be chosen (noise)
+FLOAT_MARGIN = 0.95  # another kernel must measure at least 5% faster than torch's float32 to be chosen (noise)
 NEAR_TIE = 1.10  # a better-quality kernel within 10% of the fastest is taken instead
 
 

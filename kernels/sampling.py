@@ -153,7 +153,7 @@ def _process(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
 
 def _draw(x: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p, then the seeded exponential race; `x` `[S, V]` -> `[S]` token ids."""
-    device, (s, vocab) = x.device, x.shape
+    device, vocab = x.device, x.shape[1]
     temperature = to_device([r.temperature for r in rows], device, torch.float32)
     scaled = x / temperature[:, None]  # [S, V]
     top_k = [r.top_k if 0 < r.top_k < vocab else vocab for r in rows]

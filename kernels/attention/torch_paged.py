@@ -132,7 +132,7 @@ class TorchPagedBackend(AttentionBackend):
         g["mask"][:bs, 0, 0].copy_(g["cols"][None, :] < kv_lens[:, None])
 
     def prepare(self, info: ForwardInfo) -> TorchPagedMetadata:
-        q_lens_cpu, kv_lens_cpu = info.q_lens_cpu, info.kv_lens_cpu
+        q_lens_cpu = info.q_lens_cpu
         starts: list[int] = []
         total = 0
         for q_len in q_lens_cpu:
