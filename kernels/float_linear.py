@@ -29,7 +29,7 @@ from torch import nn
 
 import kernels.cpu as cpu_kernels
 from kernels.cpu import plan_cache
-from kernels.linear_plan import KernelPlan, ShapePlan, kernel_for, plan_report
+from kernels.linear_plan import KernelPlan, ShapePlan, kernel_for, plan_from_times, plan_report
 
 FLOAT_KERNELS = ("float32", "f32_gemv", "onednn")  # "float32" is torch's F.linear, the one the others must beat
 GEMV_MAX_ROWS = 3  # our GEMV is a candidate for the buckets of 1 and 2-3 rows (past 4 it reads the weight again)
@@ -147,19 +147,15 @@ def measure_float_plan(shape_rows: dict[tuple[int, int], list[int]], rounds: int
     key = plan_cache.host_key({"float32": hashlib.sha256(_SOURCE.read_bytes()).hexdigest()[:16],
                                "candidates": [list(kernels_at(1)), list(kernels_at(GEMV_MAX_ROWS + 1))],
                                "shapes": sorted([list(s), sorted(r)] for s, r in shape_rows.items())})
-    stored = plan_cache.load(key) if use_cache else None
-    times: dict[str, dict[str, float]] = stored["times"] if stored else {}
-    if not stored:
-        with torch.no_grad():
-            for (n, k), row_counts in shape_rows.items():
-                times.update(_time_shape(n, k, row_counts, rounds))
-        if use_cache:
-            plan_cache.store(key, {"times": times})
-    plan: KernelPlan = {}
-    for entry, measured in times.items():
-        n, k, rows = (int(v) for v in entry.split(","))
-        plan.setdefault((n, k), {})[rows.bit_length()] = choose_float_kernel(measured)
-    return plan, {"times": times, "cached": bool(stored)}
+
+    def measure() -> dict[str, dict[str, float]]:
+        times = {}
+        for (n, k), row_counts in shape_rows.items():
+            times.update(_time_shape(n, k, row_counts, rounds))
+        return times
+
+    times, cached = plan_cache.measured_times(key, measure, use_cache)
+    return plan_from_times(times, choose_float_kernel), {"times": times, "cached": cached}
 
 
 def use_float_plan(model: nn.Module, plan: KernelPlan) -> int:

@@ -7,13 +7,29 @@ layers (kernels/quantization.py) and float32 ones (kernels/float_linear.py) foll
 
 from __future__ import annotations
 
+from typing import Callable
+
 ShapePlan = dict[int, str]  # rows.bit_length() -> kernel
 KernelPlan = dict[tuple[int, int], ShapePlan]  # (out_features, in_features) -> its ShapePlan
 
 
 def kernel_for(plan: ShapePlan, rows: int, default: str) -> str:
-    """The kernel `plan` names for a call of `rows` rows (`default` when the plan is empty)."""
-    return plan.get(min(rows.bit_length(), max(plan, default=0)), default)
+    """The kernel `plan` names for a call of `rows` rows (`default` when the plan has no bucket for it). Called
+    on every eager forward of a layer: a hit on the bucket itself costs one dict lookup."""
+    kernel = plan.get(rows.bit_length())
+    if kernel is not None:
+        return kernel
+    top = max(plan, default=0)
+    return plan[top] if 0 < top < rows.bit_length() else default
+
+
+def plan_from_times(times: dict[str, dict[str, float]], choose: Callable[[dict[str, float]], str]) -> KernelPlan:
+    """The plan measured `times` ("out,in,rows" -> {kernel: seconds}) give when `choose` picks each one's kernel."""
+    plan: KernelPlan = {}
+    for entry, measured in times.items():
+        n, k, rows = (int(v) for v in entry.split(","))
+        plan.setdefault((n, k), {})[rows.bit_length()] = choose(measured)
+    return plan
 
 
 def plan_buckets(plan: ShapePlan) -> dict[str, str]:

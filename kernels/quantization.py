@@ -38,7 +38,7 @@ import kernels.cpu as cpu_kernels
 from kernels.cpu import plan_cache
 from kernels.cpu.packing import PackedWeight, pack
 from kernels.float_linear import onednn_available, onednn_linear
-from kernels.linear_plan import KernelPlan, ShapePlan, kernel_for
+from kernels.linear_plan import KernelPlan, ShapePlan, kernel_for, plan_from_times
 
 log = logging.getLogger("kernels.quantization")
 METHODS = ("int8", "int4", "gguf")
@@ -203,24 +203,20 @@ def measure_kernel_plan(shape_rows: dict[tuple[int, int], list[int]], method: st
     order = candidates(method)
     key = plan_cache.host_key({"method": method, "candidates": list(order),
                                "shapes": sorted([list(s), sorted(r)] for s, r in shape_rows.items())})
-    stored = plan_cache.load(key) if use_cache else None
-    times: dict[str, dict[str, float]] = stored["times"] if stored else {}
-    if not stored:
-        with torch.no_grad():
-            for (n, k), row_counts in shape_rows.items():
-                layer = QuantLinear(nn.Linear(k, n, bias=False), method, hold=order)
-                for rows in sorted(set(row_counts)):
-                    x = torch.randn(rows, k)
-                    fns = {kernel: (lambda kernel=kernel: layer.run(x, kernel)) for kernel in order}
-                    times[f"{n},{k},{rows}"] = plan_cache.time_interleaved(fns, rounds)
-                del layer
-        if use_cache:
-            plan_cache.store(key, {"times": times})
-    plan: KernelPlan = {}
-    for entry, measured in times.items():
-        n, k, rows = (int(v) for v in entry.split(","))
-        plan.setdefault((n, k), {})[rows.bit_length()] = choose_kernel(measured, order)
-    return plan, {"times": times, "cached": bool(stored), "candidates": order}
+
+    def measure() -> dict[str, dict[str, float]]:
+        times = {}
+        for (n, k), row_counts in shape_rows.items():
+            layer = QuantLinear(nn.Linear(k, n, bias=False), method, hold=order)
+            for rows in sorted(set(row_counts)):
+                x = torch.randn(rows, k)
+                fns = {kernel: (lambda kernel=kernel: layer.run(x, kernel)) for kernel in order}
+                times[f"{n},{k},{rows}"] = plan_cache.time_interleaved(fns, rounds)
+        return times
+
+    times, cached = plan_cache.measured_times(key, measure, use_cache)
+    plan = plan_from_times(times, lambda measured: choose_kernel(measured, order))
+    return plan, {"times": times, "cached": cached, "candidates": order}
 
 
 def speedup(times: dict[str, dict[str, float]], plan: KernelPlan, rows: int) -> float:

@@ -102,6 +102,20 @@ def store(key: dict[str, Any], result: dict[str, Any]) -> Path | None:
     return path
 
 
+def measured_times(key: dict[str, Any], measure: Callable[[], dict[str, dict[str, float]]],
+                   use_cache: bool = True) -> tuple[dict[str, dict[str, float]], bool]:
+    """The times stored under `key` (and True), or `measure()`'s, under `torch.no_grad`, stored there when
+    `use_cache` (and False). Times are keyed "out,in,rows" -> {kernel: seconds per call}."""
+    stored = load(key) if use_cache else None
+    if stored:
+        return stored["times"], True
+    with torch.no_grad():
+        times = measure()
+    if use_cache:
+        store(key, {"times": times})
+    return times, False
+
+
 def time_interleaved(fns: dict[str, Callable[[], object]], rounds: int = 5,
                      target_s: float = 0.003) -> dict[str, float]:
     """Seconds per call of each function, the minimum over `rounds` rounds that run every function in turn
