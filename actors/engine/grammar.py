@@ -6,7 +6,9 @@ thread pool (cached per constraint, so repeated schemas cost microseconds) and `
 once it is ready, or fails it when the grammar is invalid or took longer than `compile_timeout` seconds. No
 step ever waits for a compilation; when nothing else can run, `wait` sleeps until one finishes. The compiler
 itself (xgrammar, and transformers' tokenizer that it reads) is made on a thread of its own with the first
-constrained request, so no step waits for that either.
+constrained request, so no step waits for that either. The compilation itself runs in a compile worker process
+capped in memory and killed at `compile_timeout` (kernels/grammar/compile_pool.py), so no grammar can grow
+the scheduler's memory.
 
 Each admitted constrained request owns a `GrammarMatcher` (`Req.matcher`). Before sampling, `bitmask` fills
 one packed row per constrained sampling row from its matcher; the sampler masks those rows only, so
@@ -67,7 +69,9 @@ class GrammarManager:
         from actors.common.text_tokenizer import transformers_tokenizer
         from kernels.grammar import make_compiler
 
-        return make_compiler(transformers_tokenizer(self._tokenizer), self._vocab_size)
+        # a worker overrunning the deadline is killed, so a runaway compile stops costing CPU and memory then
+        return make_compiler(transformers_tokenizer(self._tokenizer), self._vocab_size,
+                             time_limit=self.compile_timeout)
 
     def collect(self) -> tuple[list[Req], list[tuple[Req, ApiError]]]:
         """Requests whose grammar is compiled (each with its matcher), and those that failed, with why."""

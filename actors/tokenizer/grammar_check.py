@@ -2,12 +2,15 @@
 
 The constraint is parsed by the same grammar backend the engine compiles it with (`kernels.grammar`), so an
 invalid one is a 400 naming its parameter and never reaches the scheduler. Parsing is cached per constraint
-and runs off the event loop; the backend is loaded on the first constrained request.
+and runs off the event loop, in the backend's compile worker process (bounded in memory and time, and what
+xgrammar prints about a client's grammar never reaches this actor's log raw); the backend is loaded, also off
+the event loop, on the first constrained request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 from bus.errors import ApiError
@@ -21,6 +24,7 @@ class GrammarChecker:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._compiler: Any = None
+        self._lock = threading.Lock()
 
     async def check(self, params: SamplingParams, openai_names: bool) -> None:
         """ApiError 400 naming the constraint's parameter (`response_format` for an OpenAI body's JSON schema)
@@ -32,12 +36,17 @@ class GrammarChecker:
 
         kind, source = grammar
         try:
-            await asyncio.to_thread(self._compiler_for().check, GrammarSpec(kind, source))
+            spec = GrammarSpec(kind, source)
+            await asyncio.to_thread(lambda: self._compiler_for().check(spec))
         except GrammarError as exc:
             param = "response_format" if openai_names and kind == "json_schema" else kind
             raise ApiError(str(exc)[:1000], param=param) from exc
 
     def _compiler_for(self) -> Any:
+        with self._lock:  # two first requests at once make one compiler (and one worker process)
+            return self._make_once()
+
+    def _make_once(self) -> Any:
         if self._compiler is None:
             from actors.common.text_tokenizer import transformers_tokenizer
             from kernels.grammar import make_compiler

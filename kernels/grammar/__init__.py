@@ -2,7 +2,8 @@
 
 A `GrammarSpec` names a constraint (`json_object`, `json_schema`, `regex` or `ebnf`) and is the cache key.
 One `GrammarCompiler` per engine (per tokenizer) checks and compiles specs into `CompiledGrammar`s, cached by
-spec and LRU-bounded, synchronously or on a small thread pool so that compilation stays off the step path.
+spec and LRU-bounded, synchronously or on a small thread pool so that compilation stays off the step path; the
+xgrammar backend parses and compiles in worker processes bounded in memory and time (`compile_pool`).
 Each constrained request owns a `GrammarMatcher`: per step it fills its row of a packed int32 bitmask
 (`torch_bitmask`, xgrammar's layout), `apply_bitmask` masks the constrained rows of the batch's logits in one
 vectorised pass, and the sampled token is fed back with `accept_token`.
@@ -277,7 +278,7 @@ def make_compiler(tokenizer: Any, vocab_size: int | None = None, *, backend: str
     """A compiler for a Hugging Face `tokenizer` and the model's `vocab_size` (the logits' width).
 
     `options` go to the backend (xgrammar: `stop_token_ids`, `any_whitespace`, `cache_size`,
-    `compile_threads`, `max_threads`).
+    `compile_threads`, `max_threads`, and the compile workers' `memory_bytes` and `time_limit`).
     """
     if backend != "xgrammar":
         raise ValueError(f"unknown grammar backend {backend!r}; available: xgrammar")

@@ -9,11 +9,24 @@
   `root` rule) are compiled as given.
 - The tokenizer's special tokens other than the stop tokens are blanked in the vocabulary xgrammar sees, so
   no mask ever allows them (xgrammar would otherwise read `<|im_start|>` as literal text inside a string).
+- A client's grammar is never parsed or compiled in this process. xgrammar has no memory limit of its own and
+  a native compile cannot be interrupted, so both run in compile worker processes (`compile_pool`,
+  `compile_worker`) under `RLIMIT_AS` and a wall-time limit, and a worker that overruns either is killed: the
+  request gets a GrammarError and this process's memory never grows with a grammar. The worker sends the
+  result back as xgrammar's own `CompiledGrammar.serialize_json()`, which `deserialize_json` checks against this
+  process's tokenizer info; that is sound because the compiled grammar is plain data (rules and per-state
+  token masks) and loading it costs what the grammar holds, already bounded by the worker's cap. Compiling
+  twice (a bounded trial in the worker, then again here) would double the cost and run the second, unbounded
+  compile in this process after all. What xgrammar prints meanwhile (its warnings quote client text) stays in
+  the worker and is logged here escaped and bounded, at debug level.
+- A JSON schema that only an infinite value can satisfy (`schema_recursion`) is refused before any worker
+  sees it; the worker also refuses a grammar whose forced start text is unbounded (what jump-forward computes).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -22,7 +35,14 @@ import torch
 import xgrammar as xgr
 
 from kernels.grammar import CompiledGrammar, GrammarCompiler, GrammarError, GrammarMatcher, GrammarSpec
+from kernels.grammar.compile_pool import WorkerFailure, WorkerPool
+from kernels.grammar.schema_recursion import infinite_subschema
 from kernels.grammar.torch_bitmask import set_allowed
+
+log = logging.getLogger("kernels.grammar")
+DEFAULT_MEMORY_BYTES = 1 << 30  # a worker's room beyond what it holds once loaded
+DEFAULT_TIME_LIMIT = 30.0
+QUOTE_CHARS = 200
 
 _LABELS = {"json_object": "JSON object", "json_schema": "JSON schema", "regex": "regex", "ebnf": "EBNF grammar"}
 # xgrammar's C++ errors start with "[12:50:58] /project/cpp/file.cc:123: " and may carry a failed check.
@@ -58,6 +78,8 @@ def build_tokenizer_info(tokenizer: Any, vocab_size: int | None = None,
 
 def _grammar_error(spec: GrammarSpec, exc: Exception) -> GrammarError:
     detail = _CHECK_FAILED.sub("", _LOG_PREFIX.sub("", str(exc).strip()))
+    # xgrammar's messages may quote the client's text: bounded, and control characters escaped
+    detail = one_line(detail, 2 * QUOTE_CHARS)
     return GrammarError(f"invalid {_LABELS[spec.kind]}: {detail}", spec.kind)
 
 
@@ -149,18 +171,25 @@ class XGrammarCompiled(CompiledGrammar):
 class XGrammarCompiler(GrammarCompiler):
     """Compiles specs with xgrammar for one tokenizer (see the module docstring for the choices made).
 
-    `max_threads` is xgrammar's own parallelism inside one compilation; `compile_threads` is how many
-    compilations `compile_async` runs at once. xgrammar releases the GIL while it compiles.
+    Parsing and compiling run in compile worker processes (`compile_pool`), capped at `memory_bytes` beyond
+    what a worker holds once loaded and at `time_limit` seconds per request; the compiled grammar comes back
+    as xgrammar's JSON serialization and is loaded against this process's tokenizer info. `max_threads` is
+    xgrammar's own parallelism inside one compilation; `compile_threads` is how many compilations (and
+    workers) run at once.
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int | None = None, *,
                  stop_token_ids: Sequence[int] | None = None, any_whitespace: bool = False,
-                 cache_size: int = 256, compile_threads: int = 2, max_threads: int = 2) -> None:
+                 cache_size: int = 256, compile_threads: int = 2, max_threads: int = 2,
+                 memory_bytes: int = DEFAULT_MEMORY_BYTES, time_limit: float = DEFAULT_TIME_LIMIT) -> None:
         super().__init__(cache_size=cache_size, compile_threads=compile_threads)
         self.tokenizer_info = build_tokenizer_info(tokenizer, vocab_size, stop_token_ids)
         self.any_whitespace = any_whitespace
-        # Our LRU bounds what is kept; xgrammar's own cache would grow without bound.
-        self._xgr = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=False)
+        self.memory_bytes = memory_bytes
+        setup = {"tokenizer_info": self.tokenizer_info.serialize_json(), "memory_bytes": memory_bytes,
+                 "max_threads": max_threads, "any_whitespace": any_whitespace}
+        self._workers = WorkerPool(setup, size=compile_threads, time_limit=time_limit, on_stderr=_log_printed)
+        self._workers.start()
 
     @property
     def vocab_size(self) -> int:
@@ -171,39 +200,77 @@ class XGrammarCompiler(GrammarCompiler):
         """The stop tokens every matcher of this compiler ends on."""
         return tuple(self.tokenizer_info.stop_token_ids)
 
+    @property
+    def time_limit(self) -> float:
+        """Seconds a worker may spend on one request before it is killed."""
+        return self._workers.time_limit
+
     def _check(self, spec: GrammarSpec) -> None:
-        try:
-            if spec.kind == "json_schema":
-                xgr.Grammar.from_json_schema(self._schema_text(spec), any_whitespace=self.any_whitespace,
-                                             strict_mode=True)
-            elif spec.kind == "regex":
-                xgr.Grammar.from_regex(spec.source)
-            elif spec.kind == "ebnf":
-                xgr.Grammar.from_ebnf(spec.source, root_rule_name="root")
-        except (RuntimeError, ValueError) as exc:
-            raise _grammar_error(spec, exc) from None
+        if spec.kind == "json_schema":
+            self._schema_text(spec)
+        self._ask("check", spec)
 
     def _compile(self, spec: GrammarSpec) -> XGrammarCompiled:
+        if spec.kind == "json_schema":
+            self._schema_text(spec)
+        text = self._ask("compile", spec)["grammar"]
         try:
-            if spec.kind == "json_object":
-                compiled = self._xgr.compile_json_schema('{"type": "object"}', any_whitespace=self.any_whitespace,
-                                                         strict_mode=False)
-            elif spec.kind == "json_schema":
-                compiled = self._xgr.compile_json_schema(self._schema_text(spec),
-                                                         any_whitespace=self.any_whitespace, strict_mode=True)
-            elif spec.kind == "regex":
-                compiled = self._xgr.compile_regex(spec.source)
-            else:
-                compiled = self._xgr.compile_grammar(spec.source, root_rule_name="root")
-        except (RuntimeError, ValueError) as exc:
-            raise _grammar_error(spec, exc) from None
+            compiled = xgr.CompiledGrammar.deserialize_json(text, self.tokenizer_info)
+        except (RuntimeError, ValueError) as exc:  # our own worker's output: a version mismatch at most
+            raise GrammarError(f"loading the compiled {_LABELS[spec.kind]} failed: {str(exc)[:200]}",
+                               spec.kind) from None
         return XGrammarCompiled(spec, compiled, self.vocab_size)
+
+    def close(self) -> None:
+        """Stop the compile threads, then the worker processes."""
+        super().close()
+        self._workers.close()
+
+    def _ask(self, op: str, spec: GrammarSpec) -> dict[str, Any]:
+        """The worker's reply for `spec`; GrammarError when it is invalid, too large, too slow or unbounded."""
+        label = _LABELS[spec.kind]
+        try:
+            reply = self._workers.request({"op": op, "kind": spec.kind, "source": spec.source})
+        except WorkerFailure as exc:
+            if exc.reason == "timeout":
+                raise GrammarError(f"the {label} took longer than {self.time_limit:g} s to compile; simplify it",
+                                   spec.kind) from None
+            if exc.reason == "unbounded":
+                raise GrammarError(f"the {label} can only be matched by an output of unbounded length (a rule "
+                                   "that must recurse forever?); make the recursion optional", spec.kind) from None
+            raise GrammarError(f"the {label} needs more than {self.memory_bytes >> 20} MiB to compile (or crashed "
+                               "the compiler); simplify it", spec.kind) from None
+        if "error" in reply:
+            raise _grammar_error(spec, RuntimeError(reply["error"]))
+        return reply
 
     @staticmethod
     def _schema_text(spec: GrammarSpec) -> str:
-        """The schema, checked to be JSON here first: Python's message is clearer than xgrammar's."""
+        """The schema, checked to be JSON here first (Python's message is clearer than xgrammar's) and to need no
+        infinite value."""
         try:
-            json.loads(spec.source)
+            schema = json.loads(spec.source)
         except ValueError as exc:
             raise GrammarError(f"invalid JSON schema: not valid JSON ({exc})", spec.kind) from None
+        where = infinite_subschema(schema)
+        if where is not None:
+            raise GrammarError(f"invalid JSON schema: only an infinitely nested value could match {quote(where)}: "
+                               "its required properties or items recurse into it with no way out; make the "
+                               "recursion optional", spec.kind)
         return spec.source
+
+
+def _log_printed(text: str) -> None:
+    """What xgrammar printed while handling a client's grammar: logged escaped and bounded, never raw."""
+    log.debug("grammar backend printed %s", quote(text))
+
+
+def one_line(text: str, limit: int = QUOTE_CHARS) -> str:
+    """`text` with control characters escaped (no newline can start a line of its own), cut at `limit`."""
+    cut = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit])
+    return cut + ("..." if len(text) > limit else "")
+
+
+def quote(text: str, limit: int = QUOTE_CHARS) -> str:
+    """`text` as a one-line Python literal, at most about `limit` characters of it (client text in messages)."""
+    return repr(text[:limit]) + ("..." if len(text) > limit else "")

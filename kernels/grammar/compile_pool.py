@@ -1,0 +1,174 @@
+"""The parent's side of the grammar compile workers (`kernels.grammar.compile_worker`): up to `size` child
+processes, each capped in memory, each request bounded in wall time.
+
+A worker is started lazily (and the first one eagerly by the compiler) and kept for the next request. A request
+that overruns `time_limit` seconds gets its worker killed (SIGKILL: a native compile cannot be interrupted any
+other way) and a `WorkerFailure`; so does a worker that dies or hits its memory cap. The next request starts a
+fresh worker. Replies are plain JSON lines read from our own child's pipe, never unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+START_TIMEOUT = 120.0  # importing torch and xgrammar on a loaded host
+ROOT = str(Path(__file__).resolve().parents[2])  # where `kernels` is importable from
+
+
+class WorkerFailure(Exception):
+    """A request the worker could not answer: `reason` is "timeout", "memory", "unbounded" or "crashed"."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class CompileWorker:
+    """One child process and its pipes; one request at a time."""
+
+    def __init__(self, setup_line: bytes, on_stderr: Callable[[str], None]) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+        self._on_stderr = on_stderr
+        self._buffer = b""
+        self.proc = subprocess.Popen([sys.executable, "-m", "kernels.grammar.compile_worker"], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self.limit_bytes = int(self._exchange(setup_line, START_TIMEOUT).get("limit_bytes", 0))
+
+    def request(self, message: dict[str, Any], time_limit: float) -> dict[str, Any]:
+        """The worker's reply to `message`; WorkerFailure (and the worker killed) when it has none in time."""
+        return self._exchange(json.dumps(message).encode() + b"\n", time_limit)
+
+    def alive(self) -> bool:
+        """Whether the process still runs (a worker that hit its cap exits after replying)."""
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        """End the process at once and reap it."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                pipe.close()
+
+    def _exchange(self, line: bytes, time_limit: float) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(line)
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            self.kill()
+            raise WorkerFailure("crashed", "the grammar compiler process is gone") from None
+        reply = json.loads(self._read_line(time.monotonic() + time_limit, time_limit))
+        printed = reply.pop("stderr", None)
+        if printed:
+            self._on_stderr(printed)
+        return reply
+
+    def _read_line(self, deadline: float, time_limit: float) -> bytes:
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        with selectors.DefaultSelector() as selector:
+            selector.register(fd, selectors.EVENT_READ)
+            while b"\n" not in self._buffer:
+                left = deadline - time.monotonic()
+                if left <= 0 or not selector.select(left):
+                    self.kill()
+                    raise WorkerFailure("timeout", f"it took longer than {time_limit:g} s to compile")
+                chunk = os.read(fd, 1 << 20)
+                if not chunk:
+                    self.kill()
+                    code = self.proc.returncode
+                    reason = "memory" if code in (-6, -9, 134, 137) else "crashed"
+                    raise WorkerFailure(reason, f"the grammar compiler process ended ({code}) while compiling it")
+                self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line
+
+
+class WorkerPool:
+    """Up to `size` compile workers for one tokenizer, shared by the compiler's threads."""
+
+    def __init__(self, setup: dict[str, Any], *, size: int, time_limit: float,
+                 on_stderr: Callable[[str], None]) -> None:
+        self._setup_line = json.dumps(setup).encode() + b"\n"
+        self._size = max(1, size)
+        self.time_limit = time_limit
+        self._on_stderr = on_stderr
+        self._idle: list[CompileWorker] = []
+        self._count = 0
+        self._closed = False
+        self._cond = threading.Condition()
+
+    def start(self) -> None:
+        """Start one worker now (so the first request does not pay for it)."""
+        self._release(self._acquire())
+
+    def request(self, message: dict[str, Any], time_limit: float | None = None) -> dict[str, Any]:
+        """A worker's reply to `message` (see compile_worker's protocol); WorkerFailure when it has none.
+
+        A reply with `fatal` (the worker hit its cap and exits) is turned into a WorkerFailure as well."""
+        worker = self._acquire()
+        try:
+            reply = worker.request(message, self.time_limit if time_limit is None else time_limit)
+        except BaseException:
+            self._forget(worker)
+            raise
+        if reply.get("fatal") or not worker.alive():
+            worker.kill()
+            self._forget(worker)
+            raise WorkerFailure(str(reply.get("reason", "crashed")), str(reply.get("error", "the worker ended")))
+        self._release(worker)
+        return reply
+
+    def close(self) -> None:
+        """Kill every idle worker; busy ones are killed when their request ends."""
+        with self._cond:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            self._count -= len(idle)
+            self._cond.notify_all()
+        for worker in idle:
+            worker.kill()
+
+    def _acquire(self) -> CompileWorker:
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise WorkerFailure("crashed", "the grammar compiler is closed")
+                if self._idle:
+                    return self._idle.pop()
+                if self._count < self._size:
+                    self._count += 1
+                    break
+                self._cond.wait()
+        try:
+            return CompileWorker(self._setup_line, self._on_stderr)
+        except BaseException:
+            self._forget(None)
+            raise
+
+    def _release(self, worker: CompileWorker) -> None:
+        with self._cond:
+            if self._closed:
+                self._count -= 1
+                worker.kill()
+            else:
+                self._idle.append(worker)
+            self._cond.notify()
+
+    def _forget(self, worker: CompileWorker | None) -> None:
+        if worker is not None:
+            worker.kill()
+        with self._cond:
+            self._count -= 1
+            self._cond.notify()
