@@ -3,6 +3,11 @@
 Its config file (with any `authorization` block, which may hold passwords) lives in a private 0700
 temporary directory, mode 0600, and is passed by path: no secret is on the server's command line.
 
+JetStream is always on: scheduler replicas claim their ids in a JetStream key-value bucket
+(bus/replica_claim.py). Unless `extra_config` has a `jetstream` block of its own (the span buffer's, or a
+cluster node's), its store is in the same private directory, gone with the server; the claims bucket itself is
+in memory.
+
 `cluster_node_config` renders what makes one nats-server a node of a cluster with JetStream (its
 `server_name`, `jetstream` and `cluster {name, listen, authorization, routes}` blocks): `ringserve nats-config`
 writes it into each node's config, and an `EmbeddedNatsServer` takes it as `extra_config`.
@@ -13,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -91,6 +97,13 @@ def cluster_node_config(server_name: str, cluster_name: str, cluster_listen: str
     return "\n".join(lines)
 
 
+def jetstream_default(extra_config: str, store_dir: Path) -> str:
+    """A `jetstream` block storing in `store_dir`, unless `extra_config` turns JetStream on itself ("" then)."""
+    if re.search(r"^\s*jetstream\s*[{:]", extra_config, re.M):
+        return ""
+    return f"jetstream {{\n  store_dir: {json.dumps(str(store_dir))}\n}}\n"
+
+
 class EmbeddedNatsServer:
     """A private nats-server on loopback; use as a context manager or call start()/stop()."""
 
@@ -120,7 +133,8 @@ class EmbeddedNatsServer:
         config = Path(self._dir.name) / "nats.conf"
         fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # may hold passwords
         with os.fdopen(fd, "w") as out:
-            out.write(f'listen: "{self.host}:{self.port}"\nmax_payload: {self.max_payload}\n{self._extra_config}')
+            out.write(f'listen: "{self.host}:{self.port}"\nmax_payload: {self.max_payload}\n{self._extra_config}'
+                      f'{jetstream_default(self._extra_config, Path(self._dir.name) / "jetstream")}')
         log_target = self._log_file or str(Path(self._dir.name) / "nats.log")
         self._proc = subprocess.Popen(
             [find_nats_server(), "-c", str(config), "-l", log_target],

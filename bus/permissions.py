@@ -7,7 +7,7 @@ One deployment (namespace `ns`) has six internal roles and any number of outside
 | launcher    | nothing                                              | ready, heartbeat                            |
 | entry       | submit, `abort.*`, info, command, tokenize, ANN      | `out.*`, heartbeat                          |
 | tokenizer   | tokenized (`.*`), OUT, ANN, entry's and clients' inboxes, `kv.snapshot.*` | submit, `client.*.submit`, tokenize, heartbeat, `kv.events.*` |
-| scheduler   | `tokens.*`, OUT, ANN, entry's and tokenizer's inboxes, `kv.events.*` | tokenized (`.*`), `abort.*`, `client.*.abort.*`, info, command, `kv.snapshot.*`, heartbeat |
+| scheduler   | `tokens.*`, OUT, ANN, entry's and tokenizer's inboxes, `kv.events.*`, CLAIM | tokenized (`.*`), `abort.*`, `client.*.abort.*`, info, command, `kv.snapshot.*`, heartbeat |
 | detokenizer | OUT, ANN                                             | `tokens.*`, `abort.*`, `client.*.abort.*`   |
 | trace_exporter | ANN, JS (the span stream's JetStream API)        | `spans.>`                                   |
 | client `c`  | `client.c.submit`, `client.c.abort.*`                | `client.c.out.*`                            |
@@ -21,7 +21,9 @@ inbox only, see `reply_inbox`). Entry,
 tokenizer, scheduler and detokenizer may also publish their own `spans.{role}` (finished spans, stored by the
 JetStream span stream `{ns}-spans` when `--trace-buffer jetstream` is on); JS = creating that stream and its
 consumers, fetching and acking its messages (`$JS.API.*.{ns}-spans...`, `$JS.ACK.{ns}-spans.>`), which
-`ringserve trace` also uses with the trace_exporter's credentials. Every role
+`ringserve trace` also uses with the trace_exporter's credentials. CLAIM = the scheduler's replica-id bucket
+`{ns}-replicas` (bus/replica_claim.py): create it, read its keys, write `$KV.{ns}-replicas.>`, nothing of any
+other stream or bucket. Every role
 also subscribes its own reply inbox, `inbox_prefix(ns, role)` + `.>`, and must connect with that inbox prefix
 (nats-py's `inbox_prefix`), so no role can read another's replies. A client sees only subjects with its own
 name in them: it cannot read, abort or submit as another client, nor touch an HTTP request's stream.
@@ -81,7 +83,8 @@ def role_permissions(namespace: str, role: str) -> Permissions:
                            subscribe=(s.submit, s.client_submit_any, s.tokenize, s.heartbeat, s.kv_events_any, inbox))
     if role == "scheduler":
         replies = (inbox_prefix(ns, "entry") + ".>", inbox_prefix(ns, "tokenizer") + ".>")
-        return Permissions(publish=(f"{ns}.tokens.*", *outputs, *announce, *replies, s.kv_events_any),
+        return Permissions(publish=(f"{ns}.tokens.*", *outputs, *announce, *replies, s.kv_events_any,
+                                    *replica_claim_api(s)),
                            subscribe=(s.tokenized, s.tokenized_any_replica, s.abort_any, s.client_abort_any,
                                       s.scheduler_info, s.kv_snapshot_any, s.heartbeat,
                                       s.scheduler_command, inbox))
@@ -100,6 +103,15 @@ def span_stream_api(s: Subjects) -> tuple[str, ...]:
             f"{api}.CONSUMER.CREATE.{stream}", f"{api}.CONSUMER.CREATE.{stream}.>",
             f"{api}.CONSUMER.DURABLE.CREATE.{stream}.*", f"{api}.CONSUMER.INFO.{stream}.*",
             f"{api}.CONSUMER.DELETE.{stream}.*", f"{api}.CONSUMER.MSG.NEXT.{stream}.*", f"$JS.ACK.{stream}.>")
+
+
+def replica_claim_api(s: Subjects) -> tuple[str, ...]:
+    """What a scheduler needs of JetStream to claim its replica id: create and inspect the claims bucket's stream,
+    get a key's last message (direct or through the API) and write its keys."""
+    stream = s.replica_bucket_stream()
+    api = "$JS.API"
+    return (f"{api}.STREAM.CREATE.{stream}", f"{api}.STREAM.INFO.{stream}", f"{api}.STREAM.MSG.GET.{stream}",
+            f"{api}.DIRECT.GET.{stream}", f"{api}.DIRECT.GET.{stream}.>", s.replica_claims())
 
 
 def reply_inbox(namespace: str, request_subject: str) -> str:

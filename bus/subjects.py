@@ -21,6 +21,7 @@ Layout (namespace `ns`, default "ringserve"):
 | `{ns}.client.{c}.out.{rid}`  | RequestOutput      | detokenizer/tokenizer/scheduler -> client `c`     |
 | `{ns}.client.{c}.abort.{rid}`| AbortRequest       | client `c` -> scheduler                           |
 | `{ns}.spans.{role}`          | OTLP span batch    | traced actors -> JetStream stream `{ns}-spans`    |
+| `$KV.{ns}-replicas.{r}`      | replica claim JSON | scheduler replica `r` -> JetStream KV (its id)    |
 
 (`{ns}.spans.*` only with `--trace-buffer jetstream`: OTLP protobuf bytes, stored by JetStream, read by the
 trace exporter.) Tracing names spans after subject templates (`subject_template`: `out.{rid}`,
@@ -227,6 +228,18 @@ class Subjects:
     def span_stream(self) -> str:
         """The name of the JetStream stream buffering this deployment's spans (not a subject)."""
         return f"{self.namespace}-spans"
+
+    def replica_bucket(self) -> str:
+        """The JetStream key-value bucket where scheduler replicas claim their ids (bus/replica_claim.py)."""
+        return f"{self.namespace}-replicas"
+
+    def replica_bucket_stream(self) -> str:
+        """The stream behind `replica_bucket` (JetStream names a bucket's stream `KV_<bucket>`)."""
+        return f"KV_{self.replica_bucket()}"
+
+    def replica_claims(self) -> str:
+        """Every key of `replica_bucket`, as the subjects claims are written on (`$KV.<bucket>.<replica id>`)."""
+        return f"$KV.{self.replica_bucket()}.>"
 
     def rid_of(self, subject: str) -> str:
         """The rid of a per-request subject: `{ns}.abort.{rid}` -> rid, `{ns}.client.{c}.abort.{r}` -> `c~r`."""

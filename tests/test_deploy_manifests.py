@@ -90,7 +90,6 @@ def test_every_service_selects_its_workload_and_names_its_ports() -> None:
     resources = load_resources()
     for service_name, workload_key in (("nats", ("StatefulSet", "nats")), ("jaeger", ("Deployment", "jaeger")),
                                        ("ringserve", ("Deployment", "ringserve-entry")),
-                                       ("ringserve-scheduler", ("StatefulSet", "ringserve-scheduler")),
                                        ("ringserve-detokenizer", ("StatefulSet", "ringserve-detokenizer"))):
         service = resources[("Service", service_name)]
         workload = resources[workload_key]
@@ -130,10 +129,13 @@ def test_nats_is_a_three_node_statefulset_with_jetstream_on_a_volume() -> None:
     assert container["readinessProbe"]["httpGet"]["path"] == "/healthz?js-enabled-only=true"
 
 
-def test_the_scheduler_and_detokenizer_take_their_id_from_the_pod_ordinal() -> None:
+def test_the_detokenizer_takes_its_id_from_the_pod_ordinal_and_schedulers_claim_theirs() -> None:
     actors = _k8s_actors()
     assert set(actors) == set(ACTOR_ROLES)
-    for role, flag, dest in (("scheduler", "--dp-replica-id", "dp_replica_id"), ("detokenizer", "--shard", "shard")):
+    scheduler, argv = actors["scheduler"]
+    assert scheduler["kind"] == "Deployment"  # no per-pod id: each claims the lowest free one on the bus
+    assert _worker_args(argv)[1].dp_replica_id is None
+    for role, flag, dest in (("detokenizer", "--shard", "shard"),):
         workload, argv = actors[role]
         assert workload["kind"] == "StatefulSet"
         [container] = workload["spec"]["template"]["spec"]["containers"]
@@ -167,16 +169,16 @@ def test_every_k8s_actor_lists_all_three_nats_nodes_and_mounts_only_its_own_cred
 
 
 def test_the_scheduler_keeps_its_cache_on_a_volume_where_the_image_puts_it() -> None:
-    """Converted weights, kernel plans and compiled decode graphs survive a restart of the scheduler."""
+    """Converted weights, kernel plans and compiled decode graphs survive a restart of the scheduler's container."""
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     [cache] = re.findall(r"^ENV RINGSERVE_CACHE=(\S+)$", dockerfile, re.M)
     assert f"chown 10001 {cache}" in dockerfile  # a fresh volume takes the image's owner: the actors' uid
     assert "scheduler-cache" in load_compose()["volumes"]
-    scheduler = load_resources()[("StatefulSet", "ringserve-scheduler")]
+    scheduler = load_resources()[("Deployment", "ringserve-scheduler")]
     [container] = scheduler["spec"]["template"]["spec"]["containers"]
     assert {"name": "cache", "mountPath": cache} in container["volumeMounts"]
-    [claim] = scheduler["spec"]["volumeClaimTemplates"]
-    assert claim["metadata"]["name"] == "cache" and claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    [volume] = [v for v in scheduler["spec"]["template"]["spec"]["volumes"] if v["name"] == "cache"]
+    assert "emptyDir" in volume  # per pod, kept across container restarts
 
 
 def test_the_entry_deployment_serves_http_with_the_api_key() -> None:

@@ -244,7 +244,7 @@ def test_a_scheduler_with_a_live_replicas_id_is_refused(ring: WorkerRing) -> Non
         clash.stop(signal.SIGKILL)
         raise AssertionError(f"a scheduler with a live replica's id started:\n{clash.log()[-2000:]}")
     assert clash.proc.returncode == 2
-    assert "scheduler replica 0 is already live" in clash.log()
+    assert "scheduler replica 0 is already claimed by a live replica" in clash.log()
 
 
 def second_replica(ring: WorkerRing) -> Worker:

@@ -1,6 +1,6 @@
 """`ringserve worker`: run ONE actor of a deployment against an existing NATS, on any host.
 
-    ringserve worker --role scheduler --nats-url nats://10.0.0.5:4222 --namespace prod --dp-replica-id 1
+    ringserve worker --role scheduler --nats-url nats://10.0.0.5:4222 --namespace prod
 
 The actor runs in this process, with exactly the flags `python -m actors.<role>` takes (each role's
 `build_parser`; `ringserve worker --role R --help` lists them): the bus flags every role has (`--nats-url`, a
@@ -12,31 +12,23 @@ holds and exits 0; a second signal stops it at once.
 
 What the worker adds: `--model` defaults to the packaged model for the roles that load it, and an entry takes
 `--model` to name the model as `ringserve serve` does (unless `--served-model-name` is given). A scheduler joins
-as a new replica: it refuses to start (exit 2) while a live replica beats with its `--dp-replica-id`.
+as a new replica: before its model loads it claims its replica id on the bus (bus/replica_claim.py), the lowest
+free one unless `--dp-replica-id` names one, and exits 2 when a live replica holds that id.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib
-import os
 import sys
 import textwrap
 from types import ModuleType
 
 from actors.common.model_source import DEFAULT_MODEL, resolve_model
-from actors.common.runtime import HEARTBEAT_SECONDS, credentials_from_args
-from bus.connection import BusConnection, Delivery
-from bus.messages import Heartbeat
-from bus.permissions import inbox_prefix
 from bus.subjects import Subjects
 
 ROLES = ("entry", "tokenizer", "scheduler", "detokenizer")
 MODEL_ROLES = ("tokenizer", "scheduler", "detokenizer")  # the roles whose own flags include --model
-# listen this long for a replica already beating with the new scheduler's id (the routers' MISSED_BEATS)
-REPLICA_CHECK_SECONDS = 3 * HEARTBEAT_SECONDS
-CONNECT_SECONDS = 10.0
 SUMMARY = "run ONE actor (entry, tokenizer, scheduler or detokenizer) against an existing NATS, on any host"
 
 
@@ -81,8 +73,9 @@ def _parser(role: str) -> argparse.ArgumentParser:
     parser.description = f"{SUMMARY}: the {role}, with the flags of `python -m actors.{role}`."
     extra = {"entry": "--model names the model for /v1/models (default: the packaged model) unless "
                       "--served-model-name is given.",
-             "scheduler": "--dp-replica-id must not be the id of a live replica (checked before the model loads); "
-                          "the engine flags should match the other replicas'."}
+             "scheduler": "Without --dp-replica-id it claims the lowest free replica id; an id a live replica holds "
+                          "is refused (exit 2, before the model loads). The engine flags should match the other "
+                          "replicas'."}
     parser.epilog = ("--model defaults to the packaged model. " if role in MODEL_ROLES else "") + extra.get(role, "")
     return parser
 
@@ -90,38 +83,12 @@ def _parser(role: str) -> argparse.ArgumentParser:
 def _overview() -> str:
     lines = [f"usage: ringserve worker --role {{{','.join(ROLES)}}} --nats-url URL[,URL...] --namespace NS "
              "[--nats-creds FILE] [ROLE FLAGS]", "", SUMMARY + ".", "",
-             "A scheduler worker joins as a new replica (--dp-replica-id), a second entry serves the same namespace "
-             "(--host/--port). SIGTERM/SIGINT drains the worker: it takes nothing new, finishes what it holds "
+             "A scheduler worker joins as a new replica (the lowest free id, or --dp-replica-id), a second entry "
+             "serves the same namespace (--host/--port). SIGTERM/SIGINT drains the worker: it takes nothing new, finishes what it holds "
              "(at most --drain-timeout seconds) and exits 0; a second signal stops it at once.", "",
              "`ringserve worker --role ROLE --help` lists a role's flags."]
     return "\n".join(textwrap.fill(line, 100, subsequent_indent="  " if line.startswith("usage") else "")
                      for line in lines)
-
-
-async def live_replica_pid(args: argparse.Namespace) -> int | None:
-    """The pid of a scheduler replica beating with `args.dp_replica_id` in `args.namespace` (listening
-    REPLICA_CHECK_SECONDS, as the scheduler role), or None when there is none."""
-    subjects = Subjects(args.namespace)
-    try:
-        bus = await asyncio.wait_for(
-            BusConnection.connect(args.nats_url, f"scheduler-check-{os.getpid()}", max_reconnect_attempts=0,
-                                  credentials=credentials_from_args(args),
-                                  inbox_prefix=inbox_prefix(args.namespace, "scheduler")), CONNECT_SECONDS)
-    except asyncio.TimeoutError as exc:
-        raise ConnectionError(f"no connection within {CONNECT_SECONDS:g}s") from exc
-    found: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-
-    async def on_beat(beat: Heartbeat, delivery: Delivery) -> None:
-        if beat.role == "scheduler" and beat.rank == args.dp_replica_id and not found.done():
-            found.set_result(beat.pid)
-
-    try:
-        await bus.subscribe(subjects.heartbeat, Heartbeat, on_beat)
-        return await asyncio.wait_for(asyncio.shield(found), REPLICA_CHECK_SECONDS)
-    except asyncio.TimeoutError:
-        return None
-    finally:
-        await bus.close()
 
 
 def worker_command(argv: list[str]) -> int:
@@ -150,17 +117,5 @@ def worker_command(argv: list[str]) -> int:
         Subjects(args.namespace)
     except ValueError as exc:
         parser.error(str(exc))
-    if known.role == "scheduler" and args.rank == 0:  # a --tp follower rank joins its replica's rank 0
-        try:
-            pid = asyncio.run(live_replica_pid(args))
-        except Exception as exc:  # no NATS there, refused or unreadable credentials, ...
-            print(f"ringserve worker: could not check for a live replica {args.dp_replica_id} on NATS "
-                  f"{args.nats_url}: {exc!r}", file=sys.stderr)
-            return 1
-        if pid is not None:
-            print(f"ringserve worker: scheduler replica {args.dp_replica_id} is already live in namespace "
-                  f"{args.namespace!r} (pid {pid} beats with that id); give another --dp-replica-id, or stop "
-                  "that replica first", file=sys.stderr)
-            return 2
     _module(known.role).main(actor_argv)  # runs the actor; exits with its code
     return 0

@@ -27,11 +27,14 @@ run time).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -149,12 +152,25 @@ def _jit_build() -> None:
     build_dir.mkdir(parents=True, exist_ok=True)
     # the flags (build_record.py) are setup.py's too: one build serves every x86 host
     start = time.perf_counter()
-    cpp_extension.load(name="ringserve_qgemm", sources=[str(src) for src in SOURCES], build_directory=str(build_dir),
-                       extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS), is_python_module=False,
-                       verbose=False)  # loads the library: its TORCH_LIBRARY blocks register the ops
+    with _build_lock(build_dir):
+        cpp_extension.load(name="ringserve_qgemm", sources=[str(src) for src in SOURCES],
+                           build_directory=str(build_dir), extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+                           is_python_module=False, verbose=False)  # loads it: its TORCH_LIBRARY blocks register the ops
     seconds = time.perf_counter() - start
     if seconds > 2:  # it was compiled now, not found built
         log.info("CPU quantized kernels built in %.0f s into %s", seconds, build_dir)
+
+
+@contextmanager
+def _build_lock(build_dir: Path) -> Iterator[None]:
+    """Hold `build_dir`'s build lock, and clear torch's own lock file there. torch's JIT marks a build with a
+    `lock` file that only the build itself removes: a scheduler killed mid-build (its compilers end with it,
+    actors/scheduler/process_group.py) left it, and every later start waited on it forever. Ours is an flock,
+    which the kernel drops with its holder, so a `lock` file found while holding it is a dead build's."""
+    with open(build_dir / "ringserve-build.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another process building this directory: wait for it
+        (build_dir / "lock").unlink(missing_ok=True)
+        yield
 
 
 def _build() -> object | None:
