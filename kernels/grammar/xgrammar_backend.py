@@ -79,7 +79,7 @@ def build_tokenizer_info(tokenizer: Any, vocab_size: int | None = None,
 def _grammar_error(spec: GrammarSpec, exc: Exception) -> GrammarError:
     detail = _CHECK_FAILED.sub("", _LOG_PREFIX.sub("", str(exc).strip()))
     # xgrammar's messages may quote the client's text: bounded, and control characters escaped
-    detail = one_line(detail, 2 * QUOTE_CHARS)
+    detail = one_line(detail)
     return GrammarError(f"invalid {_LABELS[spec.kind]}: {detail}", spec.kind)
 
 
