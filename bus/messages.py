@@ -113,10 +113,18 @@ class TokenRow:
 
 @dataclass
 class BatchTokenOutput:
-    """Everything one scheduler step produced for one detokenizer shard: one message per step, not per token."""
+    """Everything one scheduler step produced for one detokenizer shard: one message per step, not per token.
+
+    `replica`, `epoch` (the replica's incarnation) and `seq` (1, 2, ... per incarnation and detokenizer; 0:
+    unnumbered) let the detokenizer see that a message was lost (a gap) or that a replica was restarted (a new
+    epoch): the evidence, never elapsed time, by which it gives up on a request whose last rows may be gone.
+    """
 
     step: int
     rows: list[TokenRow]
+    replica: int = -1
+    epoch: str = ""
+    seq: int = 0
 
 
 @dataclass
@@ -267,7 +275,9 @@ class Heartbeat:
 
     `live_rids` counts the requests the actor holds per-request state for (0 when none is left behind). A
     scheduler replica also sends its `load` (its replica id is `load.replica`). `draining`: the actor is
-    stopping (SIGINT/SIGTERM): it finishes what it holds and must be given nothing new.
+    stopping (SIGINT/SIGTERM): it finishes what it holds and must be given nothing new. Beats come from a thread
+    of their own (actors/common/heartbeat.py), so a busy actor still beats; `loop_lag` says how many seconds old
+    the numbers are (how long the actor's event loop has been busy: shown, never a reason to end a request).
     """
 
     role: str
@@ -277,6 +287,19 @@ class Heartbeat:
     live_rids: int = 0
     load: ReplicaLoad | None = None
     draining: bool = False
+    loop_lag: float = 0.0
+
+
+@dataclass
+class ActorGone:
+    """The launcher saw an actor's process end, on `{ns}.control.gone`: the entry ends the streams it held at
+    once instead of waiting out its heartbeat silence. `pid` names the process, so a restarted actor (a new pid)
+    is not taken for the one that ended."""
+
+    role: str
+    rank: int
+    pid: int
+    cause: str = ""
 
 
 @dataclass

@@ -4,8 +4,8 @@ One deployment (namespace `ns`) has six internal roles and any number of outside
 
 | role        | may publish                                          | may subscribe                               |
 |-------------|------------------------------------------------------|---------------------------------------------|
-| launcher    | nothing                                              | ready, heartbeat                            |
-| entry       | submit, `abort.*`, info, command, tokenize, ANN      | `out.*`, heartbeat                          |
+| launcher    | gone                                                 | ready, heartbeat                            |
+| entry       | submit, `abort.*`, info, command, tokenize, ANN      | `out.*`, heartbeat, gone                    |
 | tokenizer   | tokenized (`.*`), OUT, ANN, entry's and clients' inboxes, `kv.snapshot.*` | submit, `client.*.submit`, tokenize, heartbeat, `kv.events.*` |
 | scheduler   | `tokens.*`, OUT, ANN, entry's and tokenizer's inboxes, `kv.events.*`, CLAIM | tokenized (`.*`), `abort.*`, `client.*.abort.*`, info, command, `kv.snapshot.*`, heartbeat |
 | detokenizer | OUT, ANN                                             | `tokens.*`, `abort.*`, `client.*.abort.*`   |
@@ -68,14 +68,14 @@ def role_permissions(namespace: str, role: str) -> Permissions:
     announce = (s.ready, s.heartbeat)
     outputs = (f"{ns}.out.*", s.client_output_any)
     if role == "launcher":
-        return Permissions(publish=(), subscribe=(s.ready, s.heartbeat, inbox))
+        return Permissions(publish=(s.gone,), subscribe=(s.ready, s.heartbeat, inbox))
     if role == "trace_exporter":
         return Permissions(publish=(*span_stream_api(s), *announce), subscribe=(s.spans_filter(), inbox))
     announce = (*announce, s.spans(role)) if role in ROLES else announce  # traced actors store their spans
     if role == "entry":
         return Permissions(publish=(s.submit, s.abort_any, s.scheduler_info, s.scheduler_command, s.tokenize,
                                     *announce),
-                           subscribe=(f"{ns}.out.*", s.heartbeat, inbox))
+                           subscribe=(f"{ns}.out.*", s.heartbeat, s.gone, inbox))
     if role == "tokenizer":
         replies = (inbox_prefix(ns, "entry") + ".>", f"_INBOX.{ns}.client.*.>")
         return Permissions(publish=(s.tokenized, s.tokenized_any_replica, *outputs, *announce, *replies,

@@ -12,6 +12,7 @@ Layout (namespace `ns`, default "ringserve"):
 | `{ns}.abort.{rid}`           | AbortRequest       | requester -> scheduler                            |
 | `{ns}.control.ready`         | ActorReady         | every actor -> launcher                           |
 | `{ns}.control.heartbeat`     | Heartbeat          | every actor -> entry, launcher (liveness)         |
+| `{ns}.control.gone`          | ActorGone          | launcher -> entry (an actor's process ended)      |
 | `{ns}.kv.events.{r}`         | KvEvents           | scheduler replica `r` -> tokenizers (cache index) |
 | `{ns}.kv.snapshot.{r}`       | (request/reply)    | tokenizer -> replica `r`, replies KvSnapshot      |
 | `{ns}.control.scheduler.info`| (request/reply)    | anyone -> scheduler rank 0, replies SchedulerInfo |
@@ -192,6 +193,11 @@ class Subjects:
     @property
     def heartbeat(self) -> str:
         return f"{self.namespace}.control.heartbeat"
+
+    @property
+    def gone(self) -> str:
+        """The launcher says an actor's process ended (`ActorGone`): its streams end at once."""
+        return f"{self.namespace}.control.gone"
 
     def kv_events(self, replica: int) -> str:
         """Scheduler replica `replica`'s prefix-cache events (`KvEvents`), which every tokenizer's router reads."""

@@ -33,7 +33,8 @@ GREEDY = {"max_tokens": 6, "temperature": 0}
 
 @pytest.fixture(scope="module")
 def dp_server() -> Iterator[ServerHandle]:
-    handle = start_server(DEFAULT_MODEL, extra=["--dp", "2", "--max-total-tokens", "16384", "--watchdog-timeout", "5"])
+    handle = start_server(DEFAULT_MODEL, extra=["--dp", "2", "--max-total-tokens", "16384", "--watchdog-timeout", "5",
+                                                "--heartbeat-timeout", "2"])  # a stopped replica: after 2 s
     yield handle
     assert handle.stop() == 0
 

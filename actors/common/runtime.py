@@ -4,6 +4,10 @@ An actor's `main(ctx)` subscribes what it needs and returns a dict describing it
 announces `ActorReady` on `{ns}.control.ready` and serves until a signal (exit 0) or until the bus connection
 is lost for good or the actor calls `ctx.fail()` (exit 1, so the launcher tears the ring down).
 
+Heartbeats (`Heartbeat` every HEARTBEAT_SECONDS) come from a thread with its own NATS connection
+(actors/common/heartbeat.py), so a busy event loop or a long engine step never silences them; the numbers they
+carry are refreshed from the actor's loop.
+
 SIGTERM/SIGINT drains: the first signal sets `ctx.draining` and runs the actor's `ctx.on_drain` hooks (each
 stops its intake: unsubscribes, refuses new HTTP requests), heartbeats go on (saying `draining`), and once
 `ctx.live_rids()` is 0 the actor stops. When the process that started the actor has died (the signal is its
@@ -28,10 +32,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
+from actors.common.heartbeat import HeartbeatThread
 from actors.common.tracing_setup import start_tracing, stop_tracing
 from bus.connection import BusConnection
 from bus.credentials import PASSWORD_ENV, NatsCredentials, credentials_from_options
-from bus.messages import ActorReady, Heartbeat, ReplicaLoad
+from bus.messages import ActorReady, ReplicaLoad
 from bus.permissions import inbox_prefix
 from bus.subjects import Subjects
 from observability.logging import log_event, setup_logging
@@ -66,6 +71,7 @@ class ActorContext:
     live_rids: Callable[[], int] = lambda: 0
     # a scheduler replica's load, in its heartbeats (what the tokenizers route by); None for other roles
     load: Callable[[], ReplicaLoad | None] = lambda: None
+    heartbeat: HeartbeatThread | None = None  # beats from its own thread once the actor is ready
 
     def fail(self, reason: str) -> None:
         """Fail-stop: log why and end the process with exit code 1."""
@@ -113,10 +119,17 @@ async def _serve(role: str, rank: int, args: argparse.Namespace, main: ActorMain
         if ctx_holder and not ctx_holder[0].stopping.is_set():
             ctx_holder[0].fail("lost the NATS connection for good")
 
+    credentials = credentials_from_args(args)
     bus = await BusConnection.connect(args.nats_url, f"{role}-{rank}-{os.getpid()}", on_closed=on_closed,
-                                      credentials=credentials_from_args(args),
-                                      inbox_prefix=inbox_prefix(args.namespace, role))
+                                      credentials=credentials, inbox_prefix=inbox_prefix(args.namespace, role))
     ctx = ActorContext(bus=bus, subjects=Subjects(args.namespace), role=role, rank=rank)
+
+    def connect_heartbeat() -> Awaitable[BusConnection]:
+        return BusConnection.connect(args.nats_url, f"{role}-{rank}-{os.getpid()}-heartbeat",
+                                     credentials=credentials, inbox_prefix=inbox_prefix(args.namespace, role))
+
+    ctx.heartbeat = HeartbeatThread(role, rank, ctx.subjects.heartbeat, HEARTBEAT_SECONDS, connect_heartbeat,
+                                    main_connected=lambda: bus.client.is_connected)
     ctx_holder.append(ctx)
     await start_tracing(args, role, rank, bus, ctx.subjects)  # before main: actors look at tracing.enabled()
     loop = asyncio.get_running_loop()
@@ -147,13 +160,16 @@ async def _serve(role: str, rank: int, args: argparse.Namespace, main: ActorMain
     await bus.flush()
     log_event(log, logging.INFO, "ready", role=role, rank=rank, pid=os.getpid())
     serving = True
-    beating = asyncio.get_running_loop().create_task(_heartbeat(ctx))
+    _refresh(ctx)
+    ctx.heartbeat.start()
+    refreshing = asyncio.get_running_loop().create_task(_refresh_beats(ctx))
     await ctx.stopping.wait()
-    beating.cancel()
+    refreshing.cancel()
     for task in draining:
         task.cancel()
     if ctx.draining.is_set() and ctx.exit_code == 0:  # a last beat: it left with nothing held (or gave up)
         await _beat(ctx)
+    ctx.heartbeat.stop()
     for cleanup in ctx.on_stop:
         try:
             await asyncio.wait_for(cleanup(), timeout=10)
@@ -203,23 +219,24 @@ async def _drain(ctx: ActorContext, timeout: float) -> None:
     ctx.stopping.set()
 
 
+def _refresh(ctx: ActorContext) -> None:
+    """Hand the heartbeat thread this actor's numbers, read here on its event loop (a scheduler's load says
+    whether it drains)."""
+    if ctx.heartbeat is not None:
+        ctx.heartbeat.refresh(ctx.live_rids(), ctx.load(), ctx.draining.is_set())
+
+
 async def _beat(ctx: ActorContext) -> None:
-    """Publish one Heartbeat (a scheduler's load says whether it drains)."""
-    load = ctx.load()
-    if load is not None and ctx.draining.is_set():
-        load.draining = True
-    beat = Heartbeat(role=ctx.role, rank=ctx.rank, pid=os.getpid(), interval=HEARTBEAT_SECONDS,
-                     live_rids=ctx.live_rids(), load=load, draining=ctx.draining.is_set())
-    try:
-        await ctx.bus.publish(ctx.subjects.heartbeat, beat)
-    except Exception as exc:  # disconnected: the reconnect logic reports it; keep beating
-        log_event(log, logging.DEBUG, "heartbeat not sent", error=repr(exc))
+    """Refresh the numbers and publish one Heartbeat now (e.g. to say `draining` at once)."""
+    _refresh(ctx)
+    if ctx.heartbeat is not None:
+        await ctx.heartbeat.beat_now_and_wait()
 
 
-async def _heartbeat(ctx: ActorContext) -> None:
-    """Publish a Heartbeat every HEARTBEAT_SECONDS from the event loop: a stalled loop or process goes silent."""
+async def _refresh_beats(ctx: ActorContext) -> None:
+    """Refresh the heartbeat's numbers every HEARTBEAT_SECONDS from the event loop; the thread beats anyway."""
     while True:
-        await _beat(ctx)
+        _refresh(ctx)
         await asyncio.sleep(HEARTBEAT_SECONDS)
 
 

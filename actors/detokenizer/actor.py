@@ -10,12 +10,13 @@ output index `completion_tokens - len(token_ids)`, so a row that does not start 
 far end, and a row of a request whose first row (with its DecodeParams) never came, end that request at once
 with a 503 error. Its later rows are dropped (a bounded memory of such rids).
 
-A request whose last rows never come (lost in a NATS node that hung, or its scheduler died) must not hold
-state here forever: the detokenizer hears every abort, which the requester publishes whenever it ends a
-stream itself, and forgets an aborted request that has no row for `ABORT_GRACE_SECONDS` (the scheduler's
-final row of a live abort comes within milliseconds and frees it first). An abort can be lost too (published
-into the hung node), so a request with no row at all for `IDLE_FORGET_SECONDS` is forgotten as well; should a
-row of it come later after all, it ends with the explicit "first row never arrived" error, never a silent gap.
+A request whose last rows never come must not hold state here forever, but a slow scheduler (a long prefill, a
+busy host) is no reason to give up on one: state is dropped only on evidence (`loss_evidence.py`). A gap in the
+scheduler's numbered step messages puts that incarnation's held requests in doubt; one that then gets no row
+for `SUSPECT_SECONDS` ends with a 503. A restarted replica (a new epoch) drops its old incarnation's requests at
+once. The requester's abort (published whenever it ends a stream itself) drops a request that gets no row for
+`ABORT_GRACE_SECONDS`; rows of it that come later (a slow scheduler's final abort row) are dropped silently,
+since no one waits for them.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from actors.common.text_tokenizer import load_text_model
 from actors.common.runtime import ActorContext
 from actors.detokenizer import spans as detokenize_spans
 from actors.detokenizer.incremental import IncrementalDecoder
+from actors.detokenizer.loss_evidence import LossEvidence
 from actors.detokenizer.token_bytes import TokenBytes
 from bus.connection import Delivery
 from bus.errors import server_error
@@ -39,8 +41,7 @@ from observability.logging import log_event
 
 log = logging.getLogger("detokenizer")
 MAX_BROKEN_RIDS = 10_000
-ABORT_GRACE_SECONDS = 5.0  # an aborted request with no row for this long lost its last rows: forget it
-IDLE_FORGET_SECONDS = 30.0  # a held request with no row for this long lost its last rows (and its abort)
+ABORT_GRACE_SECONDS = 5.0  # an aborted request with no row for this long: forget it (its requester has)
 
 
 class DetokenizerActor:
@@ -58,11 +59,12 @@ class DetokenizerActor:
         self._broken: OrderedDict[str, None] = OrderedDict()  # rids ended for lost rows: drop what still comes
         self._spans = detokenize_spans.create()  # no-ops unless tracing is on
         self._aborted: dict[str, float] = {}  # rid -> when to forget it, unless a row comes first
-        self._last_row: dict[str, float] = {}  # per held rid: when its last row came
+        self._abandoned: OrderedDict[str, None] = OrderedDict()  # forgotten after their abort: drop late rows
+        self._evidence = LossEvidence()
         self._sweeper: asyncio.Task[None] | None = None
 
     async def start(self) -> dict[str, Any]:
-        self._ctx.live_rids = lambda: len(self._decoders.keys() | self._next_seq.keys() | self._received.keys())
+        self._ctx.live_rids = lambda: len(self._held())
         subject = self._ctx.subjects.tokens(self._shard)
         await self._ctx.bus.subscribe(subject, BatchTokenOutput, self._on_batch, queue=f"detokenizer-{self._shard}")
         for aborts in (self._ctx.subjects.abort_any, self._ctx.subjects.client_abort_any):
@@ -76,6 +78,10 @@ class DetokenizerActor:
             self._sweeper.cancel()
         self._spans.close_all("the detokenizer stopped")
 
+    def _held(self) -> set[str]:
+        """The rids this detokenizer holds state for."""
+        return self._decoders.keys() | self._next_seq.keys() | self._received.keys()
+
     def _holds(self, rid: str) -> bool:
         return rid in self._decoders or rid in self._next_seq or rid in self._received
 
@@ -87,24 +93,34 @@ class DetokenizerActor:
         while True:
             await asyncio.sleep(1.0)
             now = time.monotonic()
-            for rid, seen in list(self._last_row.items()):
-                if not self._holds(rid):
-                    del self._last_row[rid]
-                elif now - seen > IDLE_FORGET_SECONDS:
-                    self._aborted[rid] = now  # forgotten below
             for rid, deadline in list(self._aborted.items()):
                 if now >= deadline:
                     del self._aborted[rid]
                     if self._holds(rid):
-                        log_event(log, logging.WARNING, "a request's last rows never came; forgetting it",
-                                  rid=rid)
-                        self._forget(rid)
-                        self._next_seq.pop(rid, None)
-                        self._spans.close(rid, "its last rows never came")
+                        log_event(log, logging.INFO, "an aborted request got no final row; forgetting it", rid=rid)
+                        self._drop(rid, "aborted")
+                        _remember(self._abandoned, rid)
+            for rid in self._evidence.overdue(now, self._held()):
+                log_event(log, logging.ERROR, "a request's last rows were lost on the bus; ending it", rid=rid)
+                seq = self._next_seq.get(rid, 0)
+                self._drop(rid, "its last rows were lost")
+                _remember(self._broken, rid)
+                await self._ctx.bus.publish(self._ctx.subjects.output(rid), RequestOutput(
+                    rid=rid, seq=seq, error=server_error("the end of the output was lost in transit; retry", 503)))
+
+    def _drop(self, rid: str, why: str) -> None:
+        """Forget everything held for `rid`, with its span."""
+        self._forget(rid)
+        self._next_seq.pop(rid, None)
+        self._evidence.forget(rid)
+        self._spans.close(rid, why)
 
     async def _on_batch(self, batch: BatchTokenOutput, delivery: Delivery) -> None:
+        for rid in self._evidence.on_message(batch, time.monotonic()):
+            if self._holds(rid):  # its replica was restarted: the entry has ended it; no row of it will come
+                self._drop(rid, "its scheduler was restarted")
         for row in batch.rows:
-            self._last_row[row.rid] = time.monotonic()
+            self._evidence.on_row(row.rid, batch)
             if row.rid in self._aborted:  # rows still come: the scheduler ends it (or already has)
                 self._aborted[row.rid] = time.monotonic() + ABORT_GRACE_SECONDS
             traceparent = self._spans.begin(row) or delivery.traceparent
@@ -119,17 +135,21 @@ class DetokenizerActor:
                 if not output.is_last:
                     self._next_seq[row.rid] = output.seq + 1
                 await self._ctx.bus.publish(self._ctx.subjects.output(row.rid), output, traceparent)
+            if not self._holds(row.rid):
+                self._evidence.forget(row.rid)
             self._spans.after(row, output)
 
     def _decode_row(self, row: TokenRow) -> RequestOutput | None:
         if row.rid in self._broken:
             return None
+        if row.rid in self._abandoned:
+            if row.decode is None:  # a late row of a request its requester ended: no one waits for it
+                return None
+            del self._abandoned[row.rid]  # the rid again, as a new request
         lost = self._lost_tokens(row)
         if lost is not None:
             self._forget(row.rid)
-            self._broken[row.rid] = None
-            while len(self._broken) > MAX_BROKEN_RIDS:
-                self._broken.popitem(last=False)
+            _remember(self._broken, row.rid)
             log_event(log, logging.ERROR, "rows of a request were lost on the bus; ending it", rid=row.rid,
                       detail=lost)
             return RequestOutput(rid=row.rid, prompt_tokens=row.prompt_tokens, completion_tokens=row.completion_tokens,
@@ -201,6 +221,14 @@ class DetokenizerActor:
 
     def _token_text(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id])
+
+
+def _remember(memory: OrderedDict[str, None], rid: str) -> None:
+    """Add `rid` to a bounded memory of rids (the oldest go first)."""
+    memory[rid] = None
+    memory.move_to_end(rid)
+    while len(memory) > MAX_BROKEN_RIDS:
+        memory.popitem(last=False)
 
 
 async def detokenizer_main(ctx: ActorContext, model: str, shard: int) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from actors.entry.request_flow import EntryService
 from actors.entry.request_trace import traced_app
 from actors.entry.settings import ADMIN_API_KEY_ENV, API_KEY_ENV, EntrySettings
 from bus.connection import BusConnection, Delivery
-from bus.messages import Heartbeat
+from bus.messages import ActorGone, Heartbeat
 from bus.ring_client import RingClient
 from observability.logging import log_event
 
@@ -58,7 +58,7 @@ async def entry_main(ctx: ActorContext, settings: EntrySettings) -> dict[str, An
     """Start the HTTP server; the actor fails if it cannot listen or stops on its own."""
     for secret in (API_KEY_ENV, ADMIN_API_KEY_ENV):  # read already; keep them out of anything this process starts
         os.environ.pop(secret, None)
-    liveness = LivenessMonitor()
+    liveness = LivenessMonitor(silence_s=settings.heartbeat_timeout)
     service = EntryService(RingClient(ctx.bus, ctx.subjects, stall_timeout=settings.stall_timeout),
                            settings.served_model, max_queued_requests=settings.max_queued_requests,
                            liveness=liveness)
@@ -72,11 +72,15 @@ async def entry_main(ctx: ActorContext, settings: EntrySettings) -> dict[str, An
     async def on_heartbeat(beat: Heartbeat, delivery: Delivery) -> None:
         liveness.record(beat)
 
+    async def on_gone(gone: ActorGone, delivery: Delivery) -> None:
+        liveness.gone(gone.role, gone.rank, gone.pid, gone.cause)
+
     await ctx.bus.subscribe(ctx.subjects.heartbeat, Heartbeat, on_heartbeat)
+    await ctx.bus.subscribe(ctx.subjects.gone, ActorGone, on_gone)
     await liveness.wait_for_roles(STARTUP_BEAT_WAIT_SECONDS)
 
     async def on_lost(names: list[str]) -> None:
-        message = f"the ring lost {', '.join(names)}: no heartbeat for {liveness.silence_s:g}s"
+        message = f"the ring lost {liveness.why_lost(names)}"
         held = liveness.degraded(names)
         if held is not None:  # others of their roles serve: degrade, ending only the streams they held
             await service.fail_held(held, message)

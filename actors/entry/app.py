@@ -61,7 +61,8 @@ def build_app(service: EntryService, settings: EntrySettings | None = None) -> S
         # SGLang's names too: max_total_num_tokens, version, model_path
         return JSONResponse({**asdict(info), "replicas": replicas, "served_model_name": service.served_model,
                              **service.counters(),
-                             "actors": service.liveness.actors(), "max_total_num_tokens": info.kv_total_tokens,
+                             "actors": service.liveness.actors(), "heartbeat_timeout": service.liveness.silence_s,
+                             "max_total_num_tokens": info.kv_total_tokens,
                              "version": _package_version(), "model_path": info.model or service.served_model})
 
     @handles_errors

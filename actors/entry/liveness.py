@@ -1,5 +1,11 @@
 """Which actors are alive, from their heartbeats on `{ns}.control.heartbeat` (every actor beats every 0.5 s).
 
+Beats come from a thread of each actor's own (actors/common/heartbeat.py), so a busy actor (a long engine step,
+a busy event loop) still beats; only a stalled process or one cut off from NATS falls silent. `silence_s`
+(`--heartbeat-timeout`, default 10 s) is therefore long: well past any scheduling hiccup of a busy host. A
+process that ended is known at once instead: the launcher sees it exit and says so (`ActorGone` on
+`{ns}.control.gone`, `gone()`), and it counts as silent from then on.
+
 The entry keeps the last beat of every (role, rank). A role is healthy while at least one of its actors beat
 within `silence_s` seconds; `/health` needs every role in `REQUIRED_ROLES` healthy. An actor of a role in
 `CRITICAL_ROLES` (a scheduler replica, a detokenizer) that beat before and then falls silent is "lost": the
@@ -25,7 +31,7 @@ from observability.logging import log_event
 log = logging.getLogger("entry")
 REQUIRED_ROLES = ("scheduler", "tokenizer", "detokenizer")
 CRITICAL_ROLES = ("scheduler", "detokenizer")  # their silence strands the open streams they hold
-DEFAULT_SILENCE_SECONDS = 2.0
+DEFAULT_SILENCE_SECONDS = 10.0
 CHECK_SECONDS = 0.25
 
 
@@ -39,6 +45,8 @@ class ActorBeat:
     live_rids: int
     seen_at: float  # time.monotonic() of the last beat
     load: ReplicaLoad | None = None  # a scheduler replica's
+    loop_lag: float = 0.0  # how old the beat's numbers were: the actor's event loop was busy that long
+    gone: str = ""  # why its process ended, as the launcher said (then it is silent from that moment)
 
     @property
     def name(self) -> str:
@@ -61,20 +69,38 @@ class LivenessMonitor:
         self._beats: dict[str, ActorBeat] = {}
         self._lost: set[str] = set()  # critical actors reported silent and not heard from since
         self._replaced: set[str] = set()  # critical actors that beat from a new process before their silence showed
+        self._gone_pids: dict[str, int] = {}  # per actor: the pid the launcher said ended (its late beats are void)
 
     def record(self, beat: Heartbeat) -> None:
         """Note a heartbeat."""
         name = f"{beat.role}{beat.rank}"
+        if self._gone_pids.get(name) == beat.pid:  # sent before its process ended, read after: no sign of life
+            return
         previous = self._beats.get(name)
         if previous is not None and previous.pid != beat.pid and beat.role in CRITICAL_ROLES and name not in self._lost:
             self._replaced.add(name)  # restarted quickly: the old process and the streams it held are gone
-        self._beats[name] = ActorBeat(beat.role, beat.rank, beat.pid, beat.live_rids, self._clock(), beat.load)
+        self._beats[name] = ActorBeat(beat.role, beat.rank, beat.pid, beat.live_rids, self._clock(), beat.load,
+                                      beat.loop_lag)
         if name in self._lost:
             self._lost.discard(name)
             log_event(log, logging.INFO, "actor heartbeat back", actor=name, pid=beat.pid)
 
+    def gone(self, role: str, rank: int, pid: int, cause: str) -> None:
+        """The launcher saw process `pid` of actor `role``rank` end: it is silent from now on (`lost()` names it
+        at once, unless it left on purpose). Nothing changes when that actor already beats from another pid."""
+        name = f"{role}{rank}"
+        self._gone_pids[name] = pid
+        beat = self._beats.get(name)
+        if beat is not None and beat.pid == pid:
+            beat.gone = cause or "its process ended"
+
     def _alive(self, beat: ActorBeat, now: float) -> bool:
-        return now - beat.seen_at <= self.silence_s
+        return not beat.gone and now - beat.seen_at <= self.silence_s
+
+    def why_lost(self, names: list[str]) -> str:
+        """Why the lost actors `names` count as lost: their process ended, or their heartbeat silence."""
+        return "; ".join(f"{name}: {self._beats[name].gone}" if name in self._beats and self._beats[name].gone
+                         else f"{name}: no heartbeat for {self.silence_s:g}s" for name in names)
 
     def silent_roles(self) -> list[str]:
         """The roles of REQUIRED_ROLES with no actor that beat within `silence_s` seconds."""
@@ -99,7 +125,8 @@ class LivenessMonitor:
         too, without one), unless they left or have been silent far longer than `silence_s`."""
         now = self._clock()
         return sorted(b.rank for b in self._beats.values()
-                      if b.role == "scheduler" and b.load is not None and asked(b.load, b.live_rids, now - b.seen_at))
+                      if b.role == "scheduler" and b.load is not None and not b.gone
+                      and asked(b.load, b.live_rids, now - b.seen_at))
 
     def live_members(self, role: str) -> list[int]:
         """The ids (ranks) of `role`'s actors that beat within `silence_s` seconds."""
@@ -109,7 +136,8 @@ class LivenessMonitor:
     def actors(self) -> dict[str, dict[str, Any]]:
         """Every actor heard from: pid, seconds since its last beat, and its count of per-request state."""
         now = self._clock()
-        return {name: {"pid": b.pid, "age_s": round(now - b.seen_at, 3), "live_rids": b.live_rids}
+        return {name: {"pid": b.pid, "age_s": round(now - b.seen_at, 3), "live_rids": b.live_rids,
+                       "loop_lag_s": b.loop_lag, **({"gone": b.gone} if b.gone else {})}
                 for name, b in sorted(self._beats.items())}
 
     def lost(self) -> list[str]:

@@ -132,8 +132,7 @@ class EntryService:
         lost = self.liveness.blocking()
         if lost:
             self.rejected_busy_total += 1
-            raise server_busy(f"the ring is not serving: no heartbeat from {', '.join(lost)} "
-                              f"for {self.liveness.silence_s:g}s")
+            raise server_busy(f"the ring is not serving: it lost {self.liveness.why_lost(lost)}")
         if limited and len(self.live) + len(gen_reqs) > self.max_queued_requests:
             self.rejected_busy_total += 1
             raise server_busy(f"the server is at its limit of {self.max_queued_requests} queued requests; "
@@ -194,8 +193,8 @@ class EntryService:
         for stream in streams:
             for role, rank in (("scheduler", stream.replica), ("detokenizer", stream.detokenizer)):
                 if self.liveness.is_lost(role, rank):
-                    raise ApiError(f"the ring lost {role}{rank}, which took the request: no heartbeat for "
-                                   f"{self.liveness.silence_s:g}s", 503, type="server_error")
+                    raise ApiError(f"the ring lost the {role} that took the request "
+                                   f"({self.liveness.why_lost([f'{role}{rank}'])})", 503, type="server_error")
 
     async def _open_all(self, streams: list[RequestStream], gen_reqs: list[GenerateRequest]) -> None:
         """Submit every request; the first failure as an ApiError 503 (each failed one is already aborted)."""

@@ -19,6 +19,9 @@ DEFAULT_BODY_READ_TIMEOUT = 30.0
 DEFAULT_MAX_REQUEST_BYTES = 2 * 1024 * 1024
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
 DEFAULT_STALL_TIMEOUT = 300.0
+# seconds of heartbeat silence before a running actor counts as lost (its streams end): beats come from a thread
+# of their own, so only a stalled process is silent this long; a process that ended is known at once
+DEFAULT_HEARTBEAT_TIMEOUT = 10.0
 
 
 @dataclass
@@ -31,6 +34,7 @@ class EntrySettings:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
     stall_timeout: float = DEFAULT_STALL_TIMEOUT
+    heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT
     cors_allow_origins: list[str] = field(default_factory=list)
     allowed_hosts: list[str] = field(default_factory=list)  # empty: derived from `host`, see resolved_allowed_hosts
     body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT
@@ -55,7 +59,8 @@ class EntrySettings:
         env = os.environ if environ is None else environ
         settings = cls(host=args.host, port=args.port, served_model=args.served_model_name,
                        max_request_bytes=args.max_request_bytes, max_queued_requests=args.max_queued_requests,
-                       stall_timeout=args.stall_timeout, cors_allow_origins=parse_origins(args.cors_allow_origins),
+                       stall_timeout=args.stall_timeout, heartbeat_timeout=args.heartbeat_timeout,
+                       cors_allow_origins=parse_origins(args.cors_allow_origins),
                        allowed_hosts=parse_origins(args.allowed_hosts), body_read_timeout=args.body_read_timeout,
                        tool_call_parser=args.tool_call_parser,
                        api_key=env.get(API_KEY_ENV) or None, admin_api_key=env.get(ADMIN_API_KEY_ENV) or None)
@@ -70,6 +75,8 @@ class EntrySettings:
             raise ValueError("--max-queued-requests must be at least 1")
         if not self.stall_timeout > 0:
             raise ValueError("--stall-timeout must be > 0")
+        if not self.heartbeat_timeout >= 1.0:
+            raise ValueError("--heartbeat-timeout must be at least 1 (seconds; actors beat every 0.5 s)")
         if not self.body_read_timeout > 0:
             raise ValueError("--body-read-timeout must be > 0")
         if self.tool_call_parser not in PARSERS:
@@ -91,6 +98,10 @@ def add_entry_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT,
                         help="seconds a request may go without output (queued or running) before it ends with "
                              "a 503 error and is aborted")
+    parser.add_argument("--heartbeat-timeout", type=float, default=DEFAULT_HEARTBEAT_TIMEOUT, metavar="SECONDS",
+                        help="seconds without a heartbeat before a running scheduler or detokenizer counts as lost "
+                             "and the streams it holds end with a 503 (heartbeats come from a thread of their own, "
+                             "so a busy actor still beats; an actor whose process ended is known at once)")
     parser.add_argument("--cors-allow-origins", default="",
                         help="comma-separated origins allowed by CORS (default: CORS off)")
     parser.add_argument("--allowed-hosts", default="",
@@ -108,6 +119,7 @@ def entry_argv(args: argparse.Namespace) -> list[str]:
     argv = ["--max-request-bytes", str(args.max_request_bytes),
             "--max-queued-requests", str(args.max_queued_requests),
             "--stall-timeout", repr(float(args.stall_timeout)),
+            "--heartbeat-timeout", repr(float(args.heartbeat_timeout)),
             "--body-read-timeout", repr(float(args.body_read_timeout)),
             "--tool-call-parser", args.tool_call_parser]
     if args.cors_allow_origins:

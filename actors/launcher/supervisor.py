@@ -5,7 +5,11 @@ actor of its role runs: the others serve on (the entry ends only the dead one's 
 again after a backoff.
 
 A stall is an actor whose heartbeats stop for `watchdog_timeout` seconds while its process still exists
-(stopped, deadlocked, or cut off from NATS).
+(stopped, or cut off from NATS: beats come from a thread of their own, so a busy actor still beats).
+
+Whenever an actor's process ends (or is killed for a stall), the launcher says so on `{ns}.control.gone`
+(`ActorGone`) before it restarts or fail-stops, so the entry ends the streams that actor held at once rather
+than after its heartbeat silence (`--heartbeat-timeout`).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Callable
 from bus.connection import BusConnection, Delivery
 from bus.credentials import NatsCredentials
 from bus.embedded_server import die_with_parent
-from bus.messages import ActorReady, Heartbeat
+from bus.messages import ActorGone, ActorReady, Heartbeat
 from bus.permissions import inbox_prefix
 from bus.subjects import Subjects
 from observability.logging import log_event
@@ -105,6 +109,7 @@ class Supervisor:
         self._bus: BusConnection | None = None
         self._respawn_at: dict[str, float] = {}  # actors to start again, and when
         self.restarts: dict[str, int] = {}  # per actor name, since the launch
+        self._gone_later: list[tuple[str, int, str]] = []  # (name, pid, why) of group members stopped with another
 
     async def run(self, startup_timeout: float, on_ready: Callable[[], None]) -> int:
         """Run until a signal (exit 0) or an actor's death or a failed start (exit 1)."""
@@ -208,15 +213,38 @@ class Supervisor:
         while not self._stop.is_set():
             self._respawn_due()
             for name, why in self._failures():
+                await self._announce_gone(name, why)
                 if not self._restart(name, why):
                     log_event(log, logging.ERROR, f"{why}; stopping every actor (fail-stop)")
                     return 1
+            while self._gone_later:
+                name, pid, why = self._gone_later.pop(0)
+                await self._announce_gone(name, why, pid)
             try:
                 await asyncio.wait_for(self._stop.wait(), timeout=0.2)
             except asyncio.TimeoutError:
                 pass
         log_event(log, logging.INFO, "shutting down")
         return 0
+
+    async def _announce_gone(self, name: str, why: str, pid: int | None = None) -> None:
+        """Publish `ActorGone` for actor `name`'s process (`pid`, default: the running one's; a stalled one is
+        killed first, so it is gone when said)."""
+        spec = next((s for s in self._specs if s.name == name), None)
+        proc = self._procs.get(name) if pid is None else None
+        if spec is None or self._bus is None or (pid is None and proc is None):
+            return
+        if proc is not None:
+            if proc.poll() is None:  # stalled: it would be killed next anyway; its streams end now
+                proc.kill()
+                proc.wait()
+            pid = proc.pid
+        assert pid is not None
+        try:
+            await self._bus.publish(self._subjects.gone, ActorGone(spec.role, spec.rank, pid, why))
+            await self._bus.flush()
+        except Exception as exc:  # the entry still notices the silence
+            log_event(log, logging.WARNING, "could not announce a gone actor", actor=name, error=repr(exc))
 
     def _failures(self) -> list[tuple[str, str]]:
         """(actor name, what happened) for every actor that died or stalled."""
@@ -253,6 +281,8 @@ class Supervisor:
             if proc is not None and proc.poll() is None:  # stalled, or a group member: it holds memory and ports
                 proc.kill()
                 proc.wait()
+            if proc is not None and member != name:
+                self._gone_later.append((member, proc.pid, f"stopped with {name}, of its group"))
             self._last_beat.pop(member, None)
         count = self.restarts[name] = self.restarts.get(name, 0) + 1
         delay = min(RESTART_BACKOFF_MAX, RESTART_BACKOFF * 2 ** (count - 1))

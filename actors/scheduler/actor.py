@@ -35,12 +35,13 @@ from actors.scheduler import request_spans
 from actors.scheduler.admission import Admission
 from actors.scheduler.engine_thread import on_engine_thread, serial_torch_on_this_thread
 from actors.scheduler.kv_events import KvEventPublisher
+from actors.scheduler.step_messages import StepNumbering
 from actors.scheduler.stream_interval import StreamCoalescer
 from actors.scheduler.weight_update import UPDATE_WEIGHTS, WeightLoader, WeightUpdates
 from bus.connection import Delivery
 from bus.errors import ApiError, server_error
 from bus.messages import (
-    AbortRequest, Accepted, BatchTokenOutput, ControlCommand, ControlReply, FinishReason, InfoQuery, RequestOutput,
+    AbortRequest, Accepted, ControlCommand, ControlReply, FinishReason, InfoQuery, RequestOutput,
     ReplicaLoad, SchedulerInfo, TokenizedRequest, TokenRow,
 )
 from bus.ring_client import OPERATOR_ABORT
@@ -63,6 +64,7 @@ class SchedulerActor:
         `stream_interval`: tokens per published row of a request (`--stream-interval`, stream_interval.py)."""
         self._ctx = ctx
         self._streams = StreamCoalescer(stream_interval)
+        self._numbering = StepNumbering(ctx.rank)  # numbered step messages: the detokenizers' evidence of loss
         self._updates = WeightUpdates(engine, load_weights)
         self._admission = admission if admission is not None else Admission()  # (an empty one is falsy)
         self._refusals_unlogged = 0
@@ -340,8 +342,7 @@ class SchedulerActor:
     async def _publish_rows(self, subject: str, rows: list[TokenRow], traceparent: str | None = None) -> None:
         """One step message (split while it exceeds max_payload); a row too large alone ends its request."""
         step = self._info.step
-        too_large = await self._ctx.bus.publish_split(subject, rows, lambda part: BatchTokenOutput(step, part),
-                                                      traceparent)
+        too_large = await self._numbering.publish(self._ctx.bus, subject, step, rows, traceparent)
         for row in too_large:
             log_event(log, logging.ERROR, "a token row exceeds max_payload; ending its request", rid=row.rid)
             self._engine.abort(row.rid)
@@ -351,7 +352,7 @@ class SchedulerActor:
             final = TokenRow(rid=row.rid, token_ids=[], prompt_tokens=row.prompt_tokens,
                              completion_tokens=row.completion_tokens, finish=error)
             self._spans.output(final, tracing.now_ns())
-            await self._ctx.bus.publish(subject, BatchTokenOutput(step, [final]))
+            await self._numbering.publish(self._ctx.bus, subject, step, [final])
 
 
 async def scheduler_main(ctx: ActorContext, model: str, config: EngineConfig,

@@ -23,7 +23,7 @@ from tests.server_helpers import ServerHandle, servers_side_by_side
 LONG = {"prompt": "Hello", "max_tokens": 3000, "ignore_eos": True, "stream": True, "temperature": 0}
 KILLED = ["scheduler0", "detokenizer0", "tokenizer0"]
 FLAGS = {**{role: ["--max-total-tokens", "8192"] for role in KILLED}, "stalled": ["--max-total-tokens", "8192",
-         "--watchdog-timeout", "6"], "nats": []}
+         "--watchdog-timeout", "6", "--heartbeat-timeout", "2"], "nats": []}  # a stall: after the set silence
 
 
 @pytest.fixture(scope="module")

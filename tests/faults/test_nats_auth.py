@@ -33,7 +33,7 @@ S = {  # one concrete subject of each kind in the subject table, and some that n
     "submit": f"{NS}.req.submit", "tokenized": f"{NS}.req.tokenized", "tokenized_1": f"{NS}.req.tokenized.1",
     "tokens": f"{NS}.tokens.0",
     "out": f"{NS}.out.r1", "abort": f"{NS}.abort.r1", "ready": f"{NS}.control.ready",
-    "heartbeat": f"{NS}.control.heartbeat", "info": f"{NS}.control.scheduler.info",
+    "heartbeat": f"{NS}.control.heartbeat", "gone": f"{NS}.control.gone", "info": f"{NS}.control.scheduler.info",
     "command": f"{NS}.control.scheduler.command", "tokenize": f"{NS}.tokenizer.tokenize",
     "kv_events_1": f"{NS}.kv.events.1", "kv_snapshot_1": f"{NS}.kv.snapshot.1",
     **{f"{c}_{kind}": f"{NS}.client.{c}.{kind}" + ("" if kind == "submit" else ".r1")
@@ -47,7 +47,7 @@ OUTPUTS = {"out", "alice_out", "bob_out"}
 ANNOUNCE = {"ready", "heartbeat"}
 # The least-privilege table, written out independently of bus/permissions.py.
 MAY_PUBLISH = {
-    "launcher": set(),
+    "launcher": {"gone"},  # an actor's process ended: the entry ends its streams at once
     "entry": {"submit", "abort", "info", "command", "tokenize"} | ANNOUNCE,
     "tokenizer": {"tokenized", "tokenized_1", "inbox_entry", "inbox_alice", "inbox_bob", "kv_snapshot_1"} | OUTPUTS
     | ANNOUNCE,
@@ -58,7 +58,7 @@ MAY_PUBLISH = {
 }
 MAY_SUBSCRIBE = {
     "launcher": {"ready", "heartbeat", "inbox_launcher"},
-    "entry": {"out", "out_any", "heartbeat", "inbox_entry"},
+    "entry": {"out", "out_any", "heartbeat", "gone", "inbox_entry"},
     "tokenizer": {"submit", "alice_submit", "bob_submit", "tokenize", "heartbeat", "kv_events_1",
                   "inbox_tokenizer"},  # routing: loads and KV events
     "scheduler": {"tokenized", "tokenized_1", "abort", "alice_abort", "bob_abort", "info", "command", "kv_snapshot_1",
