@@ -24,7 +24,8 @@ ROOT = str(Path(__file__).resolve().parents[2])  # where `kernels` is importable
 
 
 class WorkerFailure(Exception):
-    """A request the worker could not answer: `reason` is "timeout", "memory", "unbounded" or "crashed"."""
+    """A request the worker could not answer: `reason` is "timeout", "memory", "unbounded", "crashed" or
+    "unavailable" (no worker could be started)."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
@@ -41,7 +42,10 @@ class CompileWorker:
         self._buffer = b""
         self.proc = subprocess.Popen([sys.executable, "-m", "kernels.grammar.compile_worker"], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-        self.limit_bytes = int(self._exchange(setup_line, START_TIMEOUT).get("limit_bytes", 0))
+        try:
+            self.limit_bytes = int(self._exchange(setup_line, START_TIMEOUT).get("limit_bytes", 0))
+        except WorkerFailure as exc:  # not the grammar's fault: no request is failed as if it were
+            raise WorkerFailure("unavailable", f"the grammar compiler process did not start: {exc}") from None
 
     def request(self, message: dict[str, Any], time_limit: float) -> dict[str, Any]:
         """The worker's reply to `message`; WorkerFailure (and the worker killed) when it has none in time."""

@@ -189,7 +189,10 @@ class XGrammarCompiler(GrammarCompiler):
         setup = {"tokenizer_info": self.tokenizer_info.serialize_json(), "memory_bytes": memory_bytes,
                  "max_threads": max_threads, "any_whitespace": any_whitespace}
         self._workers = WorkerPool(setup, size=compile_threads, time_limit=time_limit, on_stderr=_log_printed)
-        self._workers.start()
+        try:
+            self._workers.start()
+        except WorkerFailure as exc:  # the first request tries again
+            log.warning("starting a grammar compile worker failed: %s", exc)
 
     @property
     def vocab_size(self) -> int:
@@ -232,6 +235,8 @@ class XGrammarCompiler(GrammarCompiler):
         try:
             reply = self._workers.request({"op": op, "kind": spec.kind, "source": spec.source})
         except WorkerFailure as exc:
+            if exc.reason == "unavailable":  # a server fault, not the grammar's: not cached as the grammar's error
+                raise RuntimeError(str(exc)) from None
             if exc.reason == "timeout":
                 raise GrammarError(f"the {label} took longer than {self.time_limit:g} s to compile; simplify it",
                                    spec.kind) from None
