@@ -13,11 +13,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from bus.errors import ApiError
+from bus.errors import ApiError, quote
 
 MAX_STOP_CHARS = 256
 LOGIT_BIAS_LIMIT = 100.0
-MAX_ERROR_CHARS = 1000  # a hostile value is quoted in the message, but only this much of it
+MAX_STRING_CHARS = 1000  # a string parameter without its own `max_items`
 
 # Shapes of values beyond plain numbers and booleans; `check` and `json_schema` know each one.
 STOP_STRINGS, TOKEN_IDS, LOGIT_BIAS = "stop_strings", "token_ids", "logit_bias"
@@ -88,11 +88,11 @@ class Spec:
 
     @staticmethod
     def _bad(name: str, what: str, value: Any) -> ApiError:
-        return ApiError(f"{name} must be {what}, got {value!r}"[:MAX_ERROR_CHARS], param=name)
+        return ApiError(f"{name} must be {what}, got {quote(value)}", param=name)
 
     def _scalar(self, value: Any, name: str) -> Any:
         if self.kind == "string":
-            if not isinstance(value, str) or not 0 < len(value) <= (self.max_items or MAX_ERROR_CHARS):
+            if not isinstance(value, str) or not 0 < len(value) <= (self.max_items or MAX_STRING_CHARS):
                 raise self._bad(name, f"a non-empty string of {self.range_text()}", value)
             return value
         if self.kind == "boolean":
@@ -165,7 +165,7 @@ class Spec:
 
 def _listed(values: list[Any], most: int = 10) -> str:
     """Up to `most` values for an error message (each cut short), and how many more there were."""
-    shown = ", ".join(repr(v)[:40] for v in values[:most])
+    shown = ", ".join(quote(v, 40) for v in values[:most])
     return shown + (f" and {len(values) - most} more" if len(values) > most else "")
 
 

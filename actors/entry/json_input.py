@@ -13,10 +13,11 @@ import json
 import math
 from typing import Any
 
-from bus.errors import ApiError
+from bus.errors import ApiError, printable, quote
 
 MAX_JSON_DEPTH = 64
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_KEY_CHARS = 40  # of each field name in an error's path
 _JSON_CHARSETS = {"utf-8", "utf8"}
 
 
@@ -36,7 +37,7 @@ def check_content_type(content_type: str | None, required: bool = False) -> None
         if name.strip().lower() == "charset":
             charset_ok = value.strip().strip('"').lower() in _JSON_CHARSETS
     if not (is_json and charset_ok):
-        raise ApiError(f"unsupported Content-Type {content_type!r}: send application/json (UTF-8)", 415,
+        raise ApiError(f"unsupported Content-Type {quote(content_type)}: send application/json (UTF-8)", 415,
                        type="invalid_request_error")
 
 
@@ -54,20 +55,20 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     return data
 
 
-def _printable(text: str) -> str:
-    """`text` with anything that is not valid Unicode escaped, safe to put in a response."""
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+def _key(key: str) -> str:
+    """A field name as a path shows it: escaped where it is not valid Unicode, and short."""
+    return printable(key if len(key) <= MAX_KEY_CHARS else f"{key[:MAX_KEY_CHARS]}…")
 
 
 def _where(path: tuple[Any, ...], most: int = 8) -> str:
     out = ""
     for key in path[:most]:
-        out += f"[{key}]" if isinstance(key, int) else (f".{_printable(key)}" if out else _printable(key))
+        out += f"[{key}]" if isinstance(key, int) else (f".{_key(key)}" if out else _key(key))
     return (out + ("..." if len(path) > most else "")) or "the body"
 
 
 def _bad(path: tuple[Any, ...], problem: str) -> ApiError:
-    param = _printable(path[0]) if path and isinstance(path[0], str) else None
+    param = printable(path[0]) if path and isinstance(path[0], str) else None
     return ApiError(f"{_where(path)}: {problem}", param=param)
 
 
@@ -94,7 +95,7 @@ def check_carriable(data: Any) -> None:
             continue
         elif isinstance(value, int):
             if not INT64_MIN <= value <= INT64_MAX:
-                raise _bad(path, f"the integer {value} does not fit in 64 bits")
+                raise _bad(path, f"the integer {quote(value)} does not fit in 64 bits")
         elif isinstance(value, float):
             if not math.isfinite(value):
                 raise _bad(path, f"{value} is not a finite number")

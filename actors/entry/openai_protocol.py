@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from bus.errors import ApiError
+from bus.errors import ApiError, clip, quote
 from actors.entry.openai_logprobs import LogprobFormatter, vllm_prompt_logprobs
 from actors.entry.tool_parsers import DEFAULT_PARSER
 from actors.entry.tool_request import GUIDED_FIELDS, ToolPlan, output_constraint, parse_messages, parse_tools
@@ -103,7 +103,7 @@ def check_fields(body: dict[str, Any], kind: str) -> None:
             continue
         refused = REFUSED.get(name)
         if refused is None:
-            raise ApiError(f"Unrecognized request argument supplied: {name}"[:1000], param=name)
+            raise ApiError(f"Unrecognized request argument supplied: {clip(name)}", param=name)
         if value is not None and not any(value == neutral for neutral in refused.neutral):
             raise ApiError(f"{name}: {refused.reason}", param=name)
 
@@ -200,7 +200,7 @@ def _options(body: dict[str, Any], kind: str, served_model: str) -> ApiOptions:
         raise ApiError("stream_options must be an object", param="stream_options")
     for name in stream_options:
         if name != "include_usage" and name not in STREAM_OPTIONS_NO_EFFECT:
-            raise ApiError(f"Unrecognized request argument supplied: stream_options.{name}"[:1000],
+            raise ApiError(f"Unrecognized request argument supplied: stream_options.{clip(str(name))}",
                            param="stream_options")
     include_usage = stream_options.get("include_usage")
     if include_usage is not None and not isinstance(include_usage, bool):
@@ -210,7 +210,7 @@ def _options(body: dict[str, Any], kind: str, served_model: str) -> ApiOptions:
 
 def model_not_found(model: Any, served_model: str) -> ApiError:
     """OpenAI's 404 for a model id this server does not serve."""
-    return ApiError(f"the model {model!r} does not exist; this server serves {served_model!r}"[:1000], 404,
+    return ApiError(f"the model {quote(model)} does not exist; this server serves {served_model!r}", 404,
                     "model", "model_not_found")
 
 

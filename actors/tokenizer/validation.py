@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bus.errors import ApiError
+from bus.errors import ApiError, quote
 from bus.params import GRAMMAR_PARAMS, SPECS, SamplingParams, default_of
 
 
@@ -26,7 +26,7 @@ def validate_sampling(
     """
     unknown = sorted((str(name) for name in set(raw) - SPECS.keys()))
     if unknown:
-        raise ApiError(f"unknown sampling parameter {unknown[0]!r}"[:1000], param=unknown[0][:200])
+        raise ApiError(f"unknown sampling parameter {quote(unknown[0])}", param=unknown[0])
     values = {name: default_of(name) if raw.get(name) is None else spec.check(raw[name], vocab_size, openai_names)
               for name, spec in SPECS.items()}
     params = SamplingParams(**values)
