@@ -109,7 +109,9 @@ class Client:
             return "no NATS server answers there"
         writer.close()
         if self._credentials is None:
-            return "the server refused the connection; a NATS with auth needs creds=<credentials file>"
+            return ("the server refused the connection: a NATS with auth needs credentials (creds=FILE; "
+                    "`ringserve submit --creds FILE`), e.g. a client's file, which `ringserve serve --nats-client "
+                    "NAME` writes and logs (`nats client credentials client=NAME file=...`)")
         return "the server refused these credentials, or the TLS settings"
 
     async def close(self) -> None:

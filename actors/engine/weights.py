@@ -28,11 +28,11 @@ from torch import nn
 from tqdm import tqdm
 
 from actors.common.model_source import (
-    ModelSource, cache_root, converting, gguf_cache_key, publish_directory, resolve_model, resolved_config,
+    SUPPORTED_MODEL_TYPES, ModelSource, cache_root, converting, gguf_cache_key, publish_directory, resolve_model,
+    resolved_config,
 )
 from actors.engine.llama import LlamaForCausalLM, fuse_hf_state_dict, head_dim_of, rope_theta_of
 
-SUPPORTED_MODEL_TYPES = ("llama",)
 WEIGHTS_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
 IGNORED_TENSORS = (".rotary_emb.inv_freq",)  # kept by some older checkpoints; computed, not loaded

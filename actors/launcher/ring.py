@@ -15,7 +15,7 @@ import argparse
 import logging
 from typing import Any
 
-from actors.common.model_source import resolve_model, resolved_config
+from actors.common.model_source import check_servable, resolve_model, resolved_config
 from actors.engine.config import EngineConfig
 from actors.engine.tp_checks import check_shardable, check_tp_quantization
 from actors.entry.settings import entry_argv
@@ -70,6 +70,7 @@ class Ring:
         self.http = http
         try:
             self.source = resolve_model(args.model)
+            check_servable(self.source)  # weights and a tokenizer, before any actor starts
             self.subjects = Subjects(args.namespace)
             EngineConfig.from_args(args)
             if args.tp != 1:  # heads that --tp does not divide: refused before any process starts

@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import sys
 from dataclasses import asdict
 from typing import Any
@@ -120,27 +121,43 @@ async def _submit(args: argparse.Namespace) -> int:
 
 
 async def _print_outputs(client: Any, request: GenerateRequest, args: argparse.Namespace) -> int:
-    text = []
-    async with contextlib.aclosing(client.outputs(request)) as outputs:
-        async for out in outputs:
-            if args.json:
-                print(json.dumps({"type": "RequestOutput", "body": to_wire(out)}, ensure_ascii=False), flush=True)
-            elif args.stream:
-                print(out.text, end="", flush=True)
-            text.append(out.text)
-            if out.error is not None:
-                if not args.json:
-                    print(json.dumps(out.error.body(), ensure_ascii=False), file=sys.stderr)
-                return 1
-            if out.finish is not None and not args.json:
-                print("" if args.stream else "".join(text), flush=True)
-                print(f"[finish: {json.dumps(asdict(out.finish))}, prompt_tokens {out.prompt_tokens}, "
-                      f"completion_tokens {out.completion_tokens}]", file=sys.stderr)
+    text: list[str] = []
+    streamed = args.stream and not args.json
+    try:
+        async with contextlib.aclosing(client.outputs(request)) as outputs:
+            async for out in outputs:
+                if args.json:
+                    print(json.dumps({"type": "RequestOutput", "body": to_wire(out)}, ensure_ascii=False),
+                          flush=True)
+                elif args.stream:
+                    print(out.text, end="", flush=True)
+                text.append(out.text)
+                if out.error is not None:
+                    _end_line(streamed, text)
+                    if not args.json:
+                        print(json.dumps(out.error.body(), ensure_ascii=False), file=sys.stderr)
+                    return 1
+                if out.finish is not None and not args.json:
+                    print("\n" if streamed else "".join(text), end="" if streamed else "\n", flush=True)
+                    streamed = False  # the line is ended
+                    print(f"[finish: {json.dumps(asdict(out.finish))}, prompt_tokens {out.prompt_tokens}, "
+                          f"completion_tokens {out.completion_tokens}]", file=sys.stderr)
+    except BaseException:  # a timeout or Ctrl-C while streaming: what was printed still ends its line
+        _end_line(streamed, text)
+        raise
     return 0
+
+
+def _end_line(streamed: bool, text: list[str]) -> None:
+    """End the streamed text's line on stdout (once), so what follows starts on a line of its own."""
+    if streamed and "".join(text):
+        print(flush=True)
+        text.clear()
 
 
 def submit_command(args: argparse.Namespace) -> int:
     """`ringserve submit`: the exit code (0 answered, 1 an error answer or timeout, 2 no NATS or no ring)."""
+    logging.getLogger().addHandler(logging.NullHandler())  # the answer or the exit code says what went wrong
     try:
         return asyncio.run(_submit(args))
     except ApiError as exc:  # the request could not be built, or the ring is unavailable (503)

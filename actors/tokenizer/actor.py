@@ -18,9 +18,9 @@ import logging
 import time
 from typing import Any
 
-from actors.common.model_source import resolve_model
+from actors.common.model_source import UnservableModel, resolve_model
 from actors.common.text_tokenizer import load_text_model
-from actors.common.runtime import ActorContext
+from actors.common.runtime import ActorContext, exit_now
 from actors.detokenizer.placement import DetokenizerPlacement
 from actors.tokenizer.prompt import PromptEncoder
 from actors.tokenizer.router import Router
@@ -243,5 +243,12 @@ class TokenizerActor:
 
 
 async def tokenizer_main(ctx: ActorContext, model: str, detokenizers: int = 1) -> dict[str, Any]:
-    """Entry point for the runtime: build the actor and subscribe."""
-    return await TokenizerActor(ctx, model, detokenizers).start()
+    """Entry point for the runtime: build the actor and subscribe. A model it cannot serve ends the process at
+    once with one error line (exit code 1), before it reports ready."""
+    try:
+        actor = TokenizerActor(ctx, model, detokenizers)
+    except (UnservableModel, FileNotFoundError) as exc:
+        log_event(log, logging.ERROR, "cannot serve this model", model=model, reason=str(exc))
+        exit_now(1)
+        raise  # not reached: exit_now ended the process
+    return await actor.start()
