@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from kernels.grammar import GrammarCompiler, GrammarError, GrammarSpec, make_compiler
+from kernels.grammar.ebnf_productive import unproductive_rule
 from kernels.grammar.schema_recursion import infinite_subschema
 
 MODEL_VOCAB = 49152
@@ -76,17 +77,69 @@ def test_infinite_subschema(schema: dict, where: str | None) -> None:
     assert infinite_subschema(schema) == where
 
 
-def test_a_grammar_forcing_unbounded_text_fails_in_the_worker_with_memory_bounded(
-        compiler: GrammarCompiler) -> None:
+def test_a_grammar_forcing_unbounded_text_is_refused_with_memory_bounded(compiler: GrammarCompiler) -> None:
     """`root ::= "a" root` compiles, but its forced text never ends (what jump-forward computes on the step
-    path, growing memory until the process dies): the worker hits its cap, not this process."""
+    path, growing memory until the process dies)."""
     before, started = rss_bytes(), time.monotonic()
     with pytest.raises(GrammarError, match="output of unbounded length"):
         compiler.compile(GrammarSpec("ebnf", 'root ::= "a" root'))
     assert time.monotonic() - started < 60
     assert rss_bytes() - before < 300 << 20
-    # the killed worker is replaced: the next grammar compiles
     assert compiler.compile(GrammarSpec("ebnf", 'root ::= "ok"')).matcher().jump_forward() == "ok"
+
+
+def test_the_worker_address_space_cap_holds(compiler: GrammarCompiler) -> None:
+    """The worker runs under RLIMIT_AS (read back from /proc); a compile needing more fails there, the
+    calling process's memory stays put, and the next request gets a fresh worker that compiles."""
+    from kernels.grammar.compile_pool import WorkerFailure, WorkerPool
+
+    setup = {"tokenizer_info": compiler.tokenizer_info.serialize_json(),  # type: ignore[attr-defined]
+             "memory_bytes": 64 << 20, "max_threads": 1}
+    pool = WorkerPool(setup, size=1, time_limit=60.0, on_stderr=lambda text: None)
+    try:
+        pool.start()
+        [worker] = pool._idle
+        with open(f"/proc/{worker.proc.pid}/limits") as limits:
+            line = next(line for line in limits if line.startswith("Max address space"))
+        assert int(line.split()[3]) == worker.limit_bytes
+        before = rss_bytes()
+        with pytest.raises(WorkerFailure) as failed:
+            pool.request({"op": "compile", "kind": "regex", "source": "[a-z0-9]{0,2000}[A-Z]{0,2000}"})
+        assert failed.value.reason in ("memory", "crashed")
+        assert worker.proc.poll() is not None and rss_bytes() - before < 100 << 20
+        assert "grammar" in pool.request({"op": "compile", "kind": "regex", "source": "(yes|no)"})
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("kind, source, rule", [
+    ("ebnf", 'root ::= "a" root', "root"),
+    ("ebnf", 'root ::= "x" | "y" loop\nloop ::= "a" loop', "loop"),  # a dead branch the model may enter
+    ("ebnf", 'root ::= [a-c]+ "q"? ("r" | "s"){2,5} x*\nx ::= "k" x', "x"),
+    ("ebnf", 'root ::= "a" root | "b"', None),
+    ("regex", "(ab|c)*d{2,3}[^x]", None),
+    # an optional property whose object requires itself, reached through anyOf/allOf (past the schema check)
+    ("json_schema", json.dumps({"type": "object", "properties": {
+        "a": {"anyOf": [{"type": "null"}, {"allOf": [{"$ref": "#/properties/b"}]}]},
+        "b": {"type": "object", "properties": {"x": {"$ref": "#/properties/b"}}, "required": ["x"]}}}),
+     "properties_b"),
+    ("json_schema", json.dumps(OPTIONAL), None),
+])
+def test_unproductive_rules_in_xgrammars_grammar(kind: str, source: str, rule: str | None) -> None:
+    import xgrammar as xgr
+
+    grammar = (xgr.Grammar.from_ebnf(source, root_rule_name="root") if kind == "ebnf" else
+               xgr.Grammar.from_regex(source) if kind == "regex" else
+               xgr.Grammar.from_json_schema(source, any_whitespace=False, strict_mode=True))
+    assert unproductive_rule(str(grammar)) == rule
+    assert unproductive_rule(str(xgr.Grammar.builtin_json_grammar())) is None
+
+
+def test_a_dead_branch_forcing_unbounded_text_is_refused_by_check(compiler: GrammarCompiler) -> None:
+    spec = GrammarSpec("ebnf", 'root ::= "x" | "y" loop\nloop ::= "a" loop')
+    for call in (compiler.check, compiler.compile):
+        with pytest.raises(GrammarError, match="unbounded length \\(rule 'loop'\\)"):
+            call(spec)
 
 
 def test_a_compile_past_the_time_limit_kills_its_worker(tokenizer: Any) -> None:

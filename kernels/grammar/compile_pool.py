@@ -90,6 +90,10 @@ class CompileWorker:
                     raise WorkerFailure("timeout", f"it took longer than {time_limit:g} s to compile")
                 chunk = os.read(fd, 1 << 20)
                 if not chunk:
+                    try:  # its own exit status says more than our SIGKILL would
+                        self.proc.wait(timeout=2.0)
+                    except subprocess.TimeoutExpired:
+                        pass
                     self.kill()
                     code = self.proc.returncode
                     reason = "memory" if code in (-6, -9, 134, 137) else "crashed"

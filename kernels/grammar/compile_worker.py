@@ -13,7 +13,9 @@ The compiled grammar travels back as xgrammar's own JSON serialization, checked 
 the parent's tokenizer info; nothing is pickled. After compiling, the worker also computes the text the grammar
 forces from its start (what the engine's jump-forward computes on the step path): a grammar that forces an
 infinite text (a required recursion the schema check did not see, an EBNF rule that only calls itself) fails
-here, under the cap, and not in the engine. A worker that ran out of memory replies and exits (xgrammar's state
+here, under the cap, and not in the engine. Before that, `ebnf_productive` looks for rules no finite text
+matches anywhere in the grammar (a dead branch whose forced text would never end once the model entered it);
+`check` runs that too, so the tokenizer refuses such a grammar before admission. A worker that ran out of memory replies and exits (xgrammar's state
 after a `bad_alloc` is not trusted); one that crashes or overruns its time is killed by the parent.
 """
 
@@ -27,6 +29,8 @@ import tempfile
 import threading
 import time
 from typing import Any, BinaryIO, TextIO
+
+from kernels.grammar.ebnf_productive import unproductive_rule
 
 MAX_STDERR_CHARS = 2000
 
@@ -68,14 +72,15 @@ class Worker:
         info = xgr.TokenizerInfo.deserialize_json(setup["tokenizer_info"])
         self.compiler = xgr.GrammarCompiler(info, max_threads=int(setup.get("max_threads", 1)), cache_enabled=False)
 
-    def check(self, kind: str, source: str) -> None:
-        """Parse `source` without compiling token masks (xgrammar raises on an invalid one)."""
+    def check(self, kind: str, source: str) -> Any:
+        """Parse `source` without compiling token masks (xgrammar raises on an invalid one): its Grammar."""
         if kind == "json_schema":
-            self.xgr.Grammar.from_json_schema(source, any_whitespace=self.any_whitespace, strict_mode=True)
-        elif kind == "regex":
-            self.xgr.Grammar.from_regex(source)
-        elif kind == "ebnf":
-            self.xgr.Grammar.from_ebnf(source, root_rule_name="root")
+            return self.xgr.Grammar.from_json_schema(source, any_whitespace=self.any_whitespace, strict_mode=True)
+        if kind == "regex":
+            return self.xgr.Grammar.from_regex(source)
+        if kind == "ebnf":
+            return self.xgr.Grammar.from_ebnf(source, root_rule_name="root")
+        return None
 
     def compile(self, kind: str, source: str) -> Any:
         """The compiled grammar of `source` (json_object: any JSON object, as vLLM makes it)."""
@@ -93,13 +98,17 @@ class Worker:
         kind, source = str(request["kind"]), str(request["source"])
         try:
             if request["op"] == "check":
-                self.check(kind, source)
-                return {}
+                grammar = self.check(kind, source)
+                rule = None if grammar is None else unproductive_rule(str(grammar))
+                return {} if rule is None else _unbounded(rule)
             compiled = self.compile(kind, source)
         except (RuntimeError, ValueError) as exc:
             if _is_memory_error(exc):
                 raise MemoryError from None
             return {"error": str(exc), "reason": "invalid"}
+        rule = unproductive_rule(str(compiled.grammar))
+        if rule is not None:
+            return _unbounded(rule)
         try:
             self.xgr.GrammarMatcher(compiled).find_jump_forward_string()
         except (RuntimeError, MemoryError) as exc:
@@ -108,6 +117,10 @@ class Worker:
                         "fatal": True}
             raise
         return {"grammar": compiled.serialize_json()}
+
+
+def _unbounded(rule: str) -> dict[str, Any]:
+    return {"error": "the grammar forces an output of unbounded length", "reason": "unbounded", "rule": rule}
 
 
 def _reply(out: TextIO, capture: BinaryIO, message: dict[str, Any]) -> None:

@@ -241,10 +241,11 @@ class XGrammarCompiler(GrammarCompiler):
                 raise GrammarError(f"the {label} took longer than {self.time_limit:g} s to compile; simplify it",
                                    spec.kind) from None
             if exc.reason == "unbounded":
-                raise GrammarError(f"the {label} can only be matched by an output of unbounded length (a rule "
-                                   "that must recurse forever?); make the recursion optional", spec.kind) from None
+                raise _unbounded(spec, None) from None
             raise GrammarError(f"the {label} needs more than {self.memory_bytes >> 20} MiB to compile (or crashed "
                                "the compiler); simplify it", spec.kind) from None
+        if reply.get("reason") == "unbounded":
+            raise _unbounded(spec, str(reply.get("rule", "")))
         if "error" in reply:
             raise _grammar_error(spec, RuntimeError(reply["error"]))
         return reply
@@ -263,6 +264,13 @@ class XGrammarCompiler(GrammarCompiler):
                                "its required properties or items recurse into it with no way out; make the "
                                "recursion optional", spec.kind)
         return spec.source
+
+
+def _unbounded(spec: GrammarSpec, rule: str | None) -> GrammarError:
+    """The error for a grammar part that no finite output completes (`rule`: its name, for EBNF)."""
+    where = f" (rule {quote(rule, 64)})" if rule and spec.kind == "ebnf" else ""
+    return GrammarError(f"the {_LABELS[spec.kind]} can only be matched by an output of unbounded length{where}: a "
+                        "part of it must recurse forever once entered; make the recursion optional", spec.kind)
 
 
 def _log_printed(text: str) -> None:
