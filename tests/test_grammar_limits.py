@@ -168,3 +168,35 @@ def test_error_messages_quote_a_bounded_escaped_part_of_the_grammar(compiler: Gr
     with pytest.raises(GrammarError) as caught:
         compiler.compile(GrammarSpec("regex", "(" + "x\n" * 5000))
     assert len(str(caught.value)) < 600 and "\n" not in str(caught.value)
+
+
+def test_a_worker_ends_with_the_process_that_started_it(compiler: GrammarCompiler) -> None:
+    """A parent killed with SIGKILL (no close) leaves no compile worker behind."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.server_helpers import process_alive, wait_for
+
+    script = ("import json, sys, time\n"
+              "from kernels.grammar.compile_pool import WorkerPool\n"
+              "setup = json.loads(sys.stdin.readline())\n"
+              "pool = WorkerPool(setup, size=1, time_limit=60.0, on_stderr=print)\n"
+              "pool.start()\n"
+              "print(pool._idle[0].proc.pid, flush=True)\n"
+              "time.sleep(600)\n")
+    setup = {"tokenizer_info": compiler.tokenizer_info.serialize_json(),  # type: ignore[attr-defined]
+             "memory_bytes": 1 << 30, "max_threads": 1}
+    parent = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        assert parent.stdin is not None and parent.stdout is not None
+        parent.stdin.write(json.dumps(setup) + "\n")
+        parent.stdin.flush()
+        worker_pid = int(parent.stdout.readline())
+        assert process_alive(worker_pid)
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    assert wait_for(lambda: not process_alive(worker_pid), timeout=10), "the compile worker outlived its parent"
