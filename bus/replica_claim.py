@@ -55,6 +55,8 @@ POLL_SECONDS = 0.25  # how often a claimant of a held id looks again
 MAX_AUTO_ID = 1023  # the highest id a scheduler without --dp-replica-id takes
 CONNECT_SECONDS = 10.0
 API_SECONDS = 5.0
+JETSTREAM_PATIENCE_SECONDS = 30.0  # how long a claimant waits for a busy JetStream (a cluster electing a leader)
+JETSTREAM_NOT_ENABLED = 10039  # JetStream's error code: not enabled for the account
 
 
 class ClaimError(Exception):
@@ -107,18 +109,34 @@ def describe(holder: dict[str, Any]) -> str:
     return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}"
 
 
-async def open_bucket(js: Any, subjects: Subjects) -> Any:
+async def open_bucket(js: Any, subjects: Subjects, patience: float = 0.0) -> Any:
     """The namespace's claims bucket (created when missing): memory storage, one value per key, TTL_SECONDS.
-    Replicated three times on a cluster, once on a single server (which refuses replicas)."""
+    Replicated three times on a cluster, once on a single server (which refuses replicas). JetStream busy (a
+    cluster electing its leader answers 503, or not at all) is asked again for up to `patience` seconds."""
+    deadline = asyncio.get_running_loop().time() + patience
+    while True:
+        try:
+            return await _open_bucket(js, subjects)
+        except (nats.js.errors.ServiceUnavailableError, asyncio.TimeoutError, nats.errors.TimeoutError) as exc:
+            if getattr(exc, "err_code", None) == JETSTREAM_NOT_ENABLED:
+                raise JetStreamUnavailable("JetStream is not enabled for this NATS account") from exc
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(POLL_SECONDS)
+
+
+async def _open_bucket(js: Any, subjects: Subjects) -> Any:
     config = KeyValueConfig(bucket=subjects.replica_bucket(), history=1, ttl=TTL_SECONDS, storage=StorageType.MEMORY,
                             description="ringserve scheduler replica ids (bus/replica_claim.py)")
     last: Exception | None = None
     for replicas in (3, 1):
         try:
             return await js.create_key_value(config, replicas=replicas)
+        except nats.js.errors.ServiceUnavailableError:  # busy, or not enabled: open_bucket decides
+            raise
         except nats.js.errors.APIError as exc:  # no cluster for 3 (code 500), or it exists as another config
             last = exc
-        except (nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError) as exc:
+        except nats.errors.NoRespondersError as exc:
             raise JetStreamUnavailable("JetStream is not enabled on this NATS server") from exc
     try:
         return await js.key_value(subjects.replica_bucket())  # made before with another configuration: use it
@@ -239,7 +257,7 @@ class ReplicaClaim:
                                       credentials=self._credentials, inbox_prefix=self._inbox_prefix),
                 CONNECT_SECONDS)
             js = bus.client.jetstream(timeout=API_SECONDS)
-            self._kv = await open_bucket(js, self._subjects)
+            self._kv = await open_bucket(js, self._subjects, JETSTREAM_PATIENCE_SECONDS)
             self.replica, self._revision = await claim(self._kv, replica, self._identity)
         except BaseException as exc:  # handed to the caller of acquire
             if bus is not None:

@@ -119,7 +119,10 @@ def claim_replica_id(args: argparse.Namespace) -> ReplicaClaim | None:
     except ClaimError as exc:
         _refuse(f"{exc} (namespace {args.namespace!r})", CLAIM_REFUSED)
     except Exception as exc:  # no NATS there, refused or unreadable credentials, no answer from JetStream
-        _refuse(f"could not claim a replica id on NATS {args.nats_url}: {exc!r}", 1)
+        hint = ("" if isinstance(exc, ConnectionError) else " (no answer from JetStream: is it up, and may this "
+                "user use the claims bucket? credentials written before replica claims lack it: write them again "
+                "with `ringserve nats-config`)")
+        _refuse(f"could not claim a replica id on NATS {args.nats_url}: {exc!r}{hint}", 1)
     args.dp_replica_id = claim.replica
     print(f"ringserve scheduler: claimed replica id {claim.replica} in namespace {args.namespace!r}", file=sys.stderr)
     return claim
