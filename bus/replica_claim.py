@@ -57,6 +57,7 @@ CONNECT_SECONDS = 10.0
 API_SECONDS = 5.0
 JETSTREAM_PATIENCE_SECONDS = 30.0  # how long a claimant waits for a busy JetStream (a cluster electing a leader)
 JETSTREAM_NOT_ENABLED = 10039  # JetStream's error code: not enabled for the account
+NO_RESPONDERS_SECONDS = 3.0  # how long no JetStream API at all may last (a server still starting) before giving up
 
 
 class ClaimError(Exception):
@@ -113,14 +114,19 @@ async def open_bucket(js: Any, subjects: Subjects, patience: float = 0.0) -> Any
     """The namespace's claims bucket (created when missing): memory storage, one value per key, TTL_SECONDS.
     Replicated three times on a cluster, once on a single server (which refuses replicas). JetStream busy (a
     cluster electing its leader answers 503, or not at all) is asked again for up to `patience` seconds."""
-    deadline = asyncio.get_running_loop().time() + patience
+    started = asyncio.get_running_loop().time()
     while True:
         try:
             return await _open_bucket(js, subjects)
         except (nats.js.errors.ServiceUnavailableError, asyncio.TimeoutError, nats.errors.TimeoutError) as exc:
-            if getattr(exc, "err_code", None) == JETSTREAM_NOT_ENABLED:
+            waited = asyncio.get_running_loop().time() - started
+            code = getattr(exc, "err_code", 0)
+            if code == JETSTREAM_NOT_ENABLED:
                 raise JetStreamUnavailable("JetStream is not enabled for this NATS account") from exc
-            if asyncio.get_running_loop().time() > deadline:
+            # nats-py reports "no responders" to the JetStream API as a 503 without a code: no JetStream there
+            if code is None and waited >= min(patience, NO_RESPONDERS_SECONDS):
+                raise JetStreamUnavailable("JetStream is not enabled on this NATS server") from exc
+            if waited >= patience:
                 raise
             await asyncio.sleep(POLL_SECONDS)
 
@@ -136,8 +142,6 @@ async def _open_bucket(js: Any, subjects: Subjects) -> Any:
             raise
         except nats.js.errors.APIError as exc:  # no cluster for 3 (code 500), or it exists as another config
             last = exc
-        except nats.errors.NoRespondersError as exc:
-            raise JetStreamUnavailable("JetStream is not enabled on this NATS server") from exc
     try:
         return await js.key_value(subjects.replica_bucket())  # made before with another configuration: use it
     except nats.js.errors.BucketNotFoundError:
@@ -293,7 +297,8 @@ class ReplicaClaim:
             return True
         except nats.js.errors.KeyWrongLastSequenceError:
             pass  # it lapsed, or someone took it
-        except (nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError):
+        except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError,
+                nats.js.errors.ServiceUnavailableError):
             pass  # the bucket is gone (a restarted server without the store): made again below
         except Exception as exc:  # no NATS for now: the next refresh tries again
             log_event(log, logging.WARNING, "could not refresh the replica claim", replica=self.replica,

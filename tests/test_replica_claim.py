@@ -3,7 +3,9 @@ scheduler's credentials may use the claims bucket, the tokenizer's may not), and
 `ringserve serve` processes with the tiny model.
 
 - Claims in-process: the lowest free ids, distinct under concurrency; a held id is refused within a refresh;
-  a released id is free at once; a dead holder of this host is taken over at once; a lapsed claim expires.
+  a released id is free at once; a dead holder of this host is taken over at once, one elsewhere once its
+  claim expires; a holder renews a claim that lapsed (or whose bucket the server lost) and gives up
+  (`on_lost`) one someone else holds; no JetStream, no claim; only the scheduler role may claim.
 - Two scheduler workers started at once without ids both join, with ids 0 and 1, and both serve.
 - Two started at once with one id: one serves, the other exits 2 saying the id is claimed.
 - A scheduler worker without an id joins a `ringserve serve` ring as replica 1.
@@ -22,15 +24,16 @@ from typing import Any, Iterator
 
 import httpx
 import nats
+import nats.js.errors
 import pytest
 
 from actors.launcher.nats_auth import DeploymentAuth, generate_auth
 from bus import replica_claim
 from bus.embedded_server import EmbeddedNatsServer, free_port
 from bus.permissions import inbox_prefix
-from bus.replica_claim import ClaimError, ReplicaClaim
+from bus.replica_claim import ClaimError, JetStreamUnavailable, ReplicaClaim
 from bus.subjects import Subjects
-from tests.server_helpers import start_server
+from tests.server_helpers import start_server, wait_for
 from tests.test_workers import Worker, start_worker, wait_healthy, wait_ready
 
 
@@ -96,7 +99,80 @@ def test_the_claim_of_a_process_gone_from_this_host_is_taken_over_at_once(secure
         claim.release()
 
 
-def test_only_the_scheduler_role_may_claim(secured: Any) -> None:
+def test_a_holder_renews_a_lapsed_claim_and_exits_when_another_holds_its_id(secured: Any) -> None:
+    server, auth, namespace = secured
+    lost: list[dict[str, Any]] = []
+    claim = ReplicaClaim.acquire(server.url, Subjects(namespace), 60, auth.credentials("scheduler"),
+                                 inbox_prefix(namespace, "scheduler"), on_lost=lost.append)
+
+    async def kv_call(method: str, *args: Any) -> None:
+        creds = auth.credentials("scheduler")
+        nc = await nats.connect(server.url, user=creds.user, password=creds.password,
+                                inbox_prefix=inbox_prefix(namespace, "scheduler").encode())
+        kv = await replica_claim.open_bucket(nc.jetstream(), Subjects(namespace))
+        await getattr(kv, method)(*args)
+        await nc.close()
+
+    async def holder_token() -> str | None:
+        creds = auth.credentials("scheduler")
+        nc = await nats.connect(server.url, user=creds.user, password=creds.password,
+                                inbox_prefix=inbox_prefix(namespace, "scheduler").encode())
+        kv = await replica_claim.open_bucket(nc.jetstream(), Subjects(namespace))
+        try:
+            return json.loads((await kv.get("60")).value)["token"]
+        except nats.js.errors.KeyNotFoundError:
+            return None
+        finally:
+            await nc.close()
+
+    try:
+        asyncio.run(kv_call("delete", "60"))  # as if it had expired
+        mine = claim._identity["token"]
+        assert wait_for(lambda: asyncio.run(holder_token()) == mine, replica_claim.REFRESH_SECONDS + 3)
+        assert not lost
+        asyncio.run(kv_call("put", "60", json.dumps({"host": "elsewhere", "pid": 1, "token": "theirs"}).encode()))
+        assert wait_for(lambda: bool(lost), replica_claim.REFRESH_SECONDS + 3), "the holder did not notice"
+        assert lost[0]["token"] == "theirs"
+    finally:
+        claim.release()
+
+
+def test_a_holder_makes_its_bucket_again_when_the_server_lost_it() -> None:
+    namespace = "lostbucket"
+
+    async def call(action: str) -> str | None:
+        nc = await nats.connect(server.url)
+        try:
+            js = nc.jetstream()
+            if action == "drop":
+                await js.delete_key_value(Subjects(namespace).replica_bucket())
+                return None
+            kv = await js.key_value(Subjects(namespace).replica_bucket())
+            return json.loads((await kv.get("0")).value)["token"]
+        except (nats.js.errors.BucketNotFoundError, nats.js.errors.KeyNotFoundError, nats.js.errors.NotFoundError):
+            return None
+        finally:
+            await nc.close()
+
+    with EmbeddedNatsServer() as server:
+        claim = ReplicaClaim.acquire(server.url, Subjects(namespace), None)
+        try:
+            asyncio.run(call("drop"))
+            assert asyncio.run(call("read")) is None
+            mine = claim._identity["token"]
+            assert wait_for(lambda: asyncio.run(call("read")) == mine, replica_claim.REFRESH_SECONDS + 3)
+        finally:
+            claim.release()
+
+
+def test_without_jetstream_no_id_can_be_claimed() -> None:
+    with EmbeddedNatsServer(extra_config="jetstream: disabled\n") as server:
+        with pytest.raises(JetStreamUnavailable):
+            ReplicaClaim.acquire(server.url, Subjects("nojs"), None)
+
+
+def test_only_the_scheduler_role_may_claim(secured: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(replica_claim, "JETSTREAM_PATIENCE_SECONDS", 1.0)  # denied reads as no answer
     with pytest.raises(Exception) as caught:
         acquire(secured, 50, role="tokenizer")
     assert not isinstance(caught.value, ClaimError) or "claimed" not in str(caught.value)
