@@ -163,13 +163,16 @@ async def _holder(kv: Any, key: str) -> tuple[dict[str, Any], int] | None:
 async def _try(kv: Any, key: str, value: bytes) -> tuple[int | None, dict[str, Any] | None]:
     """One attempt at `key`: (our revision, None) when claimed, (None, holder) when a live-looking holder has it.
     A holder that died on this host is taken over."""
-    try:
-        return await kv.create(key, value), None
-    except nats.js.errors.KeyWrongLastSequenceError:
-        pass
-    found = await _holder(kv, key)
-    if found is None:  # it expired between the two calls
-        return await _try(kv, key, value)
+    for _ in range(3):  # the key may expire between the create and the read
+        try:
+            return await kv.create(key, value), None
+        except nats.js.errors.KeyWrongLastSequenceError:
+            pass
+        found = await _holder(kv, key)
+        if found is not None:
+            break
+    else:
+        return None, {}
     holder, revision = found
     if dead_here(holder):
         try:
