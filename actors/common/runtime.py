@@ -124,8 +124,8 @@ async def _serve(role: str, rank: int, args: argparse.Namespace, main: ActorMain
                                       credentials=credentials, inbox_prefix=inbox_prefix(args.namespace, role))
     ctx = ActorContext(bus=bus, subjects=Subjects(args.namespace), role=role, rank=rank)
 
-    def connect_heartbeat() -> Awaitable[BusConnection]:
-        return BusConnection.connect(args.nats_url, f"{role}-{rank}-{os.getpid()}-heartbeat",
+    def connect_heartbeat() -> Awaitable[BusConnection]:  # named apart: `{role}-{rank}-` names the actor's own
+        return BusConnection.connect(args.nats_url, f"heartbeat-{role}-{rank}-{os.getpid()}",
                                      credentials=credentials, inbox_prefix=inbox_prefix(args.namespace, role))
 
     ctx.heartbeat = HeartbeatThread(role, rank, ctx.subjects.heartbeat, HEARTBEAT_SECONDS, connect_heartbeat,
