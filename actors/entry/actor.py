@@ -90,7 +90,8 @@ async def entry_main(ctx: ActorContext, settings: EntrySettings) -> dict[str, An
     loop = asyncio.get_running_loop()
     watcher = loop.create_task(liveness.watch(on_lost, on_tick=NatsStateLog(ctx.bus)))
     config = uvicorn.Config(traced_app(build_app(service, settings)), host=settings.host, port=settings.port,
-                            log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5)
+                            log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5,
+                            log_config=None)  # uvicorn logs through our formatter (escaped), not its own
     server = _EmbeddedUvicorn(config)
     task = loop.create_task(server.serve())
     while not server.started:
