@@ -227,6 +227,8 @@ class SchedulerInfo:
     # --quantization int8/int4: the method, the ISA, and per linear shape and row count the kernel measured
     # fastest at start-up (empty: float32)
     quantization: dict[str, str] = field(default_factory=dict)
+    # how the KV pool size was chosen: "tokens", "sized_from" ("--max-total-tokens", "0.1 of host MemTotal", ...)
+    kv_pool: dict[str, str] = field(default_factory=dict)
     # decode graphs: "mode" (cuda_graph, compile, eager or off), "max_bs", and in compile mode what runs each
     # requested batch size ("compiled (1.60x, 41 s)", "eager (compiled 0.95x)", "compiling", "queued")
     decode_graphs: dict[str, str] = field(default_factory=dict)

@@ -150,7 +150,8 @@ def test_the_kv_pool_fits_a_2_5_gb_container_and_logs_what_it_was_sized_from(
     assert host_sized > tokens
     [record] = [r for r in caplog.records if r.getMessage() == "sized the KV pool"][:1]
     fields = record.fields  # type: ignore[attr-defined]
-    assert fields["sized_from"] == "cgroup v2 memory.max" and fields["tokens"] == tokens
+    assert fields["sized_from"] == "0.1 of cgroup v2 limit" and fields["tokens"] == tokens
+    assert fields["memory_source"] == "cgroup v2 memory.max"
     assert fields["cgroup_limit_bytes"] == LIMIT and fields["host_available_bytes"] == HOST_AVAILABLE
 
 

@@ -10,6 +10,9 @@ the kubelet computes a working set), the smallest over the process's cgroup and 
 - cgroup v1: `memory/memory.limit_in_bytes` (a value near 2**63 = no limit) and `memory.usage_in_bytes`, plus
   `total_inactive_file` of `memory.stat`.
 
+`MemoryBudget.total` is the steady figure (MemTotal or the cgroup limit) the KV pool is sized from, so its size
+does not follow MemAvailable from one start to the next.
+
 The cgroup root and the files read are parameters, so tests point them at a directory of fake files.
 """
 
@@ -48,6 +51,17 @@ class MemoryBudget:
     source: str  # "host MemAvailable", "total RAM", "cgroup v2 memory.max" or "cgroup v1 memory.limit_in_bytes"
     host_available: int
     cgroup: CgroupMemory | None = None  # the tightest limited cgroup, when there is one
+    host_total: int = 0  # MemTotal (0: not read)
+
+    @property
+    def total(self) -> tuple[int, str]:
+        """(bytes, source): the memory this process may ever use, which does not move between starts: the
+        host's MemTotal, or the tightest cgroup limit when that is smaller (`bytes` when neither is known)."""
+        if self.cgroup is not None and (not self.host_total or self.cgroup.limit < self.host_total):
+            return self.cgroup.limit, f"cgroup v{self.cgroup.version} limit"
+        if self.host_total:
+            return self.host_total, "host MemTotal"
+        return self.bytes, self.source
 
     def fields(self) -> dict[str, object]:
         """Structured log fields."""
@@ -69,6 +83,18 @@ def host_available_memory(meminfo: str | os.PathLike[str] = PROC_MEMINFO) -> tup
     except (OSError, ValueError, IndexError):
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "total RAM"
+
+
+def host_total_memory(meminfo: str | os.PathLike[str] = PROC_MEMINFO) -> int:
+    """Bytes of RAM the host has: Linux MemTotal, else the physical page count."""
+    try:
+        with open(meminfo) as lines:
+            for line in lines:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def _read_int(path: Path) -> int | None:
@@ -155,11 +181,12 @@ def available_memory(cgroup_root: str | os.PathLike[str] = CGROUP_ROOT,
                      meminfo: str | os.PathLike[str] = PROC_MEMINFO) -> MemoryBudget:
     """Bytes this process can still allocate: min(host MemAvailable, the tightest cgroup's headroom)."""
     host, host_source = host_available_memory(meminfo)
+    total = host_total_memory(meminfo)
     limits = cgroup_memory_limits(cgroup_root, proc_self_cgroup)
     if limits:
         tightest = min(limits, key=lambda c: c.headroom)
         if tightest.headroom < host:
             source = "cgroup v2 memory.max" if tightest.version == 2 else "cgroup v1 memory.limit_in_bytes"
-            return MemoryBudget(tightest.headroom, source, host, tightest)
-        return MemoryBudget(host, host_source, host, tightest)
-    return MemoryBudget(host, host_source, host)
+            return MemoryBudget(tightest.headroom, source, host, tightest, total)
+        return MemoryBudget(host, host_source, host, tightest, total)
+    return MemoryBudget(host, host_source, host, host_total=total)

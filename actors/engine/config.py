@@ -21,11 +21,13 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATION_CHOICES = ("none", "int8", "int4", "gguf", "auto")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 OVERLAP_CHOICES = ("auto", "on", "off")
-CPU_MEM_FRACTION = 0.1  # of available host memory, when the KV pool lives on the CPU
+CPU_MEM_FRACTION = 0.1  # of total host memory (or the cgroup limit), when the KV pool lives on the CPU
 GPU_MEM_FRACTION = 0.85  # of free GPU memory after the weights are loaded
 # An automatic pool size is rounded down to a multiple of this: the pool's shape is part of a compiled decode
 # graph, so a size that moved with the free memory at every start missed Inductor's on-disk cache every time.
 POOL_ROUNDING = 4096
+# A CPU pool never takes more than this share of the memory available at start (it is halved until it fits).
+POOL_SAFE_SHARE = 0.5
 
 
 def _flag(help: str, **argparse_kwargs: Any) -> dict[str, Any]:
@@ -51,10 +53,11 @@ class EngineConfig:
         "each step size runs the kernel measured fastest here, never one slower than float32",
         choices=QUANTIZATION_CHOICES))
     max_total_tokens: int = field(default=0, metadata=_flag(
-        "KV cache size in tokens (0 = sized from free memory, see --mem-fraction-static)"))
+        "KV cache size in tokens (0 = sized from memory, see --mem-fraction-static)"))
     mem_fraction_static: float = field(default=0.0, metadata=_flag(
-        f"fraction of free memory for the KV cache when --max-total-tokens is 0 (0 = {CPU_MEM_FRACTION} of "
-        f"available RAM on cpu, {GPU_MEM_FRACTION} of free GPU memory on cuda)"))
+        f"fraction of memory for the KV cache when --max-total-tokens is 0 (0 = {CPU_MEM_FRACTION} of total "
+        f"RAM or the cgroup limit on cpu, in power-of-two steps and at most half of what is available; "
+        f"{GPU_MEM_FRACTION} of free GPU memory on cuda)"))
     max_prefill_tokens: int = field(default=8192, metadata=_flag(
         "prompt tokens prefilled per step at most (without chunking, one longer prompt still runs alone)"))
     chunked_prefill_size: int = field(default=512, metadata=_flag(
@@ -146,18 +149,26 @@ class EngineConfig:
 
     def kv_pool_tokens(self, bytes_per_token: int, context_length: int,
                        memory: MemoryBudget | None = None) -> int:
-        """KV slots to allocate: `max_total_tokens`, else a fraction of free memory.
+        """KV slots to allocate (`kv_pool_plan`'s size)."""
+        return self.kv_pool_plan(bytes_per_token, context_length, memory)[0]
 
-        On a CPU the free memory is `available_host_memory()` (capped by the process's memory cgroup, so a
-        container's limit counts, not the host's RAM); `memory` overrides it (tests). The automatic size is
-        capped at what `max_running_requests` full-context requests could use. Logs what the size came from.
+    def kv_pool_plan(self, bytes_per_token: int, context_length: int,
+                     memory: MemoryBudget | None = None) -> tuple[int, dict[str, str]]:
+        """(KV slots to allocate, how they were chosen, for `/get_server_info` → `kv_pool`).
+
+        `max_total_tokens` when set. Otherwise on a CPU a fraction of the memory the process may ever use
+        (`MemoryBudget.total`: MemTotal or the cgroup limit, which do not move between starts), rounded down
+        to a power of two (`stable_pool_tokens`), then halved while it would take more than half of what is
+        available now, so it is never more than fits; `memory` overrides the reading (tests). On a GPU a
+        fraction of the free GPU memory after the weights, rounded to `POOL_ROUNDING`. Both are capped at
+        what `max_running_requests` full-context requests could use. Logs what the size came from.
         """
         log = logging.getLogger("engine")
         cap = self.max_running_requests * context_length
         if self.max_total_tokens:
             log_event(log, logging.INFO, "sized the KV pool", tokens=self.max_total_tokens,
                       sized_from="--max-total-tokens", bytes_per_token=bytes_per_token)
-            return self.max_total_tokens
+            return self.max_total_tokens, {"tokens": str(self.max_total_tokens), "sized_from": "--max-total-tokens"}
         device = self.resolved_device()
         fields: dict[str, object]
         if device.startswith("cuda"):
@@ -166,21 +177,26 @@ class EngineConfig:
             free, _ = torch.cuda.mem_get_info(torch.device(device))
             fraction = self.mem_fraction_static or GPU_MEM_FRACTION
             fields = {"sized_from": "free GPU memory", "available_bytes": free}
-            budget = free * fraction
+            tokens = min(int(free * fraction // bytes_per_token), cap)
+            if tokens > POOL_ROUNDING:
+                tokens -= tokens % POOL_ROUNDING
+            tokens, halved = max(1, tokens), 0
         else:
             memory = memory or available_memory()
             fraction = self.mem_fraction_static or CPU_MEM_FRACTION
-            fields = {"sized_from": memory.source, **memory.fields()}
-            fields.pop("memory_source")
-            budget = memory.bytes * fraction
-        tokens = min(int(budget // bytes_per_token), cap)
-        if tokens > POOL_ROUNDING:
-            tokens -= tokens % POOL_ROUNDING
-        tokens = max(1, tokens)
+            total, total_source = memory.total
+            tokens, halved = stable_pool_tokens(total * fraction, memory.bytes * POOL_SAFE_SHARE,
+                                                bytes_per_token, cap)
+            fields = {"sized_from": f"{fraction:g} of {total_source}", "total_bytes": total, **memory.fields()}
         log_event(log, logging.INFO, "sized the KV pool", tokens=tokens, bytes_per_token=bytes_per_token,
                   pool_bytes=tokens * bytes_per_token, fraction=fraction, capped_by_running_requests=tokens == cap,
-                  **fields)
-        return tokens
+                  halved_to_fit=halved, **fields)
+        report = {"tokens": str(tokens), "sized_from": str(fields["sized_from"]),
+                  "pool_bytes": str(tokens * bytes_per_token), "capped_by_running_requests": str(tokens == cap)}
+        if "total_bytes" in fields:
+            report.update(total_bytes=str(fields["total_bytes"]), available_bytes=str(fields["available_bytes"]),
+                          halved_to_fit=str(halved))
+        return tokens, report
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
@@ -209,6 +225,20 @@ class EngineConfig:
             flag = "--" + f.name.replace("_", "-")
             argv += [flag] if isinstance(value, bool) else [flag, str(value)]
         return argv
+
+
+def stable_pool_tokens(budget_bytes: float, fits_bytes: float, bytes_per_token: int, cap: int) -> tuple[int, int]:
+    """(tokens, times halved): `budget_bytes` of KV rounded down to a power of two of tokens and capped at `cap`,
+    then halved while it takes more than `fits_bytes`. A steady budget gives one size at every start, and
+    the available memory changes it only when it crosses a factor of two (the pool's shape is part of a
+    compiled decode graph, so each new size compiles them again)."""
+    tokens = max(1, int(budget_bytes // bytes_per_token))
+    tokens = min(1 << (tokens.bit_length() - 1), cap)
+    halved = 0
+    while tokens > 1 and tokens * bytes_per_token > fits_bytes:
+        tokens //= 2
+        halved += 1
+    return max(1, tokens), halved
 
 
 def available_host_memory(cgroup_root: str = CGROUP_ROOT) -> int:

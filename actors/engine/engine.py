@@ -79,7 +79,7 @@ class Engine:
         head_dim = head_dim_of(mc)
         kv_heads = model.model.layers[0].self_attn.num_kv_heads  # this rank's share under tensor parallelism
         per_token = KVPool.bytes_per_token(mc.num_hidden_layers, kv_heads, head_dim, dtype)
-        num_slots = config.kv_pool_tokens(per_token, self.context_length)
+        num_slots, self._kv_pool_report = config.kv_pool_plan(per_token, self.context_length)
         self.pool = KVPool(mc.num_hidden_layers, num_slots, kv_heads, head_dim, dtype, self.device)
         self.table = TokenTable(config.max_running_requests, min(self.context_length, num_slots), self.device,
                                 self.pool.scratch_slot)
@@ -342,7 +342,7 @@ class Engine:
             num_retractions=self.num_retractions, paused=self.paused, radix_cache=not config.disable_radix_cache,
             chunked_prefill_size=config.chunked_prefill_size if config.chunking else 0,
             overlap_schedule=self.overlap, torch_threads=dict(self._thread_choices),
-            quantization=dict(self._quantization),
+            quantization=dict(self._quantization), kv_pool=dict(self._kv_pool_report),
             decode_graphs=self.decode_graph_report())
 
     def pause(self) -> None:
