@@ -76,3 +76,86 @@ def test_every_docs_file_is_linked_from_the_readme() -> None:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     missing = [p.name for p in DOCS if f"(docs/{p.name}" not in readme]
     assert not missing, f"README.md's 'Where to read on' does not link {missing}"
+
+
+# A repo path as the docs cite one: a top-level folder of this repository, then a file or folder name.
+TOP = ("actors", "bus", "kernels", "observability", "bench", "tests", "scripts", "deploy", "docs", "ringserve",
+       ".ci", "examples")
+REPO_PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w./-]*[\w/])" % "|".join(re.escape(t) for t in TOP))
+CODE_SPAN = re.compile(r"`([^`\n]+)`")
+# Files made at run time, not in the repository: cited where the docs say where they appear.
+GENERATED = {
+    "kernels/cpu/_ringserve_cpu.so",  # the CPU extension, built on first import
+    "bench/out",  # where the benchmarks write their results
+}
+
+
+def _cited_paths(text: str) -> set[str]:
+    """Repo paths in code spans, fenced blocks and link targets (a glob or `{placeholder}` ends the path before it)."""
+    pieces = CODE_SPAN.findall(FENCE.sub("", text)) + LINK.findall(text)
+    pieces += [m.group(0) for m in FENCE.finditer(text)]
+    found = set()
+    for piece in pieces:
+        for path in REPO_PATH.findall(piece):
+            found.add(path.rstrip("/."))
+    return found
+
+
+def test_cited_files_exist() -> None:
+    stale = []
+    for path in [ROOT / "README.md", *DOCS]:
+        for cited in sorted(_cited_paths(path.read_text(encoding="utf-8"))):
+            if cited in GENERATED or any(cited.startswith(g + "/") for g in GENERATED):
+                continue
+            if not (ROOT / cited).exists():
+                stale.append(f"{path.relative_to(ROOT)}: {cited}")
+    assert not stale, f"{len(stale)} cited paths do not exist:\n  " + "\n  ".join(stale)
+
+
+def _engine_interface_methods() -> set[str]:
+    """The public methods of `EngineInterface`, read with `ast` (wherever the class lives under actors/)."""
+    import ast
+
+    for source in sorted((ROOT / "actors").rglob("*.py")):
+        text = source.read_text(encoding="utf-8")
+        if "class EngineInterface" not in text:
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and node.name == "EngineInterface":
+                return {f.name for f in node.body
+                        if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) and not f.name.startswith("_")}
+    raise AssertionError("no class EngineInterface under actors/")
+
+
+def test_engine_interface_table_is_complete() -> None:
+    text = (ROOT / "docs" / "engine.md").read_text(encoding="utf-8")
+    rows = re.search(r"^\| method \| what \|\n\|[-|]+\|\n((?:\|.*\n)+)", text, re.M)
+    assert rows, "docs/engine.md has no `| method | what |` table"
+    named = set()
+    for row in rows.group(1).splitlines():
+        named |= set(re.findall(r"`(\w+)\(", row.split("|")[1]))
+    methods = _engine_interface_methods()
+    assert named == methods, (f"docs/engine.md's interface table: missing {sorted(methods - named)}, "
+                              f"not on EngineInterface {sorted(named - methods)}")
+
+
+def _serve_command_lines(text: str) -> list[str]:
+    """Each `ringserve serve ...` command line: in code spans, and in fenced blocks with `\\` continuations."""
+    lines = [span for span in CODE_SPAN.findall(FENCE.sub("", text)) if "ringserve serve" in span]
+    for block in FENCE.finditer(text):
+        joined = re.sub(r"\\\n", " ", block.group(0))
+        lines += [line for line in joined.splitlines() if "ringserve serve" in line]
+    return lines
+
+
+def test_serve_flags_in_docs_exist() -> None:
+    parser = _gen_docs()._serve_parser()
+    known = {opt for action in parser._actions for opt in action.option_strings}
+    unknown = []
+    for path in [ROOT / "README.md", *DOCS]:
+        for line in _serve_command_lines(path.read_text(encoding="utf-8")):
+            line = line.split("ringserve serve", 1)[1].split("`")[0]  # up to the span's end
+            for flag in re.findall(r"(?<![\w-])(--[a-z][\w-]*)", line.split("|")[0].split("&&")[0]):
+                if flag not in known:
+                    unknown.append(f"{path.relative_to(ROOT)}: {flag} in `ringserve serve{line}`")
+    assert not unknown, "flags `ringserve serve` does not have:\n  " + "\n  ".join(unknown)
