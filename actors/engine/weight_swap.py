@@ -26,7 +26,7 @@ def swap_engine_weights(engine: Any, checkpoint: Any, model_name: str, check_onl
     if engine._inflight is not None:
         raise RuntimeError("update_weights needs the step in flight applied first: pause, then wait until "
                            "has_work() is false")
-    holding = [*engine.decode.running, *([engine.prefill.chunked] if engine.prefill.chunked is not None else [])]
+    holding = [*engine.decode.running, *engine.prefill.chunking]
     for req in reversed(holding):  # the oldest ends at the front of the queue
         if not engine.decode.remove(req):
             engine.prefill.remove(req)
