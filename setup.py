@@ -1,13 +1,14 @@
-"""Builds the CPU kernels at install time; all of the package's metadata lives in pyproject.toml.
+"""Builds the CPU kernels at install time; all of the package's metadata but its package list lives in
+pyproject.toml (`_packages`: the top-level folders installed as `ringserve.<folder>`).
 
 The `kernels/cpu` sources (build_record.py lists them and their headers) are compiled with `torch.utils.cpp_extension` into
-one plain shared library, `kernels/cpu/_ringserve_cpu.so` (not a Python module: `kernels.cpu` loads it with
+one plain shared library, `kernels/cpu/_ringserve_cpu.so` (not a Python module: `ringserve.kernels.cpu` loads it with
 `torch.ops.load_library` and its TORCH_LIBRARY blocks register the ops). Beside it, `_ringserve_cpu.json`
 records the sources' hash, the flags and the torch version it was built with, so a checkout whose .cpp files
 changed since, or a venv whose torch did, does not load a stale build, and an editable install over a current
 build (setup.sh run again) skips the rebuild.
 
-A failed build (no compiler, no torch at build time) warns and installs without the library: `kernels.cpu` then
+A failed build (no compiler, no torch at build time) warns and installs without the library: `ringserve.kernels.cpu` then
 JIT-builds it on first use, or runs its torch fallback. `RINGSERVE_CPU_KERNELS=0` skips the build.
 """
 
@@ -24,7 +25,8 @@ from typing import Any
 from setuptools import setup
 
 ROOT = Path(__file__).resolve().parent
-NAME = "kernels.cpu._ringserve_cpu"
+NAME = "ringserve.kernels.cpu._ringserve_cpu"
+LAYOUT = ("actors", "bus", "kernels", "observability")  # the top-level folders, installed as ringserve.<folder>
 
 
 def _build_record() -> Any:
@@ -114,4 +116,15 @@ def _kernels_build() -> dict:
             "cmdclass": {"build_ext": BuildKernels.with_options(no_python_abi_suffix=True)}}
 
 
-setup(**_kernels_build())
+def _packages() -> dict:
+    """setup() arguments that install the top-level folders as `ringserve.<folder>` (docs/development.md,
+    "One import name"): every folder below them holding Python files is a package."""
+    packages, package_dir = ["ringserve"], {"ringserve": "ringserve"}
+    for top in LAYOUT:
+        package_dir[f"ringserve.{top}"] = top
+        folders = {path.parent.relative_to(ROOT) for path in (ROOT / top).rglob("*.py")} | {Path(top)}
+        packages += sorted("ringserve." + ".".join(folder.parts) for folder in folders)
+    return {"packages": packages, "package_dir": package_dir}
+
+
+setup(**_packages(), **_kernels_build())

@@ -5,7 +5,7 @@
 For each quantization, builds the engine as the server does (decode graphs in compile mode, actors/engine/
 decode_graph.py), compiles the graph of every batch size asked for (kept even where it measures slower, so both
 can be timed), and reports how long the first size took to be ready from the engine's construction: on a second
-run, which loads the graphs the first stored (actors/engine/graph_store.py), that is the warm start
+run, which loads the graphs the first stored (actors/engine/runner/graphs/graph_store.py), that is the warm start
 (`RINGSERVE_GRAPH_STORE=0` traces every graph again). Then for each batch size it prefills that many
 prompts of `--context` tokens and times decode steps, alternating eager and compiled steps of the same engine
 (the same requests, the same load on the machine), and prints the median of each and their ratio.
@@ -27,9 +27,9 @@ from bench.workload import user_prompt  # noqa: E402
 
 
 def build_engine(model: str, quantization: str, max_bs: int) -> object:
-    from actors.common.model_source import resolve_model
-    from actors.engine.config import EngineConfig
-    from actors.engine.engine import Engine
+    from ringserve.actors.common.model_source import resolve_model
+    from ringserve.actors.engine.config import EngineConfig
+    from ringserve.actors.engine.scheduling.engine import Engine
 
     config = EngineConfig(device="cpu", quantization=quantization, cuda_graph_max_bs=max_bs,
                           max_running_requests=max_bs, max_total_tokens=65536, disable_radix_cache=True,
@@ -52,7 +52,7 @@ def prompt_ids(engine: object, i: int, context: int) -> list[int]:
 
 def interleaved_steps(engine: object, batch: int, context: int, steps: int) -> tuple[float, float]:
     """Median eager and compiled decode step times (ms) with `batch` requests of `context` tokens."""
-    from bus.messages import SamplingParams, TokenizedRequest
+    from ringserve.bus.messages import SamplingParams, TokenizedRequest
 
     runner = engine.runner  # type: ignore[attr-defined]
     graphs = runner.graphs
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=16, help="decode steps timed per batch size and mode")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
-    from kernels.cpu.plan_cache import cpu_info
+    from ringserve.kernels.cpu.plan_cache import cpu_info
 
     print(f"host: {cpu_info()['model']}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d')}", flush=True)

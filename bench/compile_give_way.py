@@ -28,9 +28,9 @@ def run(give_way: bool) -> dict[str, float]:
     """One measurement in this process (the child)."""
     import torch
 
-    import actors.engine.graph_compiler as graph_compiler
+    import ringserve.actors.engine.runner.graphs.graph_compiler as graph_compiler
     from bench.compile_check import build_engine, prompt_ids
-    from bus.messages import SamplingParams, TokenizedRequest
+    from ringserve.bus.messages import SamplingParams, TokenizedRequest
 
     if not give_way:
         graph_compiler.give_way_to_steps = lambda on: None  # type: ignore[assignment]
@@ -68,7 +68,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(run(args.child == "on")))
         return
-    from kernels.cpu.plan_cache import cpu_info
+    from ringserve.kernels.cpu.plan_cache import cpu_info
 
     print(f"host: {cpu_info().get('model', '?')}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print("| give way | compile s | steps | step median ms | p99 ms | worst ms |\n|---|---:|---:|---:|---:|---:|")

@@ -1,5 +1,5 @@
 """What each of the graph compiler's Inductor options buys a compiled decode step: the decode forward compiled
-in one process with the served options (`actors/engine/graph_compiler.py` `compile_options`) and once per
+in one process with the served options (`actors/engine/runner/graphs/graph_compiler.py` `compile_options`) and once per
 variant that undoes one of them, called in turn.
 
     python bench/compile_options.py [--quantization gguf] [--batch 1] [--threads 1] [--variants guards,asserts]
@@ -20,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from actors.engine.graph_compiler import bind, compile_graph, compile_options, configure_inductor  # noqa: E402
+from ringserve.actors.engine.runner.graphs.graph_compiler import bind, compile_graph, compile_options, configure_inductor  # noqa: E402
 from bench.compile_check import build_engine  # noqa: E402
-from kernels.cpu.plan_cache import time_interleaved  # noqa: E402
+from ringserve.kernels.cpu.plan_cache import time_interleaved  # noqa: E402
 
 VARIANTS = ("guards", "asserts")
 

@@ -45,7 +45,7 @@ def ready_engine(quantization: str, max_bs: int, batches: list[int], fused: bool
 
 def alternating_steps(engines: list[object], batch: int, context: int, steps: int) -> list[float]:
     """Median decode step (ms) of each engine, `batch` requests of `context` tokens, steps alternated."""
-    from bus.messages import SamplingParams, TokenizedRequest
+    from ringserve.bus.messages import SamplingParams, TokenizedRequest
 
     # enough tokens that no request ends before the last is admitted (the first decode while the rest prefill)
     params = SamplingParams(max_new_tokens=steps + 8 + batch * context // 256, temperature=0.0, ignore_eos=True)
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=24, help="decode steps timed per engine and case")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
-    from kernels.cpu.plan_cache import cpu_info
+    from ringserve.kernels.cpu.plan_cache import cpu_info
 
     print(f"host: {cpu_info()['model']}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)

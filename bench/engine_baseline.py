@@ -24,10 +24,10 @@ def _engine_run(model_spec: str, server_args: str, prompt_sets: list[list[list[i
 
     Per set: (wall seconds, output tokens, durations of the decode-only steps).
     """
-    from actors.common.model_source import resolve_model
-    from actors.engine.config import EngineConfig
-    from actors.engine.engine import Engine
-    from bus.messages import TokenizedRequest, SamplingParams
+    from ringserve.actors.common.model_source import resolve_model
+    from ringserve.actors.engine.config import EngineConfig
+    from ringserve.actors.engine.scheduling.engine import Engine
+    from ringserve.bus.messages import TokenizedRequest, SamplingParams
 
     parser = argparse.ArgumentParser(add_help=False)
     EngineConfig.add_arguments(parser)
@@ -91,7 +91,7 @@ def run_engine_baseline(model_spec: str, server_args: str, level_prompts: dict[i
 
 def engine_prompts(model_spec: str, conversations: dict[int, list[list[dict[str, str]]]]) -> dict[int, Any]:
     """The levels' conversations as token ids, with the served model's tokenizer and chat template."""
-    from actors.common.model_source import load_tokenizer, resolve_model
+    from ringserve.actors.common.model_source import load_tokenizer, resolve_model
     from bench.hf_baseline import encode_conversations
 
     tokenizer = load_tokenizer(resolve_model(model_spec))

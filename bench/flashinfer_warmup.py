@@ -29,7 +29,7 @@ HEAD_DIM, SLOTS = 64, 256
 
 def warm(num_heads: int, num_kv_heads: int, dtype: torch.dtype = torch.bfloat16) -> None:
     """One prefill step (two requests) and one decode step through the backend."""
-    from kernels.attention import ForwardInfo, create_backend
+    from ringserve.kernels.attention import ForwardInfo, create_backend
 
     k_pool = torch.zeros(1, SLOTS, num_kv_heads, HEAD_DIM, dtype=dtype, device="cuda")
     v_pool = torch.zeros_like(k_pool)

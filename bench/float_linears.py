@@ -5,9 +5,9 @@
 A step of SmolLM2-135M multiplies its rows by 30 layers of fused projections (qkv 576->960, o 576->576,
 gate_up 576->3072, down 1536->576), distinct tensors as in the model so that they stream from memory, and by
 the tied 49152-row head (decode steps only: up to 64 rows). At each row count this times, interleaved and
-the minimum of `--rounds` rounds (`kernels.cpu.plan_cache.time_interleaved`), the whole step's linears by
+the minimum of `--rounds` rounds (`ringserve.kernels.cpu.plan_cache.time_interleaved`), the whole step's linears by
 torch's `F.linear` (MKL, the baseline), our GEMV (`f32_gemv`, 1-3 rows), oneDNN's matmul, and the plan
-`kernels.float_linear.measure_float_plan` chooses here (measured first, uncached, at the same thread count),
+`ringserve.kernels.float_linear.measure_float_plan` chooses here (measured first, uncached, at the same thread count),
 and prints each as milliseconds and as a ratio to `F.linear`.
 """
 
@@ -23,10 +23,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import kernels.cpu as cpu_kernels  # noqa: E402
-from kernels.cpu.plan_cache import time_interleaved  # noqa: E402
-from kernels.float_linear import GEMV_MAX_ROWS, kernels_at, measure_float_plan, onednn_linear  # noqa: E402
-from kernels.linear_plan import kernel_for  # noqa: E402
+import ringserve.kernels.cpu as cpu_kernels  # noqa: E402
+from ringserve.kernels.cpu.plan_cache import time_interleaved  # noqa: E402
+from ringserve.kernels.float_linear import GEMV_MAX_ROWS, kernels_at, measure_float_plan, onednn_linear  # noqa: E402
+from ringserve.kernels.linear_plan import kernel_for  # noqa: E402
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 576, 1536, 30, 49152
 LAYER_SHAPES = [(960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]  # (out, in)

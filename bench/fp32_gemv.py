@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import kernels.cpu as cpu_kernels  # noqa: E402
+import ringserve.kernels.cpu as cpu_kernels  # noqa: E402
 
 HIDDEN, KV, INTERMEDIATE, LAYERS, VOCAB = 576, 192, 1536, 30, 49152
 SHAPES = [(HIDDEN, HIDDEN), (HIDDEN, KV), (HIDDEN, KV), (HIDDEN, HIDDEN), (HIDDEN, INTERMEDIATE),

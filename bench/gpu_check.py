@@ -177,7 +177,7 @@ def child(args: argparse.Namespace) -> int:
             return 0
         return run_pieces([Piece({"kind": "tp", "backend": TP}, guess({"kind": "tp"}), tp_run)], budget, log, base)
     from bench.gpu_check_measure import Bench
-    from kernels.attention import backend_names
+    from ringserve.kernels.attention import backend_names
 
     if backend != HF and backend not in backend_names():
         log.add({**base, "kind": "meta", "backend": backend, "status": "skipped: not installed"})

@@ -98,7 +98,7 @@ class Bench:
 
     def meta(self) -> dict[str, Any]:
         """The device, the versions and the copy bandwidth."""
-        from kernels.attention import backend_names
+        from ringserve.kernels.attention import backend_names
 
         versions: dict[str, str] = {}
         for name in ("triton", "flashinfer", "transformers"):
@@ -139,10 +139,10 @@ class Bench:
     @torch.no_grad()
     def speed(self, name: str, backend: str, graphs: bool, overlap: bool, bs: int) -> dict[str, Any]:
         """The engine's decode tok/s at batch `bs`, next to the roofline."""
-        from actors.engine.config import EngineConfig
-        from actors.engine.engine import Engine
-        from actors.engine.weights import model_from_hf
-        from bus.messages import SamplingParams, TokenizedRequest
+        from ringserve.actors.engine.config import EngineConfig
+        from ringserve.actors.engine.scheduling.engine import Engine
+        from ringserve.actors.engine.models.weights import model_from_hf
+        from ringserve.bus.messages import SamplingParams, TokenizedRequest
 
         a = self.args
         start = time.perf_counter()
@@ -211,7 +211,7 @@ class Bench:
     def equality(self, backend: str) -> dict[str, Any]:
         """Greedy tokens of the engine (graphs and the overlap loop on, as served) against transformers' in
         float32 on SmolLM2: float32 for torch and triton, bfloat16 for FlashInfer (no float32 kernels)."""
-        from bus.messages import TokenizedRequest
+        from ringserve.bus.messages import TokenizedRequest
         from tests.engine_helpers import greedy, load_hf_model, run_to_completion, tiny_hf_llama, tokens_of
         from tests.gpu.helpers import assert_greedy_close, gpu_engine, hf_greedy_gpu, hf_on_gpu, smollm2_source
 

@@ -39,9 +39,9 @@ def _cpu_model() -> str:
 
 
 def _engine(**flags: Any) -> Any:
-    from actors.common.model_source import DEFAULT_MODEL, resolve_model
-    from actors.engine.config import EngineConfig
-    from actors.engine.engine import Engine
+    from ringserve.actors.common.model_source import DEFAULT_MODEL, resolve_model
+    from ringserve.actors.engine.config import EngineConfig
+    from ringserve.actors.engine.scheduling.engine import Engine
 
     return Engine.from_source(resolve_model(DEFAULT_MODEL), EngineConfig(device="cpu", **flags))
 
@@ -61,8 +61,8 @@ def _run(engine: Any, requests: list[Any]) -> tuple[float, int, int]:
 
 
 def _requests(tag: str, prompts: list[list[int]], max_tokens: int, schema: dict | None, every: int = 1) -> list[Any]:
-    from bus.messages import TokenizedRequest
-    from bus.params import SamplingParams
+    from ringserve.bus.messages import TokenizedRequest
+    from ringserve.bus.params import SamplingParams
 
     out = []
     for i, ids in enumerate(prompts):
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     jf["ratio"] = jf["on"]["tok_s"] / jf["off"]["tok_s"]
     results["jump_forward"] = jf
 
-    from kernels.grammar import GrammarSpec, make_compiler
+    from ringserve.kernels.grammar import GrammarSpec, make_compiler
 
     compiler = make_compiler(tok, engine.vocab_size)
     compile_times = {}

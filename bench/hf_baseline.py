@@ -27,7 +27,7 @@ def load_hf(model_spec: str) -> tuple[Any, Any]:
     """The model (float32, eval) and tokenizer that ringserve serves for `model_spec`, via transformers."""
     from transformers import AutoModelForCausalLM
 
-    from actors.common.model_source import load_tokenizer, resolve_model
+    from ringserve.actors.common.model_source import load_tokenizer, resolve_model
 
     source = resolve_model(model_spec)
     model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=torch.float32, **source.hf_kwargs())

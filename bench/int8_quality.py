@@ -17,12 +17,12 @@ import argparse
 
 import torch
 
-from actors.common.model_source import DEFAULT_MODEL, resolve_model
-from actors.engine.config import EngineConfig
-from actors.engine.engine import Engine
-from actors.engine.gguf_blocks import load_packed_linears
-from bus.messages import TokenizedRequest, SamplingParams
-from kernels.quantization import linear_shapes, quantize_linears
+from ringserve.actors.common.model_source import DEFAULT_MODEL, resolve_model
+from ringserve.actors.engine.config import EngineConfig
+from ringserve.actors.engine.scheduling.engine import Engine
+from ringserve.actors.engine.models.gguf_blocks import load_packed_linears
+from ringserve.bus.messages import TokenizedRequest, SamplingParams
+from ringserve.kernels.quantization import linear_shapes, quantize_linears
 
 METHOD_OF = {"q8_0": "int8", "int_mm": "int8", "q4_1": "int4", "q4_0": "int4", "gguf": "gguf"}
 

@@ -21,7 +21,7 @@ DEFAULT_BINARY = REPO / ".bench" / "llama.cpp" / "build" / "bin" / "llama-server
 
 def gguf_path(model: str) -> Path:
     """The GGUF file of ringserve's `--model` value; ValueError for a safetensors model."""
-    from actors.common.model_source import resolve_model
+    from ringserve.actors.common.model_source import resolve_model
 
     source = resolve_model(model)
     if source.gguf_file is None:

@@ -35,11 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from actors.common.model_source import resolve_model
-    from actors.engine.config import EngineConfig
-    from actors.engine.engine import Engine
-    from bus.messages import SamplingParams, TokenizedRequest
-    from kernels.cpu.plan_cache import cpu_info
+    from ringserve.actors.common.model_source import resolve_model
+    from ringserve.actors.engine.config import EngineConfig
+    from ringserve.actors.engine.scheduling.engine import Engine
+    from ringserve.bus.messages import SamplingParams, TokenizedRequest
+    from ringserve.kernels.cpu.plan_cache import cpu_info
 
     config = EngineConfig(device="cpu", quantization=args.quantization, disable_cuda_graph=True,
                           max_running_requests=args.batch, max_total_tokens=args.batch * (args.context + 64) + 4096,

@@ -87,7 +87,7 @@ def timed(label: str, run: Any) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    from actors.common.model_source import load_tokenizer, resolve_model
+    from ringserve.actors.common.model_source import load_tokenizer, resolve_model
 
     conversations = level_conversations(args.num_prompts)
     prompts = encode_conversations(load_tokenizer(resolve_model(args.model)), conversations)

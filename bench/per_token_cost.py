@@ -31,11 +31,11 @@ def engine_costs(tokenizer: object, tokens: int, seed: int) -> tuple[list[float]
     """Per step: engine host seconds (schedule + finish + encoding the rows), forward seconds; the ids."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from actors.engine.config import EngineConfig
-    from actors.engine.engine import Engine
-    from actors.engine.weights import model_from_hf
-    from bus.codec import encode
-    from bus.messages import BatchTokenOutput, SamplingParams, TokenizedRequest
+    from ringserve.actors.engine.config import EngineConfig
+    from ringserve.actors.engine.scheduling.engine import Engine
+    from ringserve.actors.engine.models.weights import model_from_hf
+    from ringserve.bus.codec import encode
+    from ringserve.bus.messages import BatchTokenOutput, SamplingParams, TokenizedRequest
 
     torch.manual_seed(seed)
     hf = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,  # type: ignore[arg-type]
@@ -71,8 +71,8 @@ def engine_costs(tokenizer: object, tokens: int, seed: int) -> tuple[list[float]
 
 def detokenizer_costs(tokenizer: object, ids: list[int]) -> list[float]:
     """Seconds of each one-token feed of `ids` through the detokenizer's IncrementalDecoder."""
-    from actors.detokenizer.incremental import IncrementalDecoder
-    from bus.messages import DecodeParams, FinishReason
+    from ringserve.actors.detokenizer.incremental import IncrementalDecoder
+    from ringserve.bus.messages import DecodeParams, FinishReason
 
     decoder = IncrementalDecoder(tokenizer, DecodeParams(stop=list(STOPS)))
     costs = []
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=8192, help="tokens to generate (default: 8192)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    from actors.common.model_source import load_tokenizer, resolve_model
+    from ringserve.actors.common.model_source import load_tokenizer, resolve_model
 
     torch.set_num_threads(1)
     tokenizer = load_tokenizer(resolve_model(args.model))

@@ -1,4 +1,4 @@
-"""What a seeded draw costs over greedy: `kernels.sampling.sample` on float32 logits of SmolLM2's vocabulary,
+"""What a seeded draw costs over greedy: `ringserve.kernels.sampling.sample` on float32 logits of SmolLM2's vocabulary,
 greedy rows against sampled ones (temperature 1, no filters; the Gumbel noise is hashed per row and token on
 the device), timed in turn in one process.
 
@@ -17,8 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from kernels.cpu.plan_cache import cpu_info, time_interleaved  # noqa: E402
-from kernels.sampling import SamplingRow, sample  # noqa: E402
+from ringserve.kernels.cpu.plan_cache import cpu_info, time_interleaved  # noqa: E402
+from ringserve.kernels.sampling import SamplingRow, sample  # noqa: E402
 
 
 def main() -> None:

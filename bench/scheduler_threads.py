@@ -30,7 +30,7 @@ def child(quantization: str, steps: int) -> dict[str, float]:
     import torch
 
     from bench.compile_check import build_engine, prompt_ids
-    from bus.messages import SamplingParams, TokenizedRequest
+    from ringserve.bus.messages import SamplingParams, TokenizedRequest
 
     torch.set_num_threads(2)
     engine = build_engine("SmolLM2-135M-Instruct", quantization, 1)

@@ -54,7 +54,7 @@ def launch(model: str, server_args: str = "", timeout: float = 900.0) -> Launche
     """
     port = _free_port()
     log_path = Path(tempfile.mkstemp(prefix="ringserve-bench-", suffix=".log")[1])
-    argv = [sys.executable, "-m", "actors.launcher.cli", "serve", "--model", model, "--host", "127.0.0.1",
+    argv = [sys.executable, "-m", "ringserve.actors.launcher.cli", "serve", "--model", model, "--host", "127.0.0.1",
             "--port", str(port), "--namespace", f"bench{port}", *shlex.split(server_args)]
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(argv, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT,

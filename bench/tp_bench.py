@@ -35,7 +35,7 @@ def _model(device: str) -> Any:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from actors.engine.weights import model_from_hf
+    from ringserve.actors.engine.models.weights import model_from_hf
 
     torch.manual_seed(0)
     hf = LlamaForCausalLM(LlamaConfig(**SHAPE)).eval()
@@ -63,7 +63,7 @@ class _Timer:
 
 
 def _requests(args: argparse.Namespace) -> tuple[Any, list[Any]]:
-    from bus.messages import SamplingParams, TokenizedRequest
+    from ringserve.bus.messages import SamplingParams, TokenizedRequest
 
     def req(rid: str, n: int, new: int) -> Any:
         return TokenizedRequest(rid, [3 + (7 * i) % 40000 for i in range(n)],
@@ -124,9 +124,9 @@ def _rank(rank: int, tp: int, addr: str, args: argparse.Namespace, queue: Any) -
     import torch
 
     torch.set_num_threads(args.threads)
-    from actors.engine import tensor_parallel, tp_engine
-    from actors.engine.config import EngineConfig
-    from actors.engine.tp_engine import TPEngine, TPFollower, prepare_rank
+    from ringserve.actors.engine.parallel import tensor_parallel, tp_engine
+    from ringserve.actors.engine.config import EngineConfig
+    from ringserve.actors.engine.parallel.tp_engine import TPEngine, TPFollower, prepare_rank
 
     device = f"cuda:{rank}" if args.device == "cuda" else "cpu"
     if args.device == "cuda":
@@ -160,8 +160,8 @@ def _rank(rank: int, tp: int, addr: str, args: argparse.Namespace, queue: Any) -
 def _tp1(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from actors.engine.config import EngineConfig
-    from actors.engine.engine import Engine
+    from ringserve.actors.engine.config import EngineConfig
+    from ringserve.actors.engine.scheduling.engine import Engine
 
     torch.set_num_threads(args.threads)
     device = "cuda:0" if args.device == "cuda" else "cpu"

@@ -18,12 +18,12 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from bus.codec import DecodeError, decode, encode, encode_json, is_json
-from bus.credentials import NatsCredentials
-from bus.subjects import subject_template
-from observability import messaging, tracing
-from observability.logging import log_event
-from observability.traceparent import TRACEPARENT_HEADER, is_valid_traceparent, new_traceparent
+from ringserve.bus.codec import DecodeError, decode, encode, encode_json, is_json
+from ringserve.bus.credentials import NatsCredentials
+from ringserve.bus.subjects import subject_template
+from ringserve.observability import messaging, tracing
+from ringserve.observability.logging import log_event
+from ringserve.observability.traceparent import TRACEPARENT_HEADER, is_valid_traceparent, new_traceparent
 
 T = TypeVar("T")
 INBOX_ROOT = "_INBOX."  # every reply inbox is under it (bus/permissions.py gives each role and client its own)

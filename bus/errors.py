@@ -13,7 +13,7 @@ import reprlib
 from dataclasses import dataclass
 from typing import Any
 
-from observability.logging import bounded
+from ringserve.observability.logging import bounded
 
 MAX_QUOTED_CHARS = 200  # of a client's value quoted in a message
 MAX_MESSAGE_CHARS = 1000  # of any message: a hostile value quoted without `quote` cannot grow a body past it

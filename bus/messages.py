@@ -1,7 +1,7 @@
 """Typed wire messages of the request ring, narrowest-first.
 
 `GenerateRequest -> TokenizedRequest -> BatchTokenOutput -> RequestOutput`: each hop drops what the next
-actor does not need. Every message is a dataclass encoded by `bus.codec`. README.md documents the schema for
+actor does not need. Every message is a dataclass encoded by `ringserve.bus.codec`. README.md documents the schema for
 clients that speak NATS directly.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from bus.errors import ApiError
-from bus.params import DecodeParams, SamplingParams
+from ringserve.bus.errors import ApiError
+from ringserve.bus.params import DecodeParams, SamplingParams
 
 
 @dataclass
@@ -34,7 +34,7 @@ class GenerateRequest:
     """A client's request, as submitted on `{ns}.req.submit` (HTTP entry or any NATS client).
 
     Exactly one of `text`, `messages` (chat template applied) or `input_ids` is set. `sampling` holds the
-    raw parameters as the client sent them, under SGLang's names (declared in `bus.params.SamplingParams`);
+    raw parameters as the client sent them, under SGLang's names (declared in `ringserve.bus.params.SamplingParams`);
     the tokenizer validates them. With `messages`, `add_generation_prompt` opens the assistant's turn after
     them, and `continue_final_message` instead continues the last message (the assistant's) where its text
     ends; at most one of the two may be true. `tools` (messages only) are the function tools the model may

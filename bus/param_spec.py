@@ -1,6 +1,6 @@
 """`Spec`: how one declared request parameter is checked, named, documented and described as JSON schema.
 
-The declarations themselves live in `bus.params` (sampling parameters) and, for the few fields only the HTTP
+The declarations themselves live in `ringserve.bus.params` (sampling parameters) and, for the few fields only the HTTP
 entry acts on (`n`, `stream`, OpenAI's logprobs switches), in `actors/entry/openai_protocol.py`. Every check
 of a single value is `Spec.check`; rules that relate parameters to each other or to the model stay with the
 actor that knows them.
@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from bus.errors import ApiError, quote
+from ringserve.bus.errors import ApiError, quote
 
 MAX_STOP_CHARS = 256
 LOGIT_BIAS_LIMIT = 100.0

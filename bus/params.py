@@ -2,7 +2,7 @@
 
 `SamplingParams` is the validated struct that travels from the tokenizer to the scheduler and into the engine
 (`TokenizedRequest.sampling`). Each field carries a `Spec` in its metadata: its range, one-line doc, the name an
-OpenAI body uses for it, and the shape of composite values (`bus.param_spec.Spec`). Everything else derives
+OpenAI body uses for it, and the shape of composite values (`ringserve.bus.param_spec.Spec`). Everything else derives
 from these declarations: the tokenizer's validation (`actors/tokenizer/validation.py`), the entry's OpenAI name map
 (`openai_names()`), the OpenAPI schema (`Spec.json_schema`) and the docs table (`param_rows()`, written into
 docs/api.md by scripts/gen_docs.py). Adding a parameter is one field here plus its implementation.
@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from bus.param_spec import LOGIT_BIAS, STOP_STRINGS, TOKEN_IDS, Spec, param, plain_number, specs_of
+from ringserve.bus.param_spec import LOGIT_BIAS, STOP_STRINGS, TOKEN_IDS, Spec, param, plain_number, specs_of
 
 MAX_STOP_STRINGS = 32
 MAX_STOP_TOKEN_IDS = 256

@@ -34,7 +34,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from bus.subjects import Subjects, validate_rid
+from ringserve.bus.subjects import Subjects, validate_rid
 
 ROLES = ("launcher", "entry", "tokenizer", "scheduler", "detokenizer", "trace_exporter")
 CLIENT_ROLE = "client"

@@ -43,10 +43,10 @@ import nats.errors
 import nats.js.errors
 from nats.js.api import KeyValueConfig, StorageType
 
-from bus.connection import BusConnection
-from bus.credentials import NatsCredentials
-from bus.subjects import Subjects
-from observability.logging import log_event
+from ringserve.bus.connection import BusConnection
+from ringserve.bus.credentials import NatsCredentials
+from ringserve.bus.subjects import Subjects
+from ringserve.observability.logging import log_event
 
 log = logging.getLogger("replica_claim")
 TTL_SECONDS = 10.0  # a claim not refreshed for this long expires (the bucket's max_age)

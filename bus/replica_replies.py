@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from bus.messages import ControlReply, ReplicaLoad, SchedulerInfo
+from ringserve.bus.messages import ControlReply, ReplicaLoad, SchedulerInfo
 
 # operator commands and load queries wait for every replica heard within this many of its heartbeat intervals;
 # routing (MISSED_BEATS) gives up sooner, since a request can go elsewhere and a command cannot

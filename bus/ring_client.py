@@ -17,15 +17,15 @@ from typing import Any, AsyncIterator
 
 from nats.aio.subscription import Subscription
 
-from bus.connection import BusConnection, Delivery
-from bus.errors import ApiError, server_error
-from bus.messages import (
+from ringserve.bus.connection import BusConnection, Delivery
+from ringserve.bus.errors import ApiError, server_error
+from ringserve.bus.messages import (
     AbortRequest, Accepted, ControlCommand, ControlReply, GenerateRequest, Heartbeat, InfoQuery,
     RequestOutput, SchedulerInfo,
 )
-from bus.replica_replies import asked, combined_reply
-from bus.subjects import Subjects, scoped_rid, validate_rid
-from observability.logging import log_event
+from ringserve.bus.replica_replies import asked, combined_reply
+from ringserve.bus.subjects import Subjects, scoped_rid, validate_rid
+from ringserve.observability.logging import log_event
 
 log = logging.getLogger("bus")
 # The reason of an operator's abort (`/abort_request`, any rid, live or not): the scheduler does not keep such an

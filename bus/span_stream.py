@@ -17,7 +17,7 @@ from nats.js.api import (
 )
 from nats.js.errors import BadRequestError
 
-from bus.subjects import Subjects
+from ringserve.bus.subjects import Subjects
 
 FORWARD_CONSUMER = "forward-otlp"
 DEFAULT_MAX_AGE_S = 24 * 3600.0

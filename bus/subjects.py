@@ -154,6 +154,12 @@ class Subjects:
         """Where NATS client `client` submits its GenerateRequests (rids are scoped to the client)."""
         return f"{self.namespace}.client.{validate_rid(client)}.submit"
 
+    def client_subject_templates(self, client: str) -> dict[str, str]:
+        """Client `client`'s subjects as its credentials file notes them, `{rid}` standing for a request id."""
+        scoped = f"{self.namespace}.client.{validate_rid(client)}"
+        return {"submit": self.client_submit(client), "output": f"{scoped}.out.{{rid}}",
+                "abort": f"{scoped}.abort.{{rid}}"}
+
     @property
     def client_submit_any(self) -> str:
         """Wildcard the tokenizers listen on for every client's submissions."""

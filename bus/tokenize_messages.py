@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from bus.errors import ApiError
-from bus.messages import ChatMessage
+from ringserve.bus.errors import ApiError
+from ringserve.bus.messages import ChatMessage
 
 
 @dataclass

@@ -5,10 +5,10 @@
 On some hosts MKL runs float32 far below what the CPU does: at one row it streams the weight at a third of the
 memory's speed, at 8-512 rows its GEMM is 1.2-2x slower than oneDNN's on the same weights (2-core AMD EPYC
 Zen 4; docs/benchmarks.md, "Float32 linears"). `measure_float_plan` times the candidates side by side on the
-model's own shapes at the row counts the server runs (the buckets of `kernels.linear_plan`), each call on
+model's own shapes at the row counts the server runs (the buckets of `ringserve.kernels.linear_plan`), each call on
 another copy of the weight so that they stream from memory as a step's do, and keeps per bucket the fastest
 (another than torch's only when faster by `MARGIN`); the result is cached on disk per host
-(`kernels.cpu.plan_cache`). `use_float_plan` then turns the model's `nn.Linear` layers into `FloatLinear`s
+(`ringserve.kernels.cpu.plan_cache`). `use_float_plan` then turns the model's `nn.Linear` layers into `FloatLinear`s
 that follow it. oneDNN gets no copy of the weight: a packed one measured up to 1.3x faster still at 4-32
 rows, but would double the memory of every float32 linear.
 
@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels.cpu as cpu_kernels
-from kernels.cpu import plan_cache
-from kernels.linear_plan import KernelPlan, ShapePlan, kernel_for, plan_from_times, plan_report
+import ringserve.kernels.cpu as cpu_kernels
+from ringserve.kernels.cpu import plan_cache
+from ringserve.kernels.linear_plan import KernelPlan, ShapePlan, kernel_for, plan_from_times, plan_report
 
 FLOAT_KERNELS = ("float32", "f32_gemv", "onednn")  # "float32" is torch's F.linear, the one the others must beat
 GEMV_MAX_ROWS = 3  # our GEMV is a candidate for the buckets of 1 and 2-3 rows (past 4 it reads the weight again)

@@ -4,7 +4,7 @@ kernel measured fastest on this host for its shape and row count.
 `quantize_linears(model, method, plan)` replaces the model's `nn.Linear` layers (projections and LM head) with
 `QuantLinear`s; the model code knows nothing of it (gpt-fast's approach). Methods and their kernels:
 
-- `int8`: `q8_0`, our C++ group kernel (`kernels.cpu`: int8 weights with an fp16 scale per 32 input values,
+- `int8`: `q8_0`, our C++ group kernel (`ringserve.kernels.cpu`: int8 weights with an fp16 scale per 32 input values,
   activations quantized to int8 per block of 32, AVX-512 VNNI or AVX2), or `int_mm`: per-output-channel int8
   weights with one activation scale per row, multiplied by `torch._int_mm` (fbgemm's dynamic linear for a
   single row). `int_mm` has no fast path on AVX2 CPUs without VNNI, where it is a scalar loop (10-25x slower
@@ -13,14 +13,14 @@ kernel measured fastest on this host for its shape and row count.
   LM head stays int8, as llama.cpp's 4-bit files keep it (SmolLM2's Q4_1 GGUF has a Q8_0 embedding/head):
   on SmolLM2 a 4-bit head cut greedy agreement with float32 from 54% of tokens to 22%.
 - `gguf`: each layer's weight as its GGUF file stores it (`q8_0`, `q4_0` or `q4_1` blocks, packed as they are
-  by actors/engine/gguf_blocks.py, never requantized), through our group kernel of that format.
+  by actors/engine/models/gguf_blocks.py, never requantized), through our group kernel of that format.
 - Every method may also run its float32 weight (the layer then keeps it as well) by torch's `float32` or by
   oneDNN's `onednn` matmul (kernels/float_linear.py), where those measure faster than its quantized kernels.
 
 A `KernelPlan` (kernels/linear_plan.py) maps each linear shape `(out, in)` to its kernel per row-count bucket.
 `measure_kernel_plan` times every candidate side by side on the model's own shapes at the row counts the
 server runs and keeps the fastest that is not slower than float32, so `--quantization` never makes a step
-slower; the result is cached on disk per host (`kernels.cpu.plan_cache`). A token's output never depends on
+slower; the result is cached on disk per host (`ringserve.kernels.cpu.plan_cache`). A token's output never depends on
 the other rows of its batch: every kernel scales activations per row (or per row and block).
 """
 
@@ -34,13 +34,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels.cpu as cpu_kernels
-from kernels.cpu import plan_cache
-from kernels.cpu.packing import PackedWeight, pack
-from kernels.float_linear import onednn_available, onednn_linear
-from kernels.linear_plan import KernelPlan, ShapePlan, kernel_for, plan_from_times
+import ringserve.kernels.cpu as cpu_kernels
+from ringserve.kernels.cpu import plan_cache
+from ringserve.kernels.cpu.packing import PackedWeight, pack
+from ringserve.kernels.float_linear import onednn_available, onednn_linear
+from ringserve.kernels.linear_plan import KernelPlan, ShapePlan, kernel_for, plan_from_times
 
-log = logging.getLogger("kernels.quantization")
+log = logging.getLogger("ringserve.kernels.quantization")
 METHODS = ("int8", "int4", "gguf")
 GROUP_KERNELS = ("q8_0", "q4_0", "q4_1")
 # candidates per method (or per GGUF block format) in order of quality (a better one wins a near tie, see

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.grammar.torch_bitmask import apply_bitmask
-from kernels.host_copy import to_device
+from ringserve.kernels.grammar.torch_bitmask import apply_bitmask
+from ringserve.kernels.host_copy import to_device
 
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (dividing by tiny temperatures gives inf/NaN)
 

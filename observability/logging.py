@@ -118,7 +118,7 @@ def setup_logging(actor: str, level: str | None = None, capture_native: bool | N
     level = (level or os.environ.get("RINGSERVE_LOG_LEVEL", "INFO")).upper()
     stream: TextIO = sys.stderr
     if capture_native if capture_native is not None else actor != LAUNCHER:
-        from observability.native_stderr import capture_fd2
+        from ringserve.observability.native_stderr import capture_fd2
 
         stream = capture_fd2(actor, level) or stream
         sys.stderr = stream

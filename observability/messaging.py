@@ -11,8 +11,8 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
-from observability import tracing
-from observability.traceparent import TRACEPARENT_HEADER
+from ringserve.observability import tracing
+from ringserve.observability.traceparent import TRACEPARENT_HEADER
 
 SYSTEM = "nats"
 

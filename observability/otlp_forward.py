@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from observability.tracing_config import TracingConfig
+from ringserve.observability.tracing_config import TracingConfig
 
 
 @dataclass

@@ -12,7 +12,7 @@ import contextlib
 import logging
 from typing import Any, Iterator, Mapping, Sequence
 
-from observability.traceparent import child_traceparent
+from ringserve.observability.traceparent import child_traceparent
 
 log = logging.getLogger("tracing")
 _state: Any = None  # otel_spans.Tracing while tracing is on
@@ -29,7 +29,7 @@ def install(service_name: str, exporter: Any, attributes: Mapping[str, Any] | No
     Returns the process's `service.instance.id`.
     """
     global _state
-    from observability import otel_spans
+    from ringserve.observability import otel_spans
 
     if _state is not None:
         raise RuntimeError("tracing is already installed in this process")
@@ -57,7 +57,7 @@ def start_span(name: str, parent: str | None = None, kind: str = "internal",
     """
     if _state is None:
         return None
-    from observability import otel_spans
+    from ringserve.observability import otel_spans
 
     return otel_spans.start_span(_state, name, parent, kind, attributes, link_to, start_ns, root)
 
@@ -75,7 +75,7 @@ def end_span(span: Any, end_ns: int | None = None, error: str | None = None,
 def set_error(span: Any, description: str, exc: BaseException | None = None) -> None:
     """Mark `span` (None is ignored) failed without ending it."""
     if span is not None:
-        from observability import otel_spans
+        from ringserve.observability import otel_spans
 
         otel_spans.set_error(span, description, exc)
 
@@ -84,7 +84,7 @@ def traceparent_of(span: Any) -> str | None:
     """The traceparent of `span`, or None for None."""
     if span is None:
         return None
-    from observability import otel_spans
+    from ringserve.observability import otel_spans
 
     return otel_spans.traceparent_of(span)
 
@@ -93,7 +93,7 @@ def current_traceparent(fallback: str | None = None) -> str:
     """The active span's traceparent when tracing is on and a span is active; else, as with tracing off, a
     child of `fallback` (a client's traceparent header) or a fresh trace."""
     if _state is not None:
-        from observability import otel_spans
+        from ringserve.observability import otel_spans
 
         current = otel_spans.current_traceparent()
         if current is not None:
@@ -108,7 +108,7 @@ def span(name: str, parent: str | None = None, kind: str = "internal",
     if _state is None:
         yield None
         return
-    from observability import otel_spans
+    from ringserve.observability import otel_spans
 
     started = otel_spans.start_span(_state, name, parent, kind, attributes)
     try:
@@ -124,7 +124,7 @@ def activated(span_: Any) -> Iterator[None]:
     if span_ is None:
         yield
         return
-    from observability import otel_spans
+    from ringserve.observability import otel_spans
 
     with otel_spans.use_span(span_):
         yield

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from observability.otlp_decode import SpanRecord
+from ringserve.observability.otlp_decode import SpanRecord
 
 RID_ATTRIBUTE = "ringserve.rid"
 RIDS_ATTRIBUTE = "ringserve.rids"

@@ -14,16 +14,26 @@ docs/python.md.
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+# `ringserve.actors`, `.bus`, `.kernels` and `.observability` are the repository's top-level folders. A wheel
+# installs them inside this package (setup.py's package_dir); in a source checkout (an editable install, the
+# tests, `python -m ringserve.actors.<role>`) they are found beside this folder. They have no __init__.py, so a
+# top-level `import kernels` (Hugging Face's package, which transformers imports) never finds ours, even with
+# the checkout on sys.path (docs/development.md, "One import name").
+_CHECKOUT = Path(__file__).resolve().parent.parent
+if (_CHECKOUT / "actors" / "launcher").is_dir() and (_CHECKOUT / "bus" / "subjects.py").is_file():
+    __path__.append(str(_CHECKOUT))  # noqa: F821  (this package's own search path)
+
 if TYPE_CHECKING:
-    from bus.errors import ApiError
+    from ringserve.bus.errors import ApiError
     from ringserve.client import Client
     from ringserve.engine import Engine
     from ringserve.results import ChatResult, GenerateDelta, GenerateResult
 
 __all__ = ["ApiError", "ChatResult", "Client", "Engine", "GenerateDelta", "GenerateResult"]
-_WHERE = {"ApiError": "bus.errors", "ChatResult": "ringserve.results", "Client": "ringserve.client",
+_WHERE = {"ApiError": "ringserve.bus.errors", "ChatResult": "ringserve.results", "Client": "ringserve.client",
           "Engine": "ringserve.engine", "GenerateDelta": "ringserve.results", "GenerateResult": "ringserve.results"}
 
 

@@ -25,7 +25,7 @@ import weakref
 from pathlib import Path
 from typing import Any, Sequence
 
-from bus.errors import server_error
+from ringserve.bus.errors import server_error
 from ringserve._bridge import AsyncStream, LoopThread, SyncStream, run_on
 from ringserve.client import Client
 from ringserve.results import ChatResult, GenerateDelta, GenerateResult
@@ -80,8 +80,9 @@ class Engine:
 
     async def _start(self, flags: dict[str, Any], http: bool, max_in_flight: int | None) -> None:
         """Plan the ring, start nats-server and the actors from this (the loop's) thread, connect as the entry."""
-        from actors.launcher.ring import Ring, serve_args
-        from bus.embedded_server import free_port
+        from ringserve.actors.launcher.ring import Ring
+        from ringserve.actors.launcher.serve_flags import serve_args
+        from ringserve.bus.embedded_server import free_port
 
         if http and "port" not in flags:
             flags["port"] = free_port()

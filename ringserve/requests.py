@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from bus.errors import ApiError
-from bus.messages import GenerateRequest
-from bus.subjects import InvalidRidError, new_rid, validate_rid
+from ringserve.bus.errors import ApiError
+from ringserve.bus.messages import GenerateRequest
+from ringserve.bus.subjects import InvalidRidError, new_rid, validate_rid
 
 DEFAULT_MAX_NEW_TOKENS = 128  # as /generate (actors/entry/generate_route.py DEFAULT_GENERATE_MAX_NEW_TOKENS)
 _TOP_LEVEL = ("return_logprob", "top_logprobs_num", "logprob_start_len")  # SGLang passes these beside sampling
@@ -103,7 +103,7 @@ def chat_request(messages: list[dict[str, Any]], rid: str | None, served_model: 
     `temperature`, `tools`, `tool_choice`, `response_format`, ...), checked as the HTTP entry checks them;
     `sampling_params`: native parameters on top (`max_new_tokens`, `regex`, ...).
     """
-    from actors.entry.openai_protocol import parse_chat
+    from ringserve.actors.entry.openai_protocol import parse_chat
 
     if openai_fields.get("stream"):
         raise ApiError("use chat(..., stream=True) to stream", param="stream")

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.entry.generate_meta import meta_info
-from bus.messages import RequestOutput, TokenLogprob
+from ringserve.actors.entry.generate_meta import meta_info
+from ringserve.bus.messages import RequestOutput, TokenLogprob
 
 
 @dataclass

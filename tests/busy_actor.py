@@ -13,16 +13,16 @@ import asyncio
 import time
 from typing import Any
 
-from actors.common.runtime import ActorContext, add_bus_arguments, run_actor
+from ringserve.actors.common.runtime import ActorContext, add_bus_arguments, run_actor
 
 BLOCK_SECONDS = 4.0
 
 
 def long_torch_op(seconds: float) -> int:
-    """Run `kernels.cpu`'s f32 linear (the torch fallback without the library) for about `seconds`; the calls."""
+    """Run `ringserve.kernels.cpu`'s f32 linear (the torch fallback without the library) for about `seconds`; the calls."""
     import torch
 
-    import kernels.cpu as cpu_kernels
+    import ringserve.kernels.cpu as cpu_kernels
 
     torch.set_num_threads(1)
     x, weight = torch.randn(2048, 1024), torch.randn(2048, 1024)
@@ -36,7 +36,7 @@ def long_torch_op(seconds: float) -> int:
 
 async def busy_main(ctx: ActorContext) -> dict[str, Any]:
     """Block the loop twice after a moment (sleep, then a long torch op)."""
-    import kernels.cpu  # noqa: F401  (imported and built before ready: the blocking is the op, not the import)
+    import ringserve.kernels.cpu  # noqa: F401  (imported and built before ready: the blocking is the op, not the import)
 
     async def block() -> None:
         await asyncio.sleep(1.0)

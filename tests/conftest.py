@@ -11,7 +11,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from bus.embedded_server import EmbeddedNatsServer
+from ringserve.bus.embedded_server import EmbeddedNatsServer
 from tests.otlp_receiver import OtlpReceiver
 from tests.server_helpers import ServerHandle, save_tiny_model, start_server
 from tests.shared_rings import logged, start_clients_ring, start_small_ring
@@ -60,7 +60,7 @@ def hf() -> Any:
 def smollm_hf() -> Any:
     """transformers' own SmolLM2-135M-Instruct (float32, CPU, eval mode), loaded once for the session: the greedy
     reference that the engine, server and tensor-parallel tests compare against (loading it takes seconds)."""
-    from actors.common.model_source import resolve_model
+    from ringserve.actors.common.model_source import resolve_model
     from tests.engine_helpers import load_hf_model
 
     return load_hf_model(resolve_model(DEFAULT_MODEL))

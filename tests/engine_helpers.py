@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from actors.engine.config import EngineConfig
-from actors.engine.engine import Engine
-from actors.engine.weights import model_from_hf
-from bus.messages import TokenizedRequest, SamplingParams, TokenRow
+from ringserve.actors.engine.config import EngineConfig
+from ringserve.actors.engine.scheduling.engine import Engine
+from ringserve.actors.engine.models.weights import model_from_hf
+from ringserve.bus.messages import TokenizedRequest, SamplingParams, TokenRow
 
 
 def tiny_hf_llama(vocab_size: int = 512, seed: int = 0, **overrides: Any) -> Any:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from bus.embedded_server import EmbeddedNatsServer, cluster_node_config, free_port
+from ringserve.bus.embedded_server import EmbeddedNatsServer, cluster_node_config, free_port
 
 
 class NatsCluster:

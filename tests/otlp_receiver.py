@@ -14,8 +14,8 @@ from typing import Callable
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
 
-from bus.embedded_server import free_port
-from observability.otlp_decode import SpanRecord, decode_request
+from ringserve.bus.embedded_server import free_port
+from ringserve.observability.otlp_decode import SpanRecord, decode_request
 
 
 class OtlpReceiver:

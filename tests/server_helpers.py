@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 
 import httpx
 
-from bus.embedded_server import free_port
+from ringserve.bus.embedded_server import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -97,7 +97,7 @@ def start_server(model: str, nats_url: str | None = None, extra: list[str] | Non
     port = free_port()
     namespace = f"t{uuid.uuid4().hex[:10]}"
     log_path = Path(tempfile.mkstemp(prefix="ringserve-test-", suffix=".log")[1])
-    argv = [sys.executable, "-m", "actors.launcher.cli", "serve", "--model", model, "--port", str(port),
+    argv = [sys.executable, "-m", "ringserve.actors.launcher.cli", "serve", "--model", model, "--port", str(port),
             "--namespace", namespace, *(["--nats-url", nats_url] if nats_url else []), *(extra or [])]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log_path, "wb") as log_file:
@@ -157,7 +157,7 @@ def save_tiny_model(directory: Path, context_length: int) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from actors.common.model_source import load_tokenizer, resolve_model
+    from ringserve.actors.common.model_source import load_tokenizer, resolve_model
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

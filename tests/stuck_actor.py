@@ -7,7 +7,7 @@ import argparse
 import time
 from typing import Any
 
-from actors.common.runtime import ActorContext, add_bus_arguments, run_actor
+from ringserve.actors.common.runtime import ActorContext, add_bus_arguments, run_actor
 
 HANG_SECONDS = 120.0
 

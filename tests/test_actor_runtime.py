@@ -10,8 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from actors.common.runtime import ORPHAN_EXIT_SECONDS
-from bus.embedded_server import EmbeddedNatsServer
+from ringserve.actors.common.runtime import ORPHAN_EXIT_SECONDS
+from ringserve.bus.embedded_server import EmbeddedNatsServer
 from tests.server_helpers import process_alive, wait_for
 from tests.stuck_actor import HANG_SECONDS
 
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # and waits.
 PARENT = """
 import subprocess, sys, time
-from bus.embedded_server import die_with_parent
+from ringserve.bus.embedded_server import die_with_parent
 log = open(sys.argv[2], "wb")
 child = subprocess.Popen([sys.executable, "-m", "tests.stuck_actor", "--nats-url", sys.argv[1]],
                          stdout=log, stderr=subprocess.STDOUT, preexec_fn=die_with_parent)

@@ -8,15 +8,15 @@ import pickle
 import msgpack
 import pytest
 
-from bus.codec import DecodeError, decode, encode
-from bus.connection import BusConnection, PayloadTooLarge
-from bus.embedded_server import EmbeddedNatsServer
-from bus.messages import (
+from ringserve.bus.codec import DecodeError, decode, encode
+from ringserve.bus.connection import BusConnection, PayloadTooLarge
+from ringserve.bus.embedded_server import EmbeddedNatsServer
+from ringserve.bus.messages import (
     BatchTokenOutput, ChatMessage, DecodeParams, FinishReason, GenerateRequest, InfoQuery, RequestOutput,
     SchedulerInfo, TokenRow,
 )
-from bus.subjects import InvalidRidError, Subjects, detokenizer_for, new_rid, validate_rid
-from observability.traceparent import is_valid_traceparent
+from ringserve.bus.subjects import InvalidRidError, Subjects, detokenizer_for, new_rid, validate_rid
+from ringserve.observability.traceparent import is_valid_traceparent
 
 
 @pytest.mark.parametrize("rid", ["a.b", "*", ">", "a b", "a\tb", "", "x" * 65, "é", None, 5])

@@ -20,8 +20,8 @@ import nats
 import pytest
 
 import ringserve
-from bus.codec import decode
-from bus.messages import RequestOutput
+from ringserve.bus.codec import decode
+from ringserve.bus.messages import RequestOutput
 from tests.server_helpers import REPO, ServerHandle
 
 GREEDY = {"max_new_tokens": 8, "temperature": 0}
@@ -98,7 +98,7 @@ def test_nats_refuses_a_client_without_credentials(served: tuple[ServerHandle, s
 
 
 def submit(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "actors.launcher.cli", "submit", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "ringserve.actors.launcher.cli", "submit", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
 
 

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from actors.common.memory_limits import available_memory, cgroup_memory_limits
-from actors.engine.config import CPU_MEM_FRACTION, POOL_ROUNDING, EngineConfig, available_host_memory
-from actors.launcher.supervisor import Supervisor, describe_exit, exit_cause
-from bus.subjects import Subjects
+from ringserve.actors.common.memory_limits import available_memory, cgroup_memory_limits
+from ringserve.actors.engine.config import CPU_MEM_FRACTION, POOL_ROUNDING, EngineConfig, available_host_memory
+from ringserve.actors.launcher.supervisor import Supervisor, describe_exit, exit_cause
+from ringserve.bus.subjects import Subjects
 
 GIB = 1 << 30
 HOST_AVAILABLE = 100 * GIB  # the host has plenty free; the container does not

@@ -1,4 +1,4 @@
-"""Compiled CPU decode graphs (actors/engine/decode_graph.py compile mode, graph_compiler.py): sizes compile in
+"""Compiled CPU decode graphs (actors/engine/runner/graphs/decode_graph.py compile mode, graph_compiler.py): sizes compile in
 the background while eager steps serve, compiled steps give the eager engine's tokens and KV, the KV write
 stays in place inside a compiled graph, and the real SmolLM2 in float32 still equals transformers."""
 
@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from actors.common.model_source import load_tokenizer, resolve_model
-from bus.messages import TokenizedRequest
-from kernels import cpu as cpu_kernels
-from kernels.attention import kv_store  # noqa: F401  (the op under test)
+from ringserve.actors.common.model_source import load_tokenizer, resolve_model
+from ringserve.bus.messages import TokenizedRequest
+from ringserve.kernels import cpu as cpu_kernels
+from ringserve.kernels.attention import kv_store  # noqa: F401  (the op under test)
 from tests.engine_helpers import assert_greedy_matches, engine_for, greedy, hf_greedy, run_to_completion, tokens_of
 from tests.server_helpers import wait_for
 
@@ -141,8 +141,8 @@ def test_smollm2_float32_compiled_decode_still_equals_transformers(smollm_hf: An
 def test_swapped_weights_are_compiled_again_and_serve_the_new_weights_tokens() -> None:
     """int8 layers are new modules after a swap: every compiled size is dropped, steps run eagerly until it is
     compiled again over the new layers, and the tokens are those of an engine built on the new weights."""
-    from actors.engine.weights import Checkpoint, model_from_hf
-    from kernels.quantization import quantize_linears
+    from ringserve.actors.engine.models.weights import Checkpoint, model_from_hf
+    from ringserve.kernels.quantization import quantize_linears
     from tests.engine_helpers import tiny_hf_llama
 
     old, new = tiny_hf_llama(seed=0), tiny_hf_llama(seed=1)
@@ -190,9 +190,9 @@ def test_graphs_are_stored_per_thread_count_and_a_restart_loads_them_over_its_ow
     """A compiled graph is written to disk under everything it was compiled from; a new compiler (a restart)
     loads it without tracing and runs its own module's weights through it. A graph holds its thread count in
     its guards: the 2-thread graph is refused on a 1-thread caller."""
-    from actors.engine import graph_compiler
-    from actors.engine.graph_compiler import BackgroundCompiler
-    from actors.engine.graph_store import GraphStore
+    from ringserve.actors.engine.runner.graphs import graph_compiler
+    from ringserve.actors.engine.runner.graphs.graph_compiler import BackgroundCompiler
+    from ringserve.actors.engine.runner.graphs.graph_store import GraphStore
 
     monkeypatch.setenv("RINGSERVE_CACHE", str(tmp_path))
     traced: list[int] = []
@@ -246,7 +246,7 @@ def test_graphs_are_stored_per_thread_count_and_a_restart_loads_them_over_its_ow
 def test_the_graph_store_keeps_only_the_most_recently_used_files(tmp_path: Any) -> None:
     import os
 
-    from actors.engine.graph_store import prune
+    from ringserve.actors.engine.runner.graphs.graph_store import prune
 
     for i in range(5):
         path = tmp_path / f"{i}.graph"

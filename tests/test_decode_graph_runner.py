@@ -13,13 +13,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the triton case runs under the interpreter on CPU
 
-from actors.engine.config import EngineConfig  # noqa: E402
-from actors.engine.decode_graph import DecodeGraphRunner, batch_size_ladder  # noqa: E402
-from actors.engine.engine import Engine  # noqa: E402
-from actors.engine.model_runner import ModelRunner  # noqa: E402
-from bus.messages import TokenizedRequest  # noqa: E402
-from kernels.attention import backend_names  # noqa: E402
-from kernels.triton import interpreter_enabled  # noqa: E402
+from ringserve.actors.engine.config import EngineConfig  # noqa: E402
+from ringserve.actors.engine.runner.graphs.decode_graph import DecodeGraphRunner, batch_size_ladder  # noqa: E402
+from ringserve.actors.engine.scheduling.engine import Engine  # noqa: E402
+from ringserve.actors.engine.runner.model_runner import ModelRunner  # noqa: E402
+from ringserve.bus.messages import TokenizedRequest  # noqa: E402
+from ringserve.kernels.attention import backend_names  # noqa: E402
+from ringserve.kernels.triton import interpreter_enabled  # noqa: E402
 from tests.engine_helpers import (  # noqa: E402
     assert_greedy_matches,
     engine_for,

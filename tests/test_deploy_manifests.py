@@ -21,7 +21,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from actors.launcher.worker_cmd import role_argv
+from ringserve.actors.launcher.worker_cmd import role_argv
 from tests.deploy_helpers import (
     ACTOR_ROLES, DEPLOY, K8S, MANIFESTS, NAMESPACE, REPO, load_compose, load_docs, load_resources,
 )
@@ -37,7 +37,7 @@ def _worker_args(argv: list[str]) -> tuple[str, argparse.Namespace]:
     at = argv.index("--role")
     role, rest = argv[at + 1], argv[1:at] + argv[at + 2:]
     assert role in ACTOR_ROLES, role
-    parser = importlib.import_module(f"actors.{role}.__main__").build_parser(prog=f"ringserve worker --role {role}")
+    parser = importlib.import_module(f"ringserve.actors.{role}.__main__").build_parser(prog=f"ringserve worker --role {role}")
     return role, parser.parse_args(role_argv(role, rest))
 
 

@@ -19,13 +19,13 @@ import nats
 import pytest
 from nats.js.errors import APIError
 
-from actors.launcher.cli import build_parser
-from actors.launcher.nats_config_cmd import nats_config
-from bus.credentials import load_credentials_file
-from bus.embedded_server import find_nats_server, free_port
-from bus.permissions import inbox_prefix
-from bus.span_stream import DEFAULT_MAX_BYTES, ensure_span_stream
-from bus.subjects import Subjects
+from ringserve.actors.launcher.cli import build_parser
+from ringserve.actors.launcher.nats_config_cmd import nats_config
+from ringserve.bus.credentials import load_credentials_file
+from ringserve.bus.embedded_server import find_nats_server, free_port
+from ringserve.bus.permissions import inbox_prefix
+from ringserve.bus.span_stream import DEFAULT_MAX_BYTES, ensure_span_stream
+from ringserve.bus.subjects import Subjects
 from tests.deploy_helpers import ACTOR_ROLES, DEPLOY, NAMESPACE, load_compose, load_resources
 from tests.nats_cluster import NatsCluster
 

@@ -18,13 +18,13 @@ from typing import Any
 import httpx
 import pytest
 
-from actors.detokenizer.placement import DetokenizerPlacement
-from actors.entry.liveness import LivenessMonitor
-from actors.scheduler.actor import SchedulerActor
-from bus.connection import BusConnection, Delivery
-from bus.messages import BatchTokenOutput, Heartbeat, TokenizedRequest
-from bus.params import SamplingParams
-from bus.subjects import detokenizer_for, new_rid
+from ringserve.actors.detokenizer.placement import DetokenizerPlacement
+from ringserve.actors.entry.liveness import LivenessMonitor
+from ringserve.actors.scheduler.actor import SchedulerActor
+from ringserve.bus.connection import BusConnection, Delivery
+from ringserve.bus.messages import BatchTokenOutput, Heartbeat, TokenizedRequest
+from ringserve.bus.params import SamplingParams
+from ringserve.bus.subjects import detokenizer_for, new_rid
 from tests.faults.test_client_flood import FakeCtx, FakeEngine
 from tests.server_helpers import ServerHandle, server_info, wait_until_idle
 

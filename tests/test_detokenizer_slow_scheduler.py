@@ -12,9 +12,9 @@ import asyncio
 
 import nats
 
-from actors.detokenizer.loss_evidence import SUSPECT_SECONDS, LossEvidence
-from bus.codec import decode, encode
-from bus.messages import BatchTokenOutput, DecodeParams, FinishReason, RequestOutput, TokenRow
+from ringserve.actors.detokenizer.loss_evidence import SUSPECT_SECONDS, LossEvidence
+from ringserve.bus.codec import decode, encode
+from ringserve.bus.messages import BatchTokenOutput, DecodeParams, FinishReason, RequestOutput, TokenRow
 from tests.server_helpers import ServerHandle
 
 SLOW_STEP_SECONDS = 35.0  # past the 30 s after which the detokenizer used to forget a request without rows

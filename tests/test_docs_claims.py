@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 import ringserve
-from bus.embedded_server import EmbeddedNatsServer
-from bus.messages import FinishReason, RequestOutput
+from ringserve.bus.embedded_server import EmbeddedNatsServer
+from ringserve.bus.messages import FinishReason, RequestOutput
 from tests.server_helpers import REPO, ServerHandle, wait_for
 from tests.shared_rings import logged
 
@@ -29,7 +29,7 @@ PYTHON_DOC = REPO / "docs" / "python.md"
 
 
 def ringserve_cmd(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "actors.launcher.cli", *args], cwd=REPO, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "ringserve.actors.launcher.cli", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -133,7 +133,7 @@ def test_the_tokenizer_refuses_a_directory_without_tokenizer_files(tiny_model_di
     directory = model_dir(tmp_path, tiny_model_dir, ("config.json", "model.safetensors"))
     log = tmp_path / "tokenizer.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "actors.tokenizer", "--nats-url", nats_server.url,
+        proc = subprocess.Popen([sys.executable, "-m", "ringserve.actors.tokenizer", "--nats-url", nats_server.url,
                                  "--namespace", "no-tokenizer", "--model", str(directory)], cwd=REPO, stdout=out,
                                 stderr=subprocess.STDOUT)
     try:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from bus.messages import FinishReason, TokenizedRequest
+from ringserve.bus.messages import FinishReason, TokenizedRequest
 from tests.engine_helpers import (
     assert_greedy_matches,
     engine_for,

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from bus.messages import TokenizedRequest
+from ringserve.bus.messages import TokenizedRequest
 from tests.engine_helpers import (
     assert_greedy_matches,
     engine_for,

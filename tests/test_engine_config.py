@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from actors.engine.config import EngineConfig
+from ringserve.actors.engine.config import EngineConfig
 
 
 def parse(argv: list[str]) -> EngineConfig:
@@ -47,8 +47,8 @@ def test_auto_device_and_dtype_and_pool_size() -> None:
     assert EngineConfig(max_running_requests=2).kv_pool_tokens(bytes_per_token=1, context_length=100) == 200
     # rounded down to a power of two, so a compiled graph (the pool's shape is part of it) keeps hitting
     # Inductor's cache while the memory moves between starts (tests/test_kv_pool_size.py)
-    from actors.common.memory_limits import MemoryBudget
-    from actors.engine.config import POOL_ROUNDING
+    from ringserve.actors.common.memory_limits import MemoryBudget
+    from ringserve.actors.engine.config import POOL_ROUNDING
 
     sizes = {EngineConfig(device="cpu").kv_pool_tokens(
         bytes_per_token=46080, context_length=8192, memory=MemoryBudget(free, "host MemAvailable", free))
@@ -57,7 +57,7 @@ def test_auto_device_and_dtype_and_pool_size() -> None:
 
 
 def test_scheduler_and_serve_help_list_the_engine_flags() -> None:
-    for module in ("actors.scheduler", "actors.launcher.cli"):
+    for module in ("ringserve.actors.scheduler", "ringserve.actors.launcher.cli"):
         argv = [sys.executable, "-m", module] + (["serve", "--help"] if module.endswith("cli") else ["--help"])
         out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
         for flag in ("--attention-backend", "--chunked-prefill-size", "--disable-radix-cache", "--schedule-policy",

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from bus.messages import TokenizedRequest
-from bus.params import SamplingParams
+from ringserve.bus.messages import TokenizedRequest
+from ringserve.bus.params import SamplingParams
 from tests.engine_helpers import engine_for, greedy, run_to_completion, tiny_hf_llama, tokens_of
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
@@ -25,7 +25,7 @@ EOS = 2
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
-    from actors.common.model_source import DEFAULT_MODEL, load_tokenizer, resolve_model
+    from ringserve.actors.common.model_source import DEFAULT_MODEL, load_tokenizer, resolve_model
 
     return load_tokenizer(resolve_model(DEFAULT_MODEL))
 
@@ -115,8 +115,8 @@ def test_jump_forward_appends_forced_text_in_fewer_steps(model: Any, tokenizer: 
 
 
 def test_forced_tokens_spell_the_forced_text(tokenizer: Any) -> None:
-    from actors.engine.grammar import GrammarManager
-    from actors.engine.request import Req
+    from ringserve.actors.engine.scheduling.grammar import GrammarManager
+    from ringserve.actors.engine.scheduling.request import Req
 
     manager = GrammarManager(tokenizer, 49152, 30.0)
     req = Req("r", 1, [5], constrained(json_schema=json.dumps(SCHEMA)), seed=0)
@@ -186,8 +186,8 @@ def test_steps_run_while_the_first_constraint_loads_its_compiler(model: Any, tok
     a thread of its own: an unconstrained request finishes meanwhile, and the constrained one follows."""
     import threading
 
-    from actors.common.model_source import DEFAULT_MODEL, resolve_model
-    from actors.common.text_tokenizer import TextTokenizer, load_text_model
+    from ringserve.actors.common.model_source import DEFAULT_MODEL, resolve_model
+    from ringserve.actors.common.text_tokenizer import TextTokenizer, load_text_model
 
     released = threading.Event()
 

@@ -1,7 +1,7 @@
 """No head-of-line blocking in prefill (issue 36): while long prompts prefill in chunks, a short prompt samples
 its first token within k + 1 steps of its arrival (k: prompts queued ahead of it; k + 2 in the overlap loop),
 running requests decode every step, and no step prefills more than the budget, the chunked prompts together
-at most one chunk (the bound in actors/engine/prefill.py). Steps are counted, not timed: the tiny model's
+at most one chunk (the bound in actors/engine/scheduling/prefill.py). Steps are counted, not timed: the tiny model's
 steps plan exactly as SmolLM2's do (planning reads only token counts)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from actors.engine.prefill import MAX_CHUNKED
-from bus.messages import TokenizedRequest
+from ringserve.actors.engine.scheduling.prefill import MAX_CHUNKED
+from ringserve.bus.messages import TokenizedRequest
 from tests.engine_helpers import engine_for, greedy, tiny_hf_llama
 
 CHUNK = 32

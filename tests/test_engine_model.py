@@ -7,11 +7,11 @@ from typing import Any
 import pytest
 import torch
 
-from actors.engine.kv_pool import KVPool
-from actors.engine.llama import LlamaForCausalLM, head_dim_of, rope_theta_of
-from actors.engine.token_table import TokenTable
-from actors.engine.weights import model_from_hf
-from kernels.attention import ForwardInfo, TorchPagedBackend
+from ringserve.actors.engine.runner.kv_pool import KVPool
+from ringserve.actors.engine.models.llama import LlamaForCausalLM, head_dim_of, rope_theta_of
+from ringserve.actors.engine.runner.token_table import TokenTable
+from ringserve.actors.engine.models.weights import model_from_hf
+from ringserve.kernels.attention import ForwardInfo, TorchPagedBackend
 from tests.engine_helpers import tiny_hf_llama
 
 
@@ -90,9 +90,9 @@ def test_the_resolved_config_is_transformers_config_read_back_without_it(tmp_pat
     """Starts read the model's config from the cache instead of importing transformers: the packaged GGUF's and
     a safetensors directory's resolved config agree with transformers', and the second read comes from the file
     (transformers' loader is not called again)."""
-    from actors.common import model_source
-    from actors.common.model_source import DEFAULT_MODEL, load_config, resolve_model, resolved_config
-    from actors.engine.weights import _config_mismatches
+    from ringserve.actors.common import model_source
+    from ringserve.actors.common.model_source import DEFAULT_MODEL, load_config, resolve_model, resolved_config
+    from ringserve.actors.engine.models.weights import _config_mismatches
 
     tiny = tmp_path / "tiny"
     tiny_hf_llama().save_pretrained(tiny)
@@ -112,8 +112,8 @@ def test_the_resolved_config_is_transformers_config_read_back_without_it(tmp_pat
 def test_a_safetensors_directory_loads_without_transformers_sharded_or_not(tmp_path: Any, monkeypatch: Any) -> None:
     """Our loader reads the checkpoint's own tensors (one file, or shards with their index) in the asked dtype:
     the same logits as transformers' model."""
-    from actors.common.model_source import resolve_model
-    from actors.engine.weights import SHARD_INDEX, load_model
+    from ringserve.actors.common.model_source import resolve_model
+    from ringserve.actors.engine.models.weights import SHARD_INDEX, load_model
 
     monkeypatch.setenv("RINGSERVE_CACHE", str(tmp_path / "cache"))
     hf = tiny_hf_llama()

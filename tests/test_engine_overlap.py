@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from bus.messages import TokenizedRequest, FinishReason, SamplingParams, TokenRow
+from ringserve.bus.messages import TokenizedRequest, FinishReason, SamplingParams, TokenRow
 from tests.engine_helpers import (
     engine_for,
     greedy,

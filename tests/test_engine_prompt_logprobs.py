@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from bus.messages import TokenizedRequest
+from ringserve.bus.messages import TokenizedRequest
 from tests.engine_helpers import engine_for, greedy, run_to_completion, tokens_of
 
 TOP = 3

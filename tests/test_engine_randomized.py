@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from bus.messages import TokenizedRequest, TokenRow
+from ringserve.bus.messages import TokenizedRequest, TokenRow
 from tests.engine_helpers import (
     assert_greedy_matches,
     engine_for,

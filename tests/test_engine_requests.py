@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 
-from actors.engine.engine import Engine
-from bus.messages import FinishReason, SamplingParams, TokenizedRequest
+from ringserve.actors.engine.scheduling.engine import Engine
+from ringserve.bus.messages import FinishReason, SamplingParams, TokenizedRequest
 from tests.engine_helpers import (
     engine_for,
     greedy,

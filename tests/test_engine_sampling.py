@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from bus.messages import TokenizedRequest, SamplingParams
+from ringserve.bus.messages import TokenizedRequest, SamplingParams
 from tests.engine_helpers import (
     engine_for,
     greedy,

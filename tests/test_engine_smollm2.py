@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from actors.common.model_source import resolve_model
-from actors.engine.engine import Engine, EngineConfig
-from bus.messages import TokenizedRequest
+from ringserve.actors.common.model_source import resolve_model
+from ringserve.actors.engine.scheduling.engine import Engine, EngineConfig
+from ringserve.bus.messages import TokenizedRequest
 from tests.engine_helpers import (
     assert_greedy_matches,
     greedy,

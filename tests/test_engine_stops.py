@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from actors.common.model_source import load_tokenizer, resolve_model
-from actors.engine.engine import Engine
-from bus.messages import FinishReason, SamplingParams, TokenizedRequest
+from ringserve.actors.common.model_source import load_tokenizer, resolve_model
+from ringserve.actors.engine.scheduling.engine import Engine
+from ringserve.bus.messages import FinishReason, SamplingParams, TokenizedRequest
 from tests.engine_helpers import (
     engine_for,
     greedy,

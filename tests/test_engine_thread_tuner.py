@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from actors.engine.thread_tuner import EXPLORE_RUN, ThreadTuner
-from bus.messages import TokenizedRequest
+from ringserve.actors.engine.runner.graphs.thread_tuner import EXPLORE_RUN, ThreadTuner
+from ringserve.bus.messages import TokenizedRequest
 from tests.engine_helpers import engine_for, greedy, run_to_completion, tiny_hf_llama, tokens_of
 
 

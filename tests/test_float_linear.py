@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels.cpu as cpu_kernels
-from kernels.float_linear import (
+import ringserve.kernels.cpu as cpu_kernels
+from ringserve.kernels.float_linear import (
     FLOAT_KERNELS, GEMV_MAX_ROWS, FloatLinear, choose_float_kernel, float_report, measure_float_plan,
     onednn_available, onednn_linear, use_float_plan,
 )
@@ -140,10 +140,10 @@ def test_the_host_measures_each_shape_and_row_count_and_only_shapes_it_helps_are
 @needs_onednn
 def test_smollm2_with_our_gemv_and_onednn_on_every_linear_gives_transformers_greedy_tokens(
         smollm_hf: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    import actors.engine.quantize as quantize
-    from actors.common.model_source import resolve_model
-    from actors.engine.engine import Engine, EngineConfig
-    from bus.messages import TokenizedRequest
+    import ringserve.actors.engine.quantization.quantize as quantize
+    from ringserve.actors.common.model_source import resolve_model
+    from ringserve.actors.engine.scheduling.engine import Engine, EngineConfig
+    from ringserve.bus.messages import TokenizedRequest
     from tests.engine_helpers import assert_greedy_matches, greedy, hf_greedy, run_to_completion, tokens_of
     from tests.test_engine_smollm2 import MAX_NEW, PROMPTS
 

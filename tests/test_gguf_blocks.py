@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from actors.common.model_source import resolve_model
-from actors.engine.config import EngineConfig
-from actors.engine.gguf_blocks import decode_blocks, load_packed_linears, rotary_row_order
-from kernels.cpu.packing import dequantize, pack_codes
+from ringserve.actors.common.model_source import resolve_model
+from ringserve.actors.engine.config import EngineConfig
+from ringserve.actors.engine.models.gguf_blocks import decode_blocks, load_packed_linears, rotary_row_order
+from ringserve.kernels.cpu.packing import dequantize, pack_codes
 
 TYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
          "q4_1": gguf.GGMLQuantizationType.Q4_1}
@@ -47,7 +47,7 @@ def test_the_rotary_row_order_undoes_llama_cpps_permutation() -> None:
 
 @pytest.fixture(scope="module")
 def smollm2() -> tuple[object, torch.nn.Module]:
-    from actors.engine.weights import load_model
+    from ringserve.actors.engine.models.weights import load_model
 
     source = resolve_model("SmolLM2-135M-Instruct")
     return source, load_model(source, torch.float32, "cpu")
@@ -71,10 +71,10 @@ def test_the_default_models_blocks_are_exactly_its_weights(smollm2: tuple[object
 
 
 def test_the_engine_serves_on_the_files_blocks(smollm2: tuple[object, torch.nn.Module]) -> None:
-    from actors.common.model_source import load_tokenizer
-    from actors.engine.engine import Engine
-    from bus.messages import SamplingParams, TokenizedRequest
-    from kernels.quantization import QuantLinear
+    from ringserve.actors.common.model_source import load_tokenizer
+    from ringserve.actors.engine.scheduling.engine import Engine
+    from ringserve.bus.messages import SamplingParams, TokenizedRequest
+    from ringserve.kernels.quantization import QuantLinear
 
     source, _ = smollm2
     tokenizer = load_tokenizer(source)  # type: ignore[arg-type]
@@ -96,7 +96,7 @@ def test_the_engine_serves_on_the_files_blocks(smollm2: tuple[object, torch.nn.M
 
 
 def test_a_safetensors_model_is_refused(tiny_model_dir: Path) -> None:
-    from actors.engine.engine import Engine
+    from ringserve.actors.engine.scheduling.engine import Engine
 
     with pytest.raises(ValueError, match="needs a .gguf model"):
         Engine.from_source(resolve_model(str(tiny_model_dir)), EngineConfig(device="cpu", quantization="gguf"))

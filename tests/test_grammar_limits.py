@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from kernels.grammar import GrammarCompiler, GrammarError, GrammarSpec, make_compiler
-from kernels.grammar.ebnf_productive import unproductive_rule
-from kernels.grammar.schema_recursion import infinite_subschema
+from ringserve.kernels.grammar import GrammarCompiler, GrammarError, GrammarSpec, make_compiler
+from ringserve.kernels.grammar.ebnf_productive import unproductive_rule
+from ringserve.kernels.grammar.schema_recursion import infinite_subschema
 
 MODEL_VOCAB = 49152
 NODE = {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}}
@@ -34,7 +34,7 @@ def rss_bytes() -> int:
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
-    from actors.common.model_source import load_tokenizer, resolve_model
+    from ringserve.actors.common.model_source import load_tokenizer, resolve_model
 
     return load_tokenizer(resolve_model("SmolLM2-135M-Instruct"))
 
@@ -91,7 +91,7 @@ def test_a_grammar_forcing_unbounded_text_is_refused_with_memory_bounded(compile
 def test_the_worker_address_space_cap_holds(compiler: GrammarCompiler) -> None:
     """The worker runs under RLIMIT_AS (read back from /proc); a compile needing more fails there, the
     calling process's memory stays put, and the next request gets a fresh worker that compiles."""
-    from kernels.grammar.compile_pool import WorkerFailure, WorkerPool
+    from ringserve.kernels.grammar.compile_pool import WorkerFailure, WorkerPool
 
     setup = {"tokenizer_info": compiler.tokenizer_info.serialize_json(),  # type: ignore[attr-defined]
              "memory_bytes": 64 << 20, "max_threads": 1}
@@ -180,7 +180,7 @@ def test_a_worker_ends_with_the_process_that_started_it(compiler: GrammarCompile
     from tests.server_helpers import process_alive, wait_for
 
     script = ("import json, sys, time\n"
-              "from kernels.grammar.compile_pool import WorkerPool\n"
+              "from ringserve.kernels.grammar.compile_pool import WorkerPool\n"
               "setup = json.loads(sys.stdin.readline())\n"
               "pool = WorkerPool(setup, size=1, time_limit=60.0, on_stderr=print)\n"
               "pool.start()\n"

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from actors.detokenizer.incremental import MAX_PENDING_TOKENS, IncrementalDecoder
-from bus.messages import DecodeParams, FinishReason
+from ringserve.actors.detokenizer.incremental import MAX_PENDING_TOKENS, IncrementalDecoder
+from ringserve.bus.messages import DecodeParams, FinishReason
 
 IM_END = "<|im_end|>"
 TEXTS = [
@@ -29,8 +29,8 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def tok() -> Any:
-    from actors.common.model_source import resolve_model
-    from actors.common.text_tokenizer import load_text_model
+    from ringserve.actors.common.model_source import resolve_model
+    from ringserve.actors.common.text_tokenizer import load_text_model
 
     return load_text_model(resolve_model("SmolLM2-135M-Instruct")).tokenizer  # the detokenizer's
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from kernels.attention import ForwardInfo, TorchPagedBackend
+from ringserve.kernels.attention import ForwardInfo, TorchPagedBackend
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, NUM_SLOTS, NUM_LAYERS = 6, 2, 8, 128, 2
 
@@ -82,7 +82,7 @@ def test_extend_matches_dense_attention(shape: list[tuple[int, int]], in_place: 
 
 def test_replan_guard_waits_for_the_last_plan_of_the_same_wrapper_only() -> None:
     """FlashInfer's plan race: a wrapper is planned again only after the copy its last plan queued has run."""
-    from kernels.attention.plan_guard import ReplanGuard
+    from ringserve.kernels.attention.plan_guard import ReplanGuard
 
     log: list[str] = []
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import kernels.cpu as cpu_kernels
-from kernels.cpu.attention import reference_paged_decode_attention
+import ringserve.kernels.cpu as cpu_kernels
+from ringserve.kernels.cpu.attention import reference_paged_decode_attention
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_build = pytest.mark.skipif(not cpu_kernels.compiled(), reason="the C++ kernels did not build here")
@@ -95,7 +95,7 @@ def test_the_fake_implementation_gives_the_output_shape() -> None:
 
 
 def test_without_a_build_the_torch_reference_runs(tmp_path: Path) -> None:
-    script = ("import torch, kernels.cpu as c; from kernels.cpu.attention import reference_paged_decode_attention as r\n"
+    script = ("import torch, ringserve.kernels.cpu as c; from ringserve.kernels.cpu.attention import reference_paged_decode_attention as r\n"
               "assert not c.compiled()\n"
               "q, k, v = torch.randn(2, 4, 8), torch.randn(32, 2, 8), torch.randn(32, 2, 8)\n"
               "t, rows, n = torch.randperm(32).reshape(2, 16), torch.tensor([1, 0]), torch.tensor([16, 5])\n"

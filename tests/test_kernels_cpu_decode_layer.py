@@ -9,14 +9,14 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-import kernels.cpu as cpu_kernels
-from actors.engine.llama import LlamaForCausalLM
-from actors.engine.model_runner import use_cpu_decode_layers
-from kernels.attention.backend import ForwardInfo
-from kernels.attention.torch_paged import TorchPagedBackend
-from kernels.cpu.decode_layer import reference_decode_layer
-from kernels.cpu.packing import pack
-from kernels.quantization import quantize_linears
+import ringserve.kernels.cpu as cpu_kernels
+from ringserve.actors.engine.models.llama import LlamaForCausalLM
+from ringserve.actors.engine.runner.model_runner import use_cpu_decode_layers
+from ringserve.kernels.attention.backend import ForwardInfo
+from ringserve.kernels.attention.torch_paged import TorchPagedBackend
+from ringserve.kernels.cpu.decode_layer import reference_decode_layer
+from ringserve.kernels.cpu.packing import pack
+from ringserve.kernels.quantization import quantize_linears
 
 needs_build = pytest.mark.skipif(not cpu_kernels.compiled(), reason="the C++ kernels did not build here")
 

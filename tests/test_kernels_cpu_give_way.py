@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from kernels import cpu as cpu_kernels
-from kernels.cpu.give_way import give_way_to_steps, stepping, times_given_way
+from ringserve.kernels import cpu as cpu_kernels
+from ringserve.kernels.cpu.give_way import give_way_to_steps, stepping, times_given_way
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.compiled(), reason="the give-way hook is in the CPU kernels")
 

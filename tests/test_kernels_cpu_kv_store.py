@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.cpu as cpu_kernels
-from kernels.attention.kv_store import store_kv as reference_store_kv
+import ringserve.kernels.cpu as cpu_kernels
+from ringserve.kernels.attention.kv_store import store_kv as reference_store_kv
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.compiled(), reason="the C++ kernels did not build here")
 

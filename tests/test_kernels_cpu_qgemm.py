@@ -13,8 +13,8 @@ from typing import Iterator
 import pytest
 import torch
 
-import kernels.cpu as cpu_kernels
-from kernels.cpu.packing import FORMATS, dequantize, pack, quantize_activations, reference_group_linear, unpack
+import ringserve.kernels.cpu as cpu_kernels
+from ringserve.kernels.cpu.packing import FORMATS, dequantize, pack, quantize_activations, reference_group_linear, unpack
 
 ROOT = Path(__file__).resolve().parent.parent
 needs_build = pytest.mark.skipif(not cpu_kernels.compiled(), reason="the C++ kernels did not build here")
@@ -132,14 +132,14 @@ def test_the_op_has_a_fake_implementation_and_traces_whole() -> None:
 
 def test_without_a_build_the_torch_fallback_runs_the_same_math(tmp_path: Path) -> None:
     script = """
-import torch, kernels.cpu as k
-from kernels.cpu.packing import pack, reference_group_linear
+import torch, ringserve.kernels.cpu as k
+from ringserve.kernels.cpu.packing import pack, reference_group_linear
 assert not k.compiled() and k.isa() == "torch"
 p = pack(torch.randn(20, 50), "q8_0")
 x = torch.randn(3, 50)
 assert torch.equal(k.group_linear(x, p), reference_group_linear(x, p.qweight, p.scales, None, None, 20, 8))
-from kernels.quantization import candidates
-from kernels.float_linear import onednn_available
+from ringserve.kernels.quantization import candidates
+from ringserve.kernels.float_linear import onednn_available
 floats = ("float32", "onednn") if onednn_available() else ("float32",)
 assert candidates("int8") in (floats, floats + ("int_mm",)) and candidates("int4") == floats
 print("ok")

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 import pytest
 import torch
 
-from kernels.grammar import (GrammarCompiler, GrammarError, GrammarMatcher, GrammarSpec, allocate_bitmask,
+from ringserve.kernels.grammar import (GrammarCompiler, GrammarError, GrammarMatcher, GrammarSpec, allocate_bitmask,
                              apply_bitmask, fill_bitmasks, make_compiler, unpack_bitmask)
 
 MODEL_VOCAB = 49152  # SmolLM2's config vocab_size (= its tokenizer's)
@@ -38,7 +38,7 @@ EBNF = 'root ::= answer ", " word\nanswer ::= "yes" | "no" | "maybe"\nword ::= [
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from actors.common.model_source import load_tokenizer, resolve_model
+    from ringserve.actors.common.model_source import load_tokenizer, resolve_model
 
     return load_tokenizer(resolve_model("SmolLM2-135M-Instruct"))
 
@@ -301,5 +301,5 @@ def test_apply_bitmask_masks_constrained_rows_only(compiler, tokenizer) -> None:
 
 
 def test_importing_the_interface_does_not_import_xgrammar() -> None:
-    code = "import sys, kernels.grammar; assert 'xgrammar' not in sys.modules and 'transformers' not in sys.modules"
+    code = "import sys, ringserve.kernels.grammar; assert 'xgrammar' not in sys.modules and 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

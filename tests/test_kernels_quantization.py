@@ -9,12 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-import kernels.cpu as cpu_kernels
-from actors.engine.weights import model_from_hf
-from bus.messages import TokenizedRequest
-from kernels.linear_plan import plan_buckets, plan_report
-from kernels.float_linear import onednn_available
-from kernels.quantization import (
+import ringserve.kernels.cpu as cpu_kernels
+from ringserve.actors.engine.models.weights import model_from_hf
+from ringserve.bus.messages import TokenizedRequest
+from ringserve.kernels.linear_plan import plan_buckets, plan_report
+from ringserve.kernels.float_linear import onednn_available
+from ringserve.kernels.quantization import (
     QuantLinear, candidates, choose_kernel, measure_kernel_plan, quantize_linears, speedup,
 )
 from tests.engine_helpers import engine_for, greedy, run_to_completion, tiny_hf_llama, tokens_of
@@ -149,8 +149,8 @@ def test_the_plan_is_measured_per_shape_and_row_count_then_cached(plan_dir: Path
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_apply_quantization_measures_its_kernels_and_reports_them(method: str, plan_dir: Path) -> None:
-    from actors.engine.config import EngineConfig
-    from actors.engine.quantize import apply_quantization, plan_rows, quantization_report
+    from ringserve.actors.engine.config import EngineConfig
+    from ringserve.actors.engine.quantization.quantize import apply_quantization, plan_rows, quantization_report
 
     hf = tiny_hf_llama()
     model = model_from_hf(hf.config, hf.state_dict(), "cpu")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.sampling import PenaltyState, SamplingRow, sample
+from ringserve.kernels.sampling import PenaltyState, SamplingRow, sample
 
 VOCAB = 100
 CPU = torch.device("cpu")
@@ -233,7 +233,7 @@ def test_the_gumbel_noise_is_the_exact_32_bit_hash_of_key_and_token() -> None:
     """The tensor hash runs in place in int32, where products wrap and values above 2**31 are negative: every
     value (keys and token ids across the whole 32-bit range, a [1, V] id row broadcast and a [S, V] one) must
     still be the exact 32-bit hash, and the noise the same float32 arithmetic on it."""
-    from kernels.sampling import _as_int32, _gumbel
+    from ringserve.kernels.sampling import _as_int32, _gumbel
 
     gen = torch.Generator().manual_seed(11)
     unsigned_keys = torch.randint(0, 2**32, (4, 2), generator=gen).tolist()

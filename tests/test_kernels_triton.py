@@ -20,17 +20,17 @@ pytest.importorskip("triton", reason="triton is not installed (it comes with the
 from tests.engine_helpers import engine_for, greedy, run_to_completion, tiny_hf_llama, tokens_of  # noqa: E402
 from tests.test_kernels_attention import dense_reference  # noqa: E402
 
-from actors.engine.llama import RMSNorm, RotaryEmbedding  # noqa: E402
-from actors.engine.model_runner import use_triton_kernels  # noqa: E402
-from actors.engine.weights import model_from_hf  # noqa: E402
-from actors.engine.llama import apply_rotary as torch_apply_rotary  # noqa: E402
-from kernels.attention import ForwardInfo, TorchPagedBackend, backend_names, create_backend  # noqa: E402
-from kernels.triton.decode_attention import decode_attention, decode_buffers  # noqa: E402
-from kernels.triton.extend_attention import extend_attention  # noqa: E402
-from kernels.triton.kv_indices import build_kv_indices  # noqa: E402
-from kernels.triton.rmsnorm import rms_norm  # noqa: E402
-from kernels.triton.rotary import apply_rotary  # noqa: E402
-from kernels.triton.store_kv import store_kv  # noqa: E402
+from ringserve.actors.engine.models.llama import RMSNorm, RotaryEmbedding  # noqa: E402
+from ringserve.actors.engine.runner.model_runner import use_triton_kernels  # noqa: E402
+from ringserve.actors.engine.models.weights import model_from_hf  # noqa: E402
+from ringserve.actors.engine.models.llama import apply_rotary as torch_apply_rotary  # noqa: E402
+from ringserve.kernels.attention import ForwardInfo, TorchPagedBackend, backend_names, create_backend  # noqa: E402
+from ringserve.kernels.triton.decode_attention import decode_attention, decode_buffers  # noqa: E402
+from ringserve.kernels.triton.extend_attention import extend_attention  # noqa: E402
+from ringserve.kernels.triton.kv_indices import build_kv_indices  # noqa: E402
+from ringserve.kernels.triton.rmsnorm import rms_norm  # noqa: E402
+from ringserve.kernels.triton.rotary import apply_rotary  # noqa: E402
+from ringserve.kernels.triton.store_kv import store_kv  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 NUM_SLOTS, NUM_LAYERS, HEAD_DIM = 160, 2, 16
@@ -130,7 +130,7 @@ def test_rmsnorm_matches_reference(dtype: torch.dtype) -> None:
 
 
 def test_model_with_triton_norms_gives_the_same_logits() -> None:
-    from kernels.triton.rmsnorm import TritonRMSNorm
+    from ringserve.kernels.triton.rmsnorm import TritonRMSNorm
 
     hf = tiny_hf_llama()
     model = model_from_hf(hf.config, hf.state_dict(), DEVICE)
@@ -145,8 +145,8 @@ def test_model_with_triton_norms_gives_the_same_logits() -> None:
 
 
 def test_engine_with_triton_norms_and_rotary_generates_the_same_tokens() -> None:
-    from bus.messages import TokenizedRequest
-    from kernels.triton.rotary import apply_rotary as triton_apply_rotary
+    from ringserve.bus.messages import TokenizedRequest
+    from ringserve.kernels.triton.rotary import apply_rotary as triton_apply_rotary
 
     hf = tiny_hf_llama()
     prompts = [[5, 9, 2, 7, 11, 3], [4, 8]]

@@ -12,14 +12,14 @@ import random
 import pytest
 import torch
 
-from actors.engine.prefix_cache import NaivePrefixCache, RadixNode, RadixPrefixCache
-from actors.scheduler.kv_events import KvEventPublisher
-from actors.tokenizer.router import Router
-from bus.connection import BusConnection, Delivery
-from bus.kv_blocks import BLOCK, block_hashes
-from bus.messages import InfoQuery, KvEvents, KvSnapshot, ReplicaLoad, TokenizedRequest
-from bus.permissions import role_permissions
-from bus.subjects import Subjects
+from ringserve.actors.engine.scheduling.prefix_cache import NaivePrefixCache, RadixNode, RadixPrefixCache
+from ringserve.actors.scheduler.kv_events import KvEventPublisher
+from ringserve.actors.tokenizer.router import Router
+from ringserve.bus.connection import BusConnection, Delivery
+from ringserve.bus.kv_blocks import BLOCK, block_hashes
+from ringserve.bus.messages import InfoQuery, KvEvents, KvSnapshot, ReplicaLoad, TokenizedRequest
+from ringserve.bus.permissions import role_permissions
+from ringserve.bus.subjects import Subjects
 from tests.engine_helpers import engine_for, greedy, run_to_completion, tiny_hf_llama
 
 B = 8  # a small block keeps the token lists short; the engine test uses the real BLOCK

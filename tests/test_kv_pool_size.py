@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from actors.common.memory_limits import available_memory
-from actors.engine.config import EngineConfig, stable_pool_tokens
+from ringserve.actors.common.memory_limits import available_memory
+from ringserve.actors.engine.config import EngineConfig, stable_pool_tokens
 
 PER_TOKEN = 46080  # SmolLM2-135M float32 K+V per token
 GIB = 1 << 30

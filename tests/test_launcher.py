@@ -11,6 +11,6 @@ from tests.server_helpers import REPO
 
 
 def test_bad_model_fails_fast_with_a_message() -> None:
-    result = subprocess.run([sys.executable, "-m", "actors.launcher.cli", "serve", "--model", "/no/such/model"],
+    result = subprocess.run([sys.executable, "-m", "ringserve.actors.launcher.cli", "serve", "--model", "/no/such/model"],
                             cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "/no/such/model" in result.stderr

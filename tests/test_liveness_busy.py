@@ -15,8 +15,8 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from actors.common.model_source import DEFAULT_MODEL
-from actors.entry.settings import DEFAULT_HEARTBEAT_TIMEOUT
+from ringserve.actors.common.model_source import DEFAULT_MODEL
+from ringserve.actors.entry.settings import DEFAULT_HEARTBEAT_TIMEOUT
 from tests.server_helpers import ServerHandle, start_server
 
 STREAMS = 32

@@ -16,8 +16,8 @@ from typing import Iterator
 import httpx
 import pytest
 
-from actors.entry.liveness import LivenessMonitor
-from bus.messages import Heartbeat
+from ringserve.actors.entry.liveness import LivenessMonitor
+from ringserve.bus.messages import Heartbeat
 from tests.server_helpers import ServerHandle, start_server
 
 LONG = {"max_tokens": 1500, "ignore_eos": True, "stream": True, "temperature": 0}

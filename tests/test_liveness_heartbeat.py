@@ -15,9 +15,9 @@ from pathlib import Path
 import nats
 import pytest
 
-from bus.codec import decode
-from bus.embedded_server import EmbeddedNatsServer
-from bus.messages import Heartbeat
+from ringserve.bus.codec import decode
+from ringserve.bus.embedded_server import EmbeddedNatsServer
+from ringserve.bus.messages import Heartbeat
 from tests.busy_actor import BLOCK_SECONDS, long_torch_op
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,7 +70,7 @@ def test_a_long_cpu_kernel_call_lets_other_python_threads_run() -> None:
     """Measured here: a thread ticking every 5 ms keeps its pace (gap < 0.5 s) during ~3 s of our C++ kernels
     (torch.ops calls run without the GIL); on the real model a 6,000-token prefill (steps of 2-5.5 s) left
     gaps of 21-44 ms."""
-    import kernels.cpu as cpu_kernels
+    import ringserve.kernels.cpu as cpu_kernels
 
     if not cpu_kernels.compiled():
         pytest.skip("the CPU kernels are not compiled here")

@@ -22,8 +22,8 @@ from typing import Any
 import httpx
 import pytest
 
-from bus.embedded_server import EmbeddedNatsServer
-from observability.logging import _KeyValueFormatter
+from ringserve.bus.embedded_server import EmbeddedNatsServer
+from ringserve.observability.logging import _KeyValueFormatter
 from tests.native_stderr_actor import FLOOD_END, FLOOD_LINES, FORGED
 from tests.server_helpers import REPO, ServerHandle, wait_for
 

@@ -16,13 +16,13 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.testclient import TestClient
 
-from actors.entry.guard import EntryGuard
-from actors.entry.settings import EntrySettings
-from actors.entry.metrics import MeteredStream, RequestMetrics
-from actors.entry.metrics_scrape import metrics_route
-from bus.errors import ApiError
-from bus.messages import FinishReason, RequestOutput
-from bus.subjects import Subjects
+from ringserve.actors.entry.guard import EntryGuard
+from ringserve.actors.entry.settings import EntrySettings
+from ringserve.actors.entry.metrics import MeteredStream, RequestMetrics
+from ringserve.actors.entry.metrics_scrape import metrics_route
+from ringserve.bus.errors import ApiError
+from ringserve.bus.messages import FinishReason, RequestOutput
+from ringserve.bus.subjects import Subjects
 from tests.server_helpers import ServerHandle, sse_events, wait_until_idle
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -21,9 +21,10 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from actors.launcher.nats_auth import generate_auth
-from actors.launcher.ring import actor_specs, serve_args
-from bus.embedded_server import die_with_parent, free_port
+from ringserve.actors.launcher.nats_auth import generate_auth
+from ringserve.actors.launcher.ring import actor_specs
+from ringserve.actors.launcher.serve_flags import serve_args
+from ringserve.bus.embedded_server import die_with_parent, free_port
 from tests.nats_cluster import NatsCluster
 from tests.server_helpers import REPO, sse_events
 

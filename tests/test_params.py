@@ -7,13 +7,13 @@ import dataclasses
 
 import pytest
 
-from actors.entry.openai_protocol import parse_chat
-from actors.entry.openapi_doc import openapi_document
-from actors.tokenizer.validation import validate_sampling
-from bus.codec import decode, encode
-from bus.errors import ApiError
-from bus.messages import TokenizedRequest
-from bus.params import SPECS, SamplingParams, default_of, openai_names
+from ringserve.actors.entry.openai_protocol import parse_chat
+from ringserve.actors.entry.openapi_doc import openapi_document
+from ringserve.actors.tokenizer.validation import validate_sampling
+from ringserve.bus.codec import decode, encode
+from ringserve.bus.errors import ApiError
+from ringserve.bus.messages import TokenizedRequest
+from ringserve.bus.params import SPECS, SamplingParams, default_of, openai_names
 
 CTX, VOCAB, EOS = 100, 1000, [2]
 RANGED = [spec for spec in SPECS.values() if spec.kind in ("integer", "number")]

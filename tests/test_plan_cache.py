@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels.cpu import plan_cache
+from ringserve.kernels.cpu import plan_cache
 
 KEY = plan_cache.host_key({"test": "plan cache"})
 RESULT = {"times": {"8,8,1": {"float32": 1e-6}}}

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from actors.engine.prefix_cache import (
+from ringserve.actors.engine.scheduling.prefix_cache import (
     BasePrefixCache, NaivePrefixCache, PrefixHandle, RadixPrefixCache, create_prefix_cache,
 )
 

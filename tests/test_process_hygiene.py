@@ -21,7 +21,7 @@ from typing import Iterator
 
 import pytest
 
-from kernels import cpu as cpu_kernels
+from ringserve.kernels import cpu as cpu_kernels
 from tests.server_helpers import REPO, ServerHandle, process_alive, start_server, wait_for
 
 COMPILERS = ("g++", "gcc", "c++", "cc", "cc1plus", "cc1", "as", "ld", "collect2", "ninja")
@@ -120,7 +120,7 @@ def test_no_process_of_the_schedulers_tree_outlives_it(compiling_server: ServerH
 
 def test_the_guardian_ends_the_group_of_a_killed_leader_grandchildren_included() -> None:
     code = ("import subprocess, sys, time\n"
-            "from actors.scheduler.process_group import guard_process_group\n"
+            "from ringserve.actors.scheduler.process_group import guard_process_group\n"
             "assert guard_process_group() is not None\n"
             "subprocess.Popen(['sh', '-c', 'sleep 300 & sleep 300'])\n"
             "print('ok', flush=True)\n"
@@ -153,7 +153,7 @@ def test_a_ninja_builds_compilers_in_groups_of_their_own_end_too(tmp_path: Path)
     (tmp_path / "build.ninja").write_text("rule slow\n  command = sleep 300; touch $out\n"
                                           "build a: slow\nbuild b: slow\n")
     code = ("import subprocess, sys, time\n"
-            "from actors.scheduler.process_group import guard_process_group\n"
+            "from ringserve.actors.scheduler.process_group import guard_process_group\n"
             "assert guard_process_group() is not None\n"
             f"subprocess.Popen([{str(ninja)!r}, '-C', {str(tmp_path)!r}], stdout=subprocess.DEVNULL)\n"
             "print('ok', flush=True)\n"
@@ -181,7 +181,7 @@ def test_a_ninja_builds_compilers_in_groups_of_their_own_end_too(tmp_path: Path)
 def test_a_jit_build_killed_midway_does_not_hold_the_next_one(tmp_path: Path) -> None:
     """torch's JIT leaves its `lock` file when its build is killed; the next build clears it (our flock proves
     no one builds), while a build that really runs in another process is waited for."""
-    from kernels.cpu import _build_lock
+    from ringserve.kernels.cpu import _build_lock
 
     (tmp_path / "lock").write_text("")  # what a killed build leaves
     with _build_lock(tmp_path):

@@ -27,12 +27,12 @@ import nats
 import nats.js.errors
 import pytest
 
-from actors.launcher.nats_auth import DeploymentAuth, generate_auth
-from bus import replica_claim
-from bus.embedded_server import EmbeddedNatsServer, free_port
-from bus.permissions import inbox_prefix
-from bus.replica_claim import ClaimError, JetStreamUnavailable, ReplicaClaim
-from bus.subjects import Subjects
+from ringserve.actors.launcher.nats_auth import DeploymentAuth, generate_auth
+from ringserve.bus import replica_claim
+from ringserve.bus.embedded_server import EmbeddedNatsServer, free_port
+from ringserve.bus.permissions import inbox_prefix
+from ringserve.bus.replica_claim import ClaimError, JetStreamUnavailable, ReplicaClaim
+from ringserve.bus.subjects import Subjects
 from tests.server_helpers import start_server, wait_for
 from tests.test_workers import Worker, start_worker, wait_healthy, wait_ready
 

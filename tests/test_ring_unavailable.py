@@ -11,7 +11,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from bus.embedded_server import EmbeddedNatsServer, free_port
+from ringserve.bus.embedded_server import EmbeddedNatsServer, free_port
 from tests.server_helpers import REPO
 
 BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -26,7 +26,7 @@ def spawn(module: str, nats_url: str, namespace: str, *args: str) -> subprocess.
 def lonely_entry(nats_server: EmbeddedNatsServer) -> Iterator[tuple[str, str]]:
     """An entry actor on a namespace where no other actor runs yet."""
     namespace, port = f"lonely{uuid.uuid4().hex[:8]}", free_port()
-    entry = spawn("actors.entry", nats_server.url, namespace, "--port", str(port),
+    entry = spawn("ringserve.actors.entry", nats_server.url, namespace, "--port", str(port),
                   "--served-model-name", "SmolLM2-135M-Instruct")
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -52,7 +52,7 @@ def test_no_tokenizer_gives_503_at_once(lonely_entry: tuple[str, str]) -> None:
 
 def test_no_scheduler_gives_503(lonely_entry: tuple[str, str], nats_server: EmbeddedNatsServer) -> None:
     base, namespace = lonely_entry
-    tokenizer = spawn("actors.tokenizer", nats_server.url, namespace, "--model", "SmolLM2-135M-Instruct")
+    tokenizer = spawn("ringserve.actors.tokenizer", nats_server.url, namespace, "--model", "SmolLM2-135M-Instruct")
     try:
         deadline = time.monotonic() + 120
         while True:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import random
 
-from actors.tokenizer.router import BALANCE_ABS, BLOCK, Router, block_hashes
-from bus.messages import KvEvents, KvSnapshot, ReplicaLoad
+from ringserve.actors.tokenizer.router import BALANCE_ABS, BLOCK, Router, block_hashes
+from ringserve.bus.messages import KvEvents, KvSnapshot, ReplicaLoad
 
 
 def load(replica: int, running: int = 0, waiting: int = 0, draining: bool = False, epoch: str = "",

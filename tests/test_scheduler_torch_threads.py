@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = """
 import os, sys, threading
 import torch
-from actors.scheduler.engine_thread import serial_torch_on_this_thread
+from ringserve.actors.scheduler.engine_thread import serial_torch_on_this_thread
 torch.set_num_threads(2)
 ready, done = threading.Event(), threading.Event()
 def engine():  # its parallel ops start its OpenMP team; it lives on, as the engine thread does
@@ -53,7 +53,7 @@ def spin_count_set(extra_env: dict[str, str]) -> str:
     """GOMP_SPINCOUNT after importing the scheduler's entry point, in an environment without OpenMP settings
     but `extra_env`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
-    probe = "import os, actors.scheduler.__main__; print(os.environ.get('GOMP_SPINCOUNT'))"
+    probe = "import os, ringserve.actors.scheduler.__main__; print(os.environ.get('GOMP_SPINCOUNT'))"
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120,
                          check=True, env={**env, **extra_env})
     return out.stdout.split()[-1]

@@ -22,7 +22,7 @@ def client(smollm_server: ServerHandle) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
-    from actors.common.model_source import load_tokenizer, resolve_model
+    from ringserve.actors.common.model_source import load_tokenizer, resolve_model
     return load_tokenizer(resolve_model(MODEL))
 
 

@@ -29,7 +29,7 @@ MAX_NEW = 20
 @pytest.fixture(scope="module")
 def hf_reference(smollm_hf: Any) -> dict[str, Any]:
     """transformers' own greedy `generate` on the same GGUF: the ground truth."""
-    from actors.common.model_source import load_tokenizer, resolve_model
+    from ringserve.actors.common.model_source import load_tokenizer, resolve_model
 
     tokenizer = load_tokenizer(resolve_model("SmolLM2-135M-Instruct"))
     model = smollm_hf

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from actors.entry.openai_protocol import NO_EFFECT, REFUSED, ROUTE_FIELDS, STREAM_OPTIONS_NO_EFFECT
+from ringserve.actors.entry.openai_protocol import NO_EFFECT, REFUSED, ROUTE_FIELDS, STREAM_OPTIONS_NO_EFFECT
 from tests.server_helpers import ServerHandle, sse_events
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -29,7 +29,7 @@ def client(smollm_server: ServerHandle) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def token_prompts() -> list[list[int]]:
-    from actors.common.model_source import load_tokenizer, resolve_model
+    from ringserve.actors.common.model_source import load_tokenizer, resolve_model
 
     tokenizer = load_tokenizer(resolve_model(MODEL))
     return [tokenizer.encode(p) for p in PROMPTS]

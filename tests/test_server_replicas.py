@@ -18,14 +18,14 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from actors.common.model_source import DEFAULT_MODEL
-from bus.connection import BusConnection, Delivery
-from bus.credentials import NatsCredentials, load_credentials_file
-from bus.kv_blocks import BLOCK, block_hashes
-from bus.messages import Accepted, InfoQuery, KvEvents, KvSnapshot, TokenizedRequest
-from bus.params import SamplingParams
-from bus.permissions import inbox_prefix
-from bus.subjects import Subjects, rendezvous
+from ringserve.actors.common.model_source import DEFAULT_MODEL
+from ringserve.bus.connection import BusConnection, Delivery
+from ringserve.bus.credentials import NatsCredentials, load_credentials_file
+from ringserve.bus.kv_blocks import BLOCK, block_hashes
+from ringserve.bus.messages import Accepted, InfoQuery, KvEvents, KvSnapshot, TokenizedRequest
+from ringserve.bus.params import SamplingParams
+from ringserve.bus.permissions import inbox_prefix
+from ringserve.bus.subjects import Subjects, rendezvous
 from tests.server_helpers import ServerHandle, sse_events, start_server
 
 GREEDY = {"max_tokens": 6, "temperature": 0}
@@ -56,8 +56,8 @@ def system_prompt(topic: int) -> str:
 def test_the_entry_is_ready_only_once_every_replica_had_a_beat_to_show_up() -> None:
     """/health turns 200 when the entry's wait ends: not at the first scheduler's beat, else `/get_server_info`
     and operator commands right after would count one replica of two."""
-    from actors.entry.liveness import LivenessMonitor
-    from bus.messages import Heartbeat, ReplicaLoad
+    from ringserve.actors.entry.liveness import LivenessMonitor
+    from ringserve.bus.messages import Heartbeat, ReplicaLoad
 
     now = [0.0]
     liveness = LivenessMonitor(clock=lambda: now[0])
@@ -86,9 +86,9 @@ def test_commands_wait_for_a_replica_busy_for_a_few_beats_not_for_one_gone_or_dr
     """A replica whose loop stalled past the loss threshold (a long step on a loaded host) is still asked, so a
     flush or info query right then reaches both; one silent for ASKED_BEATS beats, or one that drained and
     said so, is not waited for."""
-    from actors.entry.liveness import LivenessMonitor
-    from bus.messages import Heartbeat, ReplicaLoad
-    from bus.replica_replies import ASKED_BEATS
+    from ringserve.actors.entry.liveness import LivenessMonitor
+    from ringserve.bus.messages import Heartbeat, ReplicaLoad
+    from ringserve.bus.replica_replies import ASKED_BEATS
 
     now = [0.0]
     liveness = LivenessMonitor(silence_s=2.0, clock=lambda: now[0])

@@ -124,7 +124,7 @@ def test_min_tokens_holds_off_the_stop_token(client: openai.OpenAI) -> None:
 
 
 def test_logit_bias_forces_a_token(client: openai.OpenAI) -> None:
-    from actors.common.model_source import load_tokenizer, resolve_model
+    from ringserve.actors.common.model_source import load_tokenizer, resolve_model
 
     tokenizer = load_tokenizer(resolve_model(MODEL))
     [cat] = tokenizer.encode(" cat", add_special_tokens=False)

@@ -11,11 +11,11 @@ from typing import Any
 import httpx
 import pytest
 
-from actors.common.model_source import load_config, load_tokenizer, resolve_model
-from actors.entry.tokenize_routes import tokenize_routes
-from bus.connection import BusConnection
-from bus.embedded_server import EmbeddedNatsServer
-from bus.subjects import Subjects
+from ringserve.actors.common.model_source import load_config, load_tokenizer, resolve_model
+from ringserve.actors.entry.tokenize_routes import tokenize_routes
+from ringserve.bus.connection import BusConnection
+from ringserve.bus.embedded_server import EmbeddedNatsServer
+from ringserve.bus.subjects import Subjects
 from tests.conftest import DEFAULT_MODEL
 from tests.server_helpers import ServerHandle
 

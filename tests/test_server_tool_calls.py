@@ -12,12 +12,12 @@ import httpx
 import openai
 import pytest
 
-from actors.entry.tool_parsers import HermesParser, Llama3JsonParser, ParsedCall
-from actors.entry.tool_request import parse_tools
-from actors.entry.tool_response import ToolCallStream, tool_message
-from actors.tokenizer.prompt import PromptEncoder, template_uses_tools
-from bus.errors import ApiError
-from bus.messages import ChatMessage, GenerateRequest
+from ringserve.actors.entry.tool_parsers import HermesParser, Llama3JsonParser, ParsedCall
+from ringserve.actors.entry.tool_request import parse_tools
+from ringserve.actors.entry.tool_response import ToolCallStream, tool_message
+from ringserve.actors.tokenizer.prompt import PromptEncoder, template_uses_tools
+from ringserve.bus.errors import ApiError
+from ringserve.bus.messages import ChatMessage, GenerateRequest
 from tests.server_helpers import ServerHandle, sse_events
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -115,8 +115,8 @@ def test_tool_fields_are_checked() -> None:
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
-    from actors.common.model_source import resolve_model
-    from actors.common.text_tokenizer import load_text_model
+    from ringserve.actors.common.model_source import resolve_model
+    from ringserve.actors.common.text_tokenizer import load_text_model
 
     return load_text_model(resolve_model(MODEL)).tokenizer  # the tokenizer actor's
 

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from actors.common.model_source import DEFAULT_MODEL
+from ringserve.actors.common.model_source import DEFAULT_MODEL
 from tests.engine_helpers import assert_greedy_matches, hf_greedy
 from tests.server_helpers import ServerHandle, servers_side_by_side, sse_events
 
@@ -75,7 +75,7 @@ def test_the_rank_group_is_one_replica(tp_server: ServerHandle) -> None:
 
 
 def test_greedy_matches_transformers(tp_server: ServerHandle, smollm_hf: Any) -> None:
-    from actors.common.model_source import load_tokenizer, resolve_model
+    from ringserve.actors.common.model_source import load_tokenizer, resolve_model
 
     tokenizer = load_tokenizer(resolve_model(DEFAULT_MODEL))
     model = smollm_hf
@@ -175,6 +175,6 @@ def test_a_tp_that_does_not_divide_the_heads_is_refused_at_launch() -> None:
 
     for flags, reason in ((["--tp", "2"], "must divide the model's 9 attention heads"),
                           (["--tp", "3", "--quantization", "gguf"], "--quantization gguf")):
-        done = subprocess.run([sys.executable, "-m", "actors.launcher.cli", "serve", "--model", DEFAULT_MODEL, *flags],
+        done = subprocess.run([sys.executable, "-m", "ringserve.actors.launcher.cli", "serve", "--model", DEFAULT_MODEL, *flags],
                               cwd=REPO, capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and reason in done.stderr, done.stderr[-2000:]

@@ -17,12 +17,12 @@ import msgpack
 import nats
 import pytest
 
-from actors.common.model_source import DEFAULT_MODEL
-from actors.engine.config import EngineConfig
-from actors.scheduler.actor import SchedulerActor
-from actors.scheduler.stream_interval import WHOLE_OUTPUT_INTERVAL, StreamCoalescer
-from bus.messages import BatchTokenOutput, FinishReason, TokenizedRequest, TokenRow
-from bus.params import DecodeParams, SamplingParams
+from ringserve.actors.common.model_source import DEFAULT_MODEL
+from ringserve.actors.engine.config import EngineConfig
+from ringserve.actors.scheduler.actor import SchedulerActor
+from ringserve.actors.scheduler.stream_interval import WHOLE_OUTPUT_INTERVAL, StreamCoalescer
+from ringserve.bus.messages import BatchTokenOutput, FinishReason, TokenizedRequest, TokenRow
+from ringserve.bus.params import DecodeParams, SamplingParams
 from tests.faults.test_client_flood import FakeCtx, FakeEngine
 from tests.server_helpers import ServerHandle, server_info, sse_events, wait_until_idle
 

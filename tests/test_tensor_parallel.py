@@ -17,15 +17,15 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from actors.engine.config import EngineConfig
-from actors.engine.quantize import apply_quantization, quantization_report
-from actors.engine.tensor_parallel import close_group, init_group
-from actors.engine.tp_checks import check_shardable
-from actors.engine.tp_engine import TPEngine, TPFollower, prepare_rank
-from actors.engine.tp_plan import FORWARD, ForwardPlan, decode_plan, encode_plan
-from actors.engine.weights import model_from_hf
-from bus.codec import DecodeError
-from bus.messages import SamplingParams, TokenizedRequest
+from ringserve.actors.engine.config import EngineConfig
+from ringserve.actors.engine.quantization.quantize import apply_quantization, quantization_report
+from ringserve.actors.engine.parallel.tensor_parallel import close_group, init_group
+from ringserve.actors.engine.parallel.tp_checks import check_shardable
+from ringserve.actors.engine.parallel.tp_engine import TPEngine, TPFollower, prepare_rank
+from ringserve.actors.engine.parallel.tp_plan import FORWARD, ForwardPlan, decode_plan, encode_plan
+from ringserve.actors.engine.models.weights import model_from_hf
+from ringserve.bus.codec import DecodeError
+from ringserve.bus.messages import SamplingParams, TokenizedRequest
 from tests.engine_helpers import engine_for, tiny_hf_llama
 
 EOS = 2

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from actors.common.chat_template import TemplateRejected, render_chat
-from actors.common.model_source import DEFAULT_MODEL, ModelSource, load_tokenizer, resolve_model
-from actors.common.text_tokenizer import TextTokenizer, load_text_model, transformers_tokenizer
+from ringserve.actors.common.chat_template import TemplateRejected, render_chat
+from ringserve.actors.common.model_source import DEFAULT_MODEL, ModelSource, load_tokenizer, resolve_model
+from ringserve.actors.common.text_tokenizer import TextTokenizer, load_text_model, transformers_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 TEXTS = ["", "Hello world", " x", "a  b   c\t\td\n\ne", "naïve café — “quotes” …", "日本語のテキスト", "🤖🧠 emoji",
@@ -119,8 +119,8 @@ def test_continue_final_message_needs_the_content_in_the_template() -> None:
 
 
 def test_the_actors_load_it_without_torch_or_transformers(pair: tuple[Any, TextTokenizer]) -> None:
-    code = ("import sys; from actors.common.model_source import resolve_model; "
-            "from actors.common.text_tokenizer import load_text_model; "
+    code = ("import sys; from ringserve.actors.common.model_source import resolve_model; "
+            "from ringserve.actors.common.text_tokenizer import load_text_model; "
             f"m = load_text_model(resolve_model({DEFAULT_MODEL!r})); "
             "print(type(m.tokenizer).__name__, m.tokenizer.encode('Hello world'), "
             "[n for n in ('torch', 'transformers') if n in sys.modules])")
@@ -144,10 +144,10 @@ def test_a_tokenizer_it_cannot_reproduce_is_served_by_transformers(tmp_path: Pat
 
 
 def test_the_processes_around_the_scheduler_import_no_torch() -> None:
-    modules = ["actors.launcher.cli", "actors.launcher.ring", "actors.entry.app", "actors.tokenizer.actor",
-               "actors.detokenizer.actor"]
+    modules = ["ringserve.actors.launcher.cli", "ringserve.actors.launcher.ring", "ringserve.actors.entry.app", "ringserve.actors.tokenizer.actor",
+               "ringserve.actors.detokenizer.actor"]
     code = (f"import importlib, sys; [importlib.import_module(m) for m in {modules!r}]; "
-            "sys.modules['actors.launcher.cli'].build_parser().parse_args(['serve']); "  # every flag declared
+            "sys.modules['ringserve.actors.launcher.cli'].build_parser().parse_args(['serve']); "  # every flag declared
             "print([n for n in ('torch', 'transformers', 'xgrammar') if n in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

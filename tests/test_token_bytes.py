@@ -5,10 +5,10 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from actors.detokenizer.token_bytes import TokenBytes, byte_level_bytes, bytes_to_unicode, unicode_to_bytes
-from actors.entry.openai_logprobs import LogprobFormatter
-from bus.codec import decode, encode
-from bus.messages import GenerateRequest, RequestOutput, TokenLogprob, TopLogprob
+from ringserve.actors.detokenizer.token_bytes import TokenBytes, byte_level_bytes, bytes_to_unicode, unicode_to_bytes
+from ringserve.actors.entry.openai_logprobs import LogprobFormatter
+from ringserve.bus.codec import decode, encode
+from ringserve.bus.messages import GenerateRequest, RequestOutput, TokenLogprob, TopLogprob
 
 
 def test_gpt2_table_is_a_bijection_over_printable_characters() -> None:
@@ -22,8 +22,8 @@ def test_gpt2_table_is_a_bijection_over_printable_characters() -> None:
 
 @pytest.fixture(scope="module")
 def smollm_tokenizer():
-    from actors.common.model_source import resolve_model
-    from actors.common.text_tokenizer import load_text_model
+    from ringserve.actors.common.model_source import resolve_model
+    from ringserve.actors.common.text_tokenizer import load_text_model
     return load_text_model(resolve_model("SmolLM2-135M-Instruct")).tokenizer  # the detokenizer's
 
 

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from actors.tokenizer.validation import validate_sampling
-from bus.errors import ApiError
-from bus.messages import SamplingParams
+from ringserve.actors.tokenizer.validation import validate_sampling
+from ringserve.bus.errors import ApiError
+from ringserve.bus.messages import SamplingParams
 
 CTX, VOCAB, EOS = 100, 1000, [2]
 
@@ -60,10 +60,10 @@ def test_defaults_and_normalisation() -> None:
 
 
 def test_chat_template_and_prompt_forms() -> None:
-    from actors.common.model_source import load_tokenizer, resolve_model
-    from actors.common.text_tokenizer import load_text_model
-    from actors.tokenizer.prompt import PromptEncoder
-    from bus.messages import ChatMessage, GenerateRequest
+    from ringserve.actors.common.model_source import load_tokenizer, resolve_model
+    from ringserve.actors.common.text_tokenizer import load_text_model
+    from ringserve.actors.tokenizer.prompt import PromptEncoder
+    from ringserve.bus.messages import ChatMessage, GenerateRequest
 
     tokenizer = load_tokenizer(resolve_model("SmolLM2-135M-Instruct"))  # transformers': the expected prompts
     encoder = PromptEncoder(load_text_model(resolve_model("SmolLM2-135M-Instruct")).tokenizer)  # the actor's
@@ -81,10 +81,10 @@ def test_chat_template_and_prompt_forms() -> None:
 
 
 def test_chat_template_switches() -> None:
-    from actors.common.model_source import load_tokenizer, resolve_model
-    from actors.common.text_tokenizer import load_text_model
-    from actors.tokenizer.prompt import PromptEncoder
-    from bus.messages import ChatMessage, GenerateRequest
+    from ringserve.actors.common.model_source import load_tokenizer, resolve_model
+    from ringserve.actors.common.text_tokenizer import load_text_model
+    from ringserve.actors.tokenizer.prompt import PromptEncoder
+    from ringserve.bus.messages import ChatMessage, GenerateRequest
 
     tokenizer = load_tokenizer(resolve_model("SmolLM2-135M-Instruct"))  # transformers': the expected prompts
     encoder = PromptEncoder(load_text_model(resolve_model("SmolLM2-135M-Instruct")).tokenizer)  # the actor's

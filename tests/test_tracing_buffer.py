@@ -15,10 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from actors.launcher.trace_buffer import jetstream_block
-from actors.launcher.trace_cmd import load_spans
-from bus.embedded_server import EmbeddedNatsServer
-from observability.otlp_decode import SpanRecord
+from ringserve.actors.launcher.trace_buffer import jetstream_block
+from ringserve.actors.launcher.trace_cmd import load_spans
+from ringserve.bus.embedded_server import EmbeddedNatsServer
+from ringserve.observability.otlp_decode import SpanRecord
 from tests.otlp_receiver import OtlpReceiver
 from tests.server_helpers import REPO, ServerHandle, start_server
 
@@ -39,7 +39,7 @@ def stored_spans(store: Path, namespace: str) -> list[SpanRecord]:
 
 
 def ringserve_trace(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "actors.launcher.cli", "trace", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "ringserve.actors.launcher.cli", "trace", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
 
 

@@ -11,7 +11,7 @@ from typing import Callable
 import httpx
 import pytest
 
-from observability.otlp_decode import SpanRecord
+from ringserve.observability.otlp_decode import SpanRecord
 from tests.otlp_receiver import OtlpReceiver
 from tests.server_helpers import ServerHandle
 

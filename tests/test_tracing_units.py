@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from bus.subjects import Subjects, subject_template
-from observability.otlp_decode import SpanEvent, SpanRecord
-from observability.tracing_config import TracingConfig
-from observability.waterfall import render, select_request
+from ringserve.bus.subjects import Subjects, subject_template
+from ringserve.observability.otlp_decode import SpanEvent, SpanRecord
+from ringserve.observability.tracing_config import TracingConfig
+from ringserve.observability.waterfall import render, select_request
 from tests.otlp_receiver import OtlpReceiver
 from tests.server_helpers import REPO
 
@@ -57,13 +57,13 @@ def test_spans_are_named_after_subject_templates_never_concrete_subjects() -> No
 
 OFF_PROBE = """
 import argparse, asyncio, sys, threading
-from actors.common.tracing_setup import start_tracing, stop_tracing
-from bus.connection import BusConnection
-from bus.embedded_server import EmbeddedNatsServer
-from bus.messages import AbortRequest
-from bus.subjects import Subjects
-from observability import tracing
-from observability.tracing_config import add_tracing_arguments
+from ringserve.actors.common.tracing_setup import start_tracing, stop_tracing
+from ringserve.bus.connection import BusConnection
+from ringserve.bus.embedded_server import EmbeddedNatsServer
+from ringserve.bus.messages import AbortRequest
+from ringserve.bus.subjects import Subjects
+from ringserve.observability import tracing
+from ringserve.observability.tracing_config import add_tracing_arguments
 
 async def main():
     parser = argparse.ArgumentParser()
@@ -111,11 +111,11 @@ def test_jetstream_exporter_waits_for_the_ack_and_stores_a_retried_batch_once(tm
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from actors.launcher.trace_buffer import jetstream_block
-    from bus.embedded_server import EmbeddedNatsServer
-    from bus.span_stream import ensure_span_stream, read_span_stream
-    from observability.jetstream_exporter import HEADROOM, JetStreamSpanExporter
-    from observability.otlp_decode import decode_request
+    from ringserve.actors.launcher.trace_buffer import jetstream_block
+    from ringserve.bus.embedded_server import EmbeddedNatsServer
+    from ringserve.bus.span_stream import ensure_span_stream, read_span_stream
+    from ringserve.observability.jetstream_exporter import HEADROOM, JetStreamSpanExporter
+    from ringserve.observability.otlp_decode import decode_request
 
     memory = InMemorySpanExporter()
     provider = TracerProvider()
@@ -164,7 +164,7 @@ def test_jetstream_exporter_waits_for_the_ack_and_stores_a_retried_batch_once(tm
 
 
 def test_forwarder_reports_a_collector_that_is_down_as_retryable() -> None:
-    from observability.otlp_forward import OtlpForwarder
+    from ringserve.observability.otlp_forward import OtlpForwarder
 
     receiver = OtlpReceiver()
     forwarder = OtlpForwarder(TracingConfig.resolve(receiver.url, env={}), timeout=2)
@@ -216,9 +216,9 @@ def test_otlp_grpc_exports_and_forwards_when_the_grpc_extra_is_installed() -> No
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from actors.common.tracing_setup import span_exporter
-    from bus.embedded_server import free_port
-    from observability.otlp_forward import OtlpForwarder
+    from ringserve.actors.common.tracing_setup import span_exporter
+    from ringserve.bus.embedded_server import free_port
+    from ringserve.observability.otlp_forward import OtlpForwarder
 
     got: list[str] = []
 

@@ -19,8 +19,8 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from actors.engine.weights import Checkpoint, WeightMismatch, model_from_hf
-from bus.messages import TokenizedRequest
+from ringserve.actors.engine.models.weights import Checkpoint, WeightMismatch, model_from_hf
+from ringserve.bus.messages import TokenizedRequest
 from tests.engine_helpers import engine_for, greedy, run_to_completion, tiny_hf_llama, tokens_of
 from tests.server_helpers import ServerHandle, server_info, start_server
 
@@ -161,7 +161,7 @@ def checkpoint_of(hf_model: Any, path: str = "v2") -> Checkpoint:
 
 @pytest.mark.parametrize("quantized", [False, True])
 def test_the_engine_swaps_in_place_and_running_requests_continue_as_the_new_weights_would(quantized: bool) -> None:
-    from kernels.quantization import quantize_linears
+    from ringserve.kernels.quantization import quantize_linears
 
     old, new = tiny_hf_llama(seed=0), tiny_hf_llama(seed=1)
     engine, reference = engine_for(old), engine_for(new)

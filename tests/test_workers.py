@@ -23,8 +23,8 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from actors.launcher.nats_auth import DeploymentAuth, generate_auth
-from bus.embedded_server import EmbeddedNatsServer, free_port
+from ringserve.actors.launcher.nats_auth import DeploymentAuth, generate_auth
+from ringserve.bus.embedded_server import EmbeddedNatsServer, free_port
 from tests.server_helpers import REPO, sse_events, start_server
 
 GREEDY = {"max_tokens": 8, "temperature": 0}
@@ -66,7 +66,7 @@ class Worker:
 def start_worker(nats_url: str, namespace: str, role: str, *flags: str) -> Worker:
     """Start `ringserve worker --role ROLE` (not waiting for it to be ready)."""
     log_path = Path(tempfile.mkstemp(prefix=f"ringserve-worker-{role}-", suffix=".log")[1])
-    argv = [sys.executable, "-m", "actors.launcher.cli", "worker", "--role", role, "--nats-url", nats_url,
+    argv = [sys.executable, "-m", "ringserve.actors.launcher.cli", "worker", "--role", role, "--nats-url", nats_url,
             "--namespace", namespace, *flags]
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(argv, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT,

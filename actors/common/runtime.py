@@ -32,15 +32,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-from actors.common.heartbeat import HeartbeatThread
-from actors.common.tracing_setup import start_tracing, stop_tracing
-from bus.connection import BusConnection
-from bus.credentials import PASSWORD_ENV, NatsCredentials, credentials_from_options
-from bus.messages import ActorReady, ReplicaLoad
-from bus.permissions import inbox_prefix
-from bus.subjects import Subjects
-from observability.logging import log_event, setup_logging
-from observability.tracing_config import add_tracing_arguments
+from ringserve.actors.common.heartbeat import HeartbeatThread
+from ringserve.actors.common.tracing_setup import start_tracing, stop_tracing
+from ringserve.bus.connection import BusConnection
+from ringserve.bus.credentials import PASSWORD_ENV, NatsCredentials, credentials_from_options
+from ringserve.bus.messages import ActorReady, ReplicaLoad
+from ringserve.bus.permissions import inbox_prefix
+from ringserve.bus.subjects import Subjects
+from ringserve.observability.logging import log_event, setup_logging
+from ringserve.observability.tracing_config import add_tracing_arguments
 
 log = logging.getLogger("actor")
 HEARTBEAT_SECONDS = 0.5

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from actors.common.chat_template import TemplateRejected, render_chat, select_template
-from actors.common.model_source import (
+from ringserve.actors.common.chat_template import TemplateRejected, render_chat, select_template
+from ringserve.actors.common.model_source import (
     ModelSource, cache_root, check_tokenizer_files, converting, gguf_cache_key, publish_directory,
 )
 
@@ -102,7 +102,7 @@ class TextTokenizer:
         if self._transformers is None:
             if self._source is None:
                 raise ValueError("this exported tokenizer has no model source to load transformers' from")
-            from actors.common.model_source import load_tokenizer
+            from ringserve.actors.common.model_source import load_tokenizer
 
             self._transformers = load_tokenizer(self._source)
         return self._transformers
@@ -155,7 +155,7 @@ def load_text_model(source: ModelSource) -> TextModel:
 
         tokenizer: Any = TextTokenizer(Tokenizer.from_file(str(directory / BACKEND_FILE)), meta["tokenizer"], source)
     else:
-        from actors.common.model_source import load_tokenizer
+        from ringserve.actors.common.model_source import load_tokenizer
 
         log.info("tokenizer served by transformers: %s", meta["why_transformers"])
         tokenizer = load_tokenizer(source)
@@ -163,7 +163,7 @@ def load_text_model(source: ModelSource) -> TextModel:
 
 
 def _export(source: ModelSource, directory: Path) -> None:
-    from actors.common.model_source import load_config, load_tokenizer
+    from ringserve.actors.common.model_source import load_config, load_tokenizer
 
     hf, config = load_tokenizer(source), load_config(source)
     eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]

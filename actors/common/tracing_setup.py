@@ -13,11 +13,11 @@ import logging
 import uuid
 from typing import Any
 
-from bus.connection import BusConnection
-from bus.subjects import Subjects
-from observability import tracing
-from observability.logging import log_event
-from observability.tracing_config import TracingConfig, config_from_args
+from ringserve.bus.connection import BusConnection
+from ringserve.bus.subjects import Subjects
+from ringserve.observability import tracing
+from ringserve.observability.logging import log_event
+from ringserve.observability.tracing_config import TracingConfig, config_from_args
 
 log = logging.getLogger("actor")
 UNTRACED_ROLES = ("trace_exporter",)  # it forwards spans; tracing it would feed its own input
@@ -26,7 +26,7 @@ UNTRACED_ROLES = ("trace_exporter",)  # it forwards spans; tracing it would feed
 def span_exporter(config: TracingConfig, bus: BusConnection, subjects: Subjects, role: str, rank: int) -> Any:
     """The SpanExporter `config` asks for: the JetStream buffer, OTLP/HTTP, OTLP/gRPC, or the console."""
     if config.buffer == "jetstream":
-        from observability.jetstream_exporter import JetStreamSpanExporter
+        from ringserve.observability.jetstream_exporter import JetStreamSpanExporter
 
         return JetStreamSpanExporter(bus.client.jetstream(), asyncio.get_running_loop(), subjects.spans(role),
                                      msg_id_prefix=f"{role}{rank}-{uuid.uuid4().hex}", max_payload=bus.max_payload)

@@ -1,11 +1,11 @@
-"""`python -m actors.detokenizer`: run one detokenizer (its id: `--shard`)."""
+"""`python -m ringserve.actors.detokenizer`: run one detokenizer (its id: `--shard`)."""
 
 from __future__ import annotations
 
 import argparse
 
-from actors.common.runtime import add_bus_arguments, run_actor
-from actors.common.torch_threads import limit_torch_threads
+from ringserve.actors.common.runtime import add_bus_arguments, run_actor
+from ringserve.actors.common.torch_threads import limit_torch_threads
 
 
 def build_parser(prog: str = "ringserve-detokenizer") -> argparse.ArgumentParser:
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.shard < 0:
         parser.error("--shard must be >= 0")
     limit_torch_threads()
-    from actors.detokenizer.actor import detokenizer_main
+    from ringserve.actors.detokenizer.actor import detokenizer_main
 
     run_actor("detokenizer", args, lambda ctx: detokenizer_main(ctx, args.model, args.shard), rank=args.shard)
 

@@ -27,17 +27,17 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from actors.common.model_source import resolve_model
-from actors.common.text_tokenizer import load_text_model
-from actors.common.runtime import ActorContext
-from actors.detokenizer import spans as detokenize_spans
-from actors.detokenizer.incremental import IncrementalDecoder
-from actors.detokenizer.loss_evidence import LossEvidence
-from actors.detokenizer.token_bytes import TokenBytes
-from bus.connection import Delivery
-from bus.errors import server_error
-from bus.messages import AbortRequest, BatchTokenOutput, RequestOutput, TokenLogprob, TokenRow, TopLogprob
-from observability.logging import log_event
+from ringserve.actors.common.model_source import resolve_model
+from ringserve.actors.common.text_tokenizer import load_text_model
+from ringserve.actors.common.runtime import ActorContext
+from ringserve.actors.detokenizer import spans as detokenize_spans
+from ringserve.actors.detokenizer.incremental import IncrementalDecoder
+from ringserve.actors.detokenizer.loss_evidence import LossEvidence
+from ringserve.actors.detokenizer.token_bytes import TokenBytes
+from ringserve.bus.connection import Delivery
+from ringserve.bus.errors import server_error
+from ringserve.bus.messages import AbortRequest, BatchTokenOutput, RequestOutput, TokenLogprob, TokenRow, TopLogprob
+from ringserve.observability.logging import log_event
 
 log = logging.getLogger("detokenizer")
 MAX_BROKEN_RIDS = 10_000

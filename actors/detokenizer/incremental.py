@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bus.messages import DecodeParams, FinishReason
+from ringserve.bus.messages import DecodeParams, FinishReason
 
 REPLACEMENT_CHAR = "\ufffd"  # what decode yields for an incomplete or invalid UTF-8 sequence
 MAX_PENDING_TOKENS = 4  # a valid character's bytes span at most 4 tokens; past that the bytes are invalid

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from bus.messages import BatchTokenOutput
+from ringserve.bus.messages import BatchTokenOutput
 
 SUSPECT_SECONDS = 30.0  # after a gap: a request of that incarnation with no row for this long lost its final row
 

@@ -4,7 +4,7 @@ Every detokenizer beats on `{ns}.control.heartbeat` (its id is the beat's `rank`
 it beat within `MISSED_BEATS` of its heartbeat intervals (the rule the scheduler router applies to replicas),
 so one that dies or hangs stops being chosen within about 1.5 s, and one that starts (or comes back) is
 chosen from its first beat; one that drains (its beat says `draining`) is chosen no more. Among the live ones a request goes to the rendezvous hash of its rid
-(`bus.subjects.detokenizer_for`): every tokenizer worker agrees without sharing state, and a detokenizer
+(`ringserve.bus.subjects.detokenizer_for`): every tokenizer worker agrees without sharing state, and a detokenizer
 joining or leaving moves no request between the others. The choice is stamped on the request
 (`TokenizedRequest.detokenizer`) and never revisited, so nothing already running moves. Before any
 detokenizer has beat (a tokenizer just started), the choice is made over the ids the launcher starts.
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from bus.messages import MISSED_BEATS, Heartbeat
-from bus.subjects import detokenizer_for
+from ringserve.bus.messages import MISSED_BEATS, Heartbeat
+from ringserve.bus.subjects import detokenizer_for
 
 
 class DetokenizerPlacement:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from bus.messages import RequestOutput, TokenRow
-from observability import tracing
+from ringserve.bus.messages import RequestOutput, TokenRow
+from ringserve.observability import tracing
 
 
 class NoDetokenizeSpans:

@@ -1,5 +1,8 @@
-"""The inference engine the scheduler drives: our Llama, a paged KV cache and continuous batching.
+"""The inference engine the scheduler drives, by concern: `scheduling/` (the engine loop, continuous batching,
+prefill and decode, the prefix cache), `runner/` (the forward pass, the paged KV pool, `runner/graphs/`),
+`models/`, `quantization/` and `parallel/` (tensor parallelism).
 
-`Engine.from_source(source, EngineConfig())` loads a model; `interface.EngineInterface` is everything the
-scheduler actor uses of it. Submodules import torch, so this package re-exports nothing eagerly.
+`Engine.from_source(source, EngineConfig())` (`scheduling/engine.py`, `config.py`) loads a model;
+`interface.EngineInterface` is everything the scheduler actor uses of it. Submodules import torch, so this
+package re-exports nothing eagerly.
 """

@@ -13,9 +13,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.common.memory_limits import CGROUP_ROOT, MemoryBudget, available_memory
-from kernels.attention import backend_names
-from observability.logging import log_event
+from ringserve.actors.common.memory_limits import CGROUP_ROOT, MemoryBudget, available_memory
+from ringserve.kernels.attention import backend_names
+from ringserve.observability.logging import log_event
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATION_CHOICES = ("none", "int8", "int4", "gguf", "auto")

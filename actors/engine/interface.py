@@ -1,8 +1,8 @@
 """The engine interface the scheduler actor drives, and nothing else of the engine.
 
 `Engine` (one process, one device) implements it; a tensor-parallel rank group is meant to be a second
-implementation behind the same methods. Every type crossing it is a torch-free protocol type from `bus.params`,
-`bus.messages` and `bus.errors`: requests in, token rows out, errors as `ApiError`.
+implementation behind the same methods. Every type crossing it is a torch-free protocol type from `ringserve.bus.params`,
+`ringserve.bus.messages` and `ringserve.bus.errors`: requests in, token rows out, errors as `ApiError`.
 
 Single-threaded by contract: the caller runs `step` and the other methods one at a time (between steps).
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from bus.errors import ApiError
-from bus.messages import SchedulerInfo, TokenizedRequest, TokenRow
+from ringserve.bus.errors import ApiError
+from ringserve.bus.messages import SchedulerInfo, TokenizedRequest, TokenRow
 
 
 @dataclass
@@ -55,7 +55,7 @@ class EngineInterface(Protocol):
         """Drop every cached prefix no live request uses; the number of KV slots freed."""
 
     def kv_events(self) -> tuple[list[bytes], list[bytes]]:
-        """`(stored, removed)`: hashes (`bus.kv_blocks`) of the whole blocks the prefix cache stored and evicted
+        """`(stored, removed)`: hashes (`ringserve.bus.kv_blocks`) of the whole blocks the prefix cache stored and evicted
         since the last call, netted; the scheduler publishes them as `KvEvents`."""
 
     def pause(self) -> None:
@@ -74,7 +74,7 @@ class EngineInterface(Protocol):
         """Called when the engine has fallen idle: a moment for self-checks and for settling measurements."""
 
     def update_weights(self, checkpoint: Any, model_name: str, check_only: bool = False) -> int:
-        """Swap in a checkpoint of the same architecture (`actors.engine.weights.Checkpoint`, loaded by the caller
+        """Swap in a checkpoint of the same architecture (`ringserve.actors.engine.models.weights.Checkpoint`, loaded by the caller
         off the engine's thread) in place, recompute the KV of requests that hold some and flush the prefix cache;
         the KV slots freed. Raises ValueError (nothing changed) when it does not fit; `check_only` only checks.
         Only with no step in flight (`has_work()` false)."""

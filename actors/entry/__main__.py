@@ -1,11 +1,11 @@
-"""`python -m actors.entry`: run the HTTP entry (API key from the environment: RINGSERVE_API_KEY)."""
+"""`python -m ringserve.actors.entry`: run the HTTP entry (API key from the environment: RINGSERVE_API_KEY)."""
 
 from __future__ import annotations
 
 import argparse
 
-from actors.common.runtime import add_bus_arguments, run_actor
-from actors.entry.settings import EntrySettings, add_entry_arguments
+from ringserve.actors.common.runtime import add_bus_arguments, run_actor
+from ringserve.actors.entry.settings import EntrySettings, add_entry_arguments
 
 
 def build_parser(prog: str = "ringserve-entry") -> argparse.ArgumentParser:
@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
         settings = EntrySettings.from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
-    from actors.entry.actor import entry_main
+    from ringserve.actors.entry.actor import entry_main
 
     run_actor("entry", args, lambda ctx: entry_main(ctx, settings))
 

@@ -14,16 +14,16 @@ from typing import Any, Iterator
 
 import uvicorn
 
-from actors.common.runtime import ActorContext
-from actors.entry.app import build_app
-from actors.entry.liveness import LivenessMonitor
-from actors.entry.request_flow import EntryService
-from actors.entry.request_trace import traced_app
-from actors.entry.settings import ADMIN_API_KEY_ENV, API_KEY_ENV, EntrySettings
-from bus.connection import BusConnection, Delivery
-from bus.messages import ActorGone, Heartbeat
-from bus.ring_client import RingClient
-from observability.logging import log_event
+from ringserve.actors.common.runtime import ActorContext
+from ringserve.actors.entry.app import build_app
+from ringserve.actors.entry.liveness import LivenessMonitor
+from ringserve.actors.entry.request_flow import EntryService
+from ringserve.actors.entry.request_trace import traced_app
+from ringserve.actors.entry.settings import ADMIN_API_KEY_ENV, API_KEY_ENV, EntrySettings
+from ringserve.bus.connection import BusConnection, Delivery
+from ringserve.bus.messages import ActorGone, Heartbeat
+from ringserve.bus.ring_client import RingClient
+from ringserve.observability.logging import log_event
 
 log = logging.getLogger("entry")
 STARTUP_BEAT_WAIT_SECONDS = 1.5  # at start, wait this long at most to hear every role before serving

@@ -15,19 +15,19 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from actors.entry.control_routes import control_routes
-from actors.entry.errors import error_response
-from bus.errors import ApiError
-from actors.entry.guard import EntryGuard
-from actors.entry.generate_route import generate_route
-from actors.entry.http_common import handles_errors
-from actors.entry.metrics_scrape import metrics_route
-from actors.entry.openapi_doc import openapi_document
-from actors.entry.openai_routes import openai_routes
-from actors.entry.request_flow import EntryService
-from bus.replica_replies import combined_info, replica_entry
-from actors.entry.settings import EntrySettings
-from actors.entry.tokenize_routes import tokenize_routes
+from ringserve.actors.entry.control_routes import control_routes
+from ringserve.actors.entry.errors import error_response
+from ringserve.bus.errors import ApiError
+from ringserve.actors.entry.guard import EntryGuard
+from ringserve.actors.entry.generate_route import generate_route
+from ringserve.actors.entry.http_common import handles_errors
+from ringserve.actors.entry.metrics_scrape import metrics_route
+from ringserve.actors.entry.openapi_doc import openapi_document
+from ringserve.actors.entry.openai_routes import openai_routes
+from ringserve.actors.entry.request_flow import EntryService
+from ringserve.bus.replica_replies import combined_info, replica_entry
+from ringserve.actors.entry.settings import EntrySettings
+from ringserve.actors.entry.tokenize_routes import tokenize_routes
 
 def _package_version() -> str:
     """ringserve's installed version (SGLang's `version` in /get_server_info); 0.0.0 when not installed."""

@@ -17,11 +17,11 @@ from typing import AsyncIterator
 
 from starlette.requests import Request
 
-from bus.errors import ApiError
-from actors.entry.request_flow import DisconnectWatch, EntryService
-from bus.messages import GenerateRequest, RequestOutput
-from bus.params import MAX_SEED
-from bus.ring_client import RequestStream
+from ringserve.bus.errors import ApiError
+from ringserve.actors.entry.request_flow import DisconnectWatch, EntryService
+from ringserve.bus.messages import GenerateRequest, RequestOutput
+from ringserve.bus.params import MAX_SEED
+from ringserve.bus.ring_client import RequestStream
 
 SEED_MODULUS = MAX_SEED + 1  # 2^63: choice seeds wrap around instead of leaving the seed range
 

@@ -19,10 +19,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 
-from bus.errors import ApiError
-from actors.entry.http_common import handles_errors, read_command
-from actors.entry.request_flow import EntryService
-from bus.messages import ControlCommand, ControlReply
+from ringserve.bus.errors import ApiError
+from ringserve.actors.entry.http_common import handles_errors, read_command
+from ringserve.actors.entry.request_flow import EntryService
+from ringserve.bus.messages import ControlCommand, ControlReply
 
 UPDATE_WEIGHTS_TIMEOUT = 600.0  # seconds to load a checkpoint and wait for the requests on the old weights
 

@@ -1,10 +1,10 @@
-"""HTTP answers for the ring's one error type, `bus.errors.ApiError`: OpenAI's body, the status from its `code`."""
+"""HTTP answers for the ring's one error type, `ringserve.bus.errors.ApiError`: OpenAI's body, the status from its `code`."""
 
 from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
-from bus.errors import ApiError
+from ringserve.bus.errors import ApiError
 
 
 def error_response(error: ApiError) -> JSONResponse:

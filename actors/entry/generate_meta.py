@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from actors.entry.openai_logprobs import finite
-from bus.messages import RequestOutput, TokenLogprob
+from ringserve.actors.entry.openai_logprobs import finite
+from ringserve.bus.messages import RequestOutput, TokenLogprob
 
 
 def wants_logprobs(sampling: dict[str, Any]) -> bool:

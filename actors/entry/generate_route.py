@@ -17,15 +17,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from actors.entry.choices import ChoiceGroup
-from actors.entry.http_common import handles_errors, read_json, sse
-from actors.entry.generate_meta import meta_info
-from actors.entry.openai_protocol import MAX_CHOICES, N, STREAM
-from actors.entry.request_flow import EntryService
-from bus.errors import ApiError
-from bus.messages import GenerateRequest, RequestOutput, TokenLogprob
-from bus.param_spec import Spec
-from bus.subjects import InvalidRidError, new_rid, validate_rid
+from ringserve.actors.entry.choices import ChoiceGroup
+from ringserve.actors.entry.http_common import handles_errors, read_json, sse
+from ringserve.actors.entry.generate_meta import meta_info
+from ringserve.actors.entry.openai_protocol import MAX_CHOICES, N, STREAM
+from ringserve.actors.entry.request_flow import EntryService
+from ringserve.bus.errors import ApiError
+from ringserve.bus.messages import GenerateRequest, RequestOutput, TokenLogprob
+from ringserve.bus.param_spec import Spec
+from ringserve.bus.subjects import InvalidRidError, new_rid, validate_rid
 
 DEFAULT_GENERATE_MAX_NEW_TOKENS = 128
 # SGLang takes these next to sampling_params; here they are sampling parameters

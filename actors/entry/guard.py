@@ -21,9 +21,9 @@ import time
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from actors.entry.errors import error_response
-from actors.entry.settings import EntrySettings
-from bus.errors import ApiError
+from ringserve.actors.entry.errors import error_response
+from ringserve.actors.entry.settings import EntrySettings
+from ringserve.bus.errors import ApiError
 
 # Routes anyone may call: liveness for load balancers, metrics, and the API description (no secrets in it).
 PUBLIC_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})

@@ -9,11 +9,11 @@ from typing import Any, Awaitable, Callable
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from actors.entry.errors import error_response
-from bus.errors import ApiError, server_error
-from actors.entry.json_input import check_content_type, parse_json_object
-from actors.entry.request_flow import ClientDisconnected
-from observability.logging import log_event
+from ringserve.actors.entry.errors import error_response
+from ringserve.bus.errors import ApiError, server_error
+from ringserve.actors.entry.json_input import check_content_type, parse_json_object
+from ringserve.actors.entry.request_flow import ClientDisconnected
+from ringserve.observability.logging import log_event
 
 CLIENT_CLOSED_REQUEST = 499
 log = logging.getLogger("entry")

@@ -4,7 +4,7 @@ Checked here, once, for every JSON route: the Content-Type (415 unless JSON; a m
 clients work), the JSON syntax, nesting depth (deep JSON would exhaust the parser's or msgpack's recursion),
 strings that are not valid Unicode (a lone surrogate such as "\\ud800" cannot be UTF-8 encoded), integers
 outside int64 (msgpack and torch cannot hold them) and non-finite numbers (NaN, Infinity, 1e999). The body
-size limit is enforced while the body is read, by `actors.entry.guard`.
+size limit is enforced while the body is read, by `ringserve.actors.entry.guard`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 import math
 from typing import Any
 
-from bus.errors import ApiError, printable, quote
+from ringserve.bus.errors import ApiError, printable, quote
 
 MAX_JSON_DEPTH = 64
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1

@@ -23,10 +23,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
-from bus.messages import Heartbeat, ReplicaLoad
-from bus.replica_replies import asked, left
-from bus.ring_client import TRACK_SETTLE_SECONDS
-from observability.logging import log_event
+from ringserve.bus.messages import Heartbeat, ReplicaLoad
+from ringserve.bus.replica_replies import asked, left
+from ringserve.bus.ring_client import TRACK_SETTLE_SECONDS
+from ringserve.observability.logging import log_event
 
 log = logging.getLogger("entry")
 REQUIRED_ROLES = ("scheduler", "tokenizer", "detokenizer")

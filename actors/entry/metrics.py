@@ -28,10 +28,10 @@ from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 
-from bus.connection import BusConnection
-from bus.messages import RequestOutput
-from bus.ring_client import RequestStream, RingClient
-from bus.subjects import Subjects, validate_rid
+from ringserve.bus.connection import BusConnection
+from ringserve.bus.messages import RequestOutput
+from ringserve.bus.ring_client import RequestStream, RingClient
+from ringserve.bus.subjects import Subjects, validate_rid
 
 PREFIX = "ringserve:"
 FINISH_REASONS = ("stop", "length", "abort", "error")

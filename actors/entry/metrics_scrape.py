@@ -22,12 +22,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from actors.entry.errors import error_response
-from actors.entry.metrics import PREFIX
-from actors.entry.metrics_names import DIALECTS, renamed
-from actors.entry.request_flow import EntryService
-from bus.errors import ApiError
-from bus.messages import InfoQuery, SchedulerInfo
+from ringserve.actors.entry.errors import error_response
+from ringserve.actors.entry.metrics import PREFIX
+from ringserve.actors.entry.metrics_names import DIALECTS, renamed
+from ringserve.actors.entry.request_flow import EntryService
+from ringserve.bus.errors import ApiError
+from ringserve.bus.messages import InfoQuery, SchedulerInfo
 
 log = logging.getLogger("entry")
 SCHEDULER_INFO_TIMEOUT = 1.0  # seconds a scrape waits for the scheduler's answer

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from bus.messages import TokenLogprob, TopLogprob
+from ringserve.bus.messages import TokenLogprob, TopLogprob
 
 # what OpenAI reports for a token the sampler could never pick (JSON has no -Infinity)
 FLOOR_LOGPROB = -9999.0

@@ -2,9 +2,9 @@
 
 Only shapes are checked here (what must be an object, a list, a string), plus what the entry itself acts on
 (`n`, `echo`, the logprobs switches); the tokenizer actor validates every sampling value. Which OpenAI fields
-are sampling parameters, and under which native name, comes from their declarations in `bus.params`.
+are sampling parameters, and under which native name, comes from their declarations in `ringserve.bus.params`.
 
-Every top-level field of a body is one of: a field we implement (the sampling parameters of `bus.params`, the
+Every top-level field of a body is one of: a field we implement (the sampling parameters of `ringserve.bus.params`, the
 entry's Specs below, and each route's own fields), a field that changes nothing (`NO_EFFECT`: accepted), or
 a field that would change the output and that we do not implement (`REFUSED`: 400 naming it, unless it has a
 value that changes nothing). Anything else is a 400 naming the field, as OpenAI answers. The output
@@ -18,14 +18,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from bus.errors import ApiError, clip, quote
-from actors.entry.openai_logprobs import LogprobFormatter, vllm_prompt_logprobs
-from actors.entry.tool_parsers import DEFAULT_PARSER
-from actors.entry.tool_request import GUIDED_FIELDS, ToolPlan, output_constraint, parse_messages, parse_tools
-from actors.entry.tool_response import tool_message
-from bus.messages import FinishReason, GenerateRequest, RequestOutput, TokenLogprob
-from bus.param_spec import Spec
-from bus.params import MAX_TOP_LOGPROBS, openai_names
+from ringserve.bus.errors import ApiError, clip, quote
+from ringserve.actors.entry.openai_logprobs import LogprobFormatter, vllm_prompt_logprobs
+from ringserve.actors.entry.tool_parsers import DEFAULT_PARSER
+from ringserve.actors.entry.tool_request import GUIDED_FIELDS, ToolPlan, output_constraint, parse_messages, parse_tools
+from ringserve.actors.entry.tool_response import tool_message
+from ringserve.bus.messages import FinishReason, GenerateRequest, RequestOutput, TokenLogprob
+from ringserve.bus.param_spec import Spec
+from ringserve.bus.params import MAX_TOP_LOGPROBS, openai_names
 
 # OpenAI name -> native (SGLang) sampling name; SGLang's extensions are accepted under their own names
 _SAMPLING_FIELDS = openai_names()

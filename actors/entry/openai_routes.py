@@ -10,15 +10,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from actors.entry import openai_protocol as oai
-from actors.entry.choices import ChoiceGroup
-from actors.entry.http_common import handles_errors, read_json, sse
-from actors.entry.request_flow import EntryService
-from actors.entry.tool_parsers import DEFAULT_PARSER
-from actors.entry.tool_response import ToolCallStream
-from bus.errors import ApiError
-from bus.messages import GenerateRequest, RequestOutput
-from bus.subjects import new_rid
+from ringserve.actors.entry import openai_protocol as oai
+from ringserve.actors.entry.choices import ChoiceGroup
+from ringserve.actors.entry.http_common import handles_errors, read_json, sse
+from ringserve.actors.entry.request_flow import EntryService
+from ringserve.actors.entry.tool_parsers import DEFAULT_PARSER
+from ringserve.actors.entry.tool_response import ToolCallStream
+from ringserve.bus.errors import ApiError
+from ringserve.bus.messages import GenerateRequest, RequestOutput
+from ringserve.bus.subjects import new_rid
 
 Parser = Callable[[dict[str, Any], str, str], tuple[list[GenerateRequest], oai.ApiOptions]]
 CONSTRAINT_PARAMS = {"response_format", "json_schema", "regex", "ebnf"}  # how the ring names a bad constraint

@@ -1,5 +1,5 @@
 """The entry's OpenAPI 3 document (served at `/openapi.json`): every route, its JSON body with realistic types
-and ranges, and its answers. The sampling parameters' schemas derive from their declarations in `bus.params`;
+and ranges, and its answers. The sampling parameters' schemas derive from their declarations in `ringserve.bus.params`;
 the entry's own fields (`n`, `stream`, the OpenAI logprobs switches) are written here. Clients can generate
 code from it; the bad-input sweep (schemathesis) fuzzes the server from it.
 """
@@ -9,9 +9,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from actors.entry.openai_protocol import (BEST_OF, CHAT_LOGPROBS, COMPLETION_LOGPROBS, ECHO, MAX_CHOICES, N,
+from ringserve.actors.entry.openai_protocol import (BEST_OF, CHAT_LOGPROBS, COMPLETION_LOGPROBS, ECHO, MAX_CHOICES, N,
                                          NO_EFFECT, PROMPT_LOGPROBS, STREAM, STREAM_OPTIONS_NO_EFFECT, TOP_LOGPROBS)
-from bus.params import SPECS
+from ringserve.bus.params import SPECS
 
 JSON = "application/json"
 RID = {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}

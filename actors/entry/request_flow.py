@@ -12,19 +12,19 @@ from typing import Any, AsyncIterator
 import anyio
 from starlette.requests import Request
 
-from actors.entry.errors import server_busy
-from bus.errors import ApiError
-from actors.entry.liveness import LivenessMonitor
-from actors.entry.metrics import RequestMetrics
-from actors.entry.settings import DEFAULT_MAX_QUEUED_REQUESTS
-from bus.codec import encode
-from bus.messages import ControlCommand, ControlReply, GenerateRequest, RequestOutput, SchedulerInfo
-from bus.replica_replies import combined_info
-from bus.ring_client import OPERATOR_ABORT, RequestStream, RingClient, RingUnavailable
-from bus.subjects import InvalidRidError, new_rid, validate_rid
-from actors.entry import request_trace
-from observability import tracing
-from observability.traceparent import TRACEPARENT_HEADER
+from ringserve.actors.entry.errors import server_busy
+from ringserve.bus.errors import ApiError
+from ringserve.actors.entry.liveness import LivenessMonitor
+from ringserve.actors.entry.metrics import RequestMetrics
+from ringserve.actors.entry.settings import DEFAULT_MAX_QUEUED_REQUESTS
+from ringserve.bus.codec import encode
+from ringserve.bus.messages import ControlCommand, ControlReply, GenerateRequest, RequestOutput, SchedulerInfo
+from ringserve.bus.replica_replies import combined_info
+from ringserve.bus.ring_client import OPERATOR_ABORT, RequestStream, RingClient, RingUnavailable
+from ringserve.bus.subjects import InvalidRidError, new_rid, validate_rid
+from ringserve.actors.entry import request_trace
+from ringserve.observability import tracing
+from ringserve.observability.traceparent import TRACEPARENT_HEADER
 
 log = logging.getLogger("entry")
 PAYLOAD_HEADROOM = 4096  # bytes of max_payload kept for NATS headers (traceparent) and the subject

@@ -15,10 +15,10 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
-from bus.messages import GenerateRequest
-from bus.ring_client import RequestStream
-from observability import tracing
-from observability.traceparent import TRACEPARENT_HEADER, is_valid_traceparent
+from ringserve.bus.messages import GenerateRequest
+from ringserve.bus.ring_client import RequestStream
+from ringserve.observability import tracing
+from ringserve.observability.traceparent import TRACEPARENT_HEADER, is_valid_traceparent
 
 UNTRACED_PATHS = ("/health", "/metrics")  # polled by probes and scrapers: a trace each would be noise
 ASGIApp = Callable[[Any, Any, Any], Awaitable[None]]

@@ -10,7 +10,7 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
-from actors.entry.tool_parsers import DEFAULT_PARSER, PARSERS
+from ringserve.actors.entry.tool_parsers import DEFAULT_PARSER, PARSERS
 
 API_KEY_ENV = "RINGSERVE_API_KEY"
 ADMIN_API_KEY_ENV = "RINGSERVE_ADMIN_API_KEY"  # guards the operator routes (flush, pause, abort) on its own

@@ -21,12 +21,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from actors.entry.http_common import handles_errors, read_json
-from actors.entry.openai_protocol import model_not_found, parse_chat
-from actors.entry.request_flow import EntryService
-from bus.codec import encode
-from bus.errors import ApiError, server_error
-from bus.tokenize_messages import TokenizeQuery, TokenizeReply
+from ringserve.actors.entry.http_common import handles_errors, read_json
+from ringserve.actors.entry.openai_protocol import model_not_found, parse_chat
+from ringserve.actors.entry.request_flow import EntryService
+from ringserve.bus.codec import encode
+from ringserve.bus.errors import ApiError, server_error
+from ringserve.bus.tokenize_messages import TokenizeQuery, TokenizeReply
 
 TOKENIZE_TIMEOUT = 5.0
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_generation_prompt", "continue_final_message",

@@ -16,9 +16,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from actors.entry.tool_parsers import DEFAULT_PARSER, ToolCallParser, get_parser
-from bus.errors import ApiError
-from bus.messages import ChatMessage
+from ringserve.actors.entry.tool_parsers import DEFAULT_PARSER, ToolCallParser, get_parser
+from ringserve.bus.errors import ApiError
+from ringserve.bus.messages import ChatMessage
 
 NAME_PATTERN = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function and schema names
 TOOL_CHOICES = ("none", "auto", "required")

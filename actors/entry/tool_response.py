@@ -13,8 +13,8 @@ import json
 import secrets
 from typing import Any
 
-from actors.entry.tool_parsers import Item, ParsedCall, call_from_json
-from actors.entry.tool_request import ToolPlan
+from ringserve.actors.entry.tool_parsers import Item, ParsedCall, call_from_json
+from ringserve.actors.entry.tool_request import ToolPlan
 
 
 def new_call_id() -> str:

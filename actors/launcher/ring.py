@@ -5,29 +5,27 @@ credentials, the span buffer, the actor processes); `start_nats` starts the embe
 `--nats-url` names one), `supervisor` builds the `Supervisor` that starts and watches the actors, and `close`
 stops the server and deletes the private credential and trace directories. With `http=False` the ring has no
 entry actor: the scheduler, tokenizers and detokenizers only, for a caller that talks to the ring over NATS
-itself (the Python `Engine`, as the entry role). `serve_args` turns Python keyword arguments into the
-`argparse.Namespace` the serve flags would give.
+itself (the Python `Engine`, as the entry role).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-from typing import Any
 
-from actors.common.model_source import check_servable, resolve_model, resolved_config
-from actors.engine.config import EngineConfig
-from actors.engine.tp_checks import check_shardable, check_tp_quantization
-from actors.entry.settings import entry_argv
-from actors.launcher.nats_auth import NatsPlan, plan_nats
-from actors.launcher.supervisor import ActorSpec, Supervisor
-from actors.launcher.trace_buffer import TraceBuffer, actor_tracing_argv, plan_trace_buffer, trace_exporter_specs
-from actors.scheduler.admission import admission_argv
-from actors.scheduler.tp_follower import follower_rank, tp_argv
-from bus.credentials import CredentialsError, NatsCredentials
-from bus.embedded_server import EmbeddedNatsServer, free_port
-from bus.subjects import Subjects
-from observability.logging import log_event
+from ringserve.actors.common.model_source import check_servable, resolve_model, resolved_config
+from ringserve.actors.engine.config import EngineConfig
+from ringserve.actors.engine.parallel.tp_checks import check_shardable, check_tp_quantization
+from ringserve.actors.entry.settings import entry_argv
+from ringserve.actors.launcher.nats_auth import NatsPlan, plan_nats
+from ringserve.actors.launcher.supervisor import ActorSpec, Supervisor
+from ringserve.actors.launcher.trace_buffer import TraceBuffer, actor_tracing_argv, plan_trace_buffer, trace_exporter_specs
+from ringserve.actors.scheduler.admission import admission_argv
+from ringserve.actors.scheduler.tp_follower import follower_rank, tp_argv
+from ringserve.bus.credentials import CredentialsError, NatsCredentials
+from ringserve.bus.embedded_server import EmbeddedNatsServer, free_port
+from ringserve.bus.subjects import Subjects
+from ringserve.observability.logging import log_event
 
 log = logging.getLogger("launcher")
 
@@ -45,17 +43,17 @@ def actor_specs(args: argparse.Namespace, served_name: str, trace: TraceBuffer |
     # `--tp` > 1: each replica is a rank group on a free loopback port, restarted as a whole (tp_follower.py)
     tp = [[*tp_argv(args), "--dist-init-addr", f"127.0.0.1:{free_port()}"] if args.tp > 1 else []
           for _ in range(args.dp)]
-    specs = [ActorSpec("scheduler", follower_rank(r, k), "actors.scheduler",
+    specs = [ActorSpec("scheduler", follower_rank(r, k), "ringserve.actors.scheduler",
                        [*common, "--model", args.model, "--rank", str(k), "--dp-replica-id", str(r), *tp[r],
                         *admission_argv(args), *engine], group=f"scheduler{r}" if args.tp > 1 else "")
              for r in range(args.dp) for k in range(args.tp)]
-    specs += [ActorSpec("tokenizer", i, "actors.tokenizer", [*common, "--model", args.model,
+    specs += [ActorSpec("tokenizer", i, "ringserve.actors.tokenizer", [*common, "--model", args.model,
                                                              "--detokenizer-shards", str(args.detokenizer_shards)])
               for i in range(args.tokenizer_workers)]
-    specs += [ActorSpec("detokenizer", i, "actors.detokenizer", [*common, "--model", args.model, "--shard", str(i)])
+    specs += [ActorSpec("detokenizer", i, "ringserve.actors.detokenizer", [*common, "--model", args.model, "--shard", str(i)])
               for i in range(args.detokenizer_shards)]
     if http:
-        specs.append(ActorSpec("entry", 0, "actors.entry", [*common, "--host", args.host, "--port", str(args.port),
+        specs.append(ActorSpec("entry", 0, "ringserve.actors.entry", [*common, "--host", args.host, "--port", str(args.port),
                                                             "--served-model-name", served_name,
                                                             *entry_argv(args)], stage=1))
     return specs + (trace_exporter_specs(trace, common) if trace is not None else [])
@@ -138,29 +136,3 @@ class Ring:
             self.nats = None
         self.plan.cleanup()
         self.trace.cleanup()
-
-
-def serve_args(flags: dict[str, Any]) -> argparse.Namespace:
-    """The serve flags as `ringserve serve` would parse them, with `flags` (Python names: `max_running_requests`,
-    `disable_radix_cache=True`, ...) set; raises TypeError for a name that is not a serve flag and ValueError
-    for a value argparse would refuse."""
-    from actors.launcher.cli import add_serve_arguments
-
-    parser = argparse.ArgumentParser(prog="ringserve serve", add_help=False)
-    add_serve_arguments(parser)
-    actions = {action.dest: action for action in parser._actions}
-    args = parser.parse_args([])
-    for name, value in flags.items():
-        action = actions.get(name)
-        if action is None:
-            known = ", ".join(sorted(actions))
-            raise TypeError(f"unknown engine flag {name!r}; the flags of `ringserve serve` are: {known}")
-        if isinstance(value, str) and callable(action.type):
-            try:
-                value = action.type(value)
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"{name}={value!r}: {exc}") from exc
-        if action.choices is not None and value not in action.choices:
-            raise ValueError(f"{name} must be one of {sorted(action.choices)}, got {value!r}")
-        setattr(args, name, value)
-    return args

@@ -23,12 +23,13 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from bus.codec import DecodeError, from_wire, to_wire
-from bus.errors import ApiError
-from bus.messages import ChatMessage, GenerateRequest
-from bus.param_spec import LOGIT_BIAS, STOP_STRINGS, TOKEN_IDS
-from bus.params import SPECS, default_of
-from bus.subjects import new_rid
+from ringserve.bus.codec import DecodeError, from_wire, to_wire
+from ringserve.bus.errors import ApiError
+from ringserve.bus.messages import ChatMessage, GenerateRequest
+from ringserve.bus.param_spec import LOGIT_BIAS, STOP_STRINGS, TOKEN_IDS
+from ringserve.bus.params import SPECS, default_of
+from ringserve.bus.ring_session import RingSession
+from ringserve.bus.subjects import new_rid
 
 DEFAULT_MAX_NEW_TOKENS = 128
 
@@ -102,10 +103,8 @@ def build_request(args: argparse.Namespace) -> GenerateRequest:
 
 
 async def _submit(args: argparse.Namespace) -> int:
-    from ringserve.client import Client
-
     request = build_request(args)
-    client = Client(args.nats_url, args.namespace, args.creds, client=args.client, name="ringserve-submit")
+    client = RingSession(args.nats_url, args.namespace, args.creds, client=args.client, name="ringserve-submit")
     try:
         await client.connect()
     except ConnectionError as exc:
@@ -120,7 +119,7 @@ async def _submit(args: argparse.Namespace) -> int:
         await client.close()
 
 
-async def _print_outputs(client: Any, request: GenerateRequest, args: argparse.Namespace) -> int:
+async def _print_outputs(client: RingSession, request: GenerateRequest, args: argparse.Namespace) -> int:
     text: list[str] = []
     streamed = args.stream and not args.json
     try:

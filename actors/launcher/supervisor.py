@@ -25,13 +25,13 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from bus.connection import BusConnection, Delivery
-from bus.credentials import NatsCredentials
-from bus.embedded_server import die_with_parent
-from bus.messages import ActorGone, ActorReady, Heartbeat
-from bus.permissions import inbox_prefix
-from bus.subjects import Subjects
-from observability.logging import log_event
+from ringserve.bus.connection import BusConnection, Delivery
+from ringserve.bus.credentials import NatsCredentials
+from ringserve.bus.embedded_server import die_with_parent
+from ringserve.bus.messages import ActorGone, ActorReady, Heartbeat
+from ringserve.bus.permissions import inbox_prefix
+from ringserve.bus.subjects import Subjects
+from ringserve.observability.logging import log_event
 
 log = logging.getLogger("launcher")
 STOP_GRACE_SECONDS = 10.0

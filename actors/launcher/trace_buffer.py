@@ -16,9 +16,9 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from actors.launcher.nats_auth import private_directory
-from actors.launcher.supervisor import ActorSpec
-from observability.tracing_config import TracingConfig, add_tracing_arguments, config_from_args, tracing_argv
+from ringserve.actors.launcher.nats_auth import private_directory
+from ringserve.actors.launcher.supervisor import ActorSpec
+from ringserve.observability.tracing_config import TracingConfig, add_tracing_arguments, config_from_args, tracing_argv
 
 EXPORTER_STAGE = -1  # before stage 0 (scheduler, tokenizers, detokenizers)
 
@@ -84,7 +84,7 @@ def trace_exporter_specs(buffer: TraceBuffer, common: list[str]) -> list[ActorSp
     """The trace exporter actor when the buffer is on, else none."""
     if not buffer.on:
         return []
-    return [ActorSpec("trace_exporter", 0, "actors.trace_exporter", list(common), stage=EXPORTER_STAGE)]
+    return [ActorSpec("trace_exporter", 0, "ringserve.actors.trace_exporter", list(common), stage=EXPORTER_STAGE)]
 
 
 def read_hint(url: str, namespace: str, creds_dir: Path | None) -> str:

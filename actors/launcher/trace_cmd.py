@@ -18,16 +18,16 @@ import asyncio
 import sys
 from pathlib import Path
 
-from actors.common.runtime import add_nats_auth_arguments, credentials_from_args
-from actors.launcher.trace_buffer import jetstream_block
-from bus.connection import BusConnection
-from bus.credentials import CredentialsError
-from bus.embedded_server import EmbeddedNatsServer
-from bus.permissions import inbox_prefix
-from bus.span_stream import read_span_stream
-from bus.subjects import Subjects
-from observability.otlp_decode import SpanRecord, decode_request
-from observability.waterfall import render, select_request
+from ringserve.actors.common.runtime import add_nats_auth_arguments, credentials_from_args
+from ringserve.actors.launcher.trace_buffer import jetstream_block
+from ringserve.bus.connection import BusConnection
+from ringserve.bus.credentials import CredentialsError
+from ringserve.bus.embedded_server import EmbeddedNatsServer
+from ringserve.bus.permissions import inbox_prefix
+from ringserve.bus.span_stream import read_span_stream
+from ringserve.bus.subjects import Subjects
+from ringserve.observability.otlp_decode import SpanRecord, decode_request
+from ringserve.observability.waterfall import render, select_request
 
 RESPONSE_ID_PREFIXES = ("chatcmpl-", "cmpl-")
 

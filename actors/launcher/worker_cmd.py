@@ -2,7 +2,7 @@
 
     ringserve worker --role scheduler --nats-url nats://10.0.0.5:4222 --namespace prod
 
-The actor runs in this process, with exactly the flags `python -m actors.<role>` takes (each role's
+The actor runs in this process, with exactly the flags `python -m ringserve.actors.<role>` takes (each role's
 `build_parser`; `ringserve worker --role R --help` lists them): the bus flags every role has (`--nats-url`, a
 comma-separated list of a cluster's nodes; `--namespace`; `--nats-creds FILE`, the role's own credentials file
 as `ringserve nats-config` writes it; `--drain-timeout`), the engine and admission flags for a scheduler, the
@@ -24,8 +24,8 @@ import sys
 import textwrap
 from types import ModuleType
 
-from actors.common.model_source import DEFAULT_MODEL, resolve_model
-from bus.subjects import Subjects
+from ringserve.actors.common.model_source import DEFAULT_MODEL, resolve_model
+from ringserve.bus.subjects import Subjects
 
 ROLES = ("entry", "tokenizer", "scheduler", "detokenizer")
 MODEL_ROLES = ("tokenizer", "scheduler", "detokenizer")  # the roles whose own flags include --model
@@ -44,7 +44,7 @@ def _add_role_argument(parser: argparse.ArgumentParser) -> None:
 
 def _module(role: str) -> ModuleType:
     """The role's `python -m` module (its `build_parser` and `main(argv)`)."""
-    return importlib.import_module(f"actors.{role}.__main__")
+    return importlib.import_module(f"ringserve.actors.{role}.__main__")
 
 
 def role_argv(role: str, argv: list[str]) -> list[str]:
@@ -70,7 +70,7 @@ def role_argv(role: str, argv: list[str]) -> list[str]:
 
 def _parser(role: str) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = _module(role).build_parser(prog=f"ringserve worker --role {role}")
-    parser.description = f"{SUMMARY}: the {role}, with the flags of `python -m actors.{role}`."
+    parser.description = f"{SUMMARY}: the {role}, with the flags of `python -m ringserve.actors.{role}`."
     extra = {"entry": "--model names the model for /v1/models (default: the packaged model) unless "
                       "--served-model-name is given.",
              "scheduler": "Without --dp-replica-id it claims the lowest free replica id; an id a live replica holds "

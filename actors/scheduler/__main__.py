@@ -1,4 +1,4 @@
-"""`python -m actors.scheduler`: run the scheduler of one tensor-parallel rank.
+"""`python -m ringserve.actors.scheduler`: run the scheduler of one tensor-parallel rank.
 
 Before anything else it guards its process group (actors/scheduler/process_group.py: no compile subprocess
 outlives it), and rank 0 claims its replica id on the bus (bus/replica_claim.py): `--dp-replica-id N` or, left
@@ -24,17 +24,17 @@ import logging  # noqa: E402
 import sys  # noqa: E402
 from typing import Any, Awaitable, Callable, NoReturn  # noqa: E402
 
-from actors.common.runtime import (  # noqa: E402
+from ringserve.actors.common.runtime import (  # noqa: E402
     ActorContext, add_bus_arguments, credentials_from_args, exit_now, run_actor,
 )
-from actors.engine.config import EngineConfig  # noqa: E402
-from actors.scheduler.admission import add_admission_arguments, admission_from_args  # noqa: E402
-from actors.scheduler.process_group import guard_process_group  # noqa: E402
-from actors.scheduler.tp_follower import add_tp_arguments, check_tp_args  # noqa: E402
-from bus.permissions import inbox_prefix  # noqa: E402
-from bus.replica_claim import ClaimError, JetStreamUnavailable, ReplicaClaim, describe  # noqa: E402
-from bus.subjects import Subjects  # noqa: E402
-from observability.logging import log_event  # noqa: E402
+from ringserve.actors.engine.config import EngineConfig  # noqa: E402
+from ringserve.actors.scheduler.admission import add_admission_arguments, admission_from_args  # noqa: E402
+from ringserve.actors.scheduler.process_group import guard_process_group  # noqa: E402
+from ringserve.actors.scheduler.tp_follower import add_tp_arguments, check_tp_args  # noqa: E402
+from ringserve.bus.permissions import inbox_prefix  # noqa: E402
+from ringserve.bus.replica_claim import ClaimError, JetStreamUnavailable, ReplicaClaim, describe  # noqa: E402
+from ringserve.bus.subjects import Subjects  # noqa: E402
+from ringserve.observability.logging import log_event  # noqa: E402
 
 CLAIM_REFUSED = 2  # the exit code when the replica id is held by a live replica (or none is free)
 
@@ -82,11 +82,11 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch
 
-    from actors.engine.thread_tuner import startup_threads
+    from ringserve.actors.engine.runner.graphs.thread_tuner import startup_threads
 
     torch.set_num_threads(startup_threads(config))
-    from actors.scheduler.actor import scheduler_main
-    from actors.scheduler.tp_follower import follower_main, follower_rank, leader_main
+    from ringserve.actors.scheduler.actor import scheduler_main
+    from ringserve.actors.scheduler.tp_follower import follower_main, follower_rank, leader_main
 
     admission = admission_from_args(args)
     if args.tp == 1:

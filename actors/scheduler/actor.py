@@ -27,27 +27,27 @@ import time
 from collections import OrderedDict, defaultdict
 from typing import Any
 
-from actors.common.model_source import resolve_model
-from actors.common.runtime import HEARTBEAT_SECONDS, ActorContext
-from actors.engine.config import EngineConfig
-from actors.engine.interface import EngineInterface
-from actors.scheduler import request_spans
-from actors.scheduler.admission import Admission
-from actors.scheduler.engine_thread import on_engine_thread, serial_torch_on_this_thread
-from actors.scheduler.kv_events import KvEventPublisher
-from actors.scheduler.step_messages import StepNumbering
-from actors.scheduler.stream_interval import StreamCoalescer
-from actors.scheduler.weight_update import UPDATE_WEIGHTS, WeightLoader, WeightUpdates
-from bus.connection import Delivery
-from bus.errors import ApiError, server_error
-from bus.messages import (
+from ringserve.actors.common.model_source import resolve_model
+from ringserve.actors.common.runtime import HEARTBEAT_SECONDS, ActorContext
+from ringserve.actors.engine.config import EngineConfig
+from ringserve.actors.engine.interface import EngineInterface
+from ringserve.actors.scheduler import request_spans
+from ringserve.actors.scheduler.admission import Admission
+from ringserve.actors.scheduler.engine_thread import on_engine_thread, serial_torch_on_this_thread
+from ringserve.actors.scheduler.kv_events import KvEventPublisher
+from ringserve.actors.scheduler.step_messages import StepNumbering
+from ringserve.actors.scheduler.stream_interval import StreamCoalescer
+from ringserve.actors.scheduler.weight_update import UPDATE_WEIGHTS, WeightLoader, WeightUpdates
+from ringserve.bus.connection import Delivery
+from ringserve.bus.errors import ApiError, server_error
+from ringserve.bus.messages import (
     AbortRequest, Accepted, ControlCommand, ControlReply, FinishReason, InfoQuery, RequestOutput,
     ReplicaLoad, SchedulerInfo, TokenizedRequest, TokenRow,
 )
-from bus.ring_client import OPERATOR_ABORT
-from bus.subjects import SCHEDULER_QUEUE, InvalidRidError, validate_ring_rid
-from observability import tracing
-from observability.logging import log_event
+from ringserve.bus.ring_client import OPERATOR_ABORT
+from ringserve.bus.subjects import SCHEDULER_QUEUE, InvalidRidError, validate_ring_rid
+from ringserve.observability import tracing
+from ringserve.observability.logging import log_event
 
 log = logging.getLogger("scheduler")
 ABORT_MEMORY_SECONDS = 60.0
@@ -359,8 +359,8 @@ async def scheduler_main(ctx: ActorContext, model: str, config: EngineConfig,
                          admission: Admission | None = None, engine: EngineInterface | None = None) -> dict[str, Any]:
     """Entry point for the runtime: load the model, subscribe, start the loop. `engine`: one the caller built
     instead (rank 0 of a tensor-parallel replica, actors/scheduler/tp_follower.py)."""
-    from actors.engine.engine import DTYPES, Engine
-    from actors.engine.weights import load_checkpoint
+    from ringserve.actors.engine.scheduling.engine import DTYPES, Engine
+    from ringserve.actors.engine.models.weights import load_checkpoint
 
     def load_weights(path: str) -> Any:
         return load_checkpoint(path, DTYPES[config.resolved_dtype()])

@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 from collections import Counter
 
-from bus.errors import ApiError
-from bus.subjects import SCOPE_SEPARATOR
+from ringserve.bus.errors import ApiError
+from ringserve.bus.subjects import SCOPE_SEPARATOR
 
 DEFAULT_MAX_LIVE_REQUESTS = 1024  # the entry's default --max-queued-requests
 DEFAULT_MAX_CLIENT_REQUESTS = 256

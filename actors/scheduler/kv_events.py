@@ -15,11 +15,11 @@ import logging
 import uuid
 from collections import OrderedDict
 
-from bus.connection import BusConnection, Delivery
-from bus.kv_blocks import HASH_BYTES
-from bus.messages import InfoQuery, KvEvents, KvSnapshot
-from bus.subjects import Subjects
-from observability.logging import log_event
+from ringserve.bus.connection import BusConnection, Delivery
+from ringserve.bus.kv_blocks import HASH_BYTES
+from ringserve.bus.messages import InfoQuery, KvEvents, KvSnapshot
+from ringserve.bus.subjects import Subjects
+from ringserve.observability.logging import log_event
 
 log = logging.getLogger("scheduler")
 HASH_WIRE_BYTES = HASH_BYTES + 2  # msgpack bin 8: a type byte and a length byte

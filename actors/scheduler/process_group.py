@@ -1,7 +1,7 @@
 """Nothing the scheduler starts outlives it: its compile subprocesses end with it, however it ends.
 
 The scheduler starts subprocesses while it runs: Inductor's `g++` (and the `cc1plus`, `as` and `ld` that `g++`
-runs) for each decode graph it compiles (actors/engine/graph_compiler.py), and `ninja` with its compilers when
+runs) for each decode graph it compiles (actors/engine/runner/graphs/graph_compiler.py), and `ninja` with its compilers when
 the CPU kernels are JIT-built (kernels/cpu/__init__.py). A scheduler stopped mid-compile left them running,
 parented to pid 1. `PR_SET_PDEATHSIG` cannot fix that: it reaches only a direct child (not `cc1plus`, nor the
 compilers `ninja` runs), and Inductor spawns them itself.

@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from actors.engine.interface import StepPlan
-from bus.messages import TokenizedRequest, TokenRow
-from observability import tracing
+from ringserve.actors.engine.interface import StepPlan
+from ringserve.bus.messages import TokenizedRequest, TokenRow
+from ringserve.observability import tracing
 
 
 @dataclass

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import uuid
 
-from bus.connection import BusConnection, PayloadTooLarge
-from bus.messages import BatchTokenOutput, TokenRow
+from ringserve.bus.connection import BusConnection, PayloadTooLarge
+from ringserve.bus.messages import BatchTokenOutput, TokenRow
 
 
 class StepNumbering:

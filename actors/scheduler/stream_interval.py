@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from bus.messages import TokenRow
+from ringserve.bus.messages import TokenRow
 
 WHOLE_OUTPUT_INTERVAL = 64  # tokens per published row of a request whose sender reads only the whole output
 

@@ -15,11 +15,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from actors.engine.interface import EngineInterface
-from actors.scheduler.engine_thread import on_engine_thread, on_passing_thread
-from bus.errors import ApiError, server_error
-from bus.messages import ControlCommand, ControlReply, TokenizedRequest, TokenRow
-from observability.logging import log_event
+from ringserve.actors.engine.interface import EngineInterface
+from ringserve.actors.scheduler.engine_thread import on_engine_thread, on_passing_thread
+from ringserve.bus.errors import ApiError, server_error
+from ringserve.bus.messages import ControlCommand, ControlReply, TokenizedRequest, TokenRow
+from ringserve.observability.logging import log_event
 
 UPDATE_WEIGHTS = "update_weights_from_disk"
 UPDATE_MODES = ("wait", "pause", "abort")

@@ -1,11 +1,11 @@
-"""`python -m actors.tokenizer`: run one tokenizer worker."""
+"""`python -m ringserve.actors.tokenizer`: run one tokenizer worker."""
 
 from __future__ import annotations
 
 import argparse
 
-from actors.common.runtime import add_bus_arguments, run_actor
-from actors.common.torch_threads import limit_torch_threads
+from ringserve.actors.common.runtime import add_bus_arguments, run_actor
+from ringserve.actors.common.torch_threads import limit_torch_threads
 
 
 def build_parser(prog: str = "ringserve-tokenizer") -> argparse.ArgumentParser:
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.detokenizer_shards < 1:
         parser.error("--detokenizer-shards must be >= 1")
     limit_torch_threads()
-    from actors.tokenizer.actor import tokenizer_main
+    from ringserve.actors.tokenizer.actor import tokenizer_main
 
     run_actor("tokenizer", args, lambda ctx: tokenizer_main(ctx, args.model, args.detokenizer_shards))
 

@@ -18,26 +18,26 @@ import logging
 import time
 from typing import Any
 
-from actors.common.model_source import UnservableModel, resolve_model
-from actors.common.text_tokenizer import load_text_model
-from actors.common.runtime import ActorContext, exit_now
-from actors.detokenizer.placement import DetokenizerPlacement
-from actors.tokenizer.prompt import PromptEncoder
-from actors.tokenizer.router import Router
-from actors.tokenizer.grammar_check import GrammarChecker
-from actors.tokenizer.validation import validate_sampling
-from bus.params import SPECS
-from bus.codec import DecodeError, encode, peek_field
-from bus.connection import Delivery
-from bus.errors import ApiError, server_error
-from bus.messages import (
+from ringserve.actors.common.model_source import UnservableModel, resolve_model
+from ringserve.actors.common.text_tokenizer import load_text_model
+from ringserve.actors.common.runtime import ActorContext, exit_now
+from ringserve.actors.detokenizer.placement import DetokenizerPlacement
+from ringserve.actors.tokenizer.prompt import PromptEncoder
+from ringserve.actors.tokenizer.router import Router
+from ringserve.actors.tokenizer.grammar_check import GrammarChecker
+from ringserve.actors.tokenizer.validation import validate_sampling
+from ringserve.bus.params import SPECS
+from ringserve.bus.codec import DecodeError, encode, peek_field
+from ringserve.bus.connection import Delivery
+from ringserve.bus.errors import ApiError, server_error
+from ringserve.bus.messages import (
     Accepted, GenerateRequest, Heartbeat, InfoQuery, KvEvents, KvSnapshot, RequestOutput, TokenizedRequest,
 )
-from bus.permissions import reply_inbox
-from bus.subjects import TOKENIZER_QUEUE, InvalidRidError, scoped_rid, validate_rid
-from bus.tokenize_messages import TokenizeQuery, TokenizeReply
-from observability import tracing
-from observability.logging import log_event
+from ringserve.bus.permissions import reply_inbox
+from ringserve.bus.subjects import TOKENIZER_QUEUE, InvalidRidError, scoped_rid, validate_rid
+from ringserve.bus.tokenize_messages import TokenizeQuery, TokenizeReply
+from ringserve.observability import tracing
+from ringserve.observability.logging import log_event
 
 log = logging.getLogger("tokenizer")
 SCHEDULER_ACCEPT_TIMEOUT = 10.0

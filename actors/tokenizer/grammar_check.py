@@ -1,6 +1,6 @@
 """The tokenizer's check of a request's output constraint (JSON schema, regex, EBNF) before admission.
 
-The constraint is parsed by the same grammar backend the engine compiles it with (`kernels.grammar`), so an
+The constraint is parsed by the same grammar backend the engine compiles it with (`ringserve.kernels.grammar`), so an
 invalid one is a 400 naming its parameter and never reaches the scheduler. Parsing is cached per constraint
 and runs off the event loop, in the backend's compile worker process (bounded in memory and time, and what
 xgrammar prints about a client's grammar never reaches this actor's log raw); the backend is loaded, also off
@@ -13,8 +13,8 @@ import asyncio
 import threading
 from typing import Any
 
-from bus.errors import ApiError
-from bus.params import SamplingParams
+from ringserve.bus.errors import ApiError
+from ringserve.bus.params import SamplingParams
 
 
 class GrammarChecker:
@@ -32,7 +32,7 @@ class GrammarChecker:
         grammar = params.grammar
         if grammar is None:
             return
-        from kernels.grammar import GrammarError, GrammarSpec
+        from ringserve.kernels.grammar import GrammarError, GrammarSpec
 
         kind, source = grammar
         try:
@@ -48,8 +48,8 @@ class GrammarChecker:
 
     def _make_once(self) -> Any:
         if self._compiler is None:
-            from actors.common.text_tokenizer import transformers_tokenizer
-            from kernels.grammar import make_compiler
+            from ringserve.actors.common.text_tokenizer import transformers_tokenizer
+            from ringserve.kernels.grammar import make_compiler
 
             self._compiler = make_compiler(transformers_tokenizer(self._tokenizer), self._vocab_size, compile_threads=1)
         return self._compiler

@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from bus.errors import ApiError
-from bus.messages import ChatMessage, GenerateRequest
+from ringserve.bus.errors import ApiError
+from ringserve.bus.messages import ChatMessage, GenerateRequest
 
 CHAT_ROLES = {"system", "user", "assistant", "tool", "developer"}
 DEFAULT_TOOL_PROMPT = """# Tools

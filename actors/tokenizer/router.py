@@ -19,10 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from actors.tokenizer.kv_index import ReplicaIndex
-from bus.kv_blocks import BLOCK, block_hashes
-from bus.messages import MISSED_BEATS, KvEvents, KvSnapshot, ReplicaLoad
-from bus.subjects import rendezvous
+from ringserve.actors.tokenizer.kv_index import ReplicaIndex
+from ringserve.bus.kv_blocks import BLOCK, block_hashes
+from ringserve.bus.messages import MISSED_BEATS, KvEvents, KvSnapshot, ReplicaLoad
+from ringserve.bus.subjects import rendezvous
 
 __all__ = ["BALANCE_ABS", "BALANCE_REL", "BLOCK", "MISSED_BEATS", "Router", "block_hashes"]
 

@@ -1,6 +1,6 @@
 """Validation of a request's raw sampling parameters into a `SamplingParams` the scheduler can trust.
 
-Each value is checked against its declaration in `bus.params` (`Spec.check`: type, range, shape); only the
+Each value is checked against its declaration in `ringserve.bus.params` (`Spec.check`: type, range, shape); only the
 rules that relate parameters to each other or to the model (context length, vocabulary, EOS ids) are written
 out here. Every failure is an `ApiError` naming the parameter.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from bus.errors import ApiError, quote
-from bus.params import GRAMMAR_PARAMS, SPECS, SamplingParams, default_of
+from ringserve.bus.errors import ApiError, quote
+from ringserve.bus.params import GRAMMAR_PARAMS, SPECS, SamplingParams, default_of
 
 
 def validate_sampling(

@@ -1,12 +1,12 @@
-"""`python -m actors.trace_exporter`: run the trace exporter (started by the launcher with `--trace-buffer
+"""`python -m ringserve.actors.trace_exporter`: run the trace exporter (started by the launcher with `--trace-buffer
 jetstream`); it forwards to the collector that `--otlp-endpoint` / `OTEL_EXPORTER_OTLP_*` name."""
 
 from __future__ import annotations
 
 import argparse
 
-from actors.common.runtime import add_bus_arguments, run_actor
-from bus.span_stream import DEFAULT_MAX_AGE_S, DEFAULT_MAX_BYTES
+from ringserve.actors.common.runtime import add_bus_arguments, run_actor
+from ringserve.bus.span_stream import DEFAULT_MAX_AGE_S, DEFAULT_MAX_BYTES
 
 
 def main() -> None:
@@ -20,7 +20,7 @@ def main() -> None:
     parser.add_argument("--max-backoff", type=float, default=5.0,
                         help="longest wait in seconds between tries while the collector is unreachable")
     args = parser.parse_args()
-    from actors.trace_exporter.actor import trace_exporter_main
+    from ringserve.actors.trace_exporter.actor import trace_exporter_main
 
     run_actor("trace_exporter", args, lambda ctx: trace_exporter_main(ctx, args))
 

@@ -16,11 +16,11 @@ import asyncio
 import logging
 from typing import Any
 
-from actors.common.runtime import ActorContext
-from bus.span_stream import ensure_span_stream, forward_subscription
-from observability.logging import log_event
-from observability.otlp_forward import OtlpForwarder
-from observability.tracing_config import TracingConfig, config_from_args
+from ringserve.actors.common.runtime import ActorContext
+from ringserve.bus.span_stream import ensure_span_stream, forward_subscription
+from ringserve.observability.logging import log_event
+from ringserve.observability.otlp_forward import OtlpForwarder
+from ringserve.observability.tracing_config import TracingConfig, config_from_args
 
 log = logging.getLogger("trace_exporter")
 BATCH = 256

@@ -15,16 +15,16 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from kernels.attention.backend import AttentionBackend, AttentionMetadata, ForwardInfo
-    from kernels.attention.torch_paged import TorchPagedBackend
+    from ringserve.kernels.attention.backend import AttentionBackend, AttentionMetadata, ForwardInfo
+    from ringserve.kernels.attention.torch_paged import TorchPagedBackend
 
-_EXPORTED = {"AttentionBackend": "kernels.attention.backend", "AttentionMetadata": "kernels.attention.backend",
-             "ForwardInfo": "kernels.attention.backend", "TorchPagedBackend": "kernels.attention.torch_paged"}
+_EXPORTED = {"AttentionBackend": "ringserve.kernels.attention.backend", "AttentionMetadata": "ringserve.kernels.attention.backend",
+             "ForwardInfo": "ringserve.kernels.attention.backend", "TorchPagedBackend": "ringserve.kernels.attention.torch_paged"}
 
 # name -> (module, class), imported on first use; `requires` names the package that must be importable
 _LAZY: dict[str, tuple[str, str, str]] = {
-    "triton": ("kernels.attention.triton_backend", "TritonBackend", "triton"),
-    "flashinfer": ("kernels.attention.flashinfer_backend", "FlashInferBackend", "flashinfer"),
+    "triton": ("ringserve.kernels.attention.triton_backend", "TritonBackend", "triton"),
+    "flashinfer": ("ringserve.kernels.attention.flashinfer_backend", "FlashInferBackend", "flashinfer"),
 }
 
 
@@ -48,7 +48,7 @@ def backend_names() -> tuple[str, ...]:
 def backend_class(name: str) -> type[AttentionBackend]:
     """The class registered as `name`; ValueError names the choices otherwise."""
     if name == "torch":
-        from kernels.attention.torch_paged import TorchPagedBackend
+        from ringserve.kernels.attention.torch_paged import TorchPagedBackend
 
         return TorchPagedBackend
     if name not in backend_names():

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention import kv_store  # noqa: F401  (registers torch.ops.ringserve.store_kv)
+from ringserve.kernels.attention import kv_store  # noqa: F401  (registers torch.ops.ringserve.store_kv)
 
 
 @dataclass

@@ -23,10 +23,10 @@ from typing import Any
 import flashinfer
 import torch
 
-from kernels.attention.backend import AttentionBackend, AttentionMetadata, ForwardInfo
-from kernels.attention.plan_guard import ReplanGuard
-from kernels.host_copy import host_to_device, to_device
-from kernels.triton.kv_indices import build_kv_indices
+from ringserve.kernels.attention.backend import AttentionBackend, AttentionMetadata, ForwardInfo
+from ringserve.kernels.attention.plan_guard import ReplanGuard
+from ringserve.kernels.host_copy import host_to_device, to_device
+from ringserve.kernels.triton.kv_indices import build_kv_indices
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace (split-KV partial results)
 # FlashAttention-2 kernels for every wrapper: "auto" may pick FA3 prefill on Hopper, a second, much longer JIT

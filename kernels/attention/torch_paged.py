@@ -15,7 +15,7 @@ take the gather path.
 
 Graph decode (`init_graph_buffers` and the two prepare hooks) uses static shapes. Where the CPU kernel runs,
 the static buffers are the rows, KV lengths and output slots the kernel reads, so a compiled CPU decode graph
-(actors/engine/decode_graph.py) reads the pool in place too. Elsewhere every row gathers the full width of
+(actors/engine/runner/graphs/decode_graph.py) reads the pool in place too. Elsewhere every row gathers the full width of
 the token table and masks keys past its length: slow for long contexts, it exists so the graph runner's logic
 can be checked against the eager path on any device.
 """
@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels.attention.backend import AttentionBackend, AttentionMetadata, ForwardInfo
-from kernels.host_copy import host_to_device, to_device
+from ringserve.kernels.attention.backend import AttentionBackend, AttentionMetadata, ForwardInfo
+from ringserve.kernels.host_copy import host_to_device, to_device
 
 
 @dataclass
@@ -183,7 +183,7 @@ class TorchPagedBackend(AttentionBackend):
         k_layer, v_layer = self.k_pool[layer], self.v_pool[layer]
         d = meta.decode
         if d is not None:
-            from kernels.cpu import paged_decode_attention
+            from ringserve.kernels.cpu import paged_decode_attention
 
             out.index_copy_(0, d.tokens, paged_decode_attention(q[d.tokens], k_layer, v_layer, d.table, d.rows,
                                                                 d.kv_lens, self.scale))
@@ -219,6 +219,6 @@ def _in_place_decode(k_pool: torch.Tensor) -> bool:
     """Whether decode rows run the CPU paged kernel: a float32 pool on the CPU, and the C++ kernels built."""
     if k_pool.device.type != "cpu" or k_pool.dtype != torch.float32:
         return False
-    from kernels import cpu as cpu_kernels
+    from ringserve.kernels import cpu as cpu_kernels
 
     return cpu_kernels.compiled()

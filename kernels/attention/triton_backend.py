@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.attention.backend import AttentionBackend, AttentionMetadata, ForwardInfo
-from kernels.host_copy import to_device
-from kernels.triton import interpreter_enabled
-from kernels.triton.decode_attention import decode_attention, decode_buffers
-from kernels.triton.extend_attention import extend_attention
-from kernels.triton.store_kv import store_kv
+from ringserve.kernels.attention.backend import AttentionBackend, AttentionMetadata, ForwardInfo
+from ringserve.kernels.host_copy import to_device
+from ringserve.kernels.triton import interpreter_enabled
+from ringserve.kernels.triton.decode_attention import decode_attention, decode_buffers
+from ringserve.kernels.triton.extend_attention import extend_attention
+from ringserve.kernels.triton.store_kv import store_kv
 
 
 @dataclass

@@ -6,7 +6,7 @@ the CPU kernel of the KV write `ringserve::store_kv` (`kv_store.cpp`; schema and
 kernels/attention/kv_store.py, which runs where the library is not loaded).
 
 `torch.ops.ringserve_cpu.group_linear(x, qweight, scales, mins, bias, out_features, bits)` computes
-`x @ W^T + bias` for a weight packed by `kernels.cpu.packing` (q8_0, q4_0 or q4_1), quantizing the rows of x
+`x @ W^T + bias` for a weight packed by `ringserve.kernels.cpu.packing` (q8_0, q4_0 or q4_1), quantizing the rows of x
 to int8 per block of 32 on each call. The ops' schemas and fake (meta) implementations are defined here, so
 they trace into a `torch.compile` graph. Their CPU implementation is the C++ library, found in this order:
 1. built at `pip install` (setup.py) as `_ringserve_cpu.so` beside this file; it loads only when its record
@@ -39,15 +39,15 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu.attention import reference_paged_decode_attention
-from kernels.cpu.build_record import CFLAGS, LDFLAGS, SOURCES, sources_digest
-from kernels.cpu.decode_layer import reference_decode_layer
-from kernels.cpu.packing import PackedWeight, pack, reference_group_linear
+from ringserve.kernels.cpu.attention import reference_paged_decode_attention
+from ringserve.kernels.cpu.build_record import CFLAGS, LDFLAGS, SOURCES, sources_digest
+from ringserve.kernels.cpu.decode_layer import reference_decode_layer
+from ringserve.kernels.cpu.packing import PackedWeight, pack, reference_group_linear
 
 __all__ = ["PackedWeight", "pack", "group_linear", "compiled", "isa", "best_isa", "set_isa", "cache_dir", "linear",
            "paged_decode_attention", "f32_linear"]
 
-log = logging.getLogger("kernels.cpu")
+log = logging.getLogger("ringserve.kernels.cpu")
 OP = "ringserve_cpu::group_linear"
 _SOURCE = Path(__file__).with_name("qgemm.cpp")  # the linears' kernels (their measured plans hash it)
 ATTENTION_OP = "ringserve_cpu::paged_decode_attention"

@@ -3,7 +3,7 @@ model's entry point.
 
 `torch.ops.ringserve_cpu.decode_layer(x, cos, sin, norm1, norm2, eps, qweights, scales, mins, biases, bits,
 out_features, k_pool, v_pool, layer, out_slots, table, rows, kv_lens, num_heads, scale)` runs a Llama layer
-(actors/engine/llama.py's `DecoderLayer`) for `M` rows, each one request's single new token: `x` `[M, C]`,
+(actors/engine/models/llama.py's `DecoderLayer`) for `M` rows, each one request's single new token: `x` `[M, C]`,
 cos/sin `[M, D]` of the rows' positions, the two RMSNorm weights, the four linears (qkv, o, gate_up, down) as
 packed group-of-32 weights (kernels/cpu/packing.py), and the paged attention inputs of
 kernels/cpu/attention.py. It writes each row's K/V at `out_slots` of `layer` and returns the layer's output.
@@ -22,8 +22,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu.attention import reference_paged_decode_attention
-from kernels.cpu.packing import reference_group_linear
+from ringserve.kernels.cpu.attention import reference_paged_decode_attention
+from ringserve.kernels.cpu.packing import reference_group_linear
 
 
 def reference_decode_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm1: torch.Tensor,

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
-from kernels.cpu import compiled
+from ringserve.kernels.cpu import compiled
 
 SLICE_US = 1000  # how long the compile thread may run Python during a step before it gives way again
 WAIT_US = 8000  # how long it waits for the step to end each time it gives way

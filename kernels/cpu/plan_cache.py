@@ -1,6 +1,6 @@
 """Timing candidate kernels side by side, and a disk cache of what was measured, keyed by the host.
 
-A kernel plan (which kernel each linear shape runs at each row count, `kernels.quantization`) depends on the
+A kernel plan (which kernel each linear shape runs at each row count, `ringserve.kernels.quantization`) depends on the
 CPU (model and ISA flags), on torch (its float32 GEMM and `torch._int_mm`), on our kernels' source and on the
 thread count, so the cache key holds all of them; a change of any re-measures. Plans live as JSON under
 `$RINGSERVE_CACHE/kernel_plans` (default `~/.cache/ringserve/kernel_plans`); delete a file to re-measure.
@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import torch
 
-from kernels.cpu import _SOURCE, cache_dir, isa
+from ringserve.kernels.cpu import _SOURCE, cache_dir, isa
 
 PLAN_VERSION = 1  # bump when the plan's meaning or format changes
 BUSY_LOAD = 0.75  # load average (1 min) per core above which the host counts as busy

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import torch
 
-from kernels.grammar.torch_bitmask import allocate_bitmask, apply_bitmask, bitmask_width, unpack_bitmask
+from ringserve.kernels.grammar.torch_bitmask import allocate_bitmask, apply_bitmask, bitmask_width, unpack_bitmask
 
 GrammarKind = Literal["json_object", "json_schema", "regex", "ebnf"]
 KINDS: tuple[str, ...] = ("json_object", "json_schema", "regex", "ebnf")
@@ -282,6 +282,6 @@ def make_compiler(tokenizer: Any, vocab_size: int | None = None, *, backend: str
     """
     if backend != "xgrammar":
         raise ValueError(f"unknown grammar backend {backend!r}; available: xgrammar")
-    from kernels.grammar.xgrammar_backend import XGrammarCompiler
+    from ringserve.kernels.grammar.xgrammar_backend import XGrammarCompiler
 
     return XGrammarCompiler(tokenizer, vocab_size, **options)

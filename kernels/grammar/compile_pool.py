@@ -1,4 +1,4 @@
-"""The parent's side of the grammar compile workers (`kernels.grammar.compile_worker`): up to `size` child
+"""The parent's side of the grammar compile workers (`ringserve.kernels.grammar.compile_worker`): up to `size` child
 processes, each capped in memory, each request bounded in wall time.
 
 A worker is started lazily (and the first one eagerly by the compiler) and kept for the next request. A request
@@ -16,11 +16,9 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 START_TIMEOUT = 120.0  # importing torch and xgrammar on a loaded host
-ROOT = str(Path(__file__).resolve().parents[2])  # where `kernels` is importable from
 
 
 class WorkerFailure(Exception):
@@ -36,11 +34,10 @@ class CompileWorker:
     """One child process and its pipes; one request at a time."""
 
     def __init__(self, setup_line: bytes, on_stderr: Callable[[str], None]) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+        env = dict(os.environ, OMP_NUM_THREADS="1")
         self._on_stderr = on_stderr
         self._buffer = b""
-        self.proc = subprocess.Popen([sys.executable, "-m", "kernels.grammar.compile_worker"], env=env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "ringserve.kernels.grammar.compile_worker"], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         try:
             self.limit_bytes = int(self._exchange(setup_line, START_TIMEOUT).get("limit_bytes", 0))

@@ -1,6 +1,6 @@
 """The grammar compile worker: a child process that parses and compiles client grammars with xgrammar under a
 hard memory cap, so that no grammar can take the process that serves with it (`python -m
-kernels.grammar.compile_worker`, started and spoken to by `kernels.grammar.compile_pool`).
+kernels.grammar.compile_worker`, started and spoken to by `ringserve.kernels.grammar.compile_pool`).
 
 Protocol: one JSON object per line. The parent's first line is the setup (`tokenizer_info`: xgrammar's
 `TokenizerInfo.serialize_json()`, `memory_bytes`, `max_threads`, `any_whitespace`); once xgrammar is loaded the
@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Any, BinaryIO, TextIO
 
-from kernels.grammar.ebnf_productive import unproductive_rule
+from ringserve.kernels.grammar.ebnf_productive import unproductive_rule
 
 MAX_STDERR_CHARS = 2000
 

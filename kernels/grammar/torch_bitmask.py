@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.host_copy import host_to_device, to_device
+from ringserve.kernels.host_copy import host_to_device, to_device
 
 BITMASK_DTYPE = torch.int32
 ALL_ALLOWED = -1  # an int32 word with all 32 bits set

@@ -34,12 +34,12 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
-from kernels.grammar import CompiledGrammar, GrammarCompiler, GrammarError, GrammarMatcher, GrammarSpec
-from kernels.grammar.compile_pool import WorkerFailure, WorkerPool
-from kernels.grammar.schema_recursion import infinite_subschema
-from kernels.grammar.torch_bitmask import set_allowed
+from ringserve.kernels.grammar import CompiledGrammar, GrammarCompiler, GrammarError, GrammarMatcher, GrammarSpec
+from ringserve.kernels.grammar.compile_pool import WorkerFailure, WorkerPool
+from ringserve.kernels.grammar.schema_recursion import infinite_subschema
+from ringserve.kernels.grammar.torch_bitmask import set_allowed
 
-log = logging.getLogger("kernels.grammar")
+log = logging.getLogger("ringserve.kernels.grammar")
 DEFAULT_MEMORY_BYTES = 1 << 30  # a worker's room beyond what it holds once loaded
 DEFAULT_TIME_LIMIT = 30.0
 QUOTE_CHARS = 200

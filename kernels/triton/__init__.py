@@ -5,7 +5,7 @@ reference backend does. On a machine without a GPU the kernels run under Triton'
 `TRITON_INTERPRET=1` is set before `triton` is first imported (the tests do this); otherwise they need CUDA
 tensors.
 
-This `__init__` imports no `triton` (the kernel modules do); `kernels.attention` registers the `triton`
+This `__init__` imports no `triton` (the kernel modules do); `ringserve.kernels.attention` registers the `triton`
 backend only when the package is installed (it is in the `test` and `gpu` extras, not the base dependencies).
 Kernels are decorated when their module is first imported, so `TRITON_INTERPRET` must be set before that.
 """

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton import dot_precision, next_power_of_2
+from ringserve.kernels.triton import dot_precision, next_power_of_2
 
 DEFAULT_NUM_SPLITS = 8  # KV parts per request; stage 2 merges them
 BLOCK_N = 32  # keys per inner step

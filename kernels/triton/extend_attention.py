@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton import dot_precision, next_power_of_2
+from ringserve.kernels.triton import dot_precision, next_power_of_2
 
 BLOCK_M = 32  # queries per program
 BLOCK_N = 32  # keys per inner step

@@ -1,4 +1,4 @@
-"""RMSNorm in Triton, with the rounding of the reference (`actors/engine/llama.py`, as in Hugging Face):
+"""RMSNorm in Triton, with the rounding of the reference (`actors/engine/models/llama.py`, as in Hugging Face):
 normalise in float32, round to the input dtype, then multiply by the weight in that dtype.
 
 Grid `(N,)`: one program per row of `x` `[N, C]`.
@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton import next_power_of_2
+from ringserve.kernels.triton import next_power_of_2
 
 
 @triton.jit

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton import next_power_of_2
+from ringserve.kernels.triton import next_power_of_2
 
 
 @triton.jit

@@ -87,11 +87,11 @@ def test_schemathesis_finds_no_server_error(sweep_server: ServerHandle, tmp_path
 
 
 def test_the_openapi_document_describes_every_route() -> None:
-    from actors.entry.app import build_app
-    from actors.entry.openapi_doc import openapi_document
-    from actors.entry.request_flow import EntryService
-    from bus.ring_client import RingClient
-    from bus.subjects import Subjects
+    from ringserve.actors.entry.app import build_app
+    from ringserve.actors.entry.openapi_doc import openapi_document
+    from ringserve.actors.entry.request_flow import EntryService
+    from ringserve.bus.ring_client import RingClient
+    from ringserve.bus.subjects import Subjects
 
     service = EntryService(RingClient(None, Subjects()), "m")  # type: ignore[arg-type]  # no bus needed
     routes = {route.path for route in build_app(service).routes}  # type: ignore[attr-defined]

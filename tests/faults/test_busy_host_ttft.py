@@ -5,7 +5,7 @@ within a few steps, while two CPU hog processes compete for the cores.
 Nothing is timed against a constant: the test measures one chunk's duration from the long prompt's progress
 (`kv_running_tokens` over time, alone in the engine) and asserts the short prompt's time to first token is a
 small multiple of it, and that it took a bounded number of engine steps (`step` of /get_server_info). The
-bound (actors/engine/prefill.py): k + 1 steps with k prompts ahead, here 2; the slack covers the step in
+bound (actors/engine/scheduling/prefill.py): k + 1 steps with k prompts ahead, here 2; the slack covers the step in
 flight when it arrives and the ring's hops. The long and medium prompts are aborted (/abort_request) once measured.
 """
 

@@ -17,15 +17,15 @@ from typing import Any
 import httpx
 import pytest
 
-from actors.scheduler.actor import SchedulerActor
-from actors.scheduler.admission import Admission, client_of_rid
-from bus.codec import decode, encode
-from bus.errors import ApiError
-from bus.messages import (
+from ringserve.actors.scheduler.actor import SchedulerActor
+from ringserve.actors.scheduler.admission import Admission, client_of_rid
+from ringserve.bus.codec import decode, encode
+from ringserve.bus.errors import ApiError
+from ringserve.bus.messages import (
     AbortRequest, FinishReason, GenerateRequest, RequestOutput, SchedulerInfo, TokenizedRequest, TokenRow,
 )
-from bus.params import SamplingParams
-from bus.subjects import Subjects
+from ringserve.bus.params import SamplingParams
+from ringserve.bus.subjects import Subjects
 from tests.faults.nats_auth_helpers import Probe
 from tests.server_helpers import ServerHandle, server_info, wait_until_idle
 from tests.shared_rings import CLIENT_CAP, TOTAL_CAP, logged

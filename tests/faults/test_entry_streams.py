@@ -15,10 +15,10 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from bus.connection import BusConnection
-from bus.embedded_server import EmbeddedNatsServer
-from bus.messages import RequestOutput
-from bus.subjects import Subjects
+from ringserve.bus.connection import BusConnection
+from ringserve.bus.embedded_server import EmbeddedNatsServer
+from ringserve.bus.messages import RequestOutput
+from ringserve.bus.subjects import Subjects
 from tests.server_helpers import ServerHandle, server_info, sse_events, start_server
 
 STALL_SECONDS = 3.0

@@ -8,8 +8,8 @@ import asyncio
 import httpx
 import nats
 
-from bus.codec import decode, encode
-from bus.messages import BatchTokenOutput, DecodeParams, FinishReason, RequestOutput, TokenRow
+from ringserve.bus.codec import decode, encode
+from ringserve.bus.messages import BatchTokenOutput, DecodeParams, FinishReason, RequestOutput, TokenRow
 from tests.server_helpers import ServerHandle
 
 
@@ -71,8 +71,8 @@ def test_missing_first_row_and_gaps_end_the_request_with_an_error(smollm_server:
 def test_a_request_whose_last_rows_never_come_is_forgotten_after_its_abort(smollm_server: ServerHandle) -> None:
     """Its final rows lost (a hung node), the requester gives up and aborts: the detokenizer frees its state
     within its abort grace, though no row ends it."""
-    from actors.detokenizer.actor import ABORT_GRACE_SECONDS
-    from bus.messages import AbortRequest
+    from ringserve.actors.detokenizer.actor import ABORT_GRACE_SECONDS
+    from ringserve.bus.messages import AbortRequest
 
     ns = smollm_server.namespace
 

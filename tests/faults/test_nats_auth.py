@@ -17,13 +17,13 @@ import httpx
 import nats
 import pytest
 
-from actors.launcher.nats_auth import DeploymentAuth, generate_auth
-from bus.codec import decode, encode
-from bus.connection import BusConnection
-from bus.credentials import PASSWORD_ENV, CredentialsError, credentials_from_options
-from bus.embedded_server import EmbeddedNatsServer
-from bus.messages import AbortRequest, Accepted, GenerateRequest, RequestOutput, TokenizedRequest
-from bus.permissions import inbox_prefix
+from ringserve.actors.launcher.nats_auth import DeploymentAuth, generate_auth
+from ringserve.bus.codec import decode, encode
+from ringserve.bus.connection import BusConnection
+from ringserve.bus.credentials import PASSWORD_ENV, CredentialsError, credentials_from_options
+from ringserve.bus.embedded_server import EmbeddedNatsServer
+from ringserve.bus.messages import AbortRequest, Accepted, GenerateRequest, RequestOutput, TokenizedRequest
+from ringserve.bus.permissions import inbox_prefix
 from tests.faults.nats_auth_helpers import Probe, make_tls_files, next_message, tls_block
 from tests.server_helpers import REPO, ServerHandle, start_server
 from tests.shared_rings import CLIENTS, logged
@@ -304,7 +304,7 @@ def test_the_ring_serves_on_an_external_nats_with_per_role_users_and_mutual_tls(
                                                                                 tmp_path: Path) -> None:
     tls = make_tls_files(tmp_path)
     creds_dir = tmp_path / "nats-users"
-    made = subprocess.run([sys.executable, "-m", "actors.launcher.cli", "nats-config", "--out", str(creds_dir),
+    made = subprocess.run([sys.executable, "-m", "ringserve.actors.launcher.cli", "nats-config", "--out", str(creds_dir),
                            "--namespace", NS, "--client", "alice", "--client", "bob"],
                           cwd=REPO, capture_output=True, text=True, timeout=60)
     assert made.returncode == 0, made.stderr

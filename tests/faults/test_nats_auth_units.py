@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from actors.launcher.nats_auth import plan_nats
-from bus.permissions import ROLES, client_permissions, role_permissions
-from bus.subjects import InvalidRidError, Subjects, scoped_rid, validate_rid, validate_ring_rid
+from ringserve.actors.launcher.nats_auth import plan_nats
+from ringserve.bus.permissions import ROLES, client_permissions, role_permissions
+from ringserve.bus.subjects import InvalidRidError, Subjects, scoped_rid, validate_rid, validate_ring_rid
 
 NS = "auth"
 

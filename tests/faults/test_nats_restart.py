@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from bus.embedded_server import EmbeddedNatsServer
+from ringserve.bus.embedded_server import EmbeddedNatsServer
 from tests.server_helpers import start_server
 
 LONG = {"prompt": "Hello", "max_tokens": 3000, "ignore_eos": True, "stream": True, "temperature": 0}

@@ -11,7 +11,7 @@ from typing import Any
 import msgpack
 import nats
 
-from bus.params import SPECS
+from ringserve.bus.params import SPECS
 from tests.server_helpers import ServerHandle, wait_until_idle
 
 HOSTILE: list[Any] = [

@@ -9,11 +9,11 @@ import asyncio
 
 import nats
 
-from bus.codec import decode, encode
-from bus.connection import BusConnection, Delivery
-from bus.embedded_server import EmbeddedNatsServer
-from bus.messages import Accepted, GenerateRequest
-from bus.permissions import reply_inbox
+from ringserve.bus.codec import decode, encode
+from ringserve.bus.connection import BusConnection, Delivery
+from ringserve.bus.embedded_server import EmbeddedNatsServer
+from ringserve.bus.messages import Accepted, GenerateRequest
+from ringserve.bus.permissions import reply_inbox
 from tests.faults.nats_auth_helpers import next_message
 
 NS = "inj"

@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-from actors.engine.config import EngineConfig
-from actors.engine.engine import Engine
-from actors.engine.weights import model_from_hf
+from ringserve.actors.engine.config import EngineConfig
+from ringserve.actors.engine.scheduling.engine import Engine
+from ringserve.actors.engine.models.weights import model_from_hf
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 SMOLLM2_ENV = "RINGSERVE_SMOLLM2"  # a .gguf path or model name for the real SmolLM2 weights
@@ -63,7 +63,7 @@ def assert_greedy_close(hf_model: Any, prompt_ids: Sequence[int], expected: Sequ
 
 def smollm2_source() -> Any | None:
     """The real SmolLM2-135M-Instruct (`$RINGSERVE_SMOLLM2`, else the packaged GGUF), or None if absent."""
-    from actors.common.model_source import resolve_model
+    from ringserve.actors.common.model_source import resolve_model
 
     try:
         import gguf  # noqa: F401  (transformers needs it to read GGUF files)

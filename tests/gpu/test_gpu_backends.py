@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from bus.messages import TokenizedRequest
-from kernels.attention import backend_names
+from ringserve.bus.messages import TokenizedRequest
+from ringserve.kernels.attention import backend_names
 from tests.engine_helpers import greedy, load_hf_model, run_to_completion, tiny_hf_llama, tokens_of
 from tests.gpu.helpers import assert_greedy_close, gpu_engine, hf_greedy_gpu, hf_on_gpu, smollm2_source
 

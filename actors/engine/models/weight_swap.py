@@ -1,0 +1,43 @@
+"""Swapping an engine's weights for a checkpoint of the same architecture (`Engine.update_weights`).
+
+The KV of the old weights is not reused: requests holding KV (running, or part-way through a chunked
+prefill) go back to the front of the queue and recompute theirs with the new weights (their output so far is
+kept), and the prefix cache is flushed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ringserve.actors.engine.scheduling.request import PromptLogprobs
+from ringserve.actors.engine.models.weights import swap_weights
+from ringserve.observability.logging import log_event
+
+log = logging.getLogger("engine")
+
+
+def swap_engine_weights(engine: Any, checkpoint: Any, model_name: str, check_only: bool = False) -> int:
+    """`Engine.update_weights`: check `checkpoint` against the engine's model, then (unless `check_only`) swap
+    it in; the KV slots the prefix-cache flush freed."""
+    swap_weights(engine.runner.model, checkpoint, check_only=True)
+    if check_only:
+        return 0
+    if engine._inflight is not None:
+        raise RuntimeError("update_weights needs the step in flight applied first: pause, then wait until "
+                           "has_work() is false")
+    holding = [*engine.decode.running, *engine.prefill.chunking]
+    for req in reversed(holding):  # the oldest ends at the front of the queue
+        if not engine.decode.remove(req):
+            engine.prefill.remove(req)
+        engine.cache.drop_req(req)
+        if req.prompt_logprobs is not None and not req.first_row_sent:  # scored again from the start
+            req.prompt_logprobs = PromptLogprobs(req.prompt_logprobs.start)
+        engine.prefill.add(req, front=True)
+    swap_weights(engine.runner.model, checkpoint)
+    if engine.runner.graphs is not None:  # compiled CPU graphs are built again, in the background
+        engine.runner.graphs.weights_changed()
+    engine.model_name = model_name
+    if holding:
+        log_event(log, logging.INFO, "requests recompute their KV with the new weights", requests=len(holding))
+    return engine.cache.flush()

@@ -1,0 +1,217 @@
+"""Build our Llama from Hugging Face weights: from a model on disk, or from an in-memory config + state dict.
+
+A safetensors directory is read directly (its config as transformers resolves it, `resolved_config`, cached
+so that no start but the first imports transformers). A GGUF goes through transformers' `from_pretrained`,
+which de-quantizes it; that takes most of a cold start, so the result is kept as safetensors (fused
+projections, in the load dtype) in the cache, and a warm start reads it directly. Our model is built on the
+meta device and the tensors are assigned into it, so no memory is spent on a random initialization.
+
+Weights swapped without a restart (`update_weights_from_disk`): `load_checkpoint` reads a new checkpoint on
+the CPU (while the old weights keep serving), `swap_weights` checks that it has the running model's
+architecture (config and every tensor's shape; `WeightMismatch` lists what differs) and copies it into the
+running model's tensors in place, so CUDA graphs and kernels that hold them see the new values; quantized layers
+(`--quantization`) are quantized again from the new float weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from ringserve.actors.common.model_source import (
+    SUPPORTED_MODEL_TYPES, ModelSource, cache_root, converting, gguf_cache_key, publish_directory, resolve_model,
+    resolved_config,
+)
+from ringserve.actors.engine.models.llama import LlamaForCausalLM, fuse_hf_state_dict, head_dim_of, rope_theta_of
+
+WEIGHTS_FILE = "model.safetensors"
+SHARD_INDEX = "model.safetensors.index.json"
+IGNORED_TENSORS = (".rotary_emb.inv_freq",)  # kept by some older checkpoints; computed, not loaded
+
+
+def load_model(source: ModelSource, dtype: torch.dtype, device: str | torch.device) -> LlamaForCausalLM:
+    """Load `source` in `dtype` onto `device`: a safetensors directory directly, a GGUF from the weight cache
+    (converted by transformers at its first load)."""
+    cached = weight_cache_dir(source, dtype)
+    if cached is None:
+        return model_from_hf(resolved_config(source), read_safetensors(Path(source.directory), dtype), device)
+    if not (cached / WEIGHTS_FILE).is_file():
+        with converting(cached) as needed:
+            if needed:
+                from transformers import AutoModelForCausalLM
+
+                hf_model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=dtype, **source.hf_kwargs())
+                model = model_from_hf(hf_model.config, hf_model.state_dict(), device)
+                save_weights(model, cached)
+                return model
+    return model_from_hf(resolved_config(source), read_safetensors(cached, dtype), device)
+
+
+def read_safetensors(directory: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors checkpoint in `directory` (one file or shards), floats in `dtype`."""
+    from safetensors.torch import load_file
+
+    index = directory / SHARD_INDEX
+    if index.is_file():
+        files = sorted({directory / name for name in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{directory} has no .safetensors weights (other formats are not read)")
+    tensors: dict[str, torch.Tensor] = {}
+    for path in files:
+        for name, tensor in load_file(path).items():
+            if not name.endswith(IGNORED_TENSORS):
+                tensors[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    return tensors
+
+
+def weight_cache_dir(source: ModelSource, dtype: torch.dtype) -> Path | None:
+    """Where the converted weights of a GGUF `source` in `dtype` live (None for safetensors sources)."""
+    if source.gguf_file is None:
+        return None
+    return cache_root() / "weights" / f"{gguf_cache_key(source)}-{str(dtype).removeprefix('torch.')}"
+
+
+def save_weights(model: LlamaForCausalLM, directory: Path) -> None:
+    """Write `model`'s tensors (a tied LM head once) as safetensors to `directory`, atomically."""
+    from safetensors.torch import save_file
+
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=directory.parent, prefix=".staging-"))
+    save_file(tensors, str(staging / WEIGHTS_FILE))
+    publish_directory(staging, directory)
+
+
+def model_from_hf(
+    config: Any, state_dict: Mapping[str, torch.Tensor], device: str | torch.device = "cpu"
+) -> LlamaForCausalLM:
+    """Our model holding the tensors of a HF Llama `state_dict` (shared, not copied, when already on `device`).
+
+    The state dict may already have fused projections (as our own saved weights do).
+    """
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"unsupported model_type {model_type!r}: only {SUPPORTED_MODEL_TYPES} are implemented")
+    tensors = fuse_hf_state_dict(dict(state_dict), config.num_hidden_layers)
+    if config.tie_word_embeddings:
+        tensors.setdefault("lm_head.weight", tensors["model.embed_tokens.weight"])
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    moved = {name: t.to(device) for name, t in tqdm(tensors.items(), desc="Loading weights into engine", unit="t")}
+    model.load_state_dict(moved, strict=True, assign=True)
+    model.tie_weights()
+    return model.to(device).eval().requires_grad_(False)
+
+
+# config values a swapped-in checkpoint must share with the running model (beyond its tensors' shapes)
+ARCHITECTURE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                       "num_attention_heads", "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings",
+                       "hidden_act")
+MAX_LISTED_MISMATCHES = 5
+
+
+class WeightMismatch(ValueError):
+    """A checkpoint that does not fit the running model (another architecture or other tensor shapes)."""
+
+
+@dataclass
+class Checkpoint:
+    """Weights read from disk for a swap: where from, their config, and our model's tensors (on the CPU)."""
+
+    path: str
+    config: Any
+    tensors: dict[str, torch.Tensor]
+
+
+def load_checkpoint(path: str, dtype: torch.dtype) -> Checkpoint:
+    """Read the checkpoint at `path` (a .gguf file, a safetensors directory, or the packaged default) on the CPU,
+    as our model's tensors (fused projections) in `dtype`. Raises FileNotFoundError or ValueError (an
+    unsupported model) saying what is wrong."""
+    model = load_model(resolve_model(path), dtype, "cpu")
+    return Checkpoint(path, model.config, dict(model.state_dict()))
+
+
+def _config_mismatches(running: Any, new: Any) -> list[str]:
+    out = []
+    for name in ARCHITECTURE_FIELDS:
+        a, b = getattr(running, name, None), getattr(new, name, None)
+        if a != b:
+            out.append(f"config {name} is {b!r}, the running model's {a!r}")
+    for name, read in (("head_dim", head_dim_of), ("rope_theta", rope_theta_of),
+                       ("rms_norm_eps", lambda c: float(c.rms_norm_eps))):
+        a, b = read(running), read(new)
+        if not math.isclose(a, b, rel_tol=1e-4):
+            out.append(f"config {name} is {b!r}, the running model's {a!r}")
+    return out
+
+
+def _quantized_layers(model: nn.Module) -> dict[str, nn.Module]:
+    from ringserve.kernels.quantization import QuantLinear
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, QuantLinear)}
+
+
+def _expected_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint must give, with its shape (a quantized layer's as the float weight it came from)."""
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict(keep_vars=True).items()}
+    for name, layer in _quantized_layers(model).items():
+        shapes[f"{name}.weight"] = (layer.out_features, layer.in_features)
+        if layer.bias is not None:
+            shapes[f"{name}.bias"] = (layer.out_features,)
+    return shapes
+
+
+def weight_mismatches(model: LlamaForCausalLM, checkpoint: Checkpoint) -> list[str]:
+    """What keeps `checkpoint` from replacing `model`'s weights (empty: it fits)."""
+    problems = _config_mismatches(model.config, checkpoint.config)
+    expected = _expected_shapes(model)
+    for name, shape in expected.items():
+        tensor = checkpoint.tensors.get(name)
+        if tensor is None:
+            problems.append(f"tensor {name} is missing")
+        elif tuple(tensor.shape) != shape:
+            problems.append(f"tensor {name} has shape {list(tensor.shape)}, the running model's {list(shape)}")
+    problems += [f"tensor {name} is not in the running model" for name in checkpoint.tensors if name not in expected]
+    return problems
+
+
+def swap_weights(model: LlamaForCausalLM, checkpoint: Checkpoint, check_only: bool = False) -> None:
+    """Copy `checkpoint`'s tensors into `model`'s in place (converted to their dtype and device); quantize the
+    quantized layers again. Raises WeightMismatch, before changing anything, when the checkpoint does not fit."""
+    problems = weight_mismatches(model, checkpoint)
+    if problems:
+        more = len(problems) - MAX_LISTED_MISMATCHES
+        raise WeightMismatch(f"{checkpoint.path} does not have the running model's architecture: "
+                             + "; ".join(problems[:MAX_LISTED_MISMATCHES]) + (f"; and {more} more" if more > 0 else ""))
+    if check_only:
+        return
+    with torch.no_grad():
+        for name, target in model.state_dict(keep_vars=True).items():
+            target.copy_(checkpoint.tensors[name])
+        for name, layer in _quantized_layers(model).items():
+            _requantize(model, name, layer, checkpoint.tensors)
+
+
+def _requantize(model: nn.Module, name: str, layer: Any, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Replace quantized layer `name` by one quantized from the checkpoint's float weight: the same method and
+    kernel plan."""
+    linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
+    linear.weight = nn.Parameter(tensors[f"{name}.weight"].float(), requires_grad=False)
+    if layer.bias is not None:
+        linear.bias = nn.Parameter(tensors[f"{name}.bias"].float(), requires_grad=False)
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, type(layer)(linear, layer.method, layer.plan))

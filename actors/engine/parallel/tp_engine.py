@@ -1,0 +1,196 @@
+"""One replica of `--tp N` ranks: rank 0's `TPEngine` (behind the engine interface) and the followers' `TPFollower`.
+
+Rank 0 is an ordinary `Engine` over its shard of the model whose runner, before each forward, broadcasts the
+step plan (`tp_plan.py`) to the followers; every follower builds the same pool, token table and runner over
+its own shard (`TPFollower`) and runs the identical forward, so the two all-reduces of each layer
+(`tensor_parallel.py`) meet. Only rank 0 samples. Collectives are serialised by one lock: a keepalive plan,
+sent while rank 0 idles, never slips between a forward's plan and its all-reduces.
+
+Failure: a collective that fails or times out breaks the group. Rank 0 then ends every live request with an
+error, refuses new ones, and its next `step` raises `TPGroupError` (the scheduler actor fail-stops, so the
+supervisor restarts the group whole); a follower's loop raises it and the follower exits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from ringserve.actors.engine.config import EngineConfig
+from ringserve.actors.engine.scheduling.engine import Engine
+from ringserve.actors.engine.runner.kv_pool import KVPool
+from ringserve.actors.engine.models.llama import LlamaForCausalLM, head_dim_of
+from ringserve.actors.engine.quantization.quantize import apply_quantization
+from ringserve.actors.engine.parallel.tensor_parallel import TPGroup, TPGroupError, shard_model
+from ringserve.actors.engine.parallel.tp_checks import check_tp_quantization
+from ringserve.actors.engine.parallel.tp_plan import FORWARD, KEEPALIVE, STOP, ForwardPlan, broadcast_plan, broadcast_step_tensors
+from ringserve.bus.errors import ApiError, server_error
+from ringserve.bus.messages import SchedulerInfo, TokenizedRequest, TokenRow
+from ringserve.kernels.attention import ForwardInfo
+from ringserve.observability.logging import log_event
+
+log = logging.getLogger("engine")
+KEEPALIVE_S = 1.0  # rank 0 idle: a plan at least this often, well inside the followers' collective timeout
+
+
+def prepare_rank(model: LlamaForCausalLM, config: EngineConfig, group: TPGroup) -> EngineConfig:
+    """Shard `model` for `group.rank` and quantize the shard as `config` says; the config every rank of the
+    group runs: CUDA graphs off (a forward's collectives run eagerly on every rank) and the KV pool size all
+    ranks agree on (the smallest any of them would allocate). A collective with every rank (startup timeout)."""
+    check_tp_quantization(group.size, config.quantization)
+    shard_model(model, group)
+    apply_quantization(model, config)
+    if config.graph_max_bs():
+        log_event(log, logging.INFO, "tensor parallelism runs every step eagerly: decode graphs are off", tp=group.size)
+    config = dataclasses.replace(config, disable_cuda_graph=True)
+    mc = model.config
+    kv_heads = model.model.layers[0].self_attn.num_kv_heads
+    per_token = KVPool.bytes_per_token(mc.num_hidden_layers, kv_heads, head_dim_of(mc),
+                                       model.model.embed_tokens.weight.dtype)
+    tokens = torch.tensor([config.kv_pool_tokens(per_token, mc.max_position_embeddings)], device=group.device)
+    dist.all_reduce(tokens, op=dist.ReduceOp.MIN)  # the default group: ranks load at different speeds
+    return dataclasses.replace(config, max_total_tokens=int(tokens))
+
+
+def startup_barrier(group: TPGroup) -> None:
+    """Wait until every rank has built its engine (on the default group, with the rendezvous timeout)."""
+    done = torch.ones(1, device=group.device)
+    dist.all_reduce(done)
+
+
+class TPEngine(Engine):
+    """Rank 0 of a tensor-parallel replica: schedules, samples and answers for the whole group."""
+
+    def __init__(self, model: LlamaForCausalLM, config: EngineConfig, group: TPGroup, tokenizer: Any | None = None,
+                 model_name: str = "", on_broken: Callable[[str], None] | None = None) -> None:
+        """`model` already sharded and `config` from `prepare_rank`; `on_broken` is told (from the keepalive
+        thread) when the group breaks while idle."""
+        super().__init__(model, config, tokenizer, model_name)
+        self.group = group
+        self.on_broken = on_broken
+        self.runner.tp_sender = self._send_forward
+        self._lock = threading.Lock()  # one collective sequence at a time: a forward, or a keepalive
+        self._last_sent = time.monotonic()
+        self._closed = threading.Event()
+        startup_barrier(group)
+        self._keepalive = threading.Thread(target=self._keepalive_loop, name="tp-keepalive", daemon=True)
+        self._keepalive.start()
+
+    def _send_forward(self, rows: list[int], starts: list[int], extend_lens: list[int], input_ids: torch.Tensor,
+                      info: ForwardInfo) -> None:
+        width = max(info.kv_lens_cpu)
+        plan = ForwardPlan(FORWARD, list(rows), list(starts), list(extend_lens), width, live=len(self.live))
+        table_rows = info.token_table[info.req_rows, :width]
+        group = self.group
+        group.collective(lambda: broadcast_plan(plan, group.plan_group), "step plan broadcast")
+        group.collective(lambda: broadcast_step_tensors(plan, input_ids, table_rows, group.tensor_group, group.device),
+                         "step tensor broadcast")
+        self._last_sent = time.monotonic()
+
+    def _keepalive_loop(self) -> None:
+        while not self._closed.wait(KEEPALIVE_S / 4):
+            if self.group.broken is not None:
+                return
+            if time.monotonic() - self._last_sent < KEEPALIVE_S or not self._lock.acquire(blocking=False):
+                continue
+            try:
+                plan = ForwardPlan(KEEPALIVE, live=len(self.live))
+                self.group.collective(lambda: broadcast_plan(plan, self.group.plan_group), "keepalive broadcast")
+                self._last_sent = time.monotonic()
+            except TPGroupError as exc:
+                if self._closed.is_set():  # shutting down: the followers may have gone first
+                    return
+                log_event(log, logging.ERROR, "the tensor-parallel group broke while idle", error=str(exc))
+                if self.on_broken is not None:
+                    self.on_broken(str(exc))
+                return
+            finally:
+                self._lock.release()
+
+    def launch(self, batch: Any) -> Any:
+        """`Engine.launch`, holding the group's lock across the plan, the forward and its all-reduces."""
+        with self._lock:
+            return super().launch(batch)
+
+    def step(self) -> list[TokenRow]:
+        """`Engine.step`; once the group broke, every live request ends with an error (this call), and the next
+        call raises `TPGroupError`."""
+        if self.group.broken is not None:
+            raise TPGroupError(self.group.broken)
+        rows = super().step()
+        if self.group.broken is not None:
+            self._inflight = None
+            why = f"tensor-parallel replica failed: {self.group.broken}"
+            rows += [self._fail(req, why) for req in list(self.live.values())]
+        return rows
+
+    def has_work(self) -> bool:
+        return self.group.broken is not None or super().has_work()
+
+    def add_request(self, request: TokenizedRequest) -> ApiError | None:
+        if self.group.broken is not None:
+            return server_error(f"tensor-parallel replica failed: {self.group.broken}")
+        return super().add_request(request)
+
+    def stats(self) -> SchedulerInfo:
+        """`Engine.stats`, with the replica's `tp_size`."""
+        return dataclasses.replace(super().stats(), tp_size=self.group.size)
+
+    def update_weights(self, checkpoint: Any, model_name: str, check_only: bool = False) -> int:
+        raise ValueError(f"update_weights_from_disk is not supported with tensor parallelism (--tp {self.group.size})")
+
+    def close(self) -> None:
+        """Stop the keepalives and tell the followers to exit (best effort: the group may be broken)."""
+        self._closed.set()
+        self._keepalive.join(timeout=5)
+        if self.group.broken is None and self._lock.acquire(timeout=5):
+            try:
+                self.group.collective(lambda: broadcast_plan(ForwardPlan(STOP), self.group.plan_group), "stop")
+            except TPGroupError:
+                pass
+            finally:
+                self._lock.release()
+
+
+class TPFollower:
+    """A follower rank: the engine's pool, token table and runner over its shard, driven by rank 0's plans."""
+
+    def __init__(self, model: LlamaForCausalLM, config: EngineConfig, group: TPGroup) -> None:
+        """`model` already sharded and `config` from `prepare_rank`."""
+        # the same construction as rank 0's (pool size, table width); its scheduling parts stay unused
+        self.engine = Engine(model, config)
+        self.group = group
+        self.steps = 0
+        self.live = 0  # rank 0's live requests, as of its last plan
+        startup_barrier(group)
+
+    def run_one(self) -> bool:
+        """Receive one plan and run it; False once rank 0 said stop. Raises `TPGroupError` when rank 0 is gone."""
+        group, engine = self.group, self.engine
+        plan = group.collective(lambda: broadcast_plan(None, group.plan_group), "step plan receive")
+        if plan.kind == STOP:
+            return False
+        self.live = plan.live
+        if plan.kind == FORWARD:
+            table = engine.table.table
+            if max(plan.rows) >= table.shape[0] or plan.width > table.shape[1]:
+                raise ValueError(f"plan rows {plan.rows} (width {plan.width}) are outside this rank's token "
+                                 f"table {tuple(table.shape)}: the ranks were built differently")
+            ids, table_rows = group.collective(
+                lambda: broadcast_step_tensors(plan, None, None, group.tensor_group, group.device),
+                "step tensor receive")
+            table[torch.tensor(plan.rows, device=table.device), : plan.width] = table_rows
+            engine.runner.forward_tokens(plan.rows, plan.starts, plan.extend_lens, ids)
+            self.steps += 1
+        return True
+
+    def run(self, stopping: Callable[[], bool] = lambda: False) -> None:
+        """Run plans until rank 0 says stop or `stopping()` (checked between plans)."""
+        while not stopping() and self.run_one():
+            pass

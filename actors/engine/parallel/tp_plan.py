@@ -1,0 +1,96 @@
+"""The step plan rank 0 of a tensor-parallel group hands its followers before each forward, and its transport.
+
+Rank 0 alone schedules (requests, prefix cache, slot allocator); a follower only runs the same forward over
+its shard of the weights, with its own KV pool (its heads) addressed by the same slot indices. So all a
+follower needs per step is what `ModelRunner` lays out from a `Batch`: each row's token-table row, first
+position and token count (`ForwardPlan`), then one tensor: the step's input ids `[T]` and the slot-table
+rows of the batch `[B, W]` (`W`: the longest sequence the step attends over). Prefix-cache reuse, chunked
+prefill and retraction need nothing more: a reused prefix is slots already on the row, a freed slot is simply
+never addressed again until rank 0 hands it out anew (and the forward writing it overwrites its KV).
+
+The plan travels as msgpack (`ringserve.bus.codec`, typed, never pickle) through `dist.broadcast` on a gloo group: a
+length tensor, then the bytes as a uint8 tensor. The tensor follows on the tensor group (gloo on a CPU,
+NCCL on a GPU, where it never leaves the device). Rank 0 sends a `keepalive` plan while idle so a follower's
+wait, bounded by the group's timeout, only expires when rank 0 is gone or stopped; `stop` ends the follower.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ringserve.bus import codec
+
+FORWARD, KEEPALIVE, STOP = "forward", "keepalive", "stop"
+PLAN_KINDS = (FORWARD, KEEPALIVE, STOP)
+
+
+@dataclass
+class ForwardPlan:
+    """One message to the followers: a forward to run (`rows`, `starts`, `extend_lens` as in `Batch`, and the
+    width `W` of the slot-table rows that follow), a keepalive, or stop."""
+
+    kind: str
+    rows: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    extend_lens: list[int] = field(default_factory=list)
+    width: int = 0
+    live: int = 0  # requests rank 0 holds: what a follower reports as its own (it drains while rank 0 does)
+
+    def check(self) -> None:
+        """Raise ValueError when the plan is not self-consistent (a follower must never guess)."""
+        if self.kind not in PLAN_KINDS:
+            raise ValueError(f"unknown plan kind {self.kind!r}; one of {list(PLAN_KINDS)}")
+        if not len(self.rows) == len(self.starts) == len(self.extend_lens):
+            raise ValueError(f"plan rows, starts and extend_lens differ in length: {len(self.rows)}, "
+                             f"{len(self.starts)}, {len(self.extend_lens)}")
+        ends = [s + n for s, n in zip(self.starts, self.extend_lens)]
+        if self.kind == FORWARD and (not self.rows or self.width < max(ends)):
+            raise ValueError(f"a forward plan needs rows and a width covering them, got width {self.width}")
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens)
+
+
+def encode_plan(plan: ForwardPlan) -> bytes:
+    """The plan as msgpack bytes."""
+    return codec.encode(plan)
+
+
+def decode_plan(data: bytes) -> ForwardPlan:
+    """A plan from `encode_plan`'s bytes, type-checked and consistency-checked (raises ValueError)."""
+    plan = codec.decode(data, ForwardPlan)
+    plan.check()
+    return plan
+
+
+def broadcast_plan(plan: ForwardPlan | None, group: dist.ProcessGroup | None) -> ForwardPlan:
+    """Send `plan` from rank 0 (which passes it) to every rank of `group` (which pass None); each gets it back.
+    Two broadcasts on CPU tensors: the length, then the msgpack bytes."""
+    if plan is not None:
+        data = encode_plan(plan)
+        length = torch.tensor([len(data)], dtype=torch.int64)
+        dist.broadcast(length, 0, group=group)
+        dist.broadcast(torch.frombuffer(bytearray(data), dtype=torch.uint8), 0, group=group)
+        return plan
+    length = torch.zeros(1, dtype=torch.int64)
+    dist.broadcast(length, 0, group=group)
+    buf = torch.empty(int(length), dtype=torch.uint8)
+    dist.broadcast(buf, 0, group=group)
+    return decode_plan(buf.numpy().tobytes())
+
+
+def broadcast_step_tensors(plan: ForwardPlan, input_ids: torch.Tensor | None, table_rows: torch.Tensor | None,
+                           group: dist.ProcessGroup | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """After a forward plan: the step's input ids `[T]` and slot-table rows `[B, W]` (int64), from rank 0 (which
+    passes them) to the followers (which pass None and get them, on `device`); one broadcast of both."""
+    t = plan.num_tokens
+    if input_ids is None or table_rows is None:
+        flat = torch.empty(t + len(plan.rows) * plan.width, dtype=torch.int64, device=device)
+    else:
+        flat = torch.cat([input_ids.reshape(-1), table_rows.reshape(-1)])
+    dist.broadcast(flat, 0, group=group)
+    return flat[:t], flat[t:].view(len(plan.rows), plan.width)

@@ -1,0 +1,103 @@
+"""What one step runs (`Batch`, decided by the scheduler side) and what the forward gives back (`ForwardOutput`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ringserve.actors.engine.scheduling.request import Req
+
+
+@dataclass
+class Batch:
+    """One forward's plan, fixed before it runs; the model runner reads only this and the token table.
+
+    Request `b` computes tokens `[starts[b], starts[b] + extend_lens[b])` of its sequence on table row
+    `reqs[b].row`: their slots are already on the row of `TokenTable.table`, and their ids are on the row of
+    `TokenTable.ids` by the time the step runs on the device (written at admission, or by the sampling of the
+    step before, which may still be in flight). Decode rows come first (one token each), then prefill rows.
+    A prefill row whose chunk does not reach the end of its sequence computes KV only; every other row
+    samples one token, which the runner writes to `ids` at column `starts[b] + extend_lens[b]`.
+    """
+
+    reqs: list[Req]
+    starts: list[int]
+    extend_lens: list[int]
+    samples: list[bool]
+    num_decode: int  # the first `num_decode` rows are decode rows
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens computed, all rows together."""
+        return sum(self.extend_lens)
+
+    @property
+    def rows(self) -> list[int]:
+        """Each request's table row."""
+        return [req.row for req in self.reqs]  # type: ignore[misc]  # scheduled requests hold rows
+
+    @property
+    def sampling_reqs(self) -> list[Req]:
+        return [req for req, s in zip(self.reqs, self.samples) if s]
+
+    def prompt_logit_spans(self) -> list[tuple[int, int, int]]:
+        """`(row b, first position, count)` for each prefill row whose computed positions score prompt tokens
+        it wants logprobs of (`logprob_start_len`); empty for most batches."""
+        spans = []
+        for b in range(self.num_decode, len(self.reqs)):
+            first, count = self.reqs[b].prompt_logit_span(self.starts[b], self.extend_lens[b])
+            if count:
+                spans.append((b, first, count))
+        return spans
+
+
+@dataclass
+class ForwardOutput:
+    """The tokens sampled for the batch's sampling rows (in order): on the device, and a copy on the host.
+
+    The next step does not need these: it reads the tokens from `TokenTable.ids`, where the runner wrote them
+    on the device. The host copy (what the engine applies) is complete once `copy_done` has fired (None when
+    the copy was synchronous, as on a CPU). Logprob tensors are None unless some request asked for logprobs.
+    """
+
+    tokens: torch.Tensor  # [S] int64 on the device
+    tokens_cpu: torch.Tensor  # [S] int64 on the host
+    copy_done: torch.cuda.Event | None = None
+    logprobs_cpu: torch.Tensor | None = None  # [S]
+    top_ids_cpu: torch.Tensor | None = None  # [S, K]
+    top_logprobs_cpu: torch.Tensor | None = None  # [S, K]
+    prompt: PromptScores | None = None  # when some row scores prompt tokens (`Batch.prompt_logit_spans`)
+
+    def wait(self) -> None:
+        """Block until the host copies are complete."""
+        if self.copy_done is not None:
+            self.copy_done.synchronize()
+
+
+@dataclass
+class PromptScores:
+    """Prompt tokens scored by one step, on the host: the rows of `spans` (`Batch.prompt_logit_spans`) in
+    order, `count` entries each."""
+
+    spans: list[tuple[int, int, int]]
+    logprobs_cpu: torch.Tensor  # [E] float32
+    ranks_cpu: torch.Tensor  # [E] int64
+    top_ids_cpu: torch.Tensor | None  # [E, K]
+    top_logprobs_cpu: torch.Tensor | None  # [E, K]
+
+    def give_to(self, reqs: list[Req], wanted: Callable[[Req], bool]) -> None:
+        """Add each span's scores to its request (`reqs`: the batch's), if `wanted` (still live)."""
+        logprobs, ranks = self.logprobs_cpu.tolist(), self.ranks_cpu.tolist()
+        top_ids = self.top_ids_cpu.tolist() if self.top_ids_cpu is not None else None
+        top_lps = self.top_logprobs_cpu.tolist() if self.top_logprobs_cpu is not None else None
+        at = 0
+        for b, _, count in self.spans:
+            req, end = reqs[b], at + count
+            if req.prompt_logprobs is not None and wanted(req):
+                n = req.params.top_logprobs_num
+                req.prompt_logprobs.extend(logprobs[at:end], ranks[at:end],
+                                           [t[:n] for t in top_ids[at:end]] if top_ids and n else [[]] * count,
+                                           [t[:n] for t in top_lps[at:end]] if top_lps and n else [[]] * count)
+            at = end

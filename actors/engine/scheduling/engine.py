@@ -1,0 +1,398 @@
+"""The engine the scheduler actor drives: request intake, continuous batching, one forward per step.
+
+A step has three parts: `schedule()` decides the batch and does all allocation (retraction, admission,
+prefix locks, KV slots), `launch(batch)` queues the forward and the sampling on the device and accounts for
+it (requests whose prefill completes join the running set, finished prefill chunks go to the prefix cache),
+`finish(batch, out)` applies the sampled tokens on the host (stop checks, caching, freeing) and returns one
+output row per sampled request. Single-threaded by contract: `add_request`, `abort` and the control methods
+are called only between steps. `Engine` implements `ringserve.actors.engine.interface.EngineInterface`, all the
+scheduler actor uses of it.
+
+A step never needs the host to have seen the tokens of the step before: its input ids are gathered on the
+device from `TokenTable.ids`, where each step's sampling writes its tokens, and each request counts the
+tokens it has on the device (`Req.device_len`, one ahead of `Req.ids` while its token is in flight), which is
+what positions, slots and the seeded sampler's output index follow. The plain loop runs schedule, launch,
+finish in turn. The overlap loop (`--overlap-schedule`, on for cuda) plans and launches step N+1 while step N
+still runs on the device, and only then applies N's tokens, so the host's work hides behind the device's.
+Both loops build every batch with the same `schedule()`. Steps that admit requests overlap too (every token
+of an admitted request is known on the host). A request whose tokens on the device already end it by length
+is not scheduled again; one that step N finishes by a stop token or string has computed one token too many
+in N+1, which is dropped. Only a retraction, or a pool too short to decode every running request, drains:
+the step in flight is applied first, then the next is planned. `overlapped_steps` and `drained_steps` count
+the two kinds of launch.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from ringserve.actors.engine.scheduling.batch import Batch, ForwardOutput
+from ringserve.actors.engine.scheduling.request_checks import request_error
+from ringserve.actors.engine.scheduling.cache_manager import CacheManager
+from ringserve.actors.engine.config import EngineConfig
+from ringserve.actors.engine.scheduling.decode import DecodeManager
+from ringserve.actors.engine.scheduling.grammar import GrammarManager
+from ringserve.actors.engine.scheduling.jump_forward import JumpForward
+from ringserve.actors.engine.runner.kv_pool import KVPool
+from ringserve.actors.engine.models.llama import LlamaForCausalLM, head_dim_of
+from ringserve.actors.engine.runner.model_runner import ModelRunner
+from ringserve.actors.engine.scheduling.output_rows import StepLogprobs, output_row
+from ringserve.actors.engine.scheduling.prefill import PrefillManager
+from ringserve.actors.engine.quantization.quantize import apply_quantization, quantization_report
+from ringserve.actors.engine.scheduling.prefix_cache import create_prefix_cache
+from ringserve.actors.engine.scheduling.request import Req
+from ringserve.actors.engine.scheduling.stop_checker import StopChecker
+from ringserve.actors.engine.runner.graphs.thread_tuner import tuner_for
+from ringserve.actors.engine.runner.token_table import TokenTable
+from ringserve.actors.engine.models.weight_swap import swap_engine_weights
+from ringserve.actors.engine.interface import StepPlan
+from ringserve.bus.errors import ApiError, server_error
+from ringserve.bus.messages import FinishReason, SchedulerInfo, TokenizedRequest, TokenRow
+from ringserve.kernels.sampling import PenaltyState
+from ringserve.observability.logging import log_event
+
+IDLE_COMPILE_WAIT = 0.05  # seconds a step with nothing to run waits for a grammar compilation
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+log = logging.getLogger("engine")
+
+
+class Engine:
+    """Continuous batching with chunked prefill and a prefix cache over our Llama and a paged KV pool."""
+
+    def __init__(self, model: LlamaForCausalLM, config: EngineConfig, tokenizer: Any | None = None,
+                 model_name: str = "") -> None:
+        """`model` already on `config`'s device; `tokenizer` is needed only by requests with stop strings;
+        `model_name` is what `stats()` reports."""
+        self.config = config
+        self.model_name = model_name
+        self.device = torch.device(config.resolved_device())
+        mc = model.config
+        self.vocab_size: int = mc.vocab_size
+        self.context_length: int = mc.max_position_embeddings
+        self.tokenizer = tokenizer
+        dtype = model.model.embed_tokens.weight.dtype
+        head_dim = head_dim_of(mc)
+        kv_heads = model.model.layers[0].self_attn.num_kv_heads  # this rank's share under tensor parallelism
+        per_token = KVPool.bytes_per_token(mc.num_hidden_layers, kv_heads, head_dim, dtype)
+        num_slots, self._kv_pool_report = config.kv_pool_plan(per_token, self.context_length)
+        self.pool = KVPool(mc.num_hidden_layers, num_slots, kv_heads, head_dim, dtype, self.device)
+        self.table = TokenTable(config.max_running_requests, min(self.context_length, num_slots), self.device,
+                                self.pool.scratch_slot)
+        prefix_cache = create_prefix_cache(not config.disable_radix_cache, self.device)
+        self.cache = CacheManager(num_slots, prefix_cache, self.table, self.device)
+        chunk = config.chunked_prefill_size if config.chunking else 0
+        self.prefill = PrefillManager(self.cache, config.max_prefill_tokens, chunk, config.schedule_policy,
+                                      config.max_running_requests)
+        self.decode = DecodeManager(self.cache, self.context_length)
+        self.runner = ModelRunner(model, self.pool, self.table, config.resolved_attention_backend(),
+                                  config.graph_max_bs())
+        self.runner.thread_tuner = tuner_for(config)
+        self._quantization = quantization_report(model)
+        self._thread_choices: dict[str, int] = {}
+        self.paused = False
+        self.steps = 0
+        self.stop_checker = StopChecker(tokenizer, self.context_length)
+        self.grammars = GrammarManager(tokenizer, self.vocab_size, config.grammar_compile_timeout)
+        self.jumper = (JumpForward(self.grammars, self.stop_checker, self.decode, self.cache, self.prefill,
+                                   self.context_length, self.device)
+                       if not config.disable_jump_forward and prefix_cache.caches else None)
+        self.live: dict[str, Req] = {}
+        self.num_retractions = 0
+        self._last_batch: Batch | None = None
+        self.overlap = config.overlap_enabled()
+        self._inflight: tuple[Batch, ForwardOutput] | None = None  # overlap loop: launched, not yet finished
+        # Overlap loop, per step() that launched a batch: launched while the step before was still unapplied,
+        # or after applying it first because the pool was short (retraction). Neither counts a launch with
+        # nothing in flight before it (the first after idling, and every step of the plain loop).
+        self.overlapped_steps = 0
+        self.drained_steps = 0
+        self._prompt_tokens = 0
+        self._cached_tokens = 0
+
+    @classmethod
+    def from_source(cls, source: Any, config: EngineConfig, tokenizer: Any | None = None) -> Engine:
+        """Load the model at `source` (a ModelSource: GGUF or safetensors) and build an engine."""
+        from ringserve.actors.common.text_tokenizer import load_text_model
+        from ringserve.actors.engine.models.weights import load_model
+
+        model = load_model(source, DTYPES[config.resolved_dtype()], config.resolved_device())
+        apply_quantization(model, config, source)  # each quantized layer keeps its kernel plan (reported by stats())
+        return cls(model, config, tokenizer if tokenizer is not None else load_text_model(source).tokenizer,
+                   source.name)
+
+    def start_decode_graphs(self) -> None:
+        """On a CPU, start compiling decode graphs in the background (decode_graph.py); the server calls this
+        when it serves. Nothing to do on a GPU (captured at start) or with graphs off."""
+        if self.runner.graphs is not None:
+            self.runner.graphs.start_compiling()
+
+    def decode_graph_report(self) -> dict[str, str]:
+        """What runs each decode batch size (`SchedulerInfo.decode_graphs`); safe from any thread, since
+        background compiles change it between steps."""
+        return self.runner.graphs.report() if self.runner.graphs is not None else {"mode": "off"}
+
+    @property
+    def num_slots(self) -> int:
+        return self.pool.num_slots
+
+    def add_request(self, request: TokenizedRequest) -> ApiError | None:
+        """Queue `request`, or say why it cannot run (with the numbers involved)."""
+        rejection = request_error(request, self.live, self.vocab_size, self.context_length, self.num_slots,
+                                  self.tokenizer is not None)
+        if rejection is not None:
+            return rejection
+        params = request.sampling
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        req = Req(request.rid, len(request.input_ids), list(request.input_ids), params, seed)
+        if params.uses_penalties:
+            req.penalties = PenaltyState(request.input_ids, self.vocab_size, self.device)
+        if params.grammar is not None:  # waits outside the queues until its grammar is compiled
+            error = self.grammars.submit(req)
+            if error is not None:
+                return error
+        else:
+            self.prefill.add(req)
+        self.live[req.rid] = req
+        return None
+
+    def has_work(self) -> bool:
+        """True while a step's tokens are still to be applied, or requests wait or run and the engine is not
+        paused."""
+        return bool(self._inflight or len(self.grammars)
+                    or (not self.paused and (len(self.prefill) or len(self.decode))))
+
+    def step(self) -> list[TokenRow]:
+        """Schedule, run and finish one step; one output row per request that produced a token (in the overlap
+        loop: the rows of the step launched by the previous call, whose tokens are applied now).
+
+        If the forward fails, every request of the batch ends with an "error" finish and the engine goes on.
+        """
+        self.steps += 1
+        with self.runner.graphs.serving() if self.runner.graphs is not None else nullcontext():
+            rows = self._admit_compiled()
+            if self.overlap:
+                rows += self._step_overlapped()
+            else:
+                batch = self._last_batch = self.schedule()
+                if batch is not None:
+                    try:
+                        out = self.launch(batch)
+                    except Exception as exc:
+                        return rows + self._fail_batch(batch, exc)
+                    rows += self.finish(batch, out)
+        if self._last_batch is None and self._inflight is None:  # idle but for grammars still compiling
+            self.grammars.wait(IDLE_COMPILE_WAIT)
+        return rows
+
+    def _admit_compiled(self) -> list[TokenRow]:
+        """Queue the constrained requests whose grammar is ready; end those whose grammar failed."""
+        if not self.grammars.pending:
+            return []
+        ready, failed = self.grammars.collect()
+        for req in ready:
+            self.prefill.add(req)
+        rows = []
+        for req, error in failed:
+            del self.live[req.rid]
+            rows.append(self._output(req, [], FinishReason("error", error=error)))
+        return rows
+
+    def _step_overlapped(self) -> list[TokenRow]:
+        prev, self._inflight = self._inflight, None
+        if self.paused:
+            return self.finish(*prev) if prev is not None else []
+        rows: list[TokenRow] = []
+        drained = False
+        # Retraction needs every token applied, and so does a constrained request's next mask.
+        if prev is not None and (self.decode.must_retract() or any(r.matcher for r in prev[0].sampling_reqs)):
+            rows, prev, drained = self.finish(*prev), None, True
+        batch = self._last_batch = self.schedule()
+        if batch is not None:
+            if prev is not None:
+                self.overlapped_steps += 1
+            elif drained:
+                self.drained_steps += 1
+            try:
+                self._inflight = (batch, self.launch(batch))
+            except Exception as exc:
+                rows += self._fail_batch(batch, exc)
+        if prev is not None:
+            rows += self.finish(*prev)
+        return rows
+
+    def _fail_batch(self, batch: Batch, exc: Exception) -> list[TokenRow]:
+        log.exception("forward pass failed; ending the %d requests of its batch", len(batch.reqs))
+        return [self._fail(req, f"the forward pass failed: {exc!r}") for req in batch.reqs
+                if self.live.get(req.rid) is req]
+
+    def last_plan(self) -> StepPlan | None:
+        """What the last `step` ran, as plain data (built only when asked: the scheduler's step spans)."""
+        batch = self._last_batch
+        if batch is None:
+            return None
+        d = batch.num_decode
+        prefill = list(zip([r.rid for r in batch.reqs[d:]], batch.starts[d:], batch.extend_lens[d:]))
+        return StepPlan([r.rid for r in batch.reqs[:d]], prefill, batch.num_tokens)
+
+    def schedule(self) -> Batch | None:
+        """Plan the next forward and allocate everything it needs; None when there is nothing to run.
+
+        A step may be in flight (the overlap loop), unless a retraction is due (`DecodeManager.must_retract`).
+        """
+        for req in self.decode.retract_until_decodable():
+            self.prefill.add(req, front=True)
+            self.num_retractions += 1
+        decodes = self.decode.schedule()
+        prefills = self.prefill.schedule(len(decodes))
+        if not decodes and not prefills:
+            return None
+        reqs = decodes + [req for req, _ in prefills]
+        extend_lens = [1] * len(decodes) + [n for _, n in prefills]
+        starts = [req.cached_len - n for req, n in zip(reqs, extend_lens)]
+        samples = [req.cached_len == req.device_len for req in reqs]
+        return Batch(reqs, starts, extend_lens, samples, num_decode=len(decodes))
+
+    def launch(self, batch: Batch) -> ForwardOutput:
+        """Queue the batch's forward and sampling on the device, then account for them as if done: each
+        sampling request has one more token on the device, prefill chunks' KV is offered to the prefix cache
+        (their token ids are known here; the device computes the KV before any later step reads it), and
+        requests whose prefill completes start running, so the next step can decode them."""
+        out = self.runner.forward(batch, self.grammars.bitmask(batch.sampling_reqs))
+        for i, (req, samples) in enumerate(zip(batch.reqs, batch.samples)):
+            if samples:
+                req.device_len += 1
+            if i >= batch.num_decode:
+                self.cache.cache_req(req, finished=False)
+                if samples:
+                    self.decode.add(req)
+        return out
+
+    def finish(self, batch: Batch, out: ForwardOutput) -> list[TokenRow]:
+        """Apply the sampled tokens: stop checks, prefix caching, freeing; the step's output rows."""
+        out.wait()
+        tokens = out.tokens_cpu.tolist()
+        logprobs = StepLogprobs(out)
+        if out.prompt is not None:
+            out.prompt.give_to(batch.reqs, lambda req: self.live.get(req.rid) is req)
+        rows: list[TokenRow] = []
+        for k, req in enumerate(batch.sampling_reqs):
+            # Finished by a stop at the step before (launched before that one was applied), or aborted while
+            # this step was in flight: the token is one too many; the request's slots are already freed.
+            if self.live.get(req.rid) is not req:
+                continue
+            if req.params.max_new_tokens == 0:  # the prompt is scored: nothing to generate
+                self._release(req)
+                rows.append(self._output(req, [], FinishReason("length")))
+                continue
+            token = tokens[k]
+            if not self.grammars.accept(req, token):
+                rows.append(self._fail(req, f"the output constraint rejected the sampled token {token}"))
+                continue
+            new = [token]
+            req.ids.append(token)
+            finish = self.stop_checker.verdict(req)
+            if finish is None and self.jumper is not None:
+                finish = self.jumper.apply(req, new)
+            if finish is not None:
+                self._release(req)
+            row = self._output(req, new, finish)
+            logprobs.fill(row, req, k)
+            rows.append(row)
+        return rows
+
+    def abort(self, rid: str) -> TokenRow | None:
+        """Drop a waiting or running request now and free its KV; its final row, or None if `rid` is not live."""
+        req = self.live.get(rid)
+        if req is None:
+            return None
+        self._release(req)
+        return self._output(req, [], FinishReason("abort"))
+
+    def abort_all(self) -> list[TokenRow]:
+        """Abort every live request; their final rows."""
+        return [row for rid in list(self.live) if (row := self.abort(rid)) is not None]
+
+    def flush_cache(self) -> int:
+        """Drop every cached prefix no live request uses; returns the number of KV slots freed."""
+        return self.cache.flush()
+
+    def kv_events(self) -> tuple[list[bytes], list[bytes]]:
+        """Block hashes the prefix cache stored and evicted since the last call (`BasePrefixCache.take_block_events`)."""
+        return self.cache.prefix_cache.take_block_events()
+
+    def check_integrity(self) -> None:
+        """Assert that the pool is partitioned exactly among free slots, the prefix cache and live requests."""
+        self.cache.check_integrity(self.live.values())
+
+    def stats(self) -> SchedulerInfo:
+        """Current load, KV usage and settings (`rank` 0: the scheduler actor knows its own)."""
+        free, cached = self.cache.num_free, self.cache.num_cached
+        used = self.num_slots - free
+        config = self.config
+        return SchedulerInfo(
+            rank=0, num_running_reqs=len(self.decode), num_waiting_reqs=len(self.prefill), kv_used_tokens=used,
+            kv_total_tokens=self.num_slots, context_length=self.context_length, step=self.steps,
+            model=self.model_name, kv_running_tokens=used - cached, kv_cached_tokens=cached,
+            cache_hit_rate=self._cached_tokens / self._prompt_tokens if self._prompt_tokens else 0.0,
+            num_retractions=self.num_retractions, paused=self.paused, radix_cache=not config.disable_radix_cache,
+            chunked_prefill_size=config.chunked_prefill_size if config.chunking else 0,
+            overlap_schedule=self.overlap, torch_threads=dict(self._thread_choices),
+            quantization=dict(self._quantization), kv_pool=dict(self._kv_pool_report),
+            decode_graphs=self.decode_graph_report())
+
+    def pause(self) -> None:
+        """Start no more steps (a step in flight is still applied); requests keep their KV, new ones queue."""
+        self.paused = True
+
+    def resume(self) -> None:
+        """Step again after `pause`."""
+        self.paused = False
+
+    def live_rids(self) -> int:
+        """Requests the engine holds state for."""
+        return len(self.live)
+
+    def on_idle(self) -> None:
+        """Check the KV pool's integrity and take the thread counts the tuner has settled on (logged when
+        they change)."""
+        self.check_integrity()
+        tuner = self.runner.thread_tuner
+        choices = tuner.preferred() if tuner is not None else {}
+        if choices != self._thread_choices:
+            self._thread_choices = choices
+            log_event(log, logging.INFO, "torch threads per step size, as measured",
+                      choices=", ".join(f"{size}: {n}" for size, n in choices.items()))
+
+    def _release(self, req: Req, keep_kv: bool = True) -> None:
+        """Take `req` out of every queue; cache its KV (unless it may be garbage) and free the rest."""
+        if not self.decode.remove(req) and not self.prefill.remove(req):
+            self.grammars.remove(req)
+        if req.row is not None:
+            if keep_kv:
+                self.cache.cache_req(req, finished=True)
+            else:
+                self.cache.drop_req(req)
+        del self.live[req.rid]
+
+    def _fail(self, req: Req, message: str) -> TokenRow:
+        """End `req` with an error finish; its KV from the failed step is not kept."""
+        self._release(req, keep_kv=False)
+        return self._output(req, [], FinishReason("error", error=server_error(message)))
+
+    def _output(self, req: Req, token_ids: list[int], finish: FinishReason | None) -> TokenRow:
+        if not req.first_row_sent and req.admitted:  # the hit rate counts prompts that reached the prefix cache
+            self._prompt_tokens += req.prompt_len
+            self._cached_tokens += req.cached_tokens
+        return output_row(req, token_ids, finish)
+
+    def update_weights(self, checkpoint: Any, model_name: str, check_only: bool = False) -> int:
+        """Swap in the weights of `checkpoint` (a `Checkpoint` of the same architecture) in place; requests
+        holding KV recompute it with them (actors/engine/models/weight_swap.py). `model_name` is what `stats()` reports
+        from then on. Raises `WeightMismatch` and changes nothing when it does not fit; `check_only` only checks.
+        Call between steps, with none in flight. Returns the KV slots the prefix-cache flush freed."""
+        return swap_engine_weights(self, checkpoint, model_name, check_only)
