@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -50,6 +51,33 @@ HEAD_NAMES = ("lm_head",)  # linears int4 keeps at int8
 FLOAT_WEIGHT_KERNELS = ("float32", "onednn")  # the kernels that read the float32 weight
 FLOAT_MARGIN = 0.95  # another kernel must measure at least 5% faster than torch's float32 to be chosen (noise)
 NEAR_TIE = 1.10  # a better-quality kernel within 10% of the fastest is taken instead
+
+
+# fbgemm's packed weights of every int_mm layer, by its int8 weight's address. A compiled decode graph cannot take
+# the packed weight (a TorchScript object Dynamo does not trace: "Failed to convert args/kwargs to proxy"), so
+# it calls `ringserve::int8_row_linear` with the layer's tensors, and the op finds the packed weight here.
+_FBGEMM_PACKED: dict[int, Any] = {}
+_LIBRARY = torch.library.Library("ringserve", "FRAGMENT")
+_LIBRARY.define("int8_row_linear(Tensor x, Tensor qweight_t) -> Tensor")
+
+
+def _int8_row_linear(x: torch.Tensor, qweight_t: torch.Tensor) -> torch.Tensor:
+    """fbgemm's single-row dynamic int8 linear with the packed weight made for `qweight_t` (bias included)."""
+    return torch.ops.quantized.linear_dynamic(x, _FBGEMM_PACKED[qweight_t.data_ptr()], True)
+
+
+_LIBRARY.impl("int8_row_linear", _int8_row_linear, "CPU")
+
+
+def _forget_packed(key: int, packed: Any) -> None:
+    """Drop a freed layer's packed weight, unless a newer layer's weight took its address meanwhile."""
+    if _FBGEMM_PACKED.get(key) is packed:
+        del _FBGEMM_PACKED[key]
+
+
+@torch.library.register_fake("ringserve::int8_row_linear")
+def _int8_row_linear_fake(x: torch.Tensor, qweight_t: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], qweight_t.shape[1])
 
 
 def default_kernel(method: str) -> str:
@@ -98,6 +126,9 @@ class QuantLinear(nn.Module):
                 qweight, scales.double(), torch.zeros_like(scales, dtype=torch.int64), 0)
         # fbgemm's single-row kernel (its one activation range is that row's: 7-bit asymmetric)
         self._fbgemm = torch.ops.quantized.linear_prepack(per_channel, self.bias)
+        key = qweight.data_ptr()
+        _FBGEMM_PACKED[key] = self._fbgemm
+        weakref.finalize(self, _forget_packed, key, self._fbgemm)  # a swapped-out layer's goes with it
 
     def kernel_for(self, rows: int) -> str:
         """The kernel a call with `rows` rows runs."""
@@ -123,6 +154,8 @@ class QuantLinear(nn.Module):
             return self._group_linear(rows, p.qweight, p.scales, p.mins, self.bias, p.out_features, p.bits)
         if kernel == "int_mm":
             if rows.shape[0] == 1:
+                if torch.compiler.is_compiling():
+                    return torch.ops.ringserve.int8_row_linear(rows, self.qweight_t)
                 return torch.ops.quantized.linear_dynamic(rows, self._fbgemm, True)
             row_scales = rows.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12).div_(127.0)
             qrows = (rows / row_scales).round_().to(torch.int8)

@@ -22,6 +22,11 @@ thread count it was compiled with (its guards hold the count, which Inductor pla
 the key of a graph is `(bs, threads)`: the thread tuner's two counts are two graphs, each compiled when first
 needed. A graph's guards are checked once, when it is compiled or loaded; a replay skips them, since the runner picks
 the graph by its key and feeds it the same static buffers every step.
+
+A size that fails to compile (or whose graph fails when replayed) runs eagerly, and the log and
+`/get_server_info` name the exception. `RINGSERVE_GRAPH_FALLBACK=error` (what the test suite sets, tests/conftest.py)
+makes that an error instead: the step that would run the failed size raises `GraphFailed`, so no test passes
+on a silently eager graph.
 """
 
 from __future__ import annotations
@@ -47,6 +52,22 @@ log = logging.getLogger("engine.graphs")
 
 Forward = Callable[..., torch.Tensor]
 GraphKey = tuple[int, int]  # (batch size, torch threads)
+FALLBACK_ENV = "RINGSERVE_GRAPH_FALLBACK"  # "eager" (default) or "error"
+
+
+class GraphFailed(RuntimeError):
+    """A decode graph failed to compile or replay while eager fallbacks are an error (`FALLBACK_ENV`)."""
+
+
+def fallback_allowed() -> bool:
+    """Whether a size whose graph failed may run eagerly (`RINGSERVE_GRAPH_FALLBACK`, default "eager")."""
+    return os.environ.get(FALLBACK_ENV, "eager") != "error"
+
+
+def describe(exc: BaseException) -> str:
+    """An exception for a report or a log line: its type and first line, at most 200 characters."""
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}: {first}"[:200]
 
 
 def label(key: GraphKey) -> str:
@@ -145,7 +166,11 @@ class BackgroundCompiler:
 
     def ready(self, key: GraphKey) -> Forward | None:
         """The forward to run `(bs, threads)` with (compiled, or the eager one where it measured faster), or
-        None while it is not ready."""
+        None while it is not ready. Raises GraphFailed for a size that failed while fallbacks are an error."""
+        failure = self._report.get(key, {}).get("failed")
+        if failure and not fallback_allowed():
+            raise GraphFailed(f"decode graph {label(key)} failed to compile ({failure}); {FALLBACK_ENV}=error "
+                              "forbids running it eagerly")
         return self._compiled.get(key)
 
     def changes(self) -> int:
@@ -179,12 +204,14 @@ class BackgroundCompiler:
 
     def demote(self, key: GraphKey, exc: Exception) -> None:
         """Run `(bs, threads)` eagerly from now on: its compiled forward failed on the serving thread (`exc`)."""
+        if not fallback_allowed():
+            raise GraphFailed(f"decode graph {label(key)} failed when replayed ({describe(exc)}); "
+                              f"{FALLBACK_ENV}=error forbids running it eagerly") from exc
         log_event(log, logging.WARNING, "compiled decode graph failed when replayed; this size runs eagerly",
-                  graph=label(key),
-                  error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+                  graph=label(key), error=describe(exc))
         with self._wake:
             self._compiled[key] = self.forward
-            self._report[key] = {"state": f"eager (replay failed: {type(exc).__name__})"}
+            self._report[key] = {"state": f"eager (replay failed: {describe(exc)})"}
             self._changes += 1
 
     def reset(self) -> None:
@@ -240,9 +267,8 @@ class BackgroundCompiler:
                 entry: dict[str, Any] = {"state": state}
             except Exception as exc:  # a size that does not compile stays eager; the server keeps serving
                 log_event(log, logging.WARNING, "decode graph failed to compile; this size runs eagerly",
-                          graph=label(key),
-                          error=f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
-                chosen, entry = self.forward, {"state": f"failed: {type(exc).__name__}", "failed": True}
+                          graph=label(key), error=describe(exc))
+                chosen, entry = self.forward, {"state": f"failed: {describe(exc)}", "failed": describe(exc)}
             with self._wake:
                 if generation != self._generation:  # reset() meanwhile: it queued this size again
                     continue
