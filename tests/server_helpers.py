@@ -91,6 +91,9 @@ class ServerHandle:
         return self.proc.returncode
 
 
+TEST_POOL_TOKENS = 32768  # what SmolLM2 gets by default on a 24 GiB host (1.5 GB)
+
+
 def start_server(model: str, nats_url: str | None = None, extra: list[str] | None = None,
                  timeout: float = 300.0) -> ServerHandle:
     """Launch `ringserve serve` and wait for its ready line; raises with the log if it does not come."""
@@ -99,6 +102,8 @@ def start_server(model: str, nats_url: str | None = None, extra: list[str] | Non
     log_path = Path(tempfile.mkstemp(prefix="ringserve-test-", suffix=".log")[1])
     argv = [sys.executable, "-m", "ringserve.actors.launcher.cli", "serve", "--model", model, "--port", str(port),
             "--namespace", namespace, *(["--nats-url", nats_url] if nats_url else []), *(extra or [])]
+    if "--max-total-tokens" not in argv:  # SmolLM2's default pool; a tiny model's default is gigabytes of KV, and
+        argv += ["--max-total-tokens", str(TEST_POOL_TOKENS)]  # two workers' rings then exhausted CI's memory
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(argv, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT, env=env)

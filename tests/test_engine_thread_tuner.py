@@ -89,7 +89,8 @@ def test_forgetting_tries_every_count_again() -> None:
     assert tuner.preferred() == {"1-1 tokens": 2}
 
 
-def test_the_model_runner_makes_the_tuner_forget_when_a_decode_graph_settles() -> None:
+def test_the_model_runner_makes_the_tuner_forget_when_a_decode_graph_settles(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RINGSERVE_GRAPH_FALLBACK", "eager")  # the test demotes a graph on purpose
     engine = engine_for(tiny_hf_llama())
     runner = engine.runner
     runner.set_thread_policy((1, 2), fixed_from_tokens=64)

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 OURS = ("actors", "bus", "kernels", "observability")
 OLD_IMPORT = re.compile(r"^\s*(?:from|import)\s+(?:" + "|".join(OURS) + r")(?:[.\s]|$)", re.M)
 OLD_MODULE_STRING = re.compile(r"""["'](?:-m\s+)?(?:""" + "|".join(OURS) + r""")\.[a-z_]+\.""")
-# inside code strings run with `python -c`: `import torch, kernels.cpu as k`, `"from actors.common... import`
+# inside code strings run with `python -c`: an old name after `import torch, ` or after `from ` in a string
 OLD_IN_CODE = re.compile(r"(?:\bimport\s+(?:[\w.]+\s*,\s*)*|\bfrom\s+)(?<![\w.])(?:" + "|".join(OURS) + r")\.[a-z_]")
 
 
