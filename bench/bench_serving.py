@@ -186,9 +186,6 @@ def warm_up(args: argparse.Namespace, base_url: str, system: str) -> client.Clie
         graphs = server.wait_for_decode_graphs(base_url, args.launch_timeout)
         if graphs:
             print(f"decode graphs after {time.monotonic() - started:.0f} s of compiling: {graphs}", flush=True)
-            eager = {size: state for size, state in graphs.items() if not state.startswith("compiled")}
-            if eager:  # a figure measured on eager sizes is no figure of the compiled server
-                print(f"WARNING: these decode graph sizes run eagerly: {eager}", flush=True)
     return cfg
 
 

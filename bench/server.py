@@ -105,7 +105,8 @@ def flush_cache(base_url: str) -> bool:
 
 def wait_for_decode_graphs(base_url: str, timeout: float) -> dict[str, str]:
     """Wait until no decode graph of a ringserve server is still queued or compiling (compiled CPU graphs build
-    in the background as batch sizes first appear); its `decode_graphs` report ({} from other servers)."""
+    in the background as batch sizes first appear); its `decode_graphs` report ({} from other servers). Warns
+    about sizes that run eagerly: a figure measured on them is no figure of the compiled server."""
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -115,5 +116,8 @@ def wait_for_decode_graphs(base_url: str, timeout: float) -> dict[str, str]:
         reports = [r.get("decode_graphs", {}) for r in info.get("replicas") or [info]] if isinstance(info, dict) else []
         pending = [state for report in reports for state in report.values() if state in ("queued", "compiling")]
         if not pending or time.monotonic() > deadline:
-            return reports[0] if reports else {}
+            report = reports[0] if reports else {}
+            if eager := {size: state for size, state in report.items() if not state.startswith("compiled")}:
+                print(f"WARNING: these decode graph sizes run eagerly: {eager}", flush=True)
+            return report
         time.sleep(2)
