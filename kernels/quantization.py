@@ -37,13 +37,13 @@ from torch import nn
 
 import ringserve.kernels.cpu as cpu_kernels
 from ringserve.kernels.cpu import plan_cache
-from ringserve.kernels.cpu.packing import PackedWeight, pack
+from ringserve.kernels.cpu.packing import FORMATS, PackedWeight, pack
 from ringserve.kernels.float_linear import onednn_available, onednn_linear
 from ringserve.kernels.linear_plan import KernelPlan, ShapePlan, kernel_for, plan_from_times
 
 log = logging.getLogger("ringserve.kernels.quantization")
 METHODS = ("int8", "int4", "gguf")
-GROUP_KERNELS = ("q8_0", "q4_0", "q4_1")
+GROUP_KERNELS = FORMATS  # one per packed weight format (kernels/cpu/packing.py)
 # candidates per method (or per GGUF block format) in order of quality (a better one wins a near tie, see
 # choose_kernel)
 CANDIDATES = {"int8": ("q8_0", "int_mm"), "int4": ("q4_1",), **{fmt: (fmt,) for fmt in GROUP_KERNELS}}
@@ -110,7 +110,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("weight_f", weight if kernels & set(FLOAT_WEIGHT_KERNELS) else None, persistent=False)
         self.packed: dict[str, PackedWeight] = {k: packed if packed is not None and k == packed.format
                                                 else pack(weight, k) for k in kernels if k in GROUP_KERNELS}
-        self._group_linear = cpu_kernels.linear()
+        cpu_kernels.linear()  # loads the library (and the overload packed_linear calls)
         self.qweight_t = self.scales = self._fbgemm = None
         if "int_mm" in kernels:
             self._prepare_int_mm(weight)
@@ -147,11 +147,7 @@ class QuantLinear(nn.Module):
                 return torch.ops.ringserve.onednn_linear(rows, self.weight_f, self.bias)
             return onednn_linear(rows, self.weight_f, self.bias)
         if kernel in self.packed:
-            p = self.packed[kernel]
-            if torch.compiler.is_compiling():  # the custom op (with its fake) traces; the bare function not
-                return torch.ops.ringserve_cpu.group_linear(rows, p.qweight, p.scales, p.mins, self.bias,
-                                                            p.out_features, p.bits)
-            return self._group_linear(rows, p.qweight, p.scales, p.mins, self.bias, p.out_features, p.bits)
+            return cpu_kernels.packed_linear(rows, self.packed[kernel], self.bias)
         if kernel == "int_mm":
             if rows.shape[0] == 1:
                 if torch.compiler.is_compiling():

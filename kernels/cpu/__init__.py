@@ -33,6 +33,7 @@ import logging
 import os
 import threading
 import time
+from typing import Any
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -242,12 +243,26 @@ def group_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | Non
                                                 packed.out_features, packed.bits)
 
 
+_LINEAR: Any = None  # set by linear(): the overload packed_linear calls eagerly
+
+
+def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x` `[M, K]` float32 through `packed`'s own kernel (whatever its format), plus `bias`; inside a compiled
+    graph too. The one door quantized layers (kernels/quantization.py) use for a packed weight."""
+    if torch.compiler.is_compiling():  # the custom op (with its fake) traces; the bare overload not
+        return torch.ops.ringserve_cpu.group_linear(x, packed.qweight, packed.scales, packed.mins, bias,
+                                                    packed.out_features, packed.bits)
+    return _LINEAR(x, packed.qweight, packed.scales, packed.mins, bias, packed.out_features, packed.bits)
+
+
 def linear() -> object:
     """`group_linear`'s op overload itself (`torch.ops.ringserve_cpu.group_linear.default`): called directly
     it skips the overload resolution of `torch.ops...group_linear(...)`, which a batch-1 step of ~120 linears
     notices."""
+    global _LINEAR
     _extension()
-    return torch.ops.ringserve_cpu.group_linear.default
+    _LINEAR = torch.ops.ringserve_cpu.group_linear.default
+    return _LINEAR
 
 
 def f32_linear() -> object:
