@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
-    from ringserve.kernels.attention.backend import AttentionBackend, AttentionMetadata, ForwardInfo
+    from ringserve.kernels.attention.backend import AttentionBackend, AttentionMetadata, ForwardInfo, LayerAttention
     from ringserve.kernels.attention.torch_paged import TorchPagedBackend
 
 _EXPORTED = {"AttentionBackend": "ringserve.kernels.attention.backend", "AttentionMetadata": "ringserve.kernels.attention.backend",
-             "ForwardInfo": "ringserve.kernels.attention.backend", "TorchPagedBackend": "ringserve.kernels.attention.torch_paged"}
+             "ForwardInfo": "ringserve.kernels.attention.backend", "LayerAttention": "ringserve.kernels.attention.backend",
+             "TorchPagedBackend": "ringserve.kernels.attention.torch_paged"}
 
 # name -> (module, class), imported on first use; `requires` names the package that must be importable
 _LAZY: dict[str, tuple[str, str, str]] = {
@@ -58,9 +60,11 @@ def backend_class(name: str) -> type[AttentionBackend]:
     return getattr(importlib.import_module(module), cls)
 
 
-def create_backend(name: str, k_pool: torch.Tensor, v_pool: torch.Tensor, num_heads: int) -> AttentionBackend:
-    """The backend registered as `name`, over the given pools; ValueError names the choices otherwise."""
-    return backend_class(name)(k_pool, v_pool, num_heads)
+def create_backend(name: str, k_pool: torch.Tensor, v_pool: torch.Tensor, num_heads: int,
+                   layers: Sequence[LayerAttention] | None = None) -> AttentionBackend:
+    """The backend registered as `name`, over the given pools, each layer attending as `layers` says (default:
+    plain causal attention); ValueError names the choices otherwise."""
+    return backend_class(name)(k_pool, v_pool, num_heads, layers)
 
 
 def __getattr__(name: str) -> Any:
@@ -70,5 +74,5 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "ForwardInfo", "TorchPagedBackend", "backend_class",
+__all__ = ["AttentionBackend", "AttentionMetadata", "ForwardInfo", "LayerAttention", "TorchPagedBackend", "backend_class",
            "backend_names", "create_backend"]

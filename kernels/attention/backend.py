@@ -13,6 +13,7 @@ request-to-token table, which `ForwardInfo` hands to the backend as it is.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,15 @@ class ForwardInfo:
     token_table: torch.Tensor  # [R, max_len] int64 pool slot of each request's tokens
     out_slots: torch.Tensor  # [T] int64 slot where each new token's K/V is written
     kv_lens: torch.Tensor | None = None  # [B] int64 `kv_lens_cpu` on the device, when the caller has it
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """How one layer attends, as its model declares it; every backend honours all three fields."""
+
+    scale: float  # softmax scale (1/sqrt(head_dim) unless the architecture says otherwise)
+    window: int | None = None  # a query sees only the last `window` positions, its own included (HF's sliding_window)
+    soft_cap: float | None = None  # logits become soft_cap * tanh(logits / soft_cap) before the softmax
 
 
 @dataclass
@@ -67,13 +77,19 @@ class AttentionBackend(ABC):
 
     supports_cuda_graph: bool = False  # whether the three graph hooks are implemented
 
-    def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, num_heads: int) -> None:
-        """`k_pool`/`v_pool`: `[num_layers, num_slots, n_kv_heads, head_dim]`, owned by the KV pool."""
+    def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, num_heads: int,
+                 layers: Sequence[LayerAttention] | None = None) -> None:
+        """`k_pool`/`v_pool`: `[num_layers, num_slots, n_kv_heads, head_dim]`, owned by the KV pool. `layers`: each
+        layer's `LayerAttention` (default: every layer plain causal attention scaled by 1/sqrt(head_dim))."""
         self.k_pool = k_pool
         self.v_pool = v_pool
         self.num_heads = num_heads
         self.num_kv_heads = k_pool.shape[2]
         self.head_dim = k_pool.shape[3]
+        self.layers: tuple[LayerAttention, ...] = (
+            tuple(layers) if layers is not None else (LayerAttention(self.head_dim ** -0.5),) * k_pool.shape[0])
+        if len(self.layers) != k_pool.shape[0]:
+            raise ValueError(f"{len(self.layers)} layer specs for a pool of {k_pool.shape[0]} layers")
 
     @abstractmethod
     def prepare(self, info: ForwardInfo) -> AttentionMetadata:

@@ -21,9 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import flashinfer
+from collections.abc import Sequence
+
 import torch
 
-from ringserve.kernels.attention.backend import AttentionBackend, AttentionMetadata, ForwardInfo
+from ringserve.kernels.attention.backend import AttentionBackend, AttentionMetadata, ForwardInfo, LayerAttention
 from ringserve.kernels.attention.plan_guard import ReplanGuard
 from ringserve.kernels.host_copy import host_to_device, to_device
 from ringserve.kernels.triton.kv_indices import build_kv_indices
@@ -46,8 +48,9 @@ class FlashInferBackend(AttentionBackend):
 
     supports_cuda_graph = True
 
-    def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, num_heads: int) -> None:
-        super().__init__(k_pool, v_pool, num_heads)
+    def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, num_heads: int,
+                 layers: Sequence[LayerAttention] | None = None) -> None:
+        super().__init__(k_pool, v_pool, num_heads, layers)
         if k_pool.device.type != "cuda":
             raise ValueError("the flashinfer attention backend needs a CUDA device")
         if k_pool.dtype not in (torch.float16, torch.bfloat16):

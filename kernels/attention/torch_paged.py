@@ -24,10 +24,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
-from ringserve.kernels.attention.backend import AttentionBackend, AttentionMetadata, ForwardInfo
+from ringserve.kernels.attention.backend import AttentionBackend, AttentionMetadata, ForwardInfo, LayerAttention
 from ringserve.kernels.host_copy import host_to_device, to_device
 
 
@@ -77,8 +79,9 @@ class TorchPagedBackend(AttentionBackend):
 
     supports_cuda_graph = True
 
-    def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, num_heads: int) -> None:
-        super().__init__(k_pool, v_pool, num_heads)
+    def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, num_heads: int,
+                 layers: Sequence[LayerAttention] | None = None) -> None:
+        super().__init__(k_pool, v_pool, num_heads, layers)
         self.rep = num_heads // self.num_kv_heads
         self.scale = self.head_dim**-0.5
         self._graph: dict[str, torch.Tensor] = {}

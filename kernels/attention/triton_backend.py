@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from collections.abc import Sequence
+
 import torch
 
-from ringserve.kernels.attention.backend import AttentionBackend, AttentionMetadata, ForwardInfo
+from ringserve.kernels.attention.backend import AttentionBackend, AttentionMetadata, ForwardInfo, LayerAttention
 from ringserve.kernels.host_copy import to_device
 from ringserve.kernels.triton import interpreter_enabled
 from ringserve.kernels.triton.decode_attention import decode_attention, decode_buffers
@@ -39,8 +41,9 @@ class TritonBackend(AttentionBackend):
 
     supports_cuda_graph = True
 
-    def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, num_heads: int) -> None:
-        super().__init__(k_pool, v_pool, num_heads)
+    def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, num_heads: int,
+                 layers: Sequence[LayerAttention] | None = None) -> None:
+        super().__init__(k_pool, v_pool, num_heads, layers)
         if k_pool.device.type != "cuda" and not interpreter_enabled():
             raise ValueError("the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1 for tests)")
         self.scale = self.head_dim**-0.5
