@@ -113,8 +113,8 @@ def model_dir(tmp_path: Path, source: Path, files: tuple[str, ...], model_type: 
 
 
 @pytest.mark.parametrize("files, model_type, says", [
-    (("config.json",), "gpt2", "unsupported architecture: its config.json has model_type 'gpt2' "
-                              "(GPT2LMHeadModel); supported: llama"),  # no weights either: architecture first
+    (("config.json",), "gpt2", "is an unsupported architecture GPT2LMHeadModel; served are: LlamaForCausalLM, "
+                              "MistralForCausalLM, Qwen2ForCausalLM"),  # no weights either: architecture first
     (("config.json", "tokenizer.json"), None, "has no .safetensors weights"),
     (("config.json", "model.safetensors"), None, "has no tokenizer"),
 ], ids=["architecture", "weights", "tokenizer"])

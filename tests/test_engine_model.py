@@ -8,23 +8,23 @@ import pytest
 import torch
 
 from ringserve.actors.engine.runner.kv_pool import KVPool
-from ringserve.actors.engine.models.llama import LlamaForCausalLM, head_dim_of, rope_theta_of
+from ringserve.actors.engine.models.causal_lm import CausalLM
+from ringserve.actors.engine.models.registry import UnsupportedArchitecture
 from ringserve.actors.engine.runner.token_table import TokenTable
 from ringserve.actors.engine.models.weights import model_from_hf
-from ringserve.kernels.attention import ForwardInfo, TorchPagedBackend
+from ringserve.kernels.attention import ForwardInfo, create_backend
 from tests.engine_helpers import tiny_hf_llama
 
 
 class PagedRunner:
     """Feeds chunks of several sequences through our model with a real paged KV pool, returning raw logits."""
 
-    def __init__(self, model: LlamaForCausalLM, num_seqs: int) -> None:
-        config = model.config
+    def __init__(self, model: CausalLM, num_seqs: int, backend: str = "torch") -> None:
         self.model = model
-        pool = KVPool(config.num_hidden_layers, 256, config.num_key_value_heads, head_dim_of(config),
-                      dtype=torch.float32, device=torch.device("cpu"))
+        pool = KVPool(model.num_layers, 256, model.num_kv_heads, model.head_dim, dtype=torch.float32,
+                      device=torch.device("cpu"))
         self.table = TokenTable(num_seqs, 128, torch.device("cpu"), pool.scratch_slot)
-        self.backend = TorchPagedBackend(pool.k, pool.v, config.num_attention_heads)
+        self.backend = create_backend(backend, pool.k, pool.v, model.num_heads, model.layer_attention())
         self.rows = [self.table.assign() for _ in range(num_seqs)]
         self.lengths = [0] * num_seqs
         self.free = torch.randperm(256)  # scattered slots
@@ -71,18 +71,15 @@ def test_logits_match_transformers_through_prefill_extend_and_decode(tied: bool)
             torch.testing.assert_close(logits[b], hf_last_logits(hf, seqs[b][: done[b]]), atol=1e-4, rtol=1e-4)
 
 
-def test_rope_theta_and_rejected_configs() -> None:
+def test_unknown_rope_types_and_architectures_are_refused_naming_them() -> None:
     hf = tiny_hf_llama()
     config = hf.config
-    assert rope_theta_of(config) == config.rope_parameters["rope_theta"]
-    config.rope_parameters = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}
-    with pytest.raises(ValueError, match="unsupported rope_type 'llama3'"):
-        LlamaForCausalLM(config)
-    config.rope_parameters = None
-    config.rope_theta = 1234.0
-    assert rope_theta_of(config) == 1234.0
-    config.model_type = "mistral"
-    with pytest.raises(ValueError, match="unsupported model_type 'mistral'"):
+    config.rope_parameters = {"rope_type": "su", "rope_theta": 5e5}
+    with pytest.raises(ValueError, match="unsupported rope_type 'su'"):
+        model_from_hf(config, hf.state_dict())
+    config.rope_parameters = {"rope_type": "default", "rope_theta": 1e4}
+    config.architectures = ["FalconForCausalLM"]
+    with pytest.raises(UnsupportedArchitecture, match="FalconForCausalLM; served are: LlamaForCausalLM"):
         model_from_hf(config, hf.state_dict())
 
 

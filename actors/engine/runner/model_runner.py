@@ -19,7 +19,8 @@ import torch
 from ringserve.actors.engine.scheduling.batch import Batch, ForwardOutput, PromptScores
 from ringserve.actors.engine.runner.graphs.decode_graph import DecodeGraphRunner, default_mode
 from ringserve.actors.engine.runner.kv_pool import KVPool
-from ringserve.actors.engine.models.llama import Attention, DecoderLayer, LlamaForCausalLM, RMSNorm
+from ringserve.actors.engine.models.blocks import Attention, RMSNorm
+from ringserve.actors.engine.models.causal_lm import CausalLM
 from ringserve.actors.engine.runner.graphs.thread_tuner import ThreadTuner
 from ringserve.actors.engine.runner.token_table import TokenTable
 from ringserve.kernels.attention import AttentionBackend, ForwardInfo, create_backend
@@ -31,7 +32,7 @@ class ModelRunner:
     """Owns the model and its attention backend over a KV pool."""
 
     def __init__(
-        self, model: LlamaForCausalLM, pool: KVPool, table: TokenTable, backend: str, graph_max_bs: int = 0,
+        self, model: CausalLM, pool: KVPool, table: TokenTable, backend: str, graph_max_bs: int = 0,
         graph_mode: str | None = None,
     ) -> None:
         """`graph_max_bs` > 0 runs decode batches up to that size through a `DecodeGraphRunner` (`graph_mode`:
@@ -42,8 +43,8 @@ class ModelRunner:
         self.thread_tuner: ThreadTuner | None = None
         self.device = table.table.device
         # this rank's heads: a tensor-parallel shard keeps 1/tp of them (actors/engine/parallel/tensor_parallel.py)
-        heads = model.model.layers[0].self_attn.num_heads
-        self.backend: AttentionBackend = create_backend(backend, pool.k, pool.v, heads)
+        self.backend: AttentionBackend = create_backend(backend, pool.k, pool.v, model.num_heads,
+                                                        model.layer_attention())
         # tensor parallelism, rank 0: hands each eager forward's layout to the follower ranks first (tp_engine.py)
         self.tp_sender: Callable[[list[int], list[int], list[int], torch.Tensor, ForwardInfo], None] | None = None
         if backend == "triton" and self.device.type == "cuda":
@@ -176,24 +177,24 @@ class ModelRunner:
                             host(scored.top_logprobs))  # type: ignore[arg-type]
 
 
-def use_cpu_decode_layers(model: LlamaForCausalLM) -> None:
+def use_cpu_decode_layers(model: CausalLM) -> None:
     """Let `model`'s layers run decode steps as one C++ op each (kernels/cpu/decode_layer.py), where their
     linears are quantized to group kernels; the op itself checks per step that it applies."""
     from ringserve.kernels.quantization import QuantLinear
 
-    for module in model.modules():
-        if isinstance(module, DecoderLayer):
-            module.fused_decode = any(isinstance(m, QuantLinear) and m.packed for m in module.modules())
+    for layer in model.decoder_layers():
+        layer.fused_decode = layer.fusable and any(isinstance(m, QuantLinear) and m.packed for m in layer.modules())
 
 
-def use_triton_kernels(model: LlamaForCausalLM) -> None:
+def use_triton_kernels(model: CausalLM) -> None:
     """Run `model`'s RMSNorms and rotary embeddings with the fused Triton kernels (same weights, same math)."""
     from ringserve.kernels.triton.rmsnorm import TritonRMSNorm
     from ringserve.kernels.triton.rotary import apply_rotary
 
+    full_rotary = model.rotary_dim == model.head_dim  # the Triton kernel rotates whole heads
     for module in list(model.modules()):
-        if isinstance(module, Attention):
+        if isinstance(module, Attention) and full_rotary:
             module.rotary = apply_rotary
         for name, child in list(module.named_children()):
-            if isinstance(child, RMSNorm):
+            if isinstance(child, RMSNorm) and not child.unit_offset:  # the kernel scales by weight, not 1 + weight
                 setattr(module, name, TritonRMSNorm(child.weight, child.eps))

@@ -39,7 +39,7 @@ from ringserve.actors.engine.scheduling.decode import DecodeManager
 from ringserve.actors.engine.scheduling.grammar import GrammarManager
 from ringserve.actors.engine.scheduling.jump_forward import JumpForward
 from ringserve.actors.engine.runner.kv_pool import KVPool
-from ringserve.actors.engine.models.llama import LlamaForCausalLM, head_dim_of
+from ringserve.actors.engine.models.causal_lm import CausalLM
 from ringserve.actors.engine.runner.model_runner import ModelRunner
 from ringserve.actors.engine.scheduling.output_rows import StepLogprobs, output_row
 from ringserve.actors.engine.scheduling.prefill import PrefillManager
@@ -64,23 +64,21 @@ log = logging.getLogger("engine")
 class Engine:
     """Continuous batching with chunked prefill and a prefix cache over our Llama and a paged KV pool."""
 
-    def __init__(self, model: LlamaForCausalLM, config: EngineConfig, tokenizer: Any | None = None,
+    def __init__(self, model: CausalLM, config: EngineConfig, tokenizer: Any | None = None,
                  model_name: str = "") -> None:
         """`model` already on `config`'s device; `tokenizer` is needed only by requests with stop strings;
         `model_name` is what `stats()` reports."""
         self.config = config
         self.model_name = model_name
         self.device = torch.device(config.resolved_device())
-        mc = model.config
-        self.vocab_size: int = mc.vocab_size
-        self.context_length: int = mc.max_position_embeddings
+        self.vocab_size: int = model.vocab_size
+        self.context_length: int = model.context_length
         self.tokenizer = tokenizer
-        dtype = model.model.embed_tokens.weight.dtype
-        head_dim = head_dim_of(mc)
-        kv_heads = model.model.layers[0].self_attn.num_kv_heads  # this rank's share under tensor parallelism
-        per_token = KVPool.bytes_per_token(mc.num_hidden_layers, kv_heads, head_dim, dtype)
+        dtype, head_dim, layers = model.dtype, model.head_dim, model.num_layers
+        kv_heads = model.num_kv_heads  # this rank's share under tensor parallelism
+        per_token = KVPool.bytes_per_token(layers, kv_heads, head_dim, dtype)
         num_slots, self._kv_pool_report = config.kv_pool_plan(per_token, self.context_length)
-        self.pool = KVPool(mc.num_hidden_layers, num_slots, kv_heads, head_dim, dtype, self.device)
+        self.pool = KVPool(layers, num_slots, kv_heads, head_dim, dtype, self.device)
         self.table = TokenTable(config.max_running_requests, min(self.context_length, num_slots), self.device,
                                 self.pool.scratch_slot)
         prefix_cache = create_prefix_cache(not config.disable_radix_cache, self.device)

@@ -37,7 +37,7 @@ import torch
 from tqdm import tqdm
 
 from ringserve.actors.engine.runner.graphs.graph_compiler import BackgroundCompiler
-from ringserve.actors.engine.models.llama import LlamaForCausalLM
+from ringserve.actors.engine.models.causal_lm import CausalLM
 from ringserve.actors.engine.runner.token_table import TokenTable
 from ringserve.kernels.attention import AttentionBackend, AttentionMetadata, ForwardInfo
 from ringserve.kernels.host_copy import to_device
@@ -86,7 +86,7 @@ class DecodeStep(torch.nn.Module):
     the parameters (and the attention backend) through its module when called, so a graph stored by one
     process runs another's weights when bound to its `DecodeStep` (actors/engine/runner/graphs/graph_store.py)."""
 
-    def __init__(self, model: LlamaForCausalLM, backend: AttentionBackend) -> None:
+    def __init__(self, model: CausalLM, backend: AttentionBackend) -> None:
         super().__init__()
         self.model = model
         self.backend = backend
@@ -102,7 +102,7 @@ class DecodeGraphRunner:
 
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         backend: AttentionBackend,
         table: TokenTable,
         max_bs: int,
@@ -124,9 +124,8 @@ class DecodeGraphRunner:
         if self.mode == "cuda_graph" and self.device.type != "cuda":
             raise ValueError("capturing CUDA graphs needs the model on a CUDA device")
         self.step = DecodeStep(model, backend)
-        embed = model.model.embed_tokens.weight
-        vocab = 0 if self.mode == "compile" else model.config.vocab_size
-        self.inputs = GraphInputs.allocate(self.max_bs, vocab, embed.dtype, self.device)
+        vocab = 0 if self.mode == "compile" else model.vocab_size
+        self.inputs = GraphInputs.allocate(self.max_bs, vocab, model.dtype, self.device)
         backend.init_graph_buffers(self.max_bs, table.table)
         self.meta: dict[int, AttentionMetadata] = {bs: backend.prepare_for_capture(bs) for bs in self.sizes}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}

@@ -1,0 +1,134 @@
+"""The building blocks every architecture is declared from: RMSNorm, attention, gated MLP and the decoder layer.
+
+Shapes: `T` new tokens in the step, `H`/`Hkv` query/KV heads, `D` head dim, `C` hidden size. Parameter names
+mirror Hugging Face's, except that q/k/v are fused into one `qkv_proj` and gate/up into one `gate_up_proj` (one
+GEMM each instead of three and two). Op order follows transformers' (norms in float32, rotary cos/sin from
+float32 frequencies) so greedy decoding matches it token for token. What varies between families is a
+`Blocks` value (models/spec.py); attention goes through an `AttentionBackend`, and no block holds KV.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ringserve.actors.engine.models.rope import apply_rotary
+from ringserve.actors.engine.models.spec import LayerShape
+from ringserve.kernels.attention import AttentionBackend, AttentionMetadata
+from ringserve.kernels.cpu.decode_layer import fused_decode_layer
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm in float32. Llama's scales by `weight` in the input dtype; Gemma's (`unit_offset`)
+    by `1 + weight` in float32, as each family's transformers code does."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+        self.eps = eps
+        self.unit_offset = unit_offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (h * (1.0 + self.weight.float())).to(dtype)
+        return self.weight * h.to(dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with optional q/k/v bias, per-head q/k norms and partial rotary; how the
+    layer attends (scale, window, soft-cap) is its `LayerAttention`, applied by the backend."""
+
+    def __init__(self, shape: LayerShape, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(shape.hidden, self.q_size + 2 * self.kv_size, bias=shape.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, shape.hidden, bias=shape.o_bias)
+        self.q_norm = self.k_norm = None
+        if shape.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, shape.norm_eps, shape.norm_unit_offset)
+            self.k_norm = RMSNorm(self.head_dim, shape.norm_eps, shape.norm_unit_offset)
+        # swappable for a fused kernel (model_runner.use_triton_kernels), as the norms are
+        self.rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = apply_rotary
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
+                meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(q, cos, sin), self.rotary(k, cos, sin)
+        out = backend.forward(q, k, v, self.layer, meta)  # [T, H, D]
+        return self.o_proj(out.reshape(t, self.q_size))  # [T, C]
+
+
+class GatedMLP(nn.Module):
+    """`down(act(gate(x)) * up(x))`: SwiGLU with silu, GeGLU with Gemma's tanh-approximated gelu."""
+
+    def __init__(self, shape: LayerShape) -> None:
+        super().__init__()
+        if shape.activation not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {shape.activation!r}: implemented are {sorted(ACTIVATIONS)}")
+        self.inner = shape.intermediate
+        self.activation = shape.activation
+        self.act = ACTIVATIONS[shape.activation]
+        self.gate_up_proj = nn.Linear(shape.hidden, 2 * shape.intermediate, bias=shape.mlp_bias)
+        self.down_proj = nn.Linear(shape.intermediate, shape.hidden, bias=shape.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: attention and MLP, each with a residual. With `sandwich_norms` (Gemma 2/3) each sublayer's
+    output is normed too, and the pre-MLP norm is `pre_feedforward_layernorm` (HF's names for both layouts)."""
+
+    def __init__(self, shape: LayerShape, layer: int) -> None:
+        super().__init__()
+        norm = lambda: RMSNorm(shape.hidden, shape.norm_eps, shape.norm_unit_offset)  # noqa: E731
+        self.self_attn = Attention(shape, layer)
+        self.mlp = GatedMLP(shape)
+        self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()  # Llama: before the MLP; sandwich: after attention
+        self.sandwich = shape.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
+        self.rope = shape.rope
+        # Set where a decode step's whole layer may run as one CPU op (model_runner.use_cpu_decode_layers).
+        self.fused_decode = False
+        self.fusable = shape.fusable
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
+                meta: AttentionMetadata) -> torch.Tensor:
+        if self.fused_decode:
+            attn, mlp = self.self_attn, self.mlp
+            out = fused_decode_layer(x, cos, sin, (self.input_layernorm, self.post_attention_layernorm),
+                                     (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj), attn.num_heads,
+                                     attn.layer, backend, meta)
+            if out is not None:
+                return out
+        if not self.sandwich:
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, meta)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, backend, meta))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))

@@ -1,0 +1,121 @@
+"""A decoder-only language model built from the shared blocks as its family's `ArchSpec` declares, and the
+interface the rest of the engine reaches every model through.
+
+The runner, graphs, quantization and tensor-parallel code use only: `layer_attention()` (each layer's scale,
+window and soft-cap, for the attention backend), `num_heads`/`num_kv_heads`/`head_dim` (this rank's, uniform
+over layers), `num_layers`, `dtype`, `vocab_size`, `context_length`, `decoder_layers()` (each with `self_attn`
+(`qkv_proj`, `o_proj`, head counts) and `mlp` (`gate_up_proj`, `down_proj`, `inner`), the pieces tensor
+parallelism shards and quantization swaps), and `forward`. Nothing outside models/ names an architecture.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ringserve.actors.engine.models.blocks import DecoderLayer, RMSNorm
+from ringserve.actors.engine.models.rope import Rotary, rope_parameters
+from ringserve.actors.engine.models.spec import ArchSpec, LayerShape, layer_shapes
+from ringserve.kernels.attention import AttentionBackend, AttentionMetadata
+from ringserve.kernels.attention.backend import LayerAttention
+
+
+class DecoderStack(nn.Module):
+    """Embeddings, decoder layers, final norm and the rotary tables (HF's `model.` prefix)."""
+
+    def __init__(self, config: Any, spec: ArchSpec, shapes: list[LayerShape]) -> None:
+        super().__init__()
+        # No random init: every tensor is assigned from the checkpoint. On the meta device (where weights.py
+        # builds the model) Embedding's normal_ alone imports ~900 modules: ~1.8 s of every start.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(shape, i) for i, shape in enumerate(shapes))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, spec.norm_unit_offset)
+        max_positions = config.max_position_embeddings
+        self.rotary = nn.ModuleDict({kind: Rotary(rope_parameters(config, None if kind == "default" else kind),
+                                                  shapes[0].head_dim, max_positions)
+                                     for kind in sorted({s.rope for s in shapes})})
+
+
+class CausalLM(nn.Module):
+    """A decoder-only model with a language-model head; `forward` returns next-token logits of each request."""
+
+    def __init__(self, config: Any, spec: ArchSpec) -> None:
+        super().__init__()
+        self.config = config
+        self.spec = spec
+        shapes = layer_shapes(spec, config)
+        self._attention = [s.attention for s in shapes]
+        self.model = DecoderStack(config, spec, shapes)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.embed_scale = config.hidden_size ** 0.5 if spec.embed_scale else None
+        self.final_softcap = getattr(config, spec.final_softcap, None) if spec.final_softcap else None
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding matrix with the LM head when the config says so."""
+        if getattr(self.config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """The decoder layers, in order."""
+        return list(self.model.layers)
+
+    def layer_attention(self) -> list[LayerAttention]:
+        """How each layer attends (scale, sliding window, soft-cap), for the attention backend."""
+        return list(self._attention)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    @property
+    def num_heads(self) -> int:
+        """Query heads per layer on this rank (a tensor-parallel shard keeps 1/tp of them)."""
+        return self.model.layers[0].self_attn.num_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads per layer on this rank."""
+        return self.model.layers[0].self_attn.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.model.layers[0].self_attn.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many dims of each head the rotary embedding turns (all of them unless partial)."""
+        return min(rotary.dim for rotary in self.model.rotary.values())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype activations and the KV cache are kept in."""
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def context_length(self) -> int:
+        return self.config.max_position_embeddings
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
+                meta: AttentionMetadata, logits_index: torch.Tensor) -> torch.Tensor:
+        """`input_ids`, `positions` `[T]` -> logits `[S, V]` at the `S` token indices in `logits_index`."""
+        x = self.model.embed_tokens(input_ids)  # [T, C]
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        tables = {kind: rotary(positions, x.dtype) for kind, rotary in self.model.rotary.items()}
+        for layer in self.model.layers:
+            cos, sin = tables[layer.rope]
+            x = layer(x, cos, sin, backend, meta)
+        x = self.model.norm(x[logits_index])  # [S, C]; the norm is per row, so select first
+        logits = self.lm_head(x)  # [S, V]
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits

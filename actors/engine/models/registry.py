@@ -1,0 +1,68 @@
+"""Which architecture family serves a checkpoint: by config.json's `architectures` (or `model_type`) or a GGUF's
+`general.architecture`, each family one module of this package holding its `SPEC`, imported only when used.
+
+This module needs no torch: the launcher checks a model here before any actor starts. Adding an architecture
+is a family file plus a row below (docs/models.md says how).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# family module -> the config.json `architectures`, `model_type`s and GGUF `general.architecture`s it serves
+FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
+    "llama": (("LlamaForCausalLM",), ("llama",), ("llama",)),
+    "mistral": (("MistralForCausalLM",), ("mistral",), ()),  # llama.cpp writes Mistral GGUFs as "llama"
+    "qwen2": (("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",)),
+    "qwen3": (("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",)),
+    "gemma2": (("Gemma2ForCausalLM",), ("gemma2",), ("gemma2",)),
+    "gemma3": (("Gemma3ForCausalLM",), ("gemma3_text",), ("gemma3",)),
+    "phi3": (("Phi3ForCausalLM",), ("phi3",), ("phi3",)),
+}
+
+
+class UnsupportedArchitecture(ValueError):
+    """A checkpoint of an architecture no family here serves."""
+
+
+def supported_architectures() -> list[str]:
+    """Every config.json architecture name we serve, for messages and docs."""
+    return [name for names, _, _ in FAMILIES.values() for name in names]
+
+
+def family_of(config: Any) -> str:
+    """The family serving `config` (a config object or config.json's dict); UnsupportedArchitecture names what
+    the config is and what we serve."""
+    read = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    architectures = read("architectures") or []
+    model_type = read("model_type")
+    for family, (names, model_types, _) in FAMILIES.items():
+        if any(a in names for a in architectures) or (not architectures and model_type in model_types):
+            return family
+    named = ", ".join(map(str, architectures)) or f"model_type {model_type!r}"
+    raise UnsupportedArchitecture(f"unsupported architecture {named}; served are: "
+                                  f"{', '.join(supported_architectures())}")
+
+
+def family_of_gguf(architecture: str) -> str:
+    """The family serving a GGUF whose `general.architecture` is `architecture`."""
+    for family, (_, _, gguf_names) in FAMILIES.items():
+        if architecture in gguf_names:
+            return family
+    served = sorted(a for _, _, names in FAMILIES.values() for a in names)
+    raise UnsupportedArchitecture(f"unsupported GGUF architecture {architecture!r}; served are: {', '.join(served)}")
+
+
+def spec_of(family: str) -> Any:
+    """The family's `ArchSpec` (its module imported now)."""
+    if family not in FAMILIES:
+        raise UnsupportedArchitecture(f"no model family {family!r}; there are: {', '.join(FAMILIES)}")
+    return importlib.import_module(f"{__package__}.{family}").SPEC
+
+
+def build_model(config: Any) -> Any:
+    """Our model for `config` (a `CausalLM`), built on the current default device."""
+    from ringserve.actors.engine.models.causal_lm import CausalLM
+
+    return CausalLM(config, spec_of(family_of(config)))

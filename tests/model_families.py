@@ -1,0 +1,96 @@
+"""Tiny random-weight models of every architecture family we serve, built with transformers' own config and
+model classes, for comparing our engine's outputs with transformers'.
+
+Weights are drawn with std 0.3 (norm weights near their identity) so greedy choices are not near-ties. Sliding
+windows are 6 tokens, so the tests' prompts cross them; rope-scaled variants have an original context of 32.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+VOCAB = 256
+WINDOW = 6
+ORIGINAL_CONTEXT = 32
+COMMON: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def _llama3() -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**COMMON, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": ORIGINAL_CONTEXT})
+
+
+def _mistral() -> Any:
+    from transformers import MistralConfig
+
+    return MistralConfig(**COMMON, head_dim=16, sliding_window=WINDOW)
+
+
+def _qwen2() -> Any:
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**COMMON)
+
+
+def _qwen3() -> Any:
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**{**COMMON, "tie_word_embeddings": True}, head_dim=16)
+
+
+def _gemma2() -> Any:
+    from transformers import Gemma2Config
+
+    return Gemma2Config(**{**COMMON, "tie_word_embeddings": True}, head_dim=16, sliding_window=WINDOW,
+                        query_pre_attn_scalar=24, attn_logit_softcapping=4.0, final_logit_softcapping=8.0,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+
+
+def _gemma3() -> Any:
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(**{**COMMON, "tie_word_embeddings": True}, head_dim=16, sliding_window=WINDOW,
+                            query_pre_attn_scalar=24,
+                            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                             "full_attention": {"rope_type": "linear", "rope_theta": 1e6,
+                                                                "factor": 8.0}})
+
+
+def _phi3() -> Any:
+    from transformers import Phi3Config
+
+    rotary_half = 16 * 3 // 4 // 2  # head_dim 16, partial_rotary_factor 0.75
+    return Phi3Config(**COMMON, original_max_position_embeddings=ORIGINAL_CONTEXT, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+        "short_factor": [1.0 + 0.1 * i for i in range(rotary_half)],
+        "long_factor": [2.0 + 0.5 * i for i in range(rotary_half)],
+        "original_max_position_embeddings": ORIGINAL_CONTEXT})
+
+
+CONFIGS: dict[str, Callable[[], Any]] = {"llama3": _llama3, "mistral": _mistral, "qwen2": _qwen2, "qwen3": _qwen3,
+                                         "gemma2": _gemma2, "gemma3": _gemma3, "phi3": _phi3}
+
+
+def tiny_hf_model(family: str, seed: int = 0) -> Any:
+    """The family's tiny random model as transformers builds it (eager attention: soft-capping needs it)."""
+    from transformers import AutoModelForCausalLM
+
+    config = CONFIGS[family]()
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # Gemma's norms scale by 1 + weight: near identity either way
+                p.copy_(torch.randn_like(p) * 0.1 + (0.0 if "gemma" in family else 1.0))
+            else:
+                p.normal_(0.0, 0.3)
+    return model.eval()
