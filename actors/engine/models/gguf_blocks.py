@@ -5,10 +5,11 @@ and Q4_1 blocks (32 weights with an fp16 scale, and for Q4_1 an fp16 min) are ex
 `ringserve.kernels.cpu.packing`, so their integer codes and scales are repacked into the kernels' tiled layout as they
 are. Other block types (K-quants, F16, ...) are not read here: `packed_linears` names them in its error.
 
-Names follow llama.cpp's Llama layout (`blk.{i}.attn_q.weight`, ...). llama.cpp's converter permutes the rows of
-the q and k projections for its rotary layout; transformers undoes it when it loads the file, and so does this
-module, on the codes and scales alike (a row permutation leaves the groups along K intact). Our model fuses
-q/k/v and gate/up (actors/engine/models/llama.py `FUSED`): their blocks are concatenated row-wise in the same order.
+Names follow llama.cpp's layout (`blk.{i}.attn_q.weight`, ...), per family as its `ArchSpec.gguf_linears` says
+(the file's `general.architecture` picks the family). llama.cpp's converter permutes the rows of Llama's q and k
+projections for its rotary layout; transformers undoes it when it loads the file, and so does this module, on the
+codes and scales alike (a row permutation leaves the groups along K intact). Our model fuses q/k/v and gate/up:
+their blocks are concatenated row-wise in the same order.
 """
 
 from __future__ import annotations
@@ -21,16 +22,11 @@ import numpy as np
 import torch
 
 from ringserve.actors.common.model_source import ModelSource, cache_root, gguf_cache_key, publish_directory
+from ringserve.actors.engine.models.registry import family_of_gguf, spec_of
 from ringserve.kernels.cpu.packing import QK, PackedWeight, pack_codes
 
 BLOCK_FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}  # GGML type -> kernels.cpu.packing format
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}  # per 32 weights: fp16 scale (and min), then the codes
-LAYER_PARTS = {  # our fused linear -> the GGUF tensors (suffixes of `blk.{i}.`) it is made of, in row order
-    "self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"),
-    "self_attn.o_proj": ("attn_output",),
-    "mlp.gate_up_proj": ("ffn_gate", "ffn_up"),
-    "mlp.down_proj": ("ffn_down",),
-}
 
 
 def decode_blocks(raw: np.ndarray, fmt: str, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor,
@@ -67,6 +63,8 @@ class GgufBlocks:
         self._tensors = {t.name: t for t in reader.tensors}
         self.heads = self._field(reader, "attention.head_count")
         self.kv_heads = self._field(reader, "attention.head_count_kv") or self.heads
+        architecture = reader.fields["general.architecture"].contents()
+        self.spec = spec_of(family_of_gguf(architecture))  # its tensor names and q/k row order
 
     @staticmethod
     def _field(reader: object, suffix: str) -> int | None:
@@ -91,7 +89,7 @@ class GgufBlocks:
         codes, scales, mins = decode_blocks(tensor.data, fmt, rows, cols)
         heads = self.heads if name.endswith("attn_q.weight") else self.kv_heads if name.endswith("attn_k.weight") \
             else None
-        if heads:
+        if heads and self.spec.gguf_permute_qk:
             order = rotary_row_order(rows, heads)
             codes, scales = codes[order], scales[order]
             mins = mins[order] if mins is not None else None
@@ -113,7 +111,7 @@ def packed_linears(path: str | Path, num_layers: int, tied_head: bool) -> dict[s
     every layer, and the LM head (`output.weight`, or the token embedding when the head is tied)."""
     blocks = GgufBlocks(path)
     out = {f"model.layers.{i}.{ours}": blocks.packed(tuple(f"blk.{i}.{part}.weight" for part in parts))
-           for i in range(num_layers) for ours, parts in LAYER_PARTS.items()}
+           for i in range(num_layers) for ours, parts in blocks.spec.gguf_linears.items()}
     head = "token_embd.weight" if tied_head else "output.weight"
     out["lm_head"] = blocks.packed((head,))
     return out

@@ -1,0 +1,112 @@
+"""Every architecture family against transformers on a tiny random model (tests/model_families.py): logits through
+prefill, extend and decode over a paged pool; greedy tokens and prompt logprobs through the engine (chunked
+prefill, the prefix cache, compiled decode graphs), with prompts that cross the sliding windows and rope-scaled
+models past their original context."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from ringserve.actors.engine.models.weights import model_from_hf
+from ringserve.bus.messages import TokenizedRequest
+from tests.engine_helpers import assert_greedy_matches, engine_for, greedy, hf_greedy, run_to_completion, tokens_of
+from tests.model_families import CONFIGS, ORIGINAL_CONTEXT, VOCAB, WINDOW, tiny_hf_model
+from tests.test_engine_model import PagedRunner, hf_last_logits
+
+FAMILIES = sorted(CONFIGS)
+COMPILE_TIMEOUT = 900.0  # one graph on a busy 2-core host
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_hf(request: pytest.FixtureRequest) -> tuple[str, Any]:
+    return request.param, tiny_hf_model(request.param)
+
+
+def prompts(count: int, lengths: tuple[int, ...], seed: int = 1) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (lengths[i % len(lengths)],), generator=gen).tolist() for i in range(count)]
+
+
+@torch.no_grad()
+def incremental_greedy(hf: Any, prompt: list[int], new_tokens: int) -> list[int]:
+    """transformers' forward over its KV cache, one greedy token at a time."""
+    out = hf(torch.tensor([prompt]), use_cache=True)
+    tokens: list[int] = []
+    for _ in range(new_tokens):
+        tokens.append(int(out.logits[0, -1].argmax()))
+        out = hf(torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens
+
+
+def reference_greedy(family: str, hf: Any, prompt: list[int], new_tokens: int) -> list[int]:
+    """transformers' greedy tokens. Phi-3's `generate` re-encodes the whole sequence with longrope's long factors
+    once it passes the original context (its prepare_inputs_for_generation drops the cache there); we switch
+    factors per token (models/rope.py), which is transformers' own forward over its cache."""
+    return incremental_greedy(hf, prompt, new_tokens) if family == "phi3" else hf_greedy(hf, prompt, new_tokens, None)
+
+
+def test_logits_match_transformers_through_prefill_extend_and_decode(family_hf: tuple[str, Any]) -> None:
+    family, hf = family_hf
+    model = model_from_hf(hf.config, hf.state_dict())
+    seqs = prompts(3, (4, 3 * WINDOW, 2 * WINDOW + 3))
+    runner = PagedRunner(model, len(seqs))
+    plan = [[s[:2] for s in seqs], [s[2:-1] for s in seqs], [s[-1:] for s in seqs]]  # prefill, extend, decode
+    done = [0] * len(seqs)
+    for chunks in plan:
+        logits = runner.feed(chunks)
+        for b, chunk in enumerate(chunks):
+            done[b] += len(chunk)
+            torch.testing.assert_close(logits[b], hf_last_logits(hf, seqs[b][: done[b]]), atol=2e-4, rtol=2e-4,
+                                       msg=lambda m: f"{family}, sequence {b} at {done[b]} tokens: {m}")
+
+
+@pytest.mark.parametrize("chunk", [0, 5])
+def test_greedy_tokens_match_transformers_through_the_engine(family_hf: tuple[str, Any], chunk: int) -> None:
+    """Batched, with chunked prefill crossing windows, and long enough to pass the rope-scaled models' original
+    context; the second round of the same prompts hits the prefix cache."""
+    family, hf = family_hf
+    engine = engine_for(hf, max_total_tokens=2048, chunked_prefill_size=chunk)
+    seqs = prompts(3, (3, 2 * WINDOW + 1, ORIGINAL_CONTEXT - 4))
+    new_tokens = 12
+    for round_ in range(2):
+        requests = [TokenizedRequest(f"{round_}-{i}", s, greedy(new_tokens)) for i, s in enumerate(seqs)]
+        rows = run_to_completion(engine, requests)
+        for i, s in enumerate(seqs):
+            expected = reference_greedy(family, hf, s, new_tokens)
+            assert_greedy_matches(hf, s, expected, tokens_of(rows[f"{round_}-{i}"]))
+    assert engine.stats().kv_running_tokens == 0
+
+
+def test_prompt_logprobs_match_transformers(family_hf: tuple[str, Any]) -> None:
+    family, hf = family_hf
+    engine = engine_for(hf, max_total_tokens=512, chunked_prefill_size=4)
+    ids = prompts(1, (3 * WINDOW + 2,))[0]
+    request = TokenizedRequest("p", ids, greedy(0, return_logprob=True, top_logprobs_num=1, logprob_start_len=0))
+    row = run_to_completion(engine, [request])["p"][0]
+    with torch.no_grad():
+        raw = torch.log_softmax(hf(torch.tensor([ids])).logits[0, :-1].float(), dim=-1)
+    expected = raw.gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+    torch.testing.assert_close(torch.tensor(row.prompt_logprobs[1:]), expected, atol=2e-3, rtol=0)
+
+
+def test_the_compiled_decode_graph_gives_transformers_tokens(family_hf: tuple[str, Any],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU decode graph (torch.compile of the whole model's decode step) of each family compiles (a fallback
+    to eager is an error in the tests) and its tokens are transformers'."""
+    family, hf = family_hf
+    monkeypatch.setenv("RINGSERVE_CPU_GRAPHS", "1")
+    monkeypatch.setenv("RINGSERVE_GRAPH_STORE", "0")
+    engine = engine_for(hf, max_total_tokens=1024, cuda_graph_max_bs=1)
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.compiler is not None, "the torch backend compiles CPU decode graphs"
+    graphs.compiler.choose = False  # keep the compiled graph however it measures on a busy host
+    engine.start_decode_graphs()
+    assert graphs.compiler.wait((1, 1), COMPILE_TIMEOUT)
+    state = engine.stats().decode_graphs["bs 1, 1 thread"]
+    assert state.startswith("compiled"), f"{family}: {state}"
+    seq = prompts(1, (WINDOW + 2,), seed=5)[0]
+    rows = run_to_completion(engine, [TokenizedRequest("g", seq, greedy(2 * WINDOW))])
+    assert_greedy_matches(hf, seq, hf_greedy(hf, seq, 2 * WINDOW, None), tokens_of(rows["g"]))
