@@ -1,7 +1,7 @@
 """The CPU paged decode attention kernel (kernels/cpu/paged_attention.cpp) against its torch reference: GQA
 group sizes 1-4, head dims on the vector path and off it (not a multiple of 8), context lengths 1 to 1500
-through scattered slots of a shared table, 1 and 2 threads (the same numbers on either); its fake
-implementation; the fallback without a build."""
+through scattered slots of a shared table, 1 and 2 threads (the same numbers on either); a sliding window and a
+logit soft-cap; its fake implementation; the fallback without a build."""
 
 from __future__ import annotations
 
@@ -73,6 +73,27 @@ def test_the_output_does_not_depend_on_the_thread_count(heads: int, kv_heads: in
 
 
 @needs_build
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (6, 2, 12)], ids=["vector", "scalar"])
+@pytest.mark.parametrize("window,soft_cap", [(37, 0.0), (0, 5.0), (200, 3.0), (1, 0.0)])
+def test_a_sliding_window_and_a_soft_cap_match_the_reference(heads: int, kv_heads: int, head_dim: int, window: int,
+                                                             soft_cap: float) -> None:
+    """Lengths below, at and past the window (the kernel starts at the window's first key), capped logits large
+    enough for tanh to bend them."""
+    torch.manual_seed(window + head_dim)
+    q, k, v, table, rows, lens = case(heads, kv_heads, head_dim, [1, 2, 7, 36, 37, 38, 333, 1500])
+    scale = head_dim**-0.5
+    got = cpu_kernels.paged_decode_attention(q, k, v, table, rows, lens, scale, window, soft_cap)
+    want = reference_paged_decode_attention(q, k, v, table, rows, lens, scale, window, soft_cap)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    if window:  # the same as attending over only the window's slots
+        last = [table[rows[b], max(0, int(n) - window) : int(n)] for b, n in enumerate(lens)]
+        short = torch.stack([torch.cat([s, s.new_zeros(window - len(s))]) for s in last])
+        alone = reference_paged_decode_attention(q, k, v, short, torch.arange(len(lens)),
+                                                 torch.tensor([len(s) for s in last]), scale, 0, soft_cap)
+        torch.testing.assert_close(got, alone, atol=2e-6, rtol=1e-5)
+
+
+@needs_build
 def test_the_kernel_reads_one_layer_of_the_pool_in_place() -> None:
     """A layer view of the [layers, slots, Hkv, D] pool (what the backend passes), and a bad length refused."""
     torch.manual_seed(1)
@@ -100,6 +121,8 @@ def test_without_a_build_the_torch_reference_runs(tmp_path: Path) -> None:
               "q, k, v = torch.randn(2, 4, 8), torch.randn(32, 2, 8), torch.randn(32, 2, 8)\n"
               "t, rows, n = torch.randperm(32).reshape(2, 16), torch.tensor([1, 0]), torch.tensor([16, 5])\n"
               "torch.testing.assert_close(c.paged_decode_attention(q, k, v, t, rows, n, 0.3), r(q, k, v, t, rows, n, 0.3))\n"
+              "torch.testing.assert_close(c.paged_decode_attention(q, k, v, t, rows, n, 0.3, 4, 2.0),\n"
+              "                           r(q, k, v, t, rows, n, 0.3, 4, 2.0))\n"
               "print('ok')\n")
     env = {**os.environ, "RINGSERVE_CPU_KERNELS": "0", "RINGSERVE_CACHE": str(tmp_path)}
     done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)

@@ -1,7 +1,8 @@
 """The whole-layer CPU decode op (kernels/cpu/decode_layer.cpp) against its torch reference and against the
 model's own layer: every packed format, biases, GQA shapes on and off the vector paths, odd sizes (K not a
 multiple of 32, output rows not a multiple of 16), 1 to 5 rows, 1 and 2 threads (bit-equal), the KV it
-writes; the model takes the op exactly where it applies; its errors name what is wrong."""
+writes, a layer's sliding window and logit soft-cap; the model takes the op exactly where it applies; its errors
+name what is wrong."""
 
 from __future__ import annotations
 
@@ -92,6 +93,21 @@ def test_long_keys_split_into_parts_match_the_reference(lens: list[int]) -> None
     want, want_k, _ = run_reference(args)
     torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
     torch.testing.assert_close(got_k, want_k, atol=1e-5, rtol=1e-5)
+
+
+@needs_build
+@pytest.mark.parametrize("lens,window,soft_cap", [([5, 40, 90], 37, 0.0), ([1000], 400, 4.0), ([300, 20], 0, 3.0)],
+                         ids=["window", "window-split-parts", "soft-cap"])
+def test_a_sliding_window_and_a_soft_cap_match_the_reference(lens: list[int], window: int, soft_cap: float) -> None:
+    """Attention inside the op over the last `window` keys only (split into parts when long), logits capped."""
+    args = layer_case(len(lens), 64, 96, 6, 2, 16, "q8_0", bias=False, slots=4096, seed=7, lens=lens)
+    args = {**args, "scale": 0.3, "window": window, "soft_cap": soft_cap}
+    got, got_k, _ = run_op(args, threads=2)
+    want, want_k, _ = run_reference(args)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(got_k, want_k, atol=1e-5, rtol=1e-5)
+    plain, _, _ = run_reference({**args, "window": 0, "soft_cap": 0.0})
+    assert not torch.allclose(got, plain, atol=1e-3), "the window and cap changed nothing: the case tests nothing"
 
 
 @needs_build

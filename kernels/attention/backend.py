@@ -1,5 +1,9 @@
 """The attention backend contract: how one forward step's attention reads and writes the paged KV pool.
 
+Each layer attends as its `LayerAttention` says (softmax scale, sliding window, logit soft-cap); every backend
+honours all three, and with a window reads only the window's keys. The pool keeps every layer's KV for every
+position (slots are per token, shared by all layers), so a sliding layer frees nothing early.
+
 A step is a flat batch of `T` new tokens belonging to `B` requests. Request `b` brings `q_len[b]` new tokens
 whose keys and values are appended after its `kv_len[b] - q_len[b]` cached ones, and each new token attends
 causally to everything before it in its own request. Prefill (no prefix), decode (`q_len == 1`) and mixed
@@ -111,11 +115,11 @@ class AttentionBackend(ABC):
         self.k_pool[layer].index_copy_(0, meta.out_slots, k)
         self.v_pool[layer].index_copy_(0, meta.out_slots, v)
 
-    def in_place_decode_inputs(self, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                        float] | None:
-        """Where every token of the step is a decode row read in place by the CPU paged kernel: its inputs
-        (token table, table rows `[T]`, KV lengths `[T]`, softmax scale), for a kernel that runs a whole layer
-        (kernels/cpu/decode_layer.py); None otherwise."""
+    def in_place_decode_inputs(self, meta: AttentionMetadata, layer: int) -> tuple[
+            torch.Tensor, torch.Tensor, torch.Tensor, LayerAttention] | None:
+        """Where every token of the step is a decode row read in place by the CPU paged kernel: its inputs for
+        `layer` (token table, table rows `[T]`, KV lengths `[T]`, the layer's `LayerAttention`), for a kernel that
+        runs a whole layer (kernels/cpu/decode_layer.py); None otherwise."""
         return None
 
     def compiles_decode(self) -> bool:

@@ -2,7 +2,8 @@
 
 `prepare` moves the step's per-request lists to the device in one non-blocking copy; `forward` stores the
 new K/V (Triton store kernel), then runs the split-KV decode kernel when every request brings one token and
-the extend kernel otherwise. CUDA-graph hooks keep the decode metadata in static buffers.
+the extend kernel otherwise, each with the layer's scale, sliding window and logit soft-cap (the kernels read only
+the window's keys). CUDA-graph hooks keep the decode metadata in static buffers.
 
 Needs CUDA tensors, or Triton's interpreter (`TRITON_INTERPRET=1` before `triton` is imported) on a CPU.
 """
@@ -46,7 +47,6 @@ class TritonBackend(AttentionBackend):
         super().__init__(k_pool, v_pool, num_heads, layers)
         if k_pool.device.type != "cuda" and not interpreter_enabled():
             raise ValueError("the triton attention backend needs a CUDA device (or TRITON_INTERPRET=1 for tests)")
-        self.scale = self.head_dim**-0.5
         self._graph: dict[str, torch.Tensor] = {}
 
     def prepare(self, info: ForwardInfo) -> TritonMetadata:
@@ -71,12 +71,14 @@ class TritonBackend(AttentionBackend):
         assert isinstance(meta, TritonMetadata)
         k_layer, v_layer = self.k_pool[layer], self.v_pool[layer]
         store_kv(k, v, k_layer, v_layer, meta.out_slots)
+        spec = self.layers[layer]
         if meta.max_q_len == 1:
-            return decode_attention(q, k_layer, v_layer, meta.token_table, meta.req_rows, meta.kv_lens, self.scale,
-                                    buffers=meta.decode_scratch)
+            return decode_attention(q, k_layer, v_layer, meta.token_table, meta.req_rows, meta.kv_lens, spec.scale,
+                                    buffers=meta.decode_scratch, window=spec.window, logits_soft_cap=spec.soft_cap)
         assert meta.q_starts is not None and meta.q_lens is not None
         return extend_attention(q, k_layer, v_layer, meta.token_table, meta.req_rows, meta.q_starts, meta.q_lens,
-                                meta.kv_lens, meta.max_q_len, self.scale)
+                                meta.kv_lens, meta.max_q_len, spec.scale, window=spec.window,
+                                logits_soft_cap=spec.soft_cap)
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer: int, meta: AttentionMetadata) -> None:
         store_kv(k, v, self.k_pool[layer], self.v_pool[layer], meta.out_slots)

@@ -59,12 +59,12 @@ _lib = torch.library.Library("ringserve_cpu", "DEF")
 _lib.define("group_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, int out_features, "
             "int bits) -> Tensor")
 _lib.define("paged_decode_attention(Tensor q, Tensor k_layer, Tensor v_layer, Tensor table, Tensor rows, "
-            "Tensor kv_lens, float scale) -> Tensor")
+            "Tensor kv_lens, float scale, int window=0, float soft_cap=0.0) -> Tensor")
 # the four linears in order qkv, o, gate_up, down; writes the rows' K/V into both pools, in place
 _lib.define("decode_layer(Tensor x, Tensor cos, Tensor sin, Tensor norm1, Tensor norm2, float eps, Tensor[] qweights, "
             "Tensor[] scales, Tensor?[] mins, Tensor?[] biases, int[] bits, int[] out_features, Tensor(a!) k_pool, "
             "Tensor(b!) v_pool, int layer, Tensor out_slots, Tensor table, Tensor rows, Tensor kv_lens, "
-            "int num_heads, float scale) -> Tensor")
+            "int num_heads, float scale, int window=0, float soft_cap=0.0) -> Tensor")
 DECODE_LAYER_OP = "ringserve_cpu::decode_layer"
 _lib.define("f32_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")  # x [M, K] @ weight[N, K]^T + bias
 F32_LINEAR_OP = "ringserve_cpu::f32_linear"
@@ -78,7 +78,8 @@ def _group_linear_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
 
 @torch.library.register_fake(ATTENTION_OP)
 def _paged_decode_attention_fake(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, table: torch.Tensor,
-                                 rows: torch.Tensor, kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                                 rows: torch.Tensor, kv_lens: torch.Tensor, scale: float, window: int = 0,
+                                 soft_cap: float = 0.0) -> torch.Tensor:
     return torch.empty_like(q)
 
 
@@ -273,8 +274,11 @@ def f32_linear() -> object:
 
 
 def paged_decode_attention(q: torch.Tensor, k_layer: torch.Tensor, v_layer: torch.Tensor, table: torch.Tensor,
-                           rows: torch.Tensor, kv_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                           rows: torch.Tensor, kv_lens: torch.Tensor, scale: float, window: int = 0,
+                           soft_cap: float = 0.0) -> torch.Tensor:
     """Decode attention read in place from one layer of the KV pool (kernels/cpu/attention.py says the math):
-    `q` `[B, H, D]` float32, `table` the int64 request-to-token table, `rows`/`kv_lens` `[B]` int64."""
+    `q` `[B, H, D]` float32, `table` the int64 request-to-token table, `rows`/`kv_lens` `[B]` int64; `window`
+    keys per query (0: all), logits capped at `soft_cap` (0: not)."""
     _extension()
-    return torch.ops.ringserve_cpu.paged_decode_attention.default(q, k_layer, v_layer, table, rows, kv_lens, scale)
+    return torch.ops.ringserve_cpu.paged_decode_attention.default(q, k_layer, v_layer, table, rows, kv_lens, scale,
+                                                                  window, soft_cap)

@@ -138,15 +138,17 @@ PackedRef linear(at::TensorList qweights, at::TensorList scales, const c10::List
 }
 
 // x [M, C]; cos, sin [M, D]; norms [C]; four linears (qkv, o, gate_up, down) as packed tensors; pools
-// [L, S, Hkv, D]; out_slots, rows, kv_lens [M] int64; table [R, W] int64. Returns the layer's output [M, C]
-// and writes the rows' keys and values at out_slots of `layer`.
+// [L, S, Hkv, D]; out_slots, rows, kv_lens [M] int64; table [R, W] int64; attention's scale, sliding window
+// (0 = none) and logit soft cap (0 = none). Returns the layer's output [M, C] and writes the rows' keys and
+// values at out_slots of `layer`.
 at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& norm1,
                         const at::Tensor& norm2, double eps, at::TensorList qweights, at::TensorList scales,
                         const c10::List<std::optional<at::Tensor>>& mins,
                         const c10::List<std::optional<at::Tensor>>& biases, at::IntArrayRef bits,
                         at::IntArrayRef out_features, at::Tensor& k_pool, at::Tensor& v_pool, int64_t layer,
                         const at::Tensor& out_slots, const at::Tensor& table, const at::Tensor& rows,
-                        const at::Tensor& kv_lens, int64_t num_heads, double scale) {
+                        const at::Tensor& kv_lens, int64_t num_heads, double scale, int64_t window,
+                        double soft_cap) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "decode_layer: x must be [M, C] float32");
   TORCH_CHECK(k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes() && k_pool.scalar_type() == at::kFloat &&
                   v_pool.scalar_type() == at::kFloat && k_pool.is_contiguous() && v_pool.is_contiguous(),
@@ -155,6 +157,7 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Te
   const int64_t h = num_heads;
   TORCH_CHECK(layer >= 0 && layer < k_pool.size(0), "decode_layer: layer ", layer, " outside the pool");
   TORCH_CHECK(h > 0 && h % hkv == 0 && d % 2 == 0, "decode_layer: heads or head_dim do not fit the pool");
+  TORCH_CHECK(window >= 0 && soft_cap >= 0.0, "decode_layer: window and soft_cap must not be negative");
   TORCH_CHECK(cos.sizes() == at::IntArrayRef({m, d}) && sin.sizes() == cos.sizes() && cos.is_contiguous() &&
                   sin.is_contiguous() && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
               "decode_layer: cos and sin must be [M, head_dim] contiguous float32");
@@ -202,19 +205,21 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Te
   float* vl = v_pool.data_ptr<float>() + layer * slots_n * kv_stride;
   const int64_t* table_p = table.data_ptr<int64_t>();
   const int64_t table_stride = table.stride(0);
-  const float eps_f = (float)eps, scale_f = (float)scale;
+  const float eps_f = (float)eps, scale_f = (float)scale, cap_f = (float)soft_cap;
 
   // Small batches split each request's keys into parts, so that a few (request, KV head) pairs still fill every
   // thread (batch 1 of SmolLM2: three KV heads on two threads). The split depends on the batch and the
-  // lengths only, never on the thread count: any count gives the same output bit for bit.
+  // lengths only, never on the thread count: any count gives the same output bit for bit. With a sliding window
+  // a row's keys are only its last `window` ones.
   std::vector<KeyPart> parts;
   std::vector<int64_t> splits;  // index of the first part of each (request, KV head) split in more than one
   for (int64_t r = 0; r < m; ++r)
     for (int64_t g = 0; g < hkv; ++g) {
-      const int64_t n = len_p[r];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len_p[r] - window) : 0, n = len_p[r] - first;
       const int64_t count = m * hkv < kSplitBelowPairs ? std::max<int64_t>(1, n / kKeysPerPart) : 1;
       if (count > 1) splits.push_back((int64_t)parts.size());
-      for (int64_t i = 0; i < count; ++i) parts.push_back(KeyPart{r, g, n * i / count, n * (i + 1) / count, count});
+      for (int64_t i = 0; i < count; ++i)
+        parts.push_back(KeyPart{r, g, first + n * i / count, first + n * (i + 1) / count, count});
     }
   std::vector<float> part_out(parts.size() * rep * d), part_stats(parts.size() * 2 * rep);
 
@@ -255,7 +260,7 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& cos, const at::Te
       const bool whole = p.count == 1;
       ringserve_cpu::attend_head_group(q.data() + (p.row * h + p.head * rep) * d, d, kl + p.head * d, vl + p.head * d,
                                        kv_stride, table_p + row_p[p.row] * table_stride + p.begin, n, rep, (int)d,
-                                       scale_f, whole ? attn.data() + (p.row * h + p.head * rep) * d
+                                       scale_f, cap_f, whole ? attn.data() + (p.row * h + p.head * rep) * d
                                                       : part_out.data() + w * rep * d,
                                        scores.data(), whole ? nullptr : part_stats.data() + w * 2 * rep);
     }

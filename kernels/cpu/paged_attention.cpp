@@ -2,7 +2,9 @@
 // lie in the KV pool, addressed through the request-to-token table. No gather: the torch path copies every
 // request's K and V of every layer into a padded batch first, which dominates a step at long contexts.
 //
-// out[b, h] = softmax_j(scale * q[b, h] . K[s_j, h / rep]) @ V[s_j, h / rep],   s_j = table[rows[b], j], j < kv_lens[b]
+// out[b, h] = softmax_j(cap(scale * q[b, h] . K[s_j, h / rep])) @ V[s_j, h / rep],   s_j = table[rows[b], j],
+// kv_lens[b] - window <= j < kv_lens[b] (a sliding window: only the last `window` keys are read; 0 = all), and
+// cap(x) = soft_cap * tanh(x / soft_cap) (logit soft-capping; 0 = none).
 //
 // One work item is a (request, KV head) pair: its `rep` query heads (GQA) share each K and V row loaded. Two
 // passes over the keys: the scores of all rep heads into a per-thread buffer (eight keys at a time), then the
@@ -40,6 +42,21 @@ inline __m256 hsum8_avx2(const __m256* a) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+// s[t] = cap * tanh(s[t] / cap) for t < n, tanh from exp(-2|x|) (no overflow): (1 - e) / (1 + e), signed.
+__attribute__((target("avx2,fma")))
+void soft_cap_avx2(float* s, int64_t n, float cap) {
+  const __m256 cap_v = _mm256_set1_ps(cap), inv_cap = _mm256_set1_ps(1.0f / cap), one = _mm256_set1_ps(1.0f);
+  const __m256 sign = _mm256_set1_ps(-0.0f), minus_two = _mm256_set1_ps(-2.0f);
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) {
+    const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s + t), inv_cap);
+    const __m256 e = exp_avx2(_mm256_mul_ps(minus_two, _mm256_andnot_ps(sign, x)));  // exp(-2|x|)
+    const __m256 th = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+    _mm256_storeu_ps(s + t, _mm256_mul_ps(cap_v, _mm256_or_ps(th, _mm256_and_ps(sign, x))));
+  }
+  for (; t < n; ++t) s[t] = cap * std::tanh(s[t] / cap);
+}
+
 // out[r][i0 .. i0+16) = sum_j p[r][j] * V[slots[j]][i0 .. i0+16) for RB heads at once: 2*RB accumulators
 // stay in registers over all n rows (one pass over V per 16 columns and RB heads).
 template <int RB>
@@ -67,12 +84,13 @@ inline void weighted_v_avx2(const float* v, int64_t kv_stride, const int64_t* sl
 
 // One (request, KV head): q [rep][d] (rows `q_stride` apart), K/V rows at `kv + slot * kv_stride`, out like q.
 // Scores eight keys at a time (eight independent FMA chains per head, one transposing reduction), then the
-// softmax, then the weighted V rows for up to four heads per pass. d is a multiple of 8. With `stats`, the
+// soft cap (when `soft_cap` > 0), the softmax, then the weighted V rows for up to four heads per pass. d is a
+// multiple of 8. With `stats`, the
 // weights stay unnormalized and each head's max score and sum of weights go to stats[2r], stats[2r + 1].
 __attribute__((target("avx2,fma")))
 void head_group_avx2(const float* q, int64_t q_stride, const float* k, const float* v, int64_t kv_stride,
-                     const int64_t* slots, int64_t n, int rep, int d, float scale, float* out, float* scores,
-                     float* stats) {
+                     const int64_t* slots, int64_t n, int rep, int d, float scale, float soft_cap, float* out,
+                     float* scores, float* stats) {
   const __m256 scale_v = _mm256_set1_ps(scale);
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
@@ -110,6 +128,7 @@ void head_group_avx2(const float* q, int64_t q_stride, const float* k, const flo
   }
   for (int r = 0; r < rep; ++r) {
     float* sr = scores + r * n;
+    if (soft_cap > 0.0f) soft_cap_avx2(sr, n, soft_cap);
     float m = -INFINITY;
     for (int64_t t = 0; t < n; ++t) m = std::max(m, sr[t]);
     const __m256 mv = _mm256_set1_ps(m);
@@ -157,8 +176,8 @@ void head_group_avx2(const float* q, int64_t q_stride, const float* k, const flo
 }
 
 void head_group_scalar(const float* q, int64_t q_stride, const float* k, const float* v, int64_t kv_stride,
-                       const int64_t* slots, int64_t n, int rep, int d, float scale, float* out, float* scores,
-                       float* stats) {
+                       const int64_t* slots, int64_t n, int rep, int d, float scale, float soft_cap, float* out,
+                       float* scores, float* stats) {
   for (int r = 0; r < rep; ++r) {
     const float* qr = q + r * q_stride;
     float* sr = scores + r * n;
@@ -167,7 +186,7 @@ void head_group_scalar(const float* q, int64_t q_stride, const float* k, const f
       const float* kr = k + slots[j] * kv_stride;
       float dot = 0.0f;
       for (int i = 0; i < d; ++i) dot += qr[i] * kr[i];
-      sr[j] = dot * scale;
+      sr[j] = soft_cap > 0.0f ? soft_cap * std::tanh(dot * scale / soft_cap) : dot * scale;
       m = std::max(m, sr[j]);
     }
     float total = 0.0f;
@@ -196,19 +215,20 @@ const bool kHasAvx2 = [] {
 
 void ringserve_cpu::attend_head_group(const float* q, int64_t q_stride, const float* k, const float* v,
                                       int64_t kv_stride, const int64_t* slots, int64_t n, int rep, int d, float scale,
-                                      float* out, float* scores, float* stats) {
+                                      float soft_cap, float* out, float* scores, float* stats) {
   if (kHasAvx2 && d % 8 == 0)
-    head_group_avx2(q, q_stride, k, v, kv_stride, slots, n, rep, d, scale, out, scores, stats);
+    head_group_avx2(q, q_stride, k, v, kv_stride, slots, n, rep, d, scale, soft_cap, out, scores, stats);
   else
-    head_group_scalar(q, q_stride, k, v, kv_stride, slots, n, rep, d, scale, out, scores, stats);
+    head_group_scalar(q, q_stride, k, v, kv_stride, slots, n, rep, d, scale, soft_cap, out, scores, stats);
 }
 
 namespace {
 
-// q [B, H, D]; k_layer, v_layer [S, Hkv, D] (one layer of the pool); table [R, W] int64; rows, kv_lens [B] int64.
+// q [B, H, D]; k_layer, v_layer [S, Hkv, D] (one layer of the pool); table [R, W] int64; rows, kv_lens [B] int64;
+// window: keys per query (0 = all); soft_cap: logit cap (0 = none).
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_layer, const at::Tensor& v_layer,
                                   const at::Tensor& table, const at::Tensor& rows, const at::Tensor& kv_lens,
-                                  double scale) {
+                                  double scale, int64_t window, double soft_cap) {
   TORCH_CHECK(q.dim() == 3 && k_layer.dim() == 3 && v_layer.sizes() == k_layer.sizes(),
               "paged_decode_attention: q [B, H, D] and K/V [S, Hkv, D] expected");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k_layer.scalar_type() == at::kFloat &&
@@ -233,16 +253,18 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_layer
   float* op = out.data_ptr<float>();
   for (int64_t i = 0; i < b; ++i)
     TORCH_CHECK(lp[i] >= 1 && lp[i] <= width, "paged_decode_attention: kv_len ", lp[i], " outside [1, ", width, "]");
+  TORCH_CHECK(window >= 0 && soft_cap >= 0.0, "paged_decode_attention: window and soft_cap must not be negative");
   at::parallel_for(0, b * hkv, 1, [&](int64_t w0, int64_t w1) {
     thread_local std::vector<float> scores;
     for (int64_t w = w0; w < w1; ++w) {
-      const int64_t i = w / hkv, g = w % hkv, n = lp[i];
+      const int64_t i = w / hkv, g = w % hkv;
+      const int64_t first = window > 0 ? std::max<int64_t>(0, lp[i] - window) : 0, n = lp[i] - first;
       if ((int64_t)scores.size() < rep * n) scores.resize(rep * n);
       const float* qg = qp + (i * h + g * rep) * d;
       float* og = op + (i * h + g * rep) * d;
-      const int64_t* slots = tp + rp[i] * tstride;
+      const int64_t* slots = tp + rp[i] * tstride + first;
       ringserve_cpu::attend_head_group(qg, d, kp + g * d, vp + g * d, kv_stride, slots, n, rep, (int)d, (float)scale,
-                                       og, scores.data());
+                                       (float)soft_cap, og, scores.data());
     }
   });
   return out;

@@ -5,7 +5,8 @@ Split-KV ("flash decoding") in two stages, so a batch of one still fills the GPU
 1. `_decode_stage1`, grid `(B, Hkv, S)`: program `(b, g, s)` takes the `rep = H / Hkv` query heads that share
    KV head `g` (GQA, padded to a block of at least 16 rows for `tl.dot`) and attends over the `s`-th of `S`
    equal parts of request `b`'s keys, gathered slot by slot through `token_table[req_rows[b]]`. It writes the
-   part's normalised output and log-sum-exp.
+   part's normalised output and log-sum-exp. With a sliding window the keys are only the last `window` ones
+   (the parts split those); with a soft-cap the logits are capped before the softmax.
 2. `_decode_stage2`, grid `(B, H)`: merges the non-empty parts with their log-sum-exps.
 
 The grid depends only on `B` and the fixed `S`, never on sequence lengths (which are read on the device), so
@@ -19,6 +20,9 @@ import triton
 import triton.language as tl
 
 from ringserve.kernels.triton import dot_precision, next_power_of_2
+from ringserve.kernels.triton.soft_cap import soft_cap
+
+NO_WINDOW = 1 << 30  # the window passed for full attention: every key is inside it
 
 DEFAULT_NUM_SPLITS = 8  # KV parts per request; stage 2 merges them
 BLOCK_N = 32  # keys per inner step
@@ -29,9 +33,10 @@ def _decode_stage1(
     Q, K, V, Table, ReqRows, KvLens, PartOut, PartLse,
     stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_table,
     stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-    sm_scale,
+    sm_scale, window, cap,
     REP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_CAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     g = tl.program_id(1)
@@ -45,8 +50,9 @@ def _decode_stage1(
                 mask=h_mask[:, None] & d_mask[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
     row = tl.load(ReqRows + b).to(tl.int64)
     kv_len = tl.load(KvLens + b).to(tl.int32)
-    per_split = tl.cdiv(kv_len, NUM_SPLITS)
-    start = split * per_split
+    first = tl.maximum(kv_len - window, 0)  # the window's first key
+    per_split = tl.cdiv(kv_len - first, NUM_SPLITS)
+    start = first + split * per_split
     end = tl.minimum(start + per_split, kv_len)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -59,6 +65,8 @@ def _decode_stage1(
         kv_mask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(K + slots[:, None] * stride_ks + g * stride_kh + d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * sm_scale  # [BLOCK_H, BLOCK_N]
+        if HAS_CAP:
+            s = soft_cap(s, cap)
         s = tl.where(n_mask[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp(m_i - m_new)
@@ -78,7 +86,7 @@ def _decode_stage1(
 @triton.jit
 def _decode_stage2(
     PartOut, PartLse, KvLens, Out,
-    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ot, stride_oh,
+    stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ot, stride_oh, window,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -86,12 +94,13 @@ def _decode_stage2(
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     kv_len = tl.load(KvLens + b).to(tl.int32)
-    per_split = tl.cdiv(kv_len, NUM_SPLITS)
+    first = tl.maximum(kv_len - window, 0)
+    per_split = tl.cdiv(kv_len - first, NUM_SPLITS)
     m_i = float("-inf")
     l_i = 0.0
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     for split in range(NUM_SPLITS):
-        start = split * per_split
+        start = first + split * per_split
         end = tl.minimum(start + per_split, kv_len)
         if end > start:
             lse = tl.load(PartLse + b * stride_lb + h * stride_lh + split)
@@ -124,8 +133,11 @@ def decode_attention(
     sm_scale: float,
     out: torch.Tensor | None = None,
     buffers: tuple[torch.Tensor, torch.Tensor] | None = None,
+    window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """Attention of one query per request over its paged keys.
+    """Attention of one query per request over its paged keys (the last `window` of them when set; logits capped
+    at `logits_soft_cap` when set).
 
     `q` `[B, H, D]`; `k_layer`/`v_layer` `[num_slots, Hkv, D]` (one layer of the pool); `token_table` `[R, L]`
     int64; `req_rows` `[B]` rows of the table; `kv_lens` `[B]` keys per request (the new token's included,
@@ -148,14 +160,14 @@ def decode_attention(
         q.stride(0), q.stride(1), k_layer.stride(0), k_layer.stride(1), v_layer.stride(0), v_layer.stride(1),
         token_table.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        sm_scale,
+        sm_scale, window or NO_WINDOW, logits_soft_cap or 0.0,
         REP=rep, HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_H=max(16, next_power_of_2(rep)),
-        BLOCK_D=block_d, BLOCK_N=BLOCK_N, DOT_PREC=dot_precision(q.dtype),
+        BLOCK_D=block_d, BLOCK_N=BLOCK_N, DOT_PREC=dot_precision(q.dtype), HAS_CAP=bool(logits_soft_cap),
     )
     _decode_stage2[(batch, num_heads)](
         part_out, part_lse, kv_lens, out,
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), window or NO_WINDOW,
         HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_D=block_d,
     )
     return out
