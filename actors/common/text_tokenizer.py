@@ -26,7 +26,7 @@ from ringserve.actors.common.model_source import (
 )
 
 log = logging.getLogger("text_tokenizer")
-FORMAT = 1  # bump when the export's contents change
+FORMAT = 2  # bump when the export's contents change (2: a family's fallback chat template)
 EXPORT_FILE = "text_model.json"
 BACKEND_FILE = "tokenizer.json"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".msgpack", ".h5")

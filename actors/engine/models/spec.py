@@ -102,7 +102,6 @@ def layer_shapes(spec: ArchSpec, config: Any) -> list[LayerShape]:
         kind = layer_type(config, i)
         window = config.sliding_window if kind == "sliding_attention" else None
         attention = LayerAttention(scale, window, softcap)
-        plain = attention == LayerAttention(head_dim ** -0.5) and activation == "silu"
         shapes.append(LayerShape(
             hidden=config.hidden_size, intermediate=config.intermediate_size,
             num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads, head_dim=head_dim,
@@ -110,5 +109,5 @@ def layer_shapes(spec: ArchSpec, config: Any) -> list[LayerShape]:
             o_bias=spec.o_bias(config), mlp_bias=spec.mlp_bias(config), qk_norm=spec.qk_norm,
             norm_unit_offset=spec.norm_unit_offset, sandwich_norms=spec.sandwich_norms,
             rope=kind if per_type_rope else "default", attention=attention,
-            fusable=spec.fused_cpu_decode and plain))
+            fusable=spec.fused_cpu_decode and activation == "silu"))
     return shapes

@@ -1,0 +1,81 @@
+"""The second real model: Gemma 3 270M from its Q4_K_M GGUF, greedy token for token against transformers reading
+the same file, in the engine and through the whole ring (chat completions with Gemma's own template)."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from ringserve.actors.common.model_source import load_tokenizer, resolve_model
+from ringserve.actors.engine.config import EngineConfig
+from ringserve.actors.engine.scheduling.engine import Engine
+from ringserve.bus.messages import TokenizedRequest
+from tests.engine_helpers import assert_greedy_matches, greedy, hf_greedy, load_hf_model, run_to_completion, tokens_of
+from tests.real_models import gemma3_gguf
+from tests.server_helpers import ServerHandle, start_server
+
+pytestmark = pytest.mark.slow
+NEW_TOKENS = 16
+QUESTION = [{"role": "user", "content": "Name three primary colors."}]
+
+
+@pytest.fixture(scope="module")
+def source() -> Any:
+    return resolve_model(str(gemma3_gguf()))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(source: Any) -> Any:
+    return load_tokenizer(source)
+
+
+@pytest.fixture(scope="module")
+def gemma_hf(source: Any) -> Any:
+    return load_hf_model(source)
+
+
+@pytest.fixture(scope="module")
+def engine(source: Any) -> Engine:
+    return Engine.from_source(source, EngineConfig(device="cpu", torch_threads=1, max_total_tokens=8192))
+
+
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
+def test_greedy_tokens_equal_transformers_reading_the_same_file(engine: Engine, gemma_hf: Any,
+                                                                 tokenizer: Any) -> None:
+    """A plain prompt and a chat prompt in one batch, then a prompt past Gemma 3's 512-token sliding window."""
+    prompts = {"plain": tokenizer("The capital of France is Paris. The capital of Germany is")["input_ids"],
+               "chat": chat_ids(tokenizer, QUESTION),
+               "long": tokenizer(" ".join(f"item {i} is {i * 7 % 13};" for i in range(120)))["input_ids"]}
+    assert len(prompts["long"]) > 600
+    rows = run_to_completion(engine, [TokenizedRequest(rid, ids, greedy(NEW_TOKENS)) for rid, ids in prompts.items()])
+    for rid, ids in prompts.items():
+        assert_greedy_matches(gemma_hf, ids, hf_greedy(gemma_hf, ids, NEW_TOKENS, None), tokens_of(rows[rid]))
+
+
+@pytest.fixture(scope="module")
+def gemma_server() -> Iterator[ServerHandle]:
+    handle = start_server(str(gemma3_gguf()))
+    yield handle
+    handle.stop()
+
+
+def test_the_ring_answers_with_transformers_tokens(gemma_server: ServerHandle, gemma_hf: Any,
+                                                   tokenizer: Any) -> None:
+    """`/generate` on the chat prompt's ids gives transformers' greedy ids; the chat route, rendering Gemma's own
+    template from the GGUF, gives their text."""
+    import httpx
+
+    ids = chat_ids(tokenizer, QUESTION)
+    expected = hf_greedy(gemma_hf, ids, NEW_TOKENS, tokenizer.eos_token_id)
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0}}
+    response = httpx.post(gemma_server.base_url + "/generate", json=body, timeout=300)
+    assert response.status_code == 200, response.text
+    assert_greedy_matches(gemma_hf, ids, expected, response.json()["output_ids"])
+    body = {"messages": QUESTION, "max_tokens": NEW_TOKENS, "temperature": 0}
+    reply = httpx.post(gemma_server.base_url + "/v1/chat/completions", json=body, timeout=300).json()
+    assert reply["choices"][0]["message"]["content"] == tokenizer.decode(expected, skip_special_tokens=True)
