@@ -216,3 +216,24 @@ def test_triton_backend_matches_torch_backend(shape: list[tuple[int, int]]) -> N
     assert isinstance(create_backend("torch", k_pool, v_pool, num_heads), TorchPagedBackend)
     torch.testing.assert_close(outs["triton"][0], outs["torch"][0], atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(outs["triton"][1], outs["torch"][1])
+
+
+@pytest.mark.parametrize("family", ["gemma2", "phi3"])
+def test_the_triton_backend_serves_other_families_with_their_tokens(family: str) -> None:
+    """Gemma 2 (sliding and global layers, soft-capped logits, its own softmax scale, `1 + weight` norms the
+    Triton norm does not swap) and Phi-3 (partial rotary, which the Triton rotary does not take) through the
+    Triton attention backend: the torch backend's greedy tokens, prompts crossing the window."""
+    from ringserve.bus.messages import TokenizedRequest
+    from tests.model_families import WINDOW, tiny_hf_model
+
+    hf = tiny_hf_model(family)
+    prompts = [list(range(3, 3 + 2 * WINDOW + 1)), [7, 9, 11]]
+
+    def generate(backend: str) -> dict[str, list[int]]:
+        engine = engine_for(hf, device=DEVICE.type, attention_backend=backend)
+        if backend == "triton":
+            use_triton_kernels(engine.runner.model)
+        rows = run_to_completion(engine, [TokenizedRequest(f"r{i}", p, greedy(WINDOW)) for i, p in enumerate(prompts)])
+        return {rid: tokens_of(r) for rid, r in rows.items()}
+
+    assert generate("triton") == generate("torch")
