@@ -68,7 +68,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(run(args.child == "on")))
         return
-    from ringserve.kernels.cpu.plan_cache import cpu_info
+    from ringserve.kernels.cpu.host import cpu_info
 
     print(f"host: {cpu_info().get('model', '?')}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print("| give way | compile s | steps | step median ms | p99 ms | worst ms |\n|---|---:|---:|---:|---:|---:|")

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 from ringserve.actors.engine.runner.graphs.graph_compiler import bind, compile_graph, compile_options, configure_inductor  # noqa: E402
 from bench.compile_check import build_engine  # noqa: E402
-from ringserve.kernels.cpu.plan_cache import time_interleaved  # noqa: E402
+from ringserve.kernels.cpu.host import time_interleaved  # noqa: E402
 
 VARIANTS = ("guards", "asserts")
 

@@ -5,7 +5,7 @@ the backend's own `prepare` and `forward`, as a ratio.
     .venv/bin/python bench/cpu_attention.py [--batch 1 8 32] [--context 128 1024 4096] [--threads 2]
 
 Both paths of one (batch, context) run in the same rounds, in turn, minimum kept
-(`ringserve.kernels.cpu.plan_cache.time_interleaved`). A whole decode step runs this 30 times (once per layer).
+(`ringserve.kernels.cpu.host.time_interleaved`). A whole decode step runs this 30 times (once per layer).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ringserve.kernels.cpu as cpu_kernels  # noqa: E402
 from ringserve.kernels.attention import ForwardInfo, TorchPagedBackend  # noqa: E402
-from ringserve.kernels.cpu.plan_cache import cpu_info, time_interleaved  # noqa: E402
+from ringserve.kernels.cpu.host import cpu_info, time_interleaved  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 

@@ -4,7 +4,7 @@ path this CPU has), and the per-row int8 `torch._int_mm` path (fbgemm at one row
     .venv/bin/python bench/cpu_kernels.py [--rows 1 8 32] [--threads 2] [--rounds 7]
 
 Every kernel of one shape and row count is timed in the same rounds, in turn, and the minimum kept
-(`ringserve.kernels.cpu.plan_cache.time_interleaved`), so load from other processes hits all of them alike. The last
+(`ringserve.kernels.cpu.host.time_interleaved`), so load from other processes hits all of them alike. The last
 table line sums every linear of one decoder step at that row count (30 layers: qkv, o, gate_up, down; plus the
 LM head) as a decode step would run them.
 """
@@ -24,7 +24,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ringserve.kernels.cpu as cpu_kernels  # noqa: E402
-from ringserve.kernels.cpu.plan_cache import cpu_info, time_interleaved  # noqa: E402
+from ringserve.kernels.cpu.host import cpu_info, time_interleaved  # noqa: E402
 from ringserve.kernels.quantization import QuantLinear  # noqa: E402
 
 # SmolLM2-135M: hidden 576, intermediate 1536, 9 heads / 3 KV heads of 64, 30 layers, vocab 49152 (tied head)

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=24, help="decode steps timed per engine and case")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
-    from ringserve.kernels.cpu.plan_cache import cpu_info
+    from ringserve.kernels.cpu.host import cpu_info
 
     print(f"host: {cpu_info()['model']}, {torch.get_num_threads()} torch threads, torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)

@@ -5,9 +5,9 @@
 A step of SmolLM2-135M multiplies its rows by 30 layers of fused projections (qkv 576->960, o 576->576,
 gate_up 576->3072, down 1536->576), distinct tensors as in the model so that they stream from memory, and by
 the tied 49152-row head (decode steps only: up to 64 rows). At each row count this times, interleaved and
-the minimum of `--rounds` rounds (`ringserve.kernels.cpu.plan_cache.time_interleaved`), the whole step's linears by
+the minimum of `--rounds` rounds (`ringserve.kernels.cpu.host.time_interleaved`), the whole step's linears by
 torch's `F.linear` (MKL, the baseline), our GEMV (`f32_gemv`, 1-3 rows), oneDNN's matmul, and the plan
-`ringserve.kernels.float_linear.measure_float_plan` chooses here (measured first, uncached, at the same thread count),
+`ringserve.kernels.linear_plan.measure.measure_float` chooses here (measured first, uncached, at the same thread count),
 and prints each as milliseconds and as a ratio to `F.linear`.
 """
 
@@ -24,9 +24,11 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ringserve.kernels.cpu as cpu_kernels  # noqa: E402
-from ringserve.kernels.cpu.plan_cache import time_interleaved  # noqa: E402
-from ringserve.kernels.float_linear import GEMV_MAX_ROWS, kernels_at, measure_float_plan, onednn_linear  # noqa: E402
+from ringserve.kernels.cpu.host import time_interleaved  # noqa: E402
+from ringserve.kernels.float_linear import onednn_linear  # noqa: E402
 from ringserve.kernels.linear_plan import kernel_for  # noqa: E402
+from ringserve.kernels.linear_plan.candidates import GEMV_MAX_ROWS, float_candidates  # noqa: E402
+from ringserve.kernels.linear_plan.measure import measure_float  # noqa: E402
 
 HIDDEN, INTERMEDIATE, LAYERS, VOCAB = 576, 1536, 30, 49152
 LAYER_SHAPES = [(960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]  # (out, in)
@@ -46,7 +48,7 @@ def main() -> None:
     head = torch.randn(VOCAB, HIDDEN)
     shape_rows = {**{s: row_counts for s in LAYER_SHAPES},
                   (VOCAB, HIDDEN): [r for r in row_counts if r <= HEAD_MAX_ROWS]}
-    plan, _ = measure_float_plan(shape_rows, use_cache=False)
+    plan = measure_float(shape_rows, use_cache=False).plan
     gemv = cpu_kernels.f32_linear()
     run: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
         "float32": F.linear, "f32_gemv": lambda x, w: gemv(x, w, None),
@@ -67,7 +69,7 @@ def main() -> None:
                 return linears
 
             fns = {"F.linear": step(lambda w: "float32")}
-            for kernel in kernels_at(rows)[1:]:
+            for kernel in float_candidates(rows)[1:]:
                 fns[kernel] = step(lambda w, kernel=kernel: kernel)
             fns["plan"] = step(lambda w: kernel_for(plan[tuple(w.shape)], rows, "float32"))
             secs = time_interleaved(fns, args.rounds)

@@ -22,7 +22,8 @@ from ringserve.actors.engine.config import EngineConfig
 from ringserve.actors.engine.scheduling.engine import Engine
 from ringserve.actors.engine.models.gguf_blocks import load_packed_linears
 from ringserve.bus.messages import TokenizedRequest, SamplingParams
-from ringserve.kernels.quantization import linear_shapes, quantize_linears
+from ringserve.kernels.linear_plan.planner import linear_shapes
+from ringserve.kernels.quantization import quantize_linears
 
 METHOD_OF = {"q8_0": "int8", "int_mm": "int8", "q4_1": "int4", "q4_0": "int4", "gguf": "gguf"}
 

@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from ringserve.actors.engine.config import EngineConfig
     from ringserve.actors.engine.scheduling.engine import Engine
     from ringserve.bus.messages import SamplingParams, TokenizedRequest
-    from ringserve.kernels.cpu.plan_cache import cpu_info
+    from ringserve.kernels.cpu.host import cpu_info
 
     config = EngineConfig(device="cpu", quantization=args.quantization, disable_cuda_graph=True,
                           max_running_requests=args.batch, max_total_tokens=args.batch * (args.context + 64) + 4096,

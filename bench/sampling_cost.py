@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from ringserve.kernels.cpu.plan_cache import cpu_info, time_interleaved  # noqa: E402
+from ringserve.kernels.cpu.host import cpu_info, time_interleaved  # noqa: E402
 from ringserve.kernels.sampling import SamplingRow, sample  # noqa: E402
 
 

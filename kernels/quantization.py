@@ -1,5 +1,5 @@
 """Quantized linear layers behind one small interface, swapped into a model from outside, each call running the
-kernel measured fastest on this host for its shape and row count.
+kernel its plan names for its row count.
 
 `quantize_linears(model, method, plan)` replaces the model's `nn.Linear` layers (projections and LM head) with
 `QuantLinear`s; the model code knows nothing of it (gpt-fast's approach). Methods and their kernels:
@@ -17,11 +17,10 @@ kernel measured fastest on this host for its shape and row count.
 - Every method may also run its float32 weight (the layer then keeps it as well) by torch's `float32` or by
   oneDNN's `onednn` matmul (kernels/float_linear.py), where those measure faster than its quantized kernels.
 
-A `KernelPlan` (kernels/linear_plan.py) maps each linear shape `(out, in)` to its kernel per row-count bucket.
-`measure_kernel_plan` times every candidate side by side on the model's own shapes at the row counts the
-server runs and keeps the fastest that is not slower than float32, so `--quantization` never makes a step
-slower; the result is cached on disk per host (`ringserve.kernels.cpu.plan_cache`). A token's output never depends on
-the other rows of its batch: every kernel scales activations per row (or per row and block).
+A `KernelPlan` maps each linear shape `(out, in)` to its kernel per row-count bucket. The plan is measured,
+cached and chosen by `ringserve.kernels.linear_plan` (the fastest kernel not slower than float32, so
+`--quantization` never makes a step slower); a layer only runs it (`kernel_for`, `run`). A token's output
+never depends on the other rows of its batch: every kernel scales activations per row (or per row and block).
 """
 
 from __future__ import annotations
@@ -36,21 +35,15 @@ import torch.nn.functional as F
 from torch import nn
 
 import ringserve.kernels.cpu as cpu_kernels
-from ringserve.kernels.cpu import plan_cache
 from ringserve.kernels.cpu.packing import FORMATS, PackedWeight, pack
-from ringserve.kernels.float_linear import onednn_available, onednn_linear
-from ringserve.kernels.linear_plan import KernelPlan, ShapePlan, kernel_for, plan_from_times
+from ringserve.kernels.float_linear import onednn_linear
+from ringserve.kernels.linear_plan.plan import KernelPlan, ShapePlan, kernel_for
 
 log = logging.getLogger("ringserve.kernels.quantization")
 METHODS = ("int8", "int4", "gguf")
 GROUP_KERNELS = FORMATS  # one per packed weight format (kernels/cpu/packing.py)
-# candidates per method (or per GGUF block format) in order of quality (a better one wins a near tie, see
-# choose_kernel)
-CANDIDATES = {"int8": ("q8_0", "int_mm"), "int4": ("q4_1",), **{fmt: (fmt,) for fmt in GROUP_KERNELS}}
 HEAD_NAMES = ("lm_head",)  # linears int4 keeps at int8
 FLOAT_WEIGHT_KERNELS = ("float32", "onednn")  # the kernels that read the float32 weight
-FLOAT_MARGIN = 0.95  # another kernel must measure at least 5% faster than torch's float32 to be chosen (noise)
-NEAR_TIE = 1.10  # a better-quality kernel within 10% of the fastest is taken instead
 
 
 # fbgemm's packed weights of every int_mm layer, by its int8 weight's address. A compiled decode graph cannot take
@@ -91,7 +84,7 @@ class QuantLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, method: str = "int8", plan: ShapePlan | None = None,
                  hold: tuple[str, ...] = (), packed: PackedWeight | None = None) -> None:
-        """Keeps only the weight formats the plan's kernels (and `hold`'s, for timing) read: float32 too when
+        """Keeps only the weight formats the plan's kernels (and `hold`'s, for timing them) read: float32 too when
         the plan has it. `packed`: the weight already quantized (a GGUF file's blocks, method "gguf"), used as
         it is for its format instead of quantizing `linear`'s."""
         super().__init__()
@@ -169,11 +162,6 @@ class QuantLinear(nn.Module):
 Int8Linear = QuantLinear  # the name before int4 and the group kernels
 
 
-def linear_shapes(model: nn.Module) -> list[tuple[int, int]]:
-    """The distinct (out_features, in_features) of the model's `nn.Linear` layers."""
-    return sorted({(m.out_features, m.in_features) for m in model.modules() if isinstance(m, nn.Linear)})
-
-
 def layer_method(name: str, method: str) -> str:
     """The method the linear called `name` is quantized with: int4 keeps the LM head at int8."""
     return "int8" if method == "int4" and name.rpartition(".")[2] in HEAD_NAMES else method
@@ -198,64 +186,3 @@ def quantize_linears(model: nn.Module, method: str, plan: KernelPlan | None = No
             raise ValueError(f"--quantization gguf: the GGUF file has no quantized weight for {name}")
         setattr(parent, child, QuantLinear(module, layer_method(name, method), shape_plan, packed=packed.get(name)))
     return model
-
-
-def candidates(method: str) -> tuple[str, ...]:
-    """Kernels timed for `method` on this host in quality order: the float32 weight's first (torch's, then
-    oneDNN's where torch has it), then the method's. Our group kernels only when compiled (their torch fallback
-    is far slower than float32); `int_mm` needs fbgemm."""
-    out = ["float32", *(["onednn"] if onednn_available() else [])]
-    for kernel in CANDIDATES[method]:
-        if kernel in GROUP_KERNELS and not cpu_kernels.compiled():
-            continue
-        if kernel == "int_mm" and "fbgemm" not in torch.backends.quantized.supported_engines:
-            continue
-        out.append(kernel)
-    return tuple(out)
-
-
-def choose_kernel(times: dict[str, float], order: tuple[str, ...]) -> str:
-    """The kernel to run given seconds per call: torch's float32 unless another kernel beats it by the margin;
-    among those, the fastest, or the best-quality one (earliest in `order`) within `NEAR_TIE` of it."""
-    fast = {k: t for k, t in times.items() if k != "float32" and t <= FLOAT_MARGIN * times["float32"]}
-    if not fast:
-        return "float32"
-    best = min(fast.values())
-    return next(k for k in order if k in fast and fast[k] <= NEAR_TIE * best)
-
-
-def measure_kernel_plan(shape_rows: dict[tuple[int, int], list[int]], method: str = "int8", rounds: int = 5,
-                        use_cache: bool = True) -> tuple[KernelPlan, dict[str, Any]]:
-    """Time every candidate kernel of `method` on each shape (out, in) at each of its row counts, here; returns
-    the plan (shape -> bucket -> kernel) and the measurements ({"times": {"out,in,rows": {kernel: seconds}},
-    "cached": bool}). Cached on disk by host, torch, kernels and thread count."""
-    order = candidates(method)
-    key = plan_cache.host_key({"method": method, "candidates": list(order),
-                               "shapes": sorted([list(s), sorted(r)] for s, r in shape_rows.items())})
-
-    def measure() -> dict[str, dict[str, float]]:
-        times = {}
-        for (n, k), row_counts in shape_rows.items():
-            layer = QuantLinear(nn.Linear(k, n, bias=False), method, hold=order)
-            for rows in sorted(set(row_counts)):
-                x = torch.randn(rows, k)
-                fns = {kernel: (lambda kernel=kernel: layer.run(x, kernel)) for kernel in order}
-                times[f"{n},{k},{rows}"] = plan_cache.time_interleaved(fns, rounds)
-        return times
-
-    times, cached = plan_cache.measured_times(key, measure, use_cache)
-    plan = plan_from_times(times, lambda measured: choose_kernel(measured, order))
-    return plan, {"times": times, "cached": cached, "candidates": order}
-
-
-def speedup(times: dict[str, dict[str, float]], plan: KernelPlan, rows: int) -> float:
-    """The fastest float32 kernel's time over the plan's for one pass through every measured shape at `rows`
-    rows (what `--quantization auto` weighs: unquantized, the float32 linears run their fastest kernel too)."""
-    base = chosen = 0.0
-    for entry, measured in times.items():
-        n, k, r = (int(v) for v in entry.split(","))
-        if r == rows:
-            base += min(measured[kernel] for kernel in FLOAT_WEIGHT_KERNELS if kernel in measured)
-            chosen += measured[plan[(n, k)][r.bit_length()]]
-    return base / chosen if chosen else 1.0
-

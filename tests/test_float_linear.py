@@ -1,5 +1,5 @@
-"""Float32 linears by the kernel measured fastest per shape and row count (kernels/float_linear.py): our GEMV
-(kernels/cpu/f32_gemv.cpp), oneDNN's matmul, torch's.
+"""Float32 linears by the kernel measured fastest per shape and row count (kernels/float_linear.py, measured and
+chosen by kernels/linear_plan/): our GEMV (kernels/cpu/f32_gemv.cpp), oneDNN's matmul, torch's.
 
 Our GEMV against torch's `F.linear` on odd shapes, row counts, thread counts and both ISA paths; bad inputs
 refused; oneDNN's against torch's; `FloatLinear` sharing its layer's Parameters and running, eagerly and traced
@@ -18,10 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import ringserve.kernels.cpu as cpu_kernels
-from ringserve.kernels.float_linear import (
-    FLOAT_KERNELS, GEMV_MAX_ROWS, FloatLinear, choose_float_kernel, float_report, measure_float_plan,
-    onednn_available, onednn_linear, use_float_plan,
-)
+from ringserve.kernels.float_linear import FLOAT_KERNELS, FloatLinear, onednn_available, onednn_linear, use_float_plan
+from ringserve.kernels.linear_plan.candidates import GEMV_MAX_ROWS, choose_float_kernel
+from ringserve.kernels.linear_plan.measure import measure_float
+from ringserve.kernels.linear_plan.plan import Measured
+from ringserve.kernels.linear_plan.report import float_report
 from tests.test_kernels_cpu_qgemm import each_isa_path_and_thread_count
 
 needs_build = pytest.mark.skipif(not cpu_kernels.compiled(), reason="the C++ kernels did not build here")
@@ -121,15 +122,16 @@ def test_another_kernel_than_torchs_is_chosen_only_when_faster_by_the_margin() -
 @needs_onednn
 def test_the_host_measures_each_shape_and_row_count_and_only_shapes_it_helps_are_swapped(plan_dir: Path) -> None:
     shapes = {(24, 40): [1, 2, 4, 8], (40, 24): [1, 4]}
-    plan, measured = measure_float_plan(shapes, rounds=1)
+    measured = measure_float(shapes, rounds=1)
+    plan = measured.plan
     assert plan.keys() == shapes.keys() and set(plan[(24, 40)]) == {1, 2, 3, 4} and set(plan[(40, 24)]) == {1, 3}
-    assert {f"{n},{k},{r}" for (n, k), rows in shapes.items() for r in rows} == set(measured["times"])
-    for entry, times in measured["times"].items():
+    assert {f"{n},{k},{r}" for (n, k), rows in shapes.items() for r in rows} == set(measured.times)
+    for entry, times in measured.times.items():
         rows = int(entry.split(",")[2])
         assert set(times) == {"float32", "onednn", *(["f32_gemv"] if rows <= GEMV_MAX_ROWS else [])}, entry
-    assert all(set(p.values()) <= set(FLOAT_KERNELS) for p in plan.values()) and not measured["cached"]
-    again, measured_again = measure_float_plan(shapes, rounds=1)  # read back from the cache
-    assert again == plan and measured_again["cached"]
+    assert all(set(p.values()) <= set(FLOAT_KERNELS) for p in plan.values()) and not measured.cached
+    again = measure_float(shapes, rounds=1)  # read back from the cache
+    assert again.plan == plan and again.cached
     model = nn.Sequential(nn.Linear(40, 24), nn.ReLU(), nn.Linear(24, 40))
     assert use_float_plan(model, {(24, 40): {1: "f32_gemv", 2: "f32_gemv", 3: "onednn"}, (40, 24): {1: "float32"}}) == 1
     assert isinstance(model[0], FloatLinear) and type(model[2]) is nn.Linear
@@ -140,7 +142,7 @@ def test_the_host_measures_each_shape_and_row_count_and_only_shapes_it_helps_are
 @needs_onednn
 def test_smollm2_with_our_gemv_and_onednn_on_every_linear_gives_transformers_greedy_tokens(
         smollm_hf: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    import ringserve.actors.engine.quantization.quantize as quantize
+    import ringserve.kernels.linear_plan.planner as planner
     from ringserve.actors.common.model_source import resolve_model
     from ringserve.actors.engine.scheduling.engine import Engine, EngineConfig
     from ringserve.bus.messages import TokenizedRequest
@@ -148,8 +150,8 @@ def test_smollm2_with_our_gemv_and_onednn_on_every_linear_gives_transformers_gre
     from tests.test_engine_smollm2 import MAX_NEW, PROMPTS
 
     forced = {1: "f32_gemv", 2: "f32_gemv", **{bits: "onednn" for bits in range(3, 12)}}  # prefill: oneDNN
-    monkeypatch.setattr(quantize, "measure_float_plan",  # this host's choice aside
-                        lambda shape_rows: ({shape: forced for shape in shape_rows}, {"cached": False}))
+    monkeypatch.setattr(planner, "measure_float",  # this host's choice aside
+                        lambda shape_rows: Measured("float32", {shape: forced for shape in shape_rows}, {}, False))
     engine = Engine.from_source(resolve_model("SmolLM2-135M-Instruct"), EngineConfig(device="cpu"))
     report = engine.stats().quantization
     assert report["method"] == "none" and report["576->49152 1-3 rows"] == "f32_gemv", report  # the tied head too

@@ -12,11 +12,12 @@ from torch import nn
 import ringserve.kernels.cpu as cpu_kernels
 from ringserve.actors.engine.models.weights import model_from_hf
 from ringserve.bus.messages import TokenizedRequest
-from ringserve.kernels.linear_plan import plan_buckets, plan_report
 from ringserve.kernels.float_linear import onednn_available
-from ringserve.kernels.quantization import (
-    QuantLinear, candidates, choose_kernel, measure_kernel_plan, quantize_linears, speedup,
-)
+from ringserve.kernels.linear_plan.candidates import candidates, choose_kernel
+from ringserve.kernels.linear_plan.measure import measure_quantized
+from ringserve.kernels.linear_plan.plan import plan_buckets, plan_report
+from ringserve.kernels.linear_plan.report import speedup
+from ringserve.kernels.quantization import QuantLinear, quantize_linears
 from tests.engine_helpers import engine_for, greedy, run_to_completion, tiny_hf_llama, tokens_of
 
 COMPILED = cpu_kernels.compiled()  # built (or found built) now, in the usual cache, before any test moves it
@@ -135,14 +136,15 @@ def test_the_choice_is_never_slower_than_float32_and_prefers_quality_in_a_near_t
 
 def test_the_plan_is_measured_per_shape_and_row_count_then_cached(plan_dir: Path) -> None:
     shapes = {(32, 64): [1, 2, 4, 8], (48, 64): [1, 2]}
-    plan, measured = measure_kernel_plan(shapes, "int8", rounds=1)
+    measured = measure_quantized(shapes, "int8", rounds=1)
+    plan = measured.plan
     assert set(plan) == set(shapes) and set(plan[(32, 64)]) == {1, 2, 3, 4} and set(plan[(48, 64)]) == {1, 2}
-    assert {k for p in plan.values() for k in p.values()} <= set(measured["candidates"])
-    assert measured["candidates"][0] == "float32" and ("q8_0" in measured["candidates"]) == COMPILED
-    assert not measured["cached"] and list((plan_dir / "kernel_plans").glob("*.json"))
-    again, measured_again = measure_kernel_plan(shapes, "int8", rounds=1)
-    assert measured_again["cached"] and again == plan and measured_again["times"] == measured["times"]
-    for entry, times in measured["times"].items():  # whatever was chosen measured no slower than float32
+    assert {k for p in plan.values() for k in p.values()} <= set(measured.candidates)
+    assert measured.candidates[0] == "float32" and ("q8_0" in measured.candidates) == COMPILED
+    assert not measured.cached and list((plan_dir / "kernel_plans").glob("*.json"))
+    again = measure_quantized(shapes, "int8", rounds=1)
+    assert again.cached and again.plan == plan and again.times == measured.times
+    for entry, times in measured.times.items():  # whatever was chosen measured no slower than float32
         n, k, rows = (int(v) for v in entry.split(","))
         assert times[plan[(n, k)][rows.bit_length()]] <= times["float32"]
 

@@ -1,4 +1,4 @@
-"""The kernel-plan cache (kernels/cpu/plan_cache.py): measurements stored per host key and read back; one
+"""The kernel-plan cache (kernels/linear_plan/cache.py): measurements stored per host key and read back; one
 measured on a busy host is measured again once the host is quiet, and kept while it is busy."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ringserve.kernels.cpu import plan_cache
+from ringserve.kernels.linear_plan import cache as plan_cache
 
 KEY = plan_cache.host_key({"test": "plan cache"})
 RESULT = {"times": {"8,8,1": {"float32": 1e-6}}}
