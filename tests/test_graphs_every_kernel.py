@@ -11,7 +11,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-import ringserve.kernels.float_linear as float_linear
+import ringserve.kernels.linear_plan.measure as measure
 import ringserve.kernels.quantization as quantization
 from ringserve.actors.common.model_source import resolve_model
 from ringserve.actors.engine.config import EngineConfig
@@ -67,8 +67,7 @@ def graphs_on(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_each_quantization_mode_compiles_its_batch_1_graph(method: str, choose: Any,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     plan = forced_plan(choose)
-    monkeypatch.setattr(quantization, "plan_from_times", plan)
-    monkeypatch.setattr(float_linear, "plan_from_times", plan)
+    monkeypatch.setattr(measure, "plan_from_times", plan)
     config = EngineConfig(device="cpu", torch_threads=1, max_total_tokens=2048, cuda_graph_max_bs=1,
                           quantization=method)
     engine = Engine.from_source(resolve_model("SmolLM2-135M-Instruct"), config)

@@ -138,7 +138,7 @@ assert not k.compiled() and k.isa() == "torch"
 p = pack(torch.randn(20, 50), "q8_0")
 x = torch.randn(3, 50)
 assert torch.equal(k.group_linear(x, p), reference_group_linear(x, p.qweight, p.scales, None, None, 20, 8))
-from ringserve.kernels.quantization import candidates
+from ringserve.kernels.linear_plan.candidates import candidates
 from ringserve.kernels.float_linear import onednn_available
 floats = ("float32", "onednn") if onednn_available() else ("float32",)
 assert candidates("int8") in (floats, floats + ("int_mm",)) and candidates("int4") == floats

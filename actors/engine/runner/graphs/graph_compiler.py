@@ -45,7 +45,7 @@ from tqdm import tqdm
 from ringserve.actors.engine.runner.graphs.graph_store import GraphStore
 from ringserve.kernels.cpu import cache_dir
 from ringserve.kernels.cpu.give_way import give_way_to_steps, stepping
-from ringserve.kernels.cpu.plan_cache import time_interleaved
+from ringserve.kernels.cpu.host import time_interleaved
 from ringserve.observability.logging import log_event
 
 log = logging.getLogger("engine.graphs")

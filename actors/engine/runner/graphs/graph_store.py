@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ringserve.kernels.cpu import cache_dir
-from ringserve.kernels.cpu.plan_cache import cpu_info
+from ringserve.kernels.cpu.host import cpu_info
 from ringserve.observability.logging import log_event
 
 log = logging.getLogger("engine.graphs")
