@@ -171,7 +171,8 @@ def quantize_linears(model: nn.Module, method: str, plan: KernelPlan | None = No
                      packed: dict[str, PackedWeight] | None = None) -> nn.Module:
     """Replace every `nn.Linear` of `model` (on the CPU) by a `QuantLinear` of `method` (`layer_method`), in
     place, each following its shape's entry of `plan` (without one: the method's default for every row count).
-    With method "gguf", `packed` holds every linear's weight (module name -> its GGUF blocks, packed)."""
+    With method "gguf", `packed` holds the linears' GGUF blocks (module name -> packed); a linear it lacks (the
+    file stores it as floats) stays as it is."""
     if method not in METHODS:
         raise ValueError(f"unknown quantization {method!r}; choose one of {list(METHODS)}")
     packed = packed or {}
@@ -183,6 +184,6 @@ def quantize_linears(model: nn.Module, method: str, plan: KernelPlan | None = No
         parent = model.get_submodule(parent_name) if parent_name else model
         shape_plan = (plan or {}).get((module.out_features, module.in_features))
         if method == "gguf" and name not in packed:
-            raise ValueError(f"--quantization gguf: the GGUF file has no quantized weight for {name}")
+            continue  # stored as floats in the file: it runs its float weights
         setattr(parent, child, QuantLinear(module, layer_method(name, method), shape_plan, packed=packed.get(name)))
     return model

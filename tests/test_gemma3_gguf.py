@@ -1,5 +1,7 @@
 """The second real model: Gemma 3 270M from its Q4_K_M GGUF, greedy token for token against transformers reading
-the same file, in the engine and through the whole ring (chat completions with Gemma's own template)."""
+the same file, in the engine and through the whole ring (chat completions with Gemma's own template); and served
+on the file's own blocks (`--quantization gguf`: Q5_0, Q8_0, and the K-quants Q4_K and Q6_K), which are exactly
+the weights transformers dequantizes."""
 
 from __future__ import annotations
 
@@ -55,6 +57,35 @@ def test_greedy_tokens_equal_transformers_reading_the_same_file(engine: Engine, 
     rows = run_to_completion(engine, [TokenizedRequest(rid, ids, greedy(NEW_TOKENS)) for rid, ids in prompts.items()])
     for rid, ids in prompts.items():
         assert_greedy_matches(gemma_hf, ids, hf_greedy(gemma_hf, ids, NEW_TOKENS, None), tokens_of(rows[rid]))
+
+
+def test_the_files_blocks_are_exactly_its_weights(source: Any, engine: Engine) -> None:
+    """Every linear's packed blocks (K-quants in the q8_k form, Q5_0 and Q8_0 parts fused as q8_0) dequantize to
+    the float weights transformers read from the same file."""
+    from ringserve.actors.engine.models.gguf_blocks import packed_linears
+    from ringserve.kernels.cpu.packing import dequantize
+
+    model = engine.runner.model
+    packed = packed_linears(str(gemma3_gguf()), model.num_layers, tied_head=True)
+    assert len(packed) == 4 * model.num_layers + 1
+    assert {p.format for p in packed.values()} == {"q8_0", "q8_k"}
+    for name, p in packed.items():
+        assert torch.equal(dequantize(p), model.get_submodule(name).weight), name
+
+
+def test_served_on_its_own_blocks(source: Any, tokenizer: Any) -> None:
+    """`--quantization gguf`: every linear runs the file's blocks in our kernels; the plain prompt's greedy
+    continuation is the float32 one (activations quantized per block of 32, as llama.cpp does, move logits
+    by little: this prompt has no near-tie)."""
+    from ringserve.kernels.quantization import QuantLinear
+
+    gguf_engine = Engine.from_source(source, EngineConfig(device="cpu", torch_threads=1, max_total_tokens=4096,
+                                                          quantization="gguf"))
+    layers = [m for m in gguf_engine.runner.model.modules() if isinstance(m, QuantLinear)]
+    assert len(layers) == 4 * 18 + 1 and {layer.default for layer in layers} == {"q8_0", "q8_k"}
+    ids = tokenizer("The capital of France is Paris. The capital of Germany is")["input_ids"]
+    got = tokens_of(run_to_completion(gguf_engine, [TokenizedRequest("q", ids, greedy(NEW_TOKENS))])["q"])
+    assert tokenizer.decode(got).startswith(" Berlin. The capital of the United States is Washington")
 
 
 @pytest.fixture(scope="module")

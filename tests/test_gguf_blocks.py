@@ -1,6 +1,7 @@
-"""`--quantization gguf`: a GGUF file's own Q8_0/Q4_0/Q4_1 blocks packed for our CPU group kernels as they are.
+"""`--quantization gguf`: a GGUF file's own blocks packed for our CPU group kernels as they are (each block type
+against gguf-py's dequantization: tests/test_gguf_formats.py).
 
-The block decoder against gguf-py's own quantize/dequantize; the q/k row order against transformers' un-permute;
+The q/k row order against transformers' un-permute;
 the default model's blocks, fused and un-permuted, dequantizing exactly to the float weights transformers loads
 from the same file, through the cache as well; the engine serving on them; a safetensors model refused."""
 
@@ -8,34 +9,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import gguf
-import gguf.quants
 import numpy as np
 import pytest
 import torch
 
 from ringserve.actors.common.model_source import resolve_model
 from ringserve.actors.engine.config import EngineConfig
-from ringserve.actors.engine.models.gguf_blocks import decode_blocks, load_packed_linears, rotary_row_order
-from ringserve.kernels.cpu.packing import dequantize, pack_codes
-
-TYPES = {"q8_0": gguf.GGMLQuantizationType.Q8_0, "q4_0": gguf.GGMLQuantizationType.Q4_0,
-         "q4_1": gguf.GGMLQuantizationType.Q4_1}
-
-
-@pytest.mark.parametrize("fmt", list(TYPES))
-def test_blocks_decode_and_pack_to_what_gguf_dequantizes(fmt: str) -> None:
-    rng = np.random.default_rng(3)
-    weight = rng.standard_normal((21, 96)).astype(np.float32)  # rows: not a whole tile of 16
-    raw = gguf.quants.quantize(weight, TYPES[fmt])
-    want = torch.from_numpy(gguf.quants.dequantize(raw, TYPES[fmt]))
-    codes, scales, mins = decode_blocks(raw, fmt, 21, 96)
-    w = (codes.float() - (8 if fmt == "q4_0" else 0)).reshape(21, 3, 32) * scales.float()[..., None]
-    if mins is not None:
-        w = w + mins.float()[..., None]
-    torch.testing.assert_close(w.reshape(21, 96), want, rtol=0, atol=1e-6)
-    torch.testing.assert_close(dequantize(pack_codes(codes, scales, mins, fmt)), want, rtol=0, atol=1e-6)
-
+from ringserve.actors.engine.models.gguf_blocks import load_packed_linears, rotary_row_order
+from ringserve.kernels.cpu.packing import dequantize
 
 def test_the_rotary_row_order_undoes_llama_cpps_permutation() -> None:
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor

@@ -48,8 +48,8 @@ class EngineConfig:
     quantization: str = field(default="none", metadata=_flag(
         "weight quantization (CPU): none (float32 weights, each step size through the float32 kernel measured "
         "fastest here: torch's, our GEMV at 1-3 rows, or oneDNN's), int8 (int8 weights in groups of 32), int4 "
-        "(4-bit weights in groups of 32, llama.cpp's Q4_1), gguf (a .gguf model's own Q8_0/Q4_0/Q4_1 blocks, as llama.cpp runs "
-        "them, without requantizing), auto (int8 when a start-up micro-benchmark finds it faster on this CPU); "
+        "(4-bit weights in groups of 32, llama.cpp's Q4_1), gguf (a .gguf model's own blocks, as llama.cpp runs them, "
+        "never requantized: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q4_K, Q5_K, Q6_K), auto (int8 when a start-up micro-benchmark finds it faster on this CPU); "
         "each step size runs the kernel measured fastest here, never one slower than float32",
         choices=QUANTIZATION_CHOICES))
     max_total_tokens: int = field(default=0, metadata=_flag(

@@ -44,6 +44,7 @@ from ringserve.kernels.cpu.attention import reference_paged_decode_attention
 from ringserve.kernels.cpu.build_record import CFLAGS, LDFLAGS, SOURCES, sources_digest
 from ringserve.kernels.cpu.decode_layer import reference_decode_layer
 from ringserve.kernels.cpu.packing import PackedWeight, pack, reference_group_linear
+from ringserve.kernels.cpu.packing_k8 import reference_k8_linear
 
 __all__ = ["PackedWeight", "pack", "group_linear", "compiled", "isa", "best_isa", "set_isa", "cache_dir", "linear",
            "paged_decode_attention", "f32_linear"]
@@ -66,6 +67,9 @@ _lib.define("decode_layer(Tensor x, Tensor cos, Tensor sin, Tensor norm1, Tensor
             "Tensor(b!) v_pool, int layer, Tensor out_slots, Tensor table, Tensor rows, Tensor kv_lens, "
             "int num_heads, float scale, int window=0, float soft_cap=0.0) -> Tensor")
 DECODE_LAYER_OP = "ringserve_cpu::decode_layer"
+_lib.define("k8_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor wsums, Tensor? bias, "
+            "int out_features) -> Tensor")  # the q8_k form of GGUF's K-quants (kquant.cpp)
+K8_LINEAR_OP = "ringserve_cpu::k8_linear"
 _lib.define("f32_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")  # x [M, K] @ weight[N, K]^T + bias
 F32_LINEAR_OP = "ringserve_cpu::f32_linear"
 
@@ -73,6 +77,12 @@ F32_LINEAR_OP = "ringserve_cpu::f32_linear"
 @torch.library.register_fake(OP)
 def _group_linear_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                        bias: torch.Tensor | None, out_features: int, bits: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], out_features))
+
+
+@torch.library.register_fake(K8_LINEAR_OP)
+def _k8_linear_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                    wsums: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     return x.new_empty((x.shape[0], out_features))
 
 
@@ -205,6 +215,7 @@ def _extension() -> object | None:
                 module = _build()
                 if module is None:
                     _lib.impl("group_linear", reference_group_linear, "CPU")
+                    _lib.impl("k8_linear", reference_k8_linear, "CPU")
                     _lib.impl("paged_decode_attention", reference_paged_decode_attention, "CPU")
                     _lib.impl("decode_layer", reference_decode_layer, "CPU")
                     _lib.impl("f32_linear", reference_f32_linear, "CPU")
@@ -250,6 +261,9 @@ _LINEAR: Any = None  # set by linear(): the overload packed_linear calls eagerly
 def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """`x` `[M, K]` float32 through `packed`'s own kernel (whatever its format), plus `bias`; inside a compiled
     graph too. The one door quantized layers (kernels/quantization.py) use for a packed weight."""
+    if packed.wsums is not None:  # q8_k
+        return torch.ops.ringserve_cpu.k8_linear(x, packed.qweight, packed.scales, packed.mins, packed.wsums, bias,
+                                                 packed.out_features)
     if torch.compiler.is_compiling():  # the custom op (with its fake) traces; the bare overload not
         return torch.ops.ringserve_cpu.group_linear(x, packed.qweight, packed.scales, packed.mins, bias,
                                                     packed.out_features, packed.bits)

@@ -24,7 +24,7 @@ import torch
 
 QK = 32  # values per quantization group (weights) and per activation block
 TILE = 16  # output rows per packed tile
-FORMATS = ("q8_0", "q4_0", "q4_1")
+FORMATS = ("q8_0", "q4_0", "q4_1", "q8_k")  # q8_k: kernels/cpu/packing_k8.py
 
 
 @dataclass
@@ -37,15 +37,18 @@ class PackedWeight:
     out_features: int
     in_features: int
     bits: int
+    wsums: torch.Tensor | None = None  # q8_k only: int32 code sums per half block (packing_k8.py)
 
     @property
     def format(self) -> str:
-        """"q8_0", "q4_0" or "q4_1"."""
+        """"q8_0", "q4_0", "q4_1" or "q8_k"."""
+        if self.wsums is not None:
+            return "q8_k"
         return "q8_0" if self.bits == 8 else "q4_1" if self.mins is not None else "q4_0"
 
     def nbytes(self) -> int:
         """Bytes the packed weight occupies (what a GEMV reads per call)."""
-        extra = 0 if self.mins is None else self.mins.nbytes
+        extra = sum(t.nbytes for t in (self.mins, self.wsums) if t is not None)
         return self.qweight.nbytes + self.scales.nbytes + extra
 
 
@@ -128,11 +131,15 @@ def pack_codes(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | N
 
 
 def pack(weight: torch.Tensor, fmt: str) -> PackedWeight:
-    """`weight` packed in `fmt` ("q8_0", "q4_0" or "q4_1")."""
+    """`weight` packed in `fmt` ("q8_0", "q4_0", "q4_1" or "q8_k")."""
     if fmt == "q8_0":
         return pack_q8_0(weight)
     if fmt in ("q4_0", "q4_1"):
         return pack_q4(weight, with_min=fmt == "q4_1")
+    if fmt == "q8_k":
+        from ringserve.kernels.cpu.packing_k8 import pack_q8_k
+
+        return pack_q8_k(weight)
     raise ValueError(f"unknown weight format {fmt!r}; choose one of {list(FORMATS)}")
 
 
@@ -158,6 +165,10 @@ def unpack(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | Non
 
 def dequantize(packed: PackedWeight) -> torch.Tensor:
     """The float32 weight `[N, K]` the packed one stands for."""
+    if packed.format == "q8_k":
+        from ringserve.kernels.cpu.packing_k8 import dequantize_k8
+
+        return dequantize_k8(packed)
     kb = -(-packed.in_features // QK)
     q, scales, mins = unpack(packed.qweight, packed.scales, packed.mins, packed.bits, kb)
     w = q.float() * scales[..., None]
