@@ -127,3 +127,24 @@ def test_the_q8_k_kernel_on_many_rows_and_threads() -> None:
         torch.set_num_threads(previous)
     want = reference_k8_linear(x, packed.qweight, packed.scales, packed.mins, packed.wsums, None, 48)
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-5)
+
+
+def test_the_fused_decode_layer_declines_q8_k_weights() -> None:
+    """The whole-layer op reads only the q8_0/q4_0/q4_1 layouts: a layer with a K-quant linear runs its modules."""
+    from ringserve.kernels.cpu.decode_layer import fused_decode_layer
+
+    class Backend:
+        def in_place_decode_inputs(self, meta: object, layer: int) -> tuple[object, ...]:
+            return (None, None, None, None)
+
+    class Linear:
+        def __init__(self, fmt: str) -> None:
+            self.packed = pack_q8_k(torch.randn(32, 64)) if fmt == "q8_k" else None
+
+        def packed_for(self, rows: int) -> object:
+            return self.packed
+
+    norm = type("Norm", (), {"eps": 1e-6, "weight": torch.ones(64)})()
+    out = fused_decode_layer(torch.zeros(1, 64), torch.zeros(1, 16), torch.zeros(1, 16), (norm, norm),
+                             [Linear("q8_k")] * 4, 4, 0, Backend(), None)
+    assert out is None
