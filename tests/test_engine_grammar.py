@@ -109,7 +109,9 @@ def test_jump_forward_appends_forced_text_in_fewer_steps(model: Any, tokenizer: 
         check_json(text_of(tokenizer, out_fast[req.rid]))
         check_json(text_of(tokenizer, out_slow[req.rid]))
     assert slow.jumper is None and fast.jumper is not None and fast.jumper.tokens >= 3 * 3  # three fixed keys each
-    assert fast.steps < slow.steps
+    # fewer emissions (one row per step that gave the request tokens); counting engine steps would count the
+    # idle ones spent waiting for a grammar to compile, which a busy host lengthens
+    assert sum(len(out_fast[r.rid]) for r in reqs) < sum(len(out_slow[r.rid]) for r in reqs)
     fast.check_integrity()
     assert fast.stats().kv_running_tokens == 0
 
