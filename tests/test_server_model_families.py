@@ -35,9 +35,6 @@ LENGTHS = (3, 2 * WINDOW + 1, ORIGINAL_CONTEXT - 4, ORIGINAL_CONTEXT + 3)
 # and cross it while decoding
 PHI3_LENGTHS = (*LENGTHS[:-1], ORIGINAL_CONTEXT)
 
-
-def lengths(family: str) -> tuple[int, ...]:
-    return PHI3_LENGTHS if family == "phi3" else LENGTHS
 COMMON_FLAGS = ["--torch-threads", "1", "--max-total-tokens", "2048"]
 # Servers started side by side (a start mostly waits on imports), a group at a time to bound memory and CPU
 GROUPS: list[dict[str, tuple[str, list[str]]]] = [
@@ -47,6 +44,11 @@ GROUPS: list[dict[str, tuple[str, list[str]]]] = [
      "qwen3-int4": ("qwen3", ["--quantization", "int4"])},
     {"qwen3-tp2": ("qwen3", ["--tp", "2"]), "gemma3-tp2": ("gemma3", ["--tp", "2"])},
 ]
+
+
+def lengths(family: str) -> tuple[int, ...]:
+    """The prompt lengths `family` is tested with."""
+    return PHI3_LENGTHS if family == "phi3" else LENGTHS
 
 
 def tiny_family_model(family: str) -> Any:
