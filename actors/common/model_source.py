@@ -5,6 +5,7 @@ cannot before any actor starts, in one line that says why."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import importlib.metadata
@@ -19,6 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from ringserve.actors.common.hub_cache import is_hub_id, resolve_hub_id
 from ringserve.actors.engine.models.chat_templates import fallback_template
 from ringserve.actors.engine.models.registry import UnsupportedArchitecture, family_of, family_of_gguf
 
@@ -47,7 +49,8 @@ class ModelSource:
 
 
 def resolve_model(spec: str) -> ModelSource:
-    """Resolve `--model`: the default name, a path to a `.gguf` file, or a directory with config.json.
+    """Resolve `--model`: the default name, a path to a `.gguf` file, a directory with config.json, or a Hugging
+    Face hub id (`org/name`: actors/common/hub_cache.py).
 
     Raises FileNotFoundError with a message that says what was looked for, and UnservableModel for a directory
     of an architecture the engine does not implement.
@@ -61,6 +64,8 @@ def resolve_model(spec: str) -> ModelSource:
         if not ggufs:
             raise FileNotFoundError(f"no .gguf file in {directory}")
         return ModelSource(str(directory), ggufs[0].name, spec)
+    if is_hub_id(spec):  # its snapshot directory, served under the hub id's name
+        return dataclasses.replace(resolve_model(str(resolve_hub_id(spec))), name=spec)
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource(str(path.parent.resolve()), path.name, path.stem)
@@ -72,7 +77,8 @@ def resolve_model(spec: str) -> ModelSource:
         if len(ggufs) == 1:
             return ModelSource(str(path.resolve()), ggufs[0].name, ggufs[0].stem)
         raise FileNotFoundError(f"{path} has no config.json and not exactly one .gguf file")
-    raise FileNotFoundError(f"model {spec!r} is neither {DEFAULT_MODEL!r}, a .gguf file, nor a model directory")
+    raise FileNotFoundError(f"model {spec!r} is neither {DEFAULT_MODEL!r}, a .gguf file, a model directory, nor a "
+                            "Hugging Face hub id (org/name)")
 
 
 def check_architecture(directory: Path) -> None:

@@ -19,8 +19,9 @@ from ringserve.actors.scheduler.tp_follower import add_tp_arguments
 def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     """The flags of `ringserve serve` (also the keyword arguments of `ringserve.Engine`)."""
     serve.add_argument("--model", default=DEFAULT_MODEL,
-                       help="model to serve: the packaged default, a .gguf file, or a directory with config.json "
-                            "and safetensors weights")
+                       help="model to serve: the packaged default, a .gguf file, a directory with config.json "
+                            "and safetensors weights, or a Hugging Face hub id (org/name) from the local Hugging "
+                            "Face cache, downloaded where the hub is reachable")
     serve.add_argument("--served-model-name", default=None, help="model id in the API (default: derived from --model)")
     serve.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="HTTP port")
