@@ -3,13 +3,16 @@ against transformers: a tiny random model of each family (tests/model_families.p
 vocabulary and tokenizer, saved as a directory and served. Greedy `/generate` tokens of batched prompts that cross
 the sliding windows and the rope-scaled models' original context equal transformers' greedy ones, and prompt
 logprobs equal transformers' log-softmax. Qwen 3 and Gemma 3 with `--tp 2` give transformers' tokens too, and
-Qwen 3 with `--quantization int8`/`int4` gives the tokens of an in-process engine quantized the same way.
+Qwen 3 with `--quantization int8`/`int4`/`auto` gives the tokens of an in-process engine quantized the same way. A
+directory of an architecture no family serves is refused in one line naming it and the served ones.
 
 Phi-3's prompts stay within its original context: longrope's factors are chosen per token here and per forward
 in transformers, which differ for a prompt that crosses it (actors/engine/models/rope.py)."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
@@ -22,7 +25,8 @@ import torch
 
 from tests.engine_helpers import assert_greedy_matches, greedy, run_to_completion, tokens_of
 from tests.model_families import CONFIGS, ORIGINAL_CONTEXT, WINDOW, tiny_hf_model
-from tests.server_helpers import ServerHandle, servers_side_by_side
+from tests.server_helpers import ServerHandle, server_info, servers_side_by_side
+from tests.test_docs_claims import ringserve_cmd
 from tests.test_model_families import reference_greedy
 
 VOCAB = 49152  # SmolLM2's tokenizer
@@ -42,8 +46,12 @@ GROUPS: list[dict[str, tuple[str, list[str]]]] = [
     {"qwen3": ("qwen3", []), "gemma2": ("gemma2", []), "phi3": ("phi3", [])},
     {"gemma3": ("gemma3", []), "qwen3-int8": ("qwen3", ["--quantization", "int8"]),
      "qwen3-int4": ("qwen3", ["--quantization", "int4"])},
-    {"qwen3-tp2": ("qwen3", ["--tp", "2"]), "gemma3-tp2": ("gemma3", ["--tp", "2"])},
+    # auto measures int8's plan as int8 does: never side by side with it, or the two would race to cache it
+    {"qwen3-auto": ("qwen3", ["--quantization", "auto"]), "qwen3-tp2": ("qwen3", ["--tp", "2"]),
+     "gemma3-tp2": ("gemma3", ["--tp", "2"])},
 ]
+SERVED = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM",
+          "Gemma3ForCausalLM", "Phi3ForCausalLM"]
 
 
 def lengths(family: str) -> tuple[int, ...]:
@@ -162,30 +170,55 @@ def test_greedy_tokens_and_prompt_logprobs_equal_transformers(family: str, rings
                                msg=lambda m: f"{family} prompt logprobs: {m}")
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
-def test_quantized_qwen3_serves_the_in_process_engines_tokens(method: str, rings: Rings) -> None:
-    """The server plans its kernels first and caches the plan on disk per host; the in-process engine reads
-    the same plan, so both run the same kernels on the same quantized weights. The requests go one at a time on
-    both sides: a plan picks a linear's kernel by the step's row count (int8's 64->64 is float32 for one row,
-    q8_0 for 2-15), so a request's tokens depend on what shares its batch."""
+@pytest.mark.parametrize("method", ["int8", "int4", "auto"])
+def test_quantized_qwen3_serves_the_in_process_engines_tokens(method: str, rings: Rings,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server measures its kernel plan at start-up and caches it on disk per host; the in-process engine
+    reads that plan, so both run the same kernels on the same quantized weights (auto: the same verdict too).
+    The engine takes the plan as stored: the cache re-measures a plan measured on a busier host once the host is
+    quiet, and a second measurement on a shared host can choose other kernels. The requests go one at a time on
+    both sides: a plan picks a linear's kernel by the step's row count (int8's 64->64 may be float32 for one
+    row, q8_0 for 2-15), so a request's tokens depend on what shares its batch."""
     from ringserve.actors.common.model_source import resolve_model
     from ringserve.actors.engine.config import EngineConfig
     from ringserve.actors.engine.scheduling.engine import Engine
     from ringserve.bus.messages import TokenizedRequest
+    from ringserve.kernels.linear_plan import cache as plan_cache
 
+    monkeypatch.setattr(plan_cache, "load_per_core", lambda: plan_cache.BUSY_LOAD * 2)
     server = rings.server(f"qwen3-{method}")
+    served_plan = server_info(server.base_url)["quantization"]
+    verdicts = ("int8", "none") if method == "auto" else (method,)  # auto: int8 where it measured faster here
+    assert served_plan.get("method", "none") in verdicts, served_plan  # {}: unquantized, torch's kernels only
     seqs = prompts(LENGTHS)
     got = [generate(server, ids)["output_ids"] for ids in seqs]
     engine = Engine.from_source(resolve_model(str(rings.dirs["qwen3"])), EngineConfig(
         device="cpu", torch_threads=1, max_total_tokens=2048, quantization=method))
+    assert engine.stats().quantization == served_plan, "the engine chose other kernels than the server"
     expected = [tokens_of(run_to_completion(engine, [TokenizedRequest(f"q{i}", ids, greedy(
         NEW_TOKENS, ignore_eos=True))])[f"q{i}"]) for i, ids in enumerate(seqs)]
-    assert got == expected, engine.stats().quantization
+    assert got == expected, served_plan
 
 
 @pytest.mark.parametrize("family", ["qwen3", "gemma3"])
 def test_two_tensor_parallel_ranks_give_transformers_tokens(family: str, rings: Rings) -> None:
     server = rings.server(f"{family}-tp2")
-    info = httpx.get(server.base_url + "/get_server_info", timeout=30).json()
+    info = server_info(server.base_url)
     assert [(r["tp_size"], r["up"]) for r in info["replicas"]] == [(2, True)], info["replicas"]
     assert_transformers_tokens(family, rings.model(family), server)
+
+
+def test_an_unsupported_architecture_is_refused_in_one_line(rings: Rings, tmp_path: Path) -> None:
+    """A complete directory (weights, tokenizer) whose config.json names an architecture no family serves:
+    `ringserve serve` exits before any actor starts, in one line naming it and every served architecture."""
+    directory = tmp_path / "falcon"
+    rings.model("qwen3")
+    shutil.copytree(rings.dirs["qwen3"], directory)
+    config = json.loads((directory / "config.json").read_text())
+    config.update(architectures=["FalconForCausalLM"], model_type="falcon")
+    (directory / "config.json").write_text(json.dumps(config))
+    done = ringserve_cmd("serve", "--model", str(directory), "--port", "1")
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert done.stderr.startswith(f"ringserve: {directory} ") and done.stderr.count("\n") == 1, done.stderr
+    assert f"unsupported architecture FalconForCausalLM; served are: {', '.join(SERVED)}" in done.stderr, done.stderr
+    assert "started actor" not in done.stdout + done.stderr
