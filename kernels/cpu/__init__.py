@@ -45,6 +45,7 @@ from ringserve.kernels.cpu.build_record import CFLAGS, LDFLAGS, SOURCES, sources
 from ringserve.kernels.cpu.decode_layer import reference_decode_layer
 from ringserve.kernels.cpu.packing import PackedWeight, pack, reference_group_linear
 from ringserve.kernels.cpu.packing_k8 import reference_k8_linear
+from ringserve.kernels.cpu.packing_kbits import reference_kbit_linear
 
 __all__ = ["PackedWeight", "pack", "group_linear", "compiled", "isa", "best_isa", "set_isa", "cache_dir", "linear",
            "paged_decode_attention", "f32_linear"]
@@ -70,6 +71,9 @@ DECODE_LAYER_OP = "ringserve_cpu::decode_layer"
 _lib.define("k8_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor wsums, Tensor? bias, "
             "int out_features) -> Tensor")  # the q8_k form of GGUF's K-quants (kquant.cpp)
 K8_LINEAR_OP = "ringserve_cpu::k8_linear"
+_lib.define("kbit_linear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, Tensor? bias, int out_features, "
+            "int bits) -> Tensor")  # the q4_k/q5_k/q6_k forms of GGUF's 4- to 6-bit blocks (kbits.cpp)
+KBIT_LINEAR_OP = "ringserve_cpu::kbit_linear"
 _lib.define("f32_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")  # x [M, K] @ weight[N, K]^T + bias
 F32_LINEAR_OP = "ringserve_cpu::f32_linear"
 
@@ -83,6 +87,12 @@ def _group_linear_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
 @torch.library.register_fake(K8_LINEAR_OP)
 def _k8_linear_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                     wsums: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], out_features))
+
+
+@torch.library.register_fake(KBIT_LINEAR_OP)
+def _kbit_linear_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                      bias: torch.Tensor | None, out_features: int, bits: int) -> torch.Tensor:
     return x.new_empty((x.shape[0], out_features))
 
 
@@ -216,6 +226,7 @@ def _extension() -> object | None:
                 if module is None:
                     _lib.impl("group_linear", reference_group_linear, "CPU")
                     _lib.impl("k8_linear", reference_k8_linear, "CPU")
+                    _lib.impl("kbit_linear", reference_kbit_linear, "CPU")
                     _lib.impl("paged_decode_attention", reference_paged_decode_attention, "CPU")
                     _lib.impl("decode_layer", reference_decode_layer, "CPU")
                     _lib.impl("f32_linear", reference_f32_linear, "CPU")
@@ -261,9 +272,14 @@ _LINEAR: Any = None  # set by linear(): the overload packed_linear calls eagerly
 def packed_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """`x` `[M, K]` float32 through `packed`'s own kernel (whatever its format), plus `bias`; inside a compiled
     graph too. The one door quantized layers (kernels/quantization.py) use for a packed weight."""
+    if _LINEAR is None and not torch.compiler.is_compiling():
+        linear()  # loads the library (or registers the fallback) on first eager use
     if packed.wsums is not None:  # q8_k
         return torch.ops.ringserve_cpu.k8_linear(x, packed.qweight, packed.scales, packed.mins, packed.wsums, bias,
                                                  packed.out_features)
+    if packed.scales.dtype == torch.float32:  # q4_k, q5_k, q6_k
+        return torch.ops.ringserve_cpu.kbit_linear(x, packed.qweight, packed.scales, packed.mins, bias,
+                                                   packed.out_features, packed.bits)
     if torch.compiler.is_compiling():  # the custom op (with its fake) traces; the bare overload not
         return torch.ops.ringserve_cpu.group_linear(x, packed.qweight, packed.scales, packed.mins, bias,
                                                     packed.out_features, packed.bits)

@@ -73,7 +73,7 @@ def fused_decode_layer(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, no
     # a quantized linear (kernels.quantization.QuantLinear, which imports this package: hence no isinstance)
     # has `packed_for`; any other linear leaves the layer to its modules
     packed = [linear.packed_for(rows) if hasattr(linear, "packed_for") else None for linear in linears]
-    if any(p is None or p.wsums is not None for p in packed):  # the op runs q8_0/q4_0/q4_1 blocks, not q8_k
+    if any(p is None or p.format not in ("q8_0", "q4_0", "q4_1") for p in packed):  # the op reads only these
         return None
     table, table_rows, kv_lens, spec = attention
     return torch.ops.ringserve_cpu.decode_layer.default(

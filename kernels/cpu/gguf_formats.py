@@ -4,9 +4,11 @@
 into `BlockCodes`: each weight's integer code, an fp32 scale per 16 weights and an optional fp32 min per 32, such
 that `scale * code + min` is the block format's own dequantized value, bit for bit. Types whose scales are fp16
 per 32 (Q8_0, Q4_0, Q4_1, and Q5_0, whose codes fit int8) also keep that form (`native`), which runs on the
-q8_0/q4_0/q4_1 kernels as they are; the others (Q5_1, Q4_K, Q5_K, Q6_K) run on the `q8_k` kernel (kquant.cpp).
-Rows can be reordered (`permute_rows`: Llama's q/k) and parts stacked (`concat_rows`: fused q/k/v, gate/up; parts
-of different types share the `q8_k` form). F32/F16/BF16 tensors are not blocks: `SUPPORTED_GGML_TYPES` lists what is.
+q8_0/q4_0/q4_1 kernels as they are. `pack_block_codes` packs the fewest bytes per weight that hold the codes
+exactly in one form per weight shape (`pack_by_shape`: Q4_0/Q4_1 as they are, Q4_K in `q4_k`, Q5_K/Q5_1/Q5_0 in
+`q5_k`, Q6_K in `q6_k` (kbits.cpp), Q8_0 in `q8_0`, and what fits none of them in `q8_k` (kquant.cpp));
+`pack_block_codes` packs one weight (by default in a form its block types alone decide).
+Rows can be reordered (`permute_rows`: Llama's q/k) and parts stacked (`concat_rows`: fused q/k/v, gate/up). F32/F16/BF16 tensors are not blocks: `SUPPORTED_GGML_TYPES` lists what is.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import numpy as np
 import torch
 
 from ringserve.kernels.cpu.packing import QK, PackedWeight, pack_codes
-from ringserve.kernels.cpu.packing_k8 import pack_k8
+from ringserve.kernels.cpu.packing_k8 import code_weight, pack_k8
+from ringserve.kernels.cpu.packing_kbits import BITS_FORMATS, kbits_for, pack_kbits
 
 QK_K = 256  # weights per K-quant super-block
 BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
@@ -47,8 +50,7 @@ class BlockCodes:
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight the codes stand for."""
-        w = self.scale16.repeat_interleave(16, dim=1) * self.codes.float()
-        return w + self.min32.repeat_interleave(QK, dim=1) if self.min32 is not None else w
+        return code_weight(self.codes, self.scale16, self.min32)
 
 
 def concat_rows(parts: list[BlockCodes]) -> BlockCodes:
@@ -66,12 +68,68 @@ def concat_rows(parts: list[BlockCodes]) -> BlockCodes:
                       torch.cat(mins) if mins is not None else None, native)
 
 
-def pack_block_codes(codes: BlockCodes) -> PackedWeight:
-    """The packed weight our kernels run: the native group kernel's where there is one, else `q8_k`."""
-    if codes.native is not None:
-        fmt, native_codes, scales, mins = codes.native
+def packed_forms(codes: BlockCodes) -> tuple[str, ...]:
+    """The packed forms that hold `codes` exactly, fewest bytes per weight first (q8_k holds every one)."""
+    native = codes.native[0] if codes.native is not None else None
+    forms = [native] if native in ("q4_0", "q4_1") else []
+    unsigned = _unsigned_per32(codes)
+    bits = kbits_for(unsigned.codes, unsigned.scale16)
+    forms += [BITS_FORMATS[b] for b in (4, 5, 6) if bits is not None and b >= bits]
+    return tuple(forms + ([native] if native == "q8_0" else []) + ["q8_k"])
+
+
+def pack_block_codes(codes: BlockCodes, fmt: str | None = None) -> PackedWeight:
+    """The packed weight our kernels run, in `fmt` (one of `packed_forms(codes)`). By default the form depends only
+    on the block types, so that layers of one shape agree however a file mixes types across them (the kernel plan
+    runs one form per shape): the type's own q8_0/q4_0/q4_1 form where it has one (Q5_0 runs as q8_0), else q6_k
+    (every K-quant and Q5_1), else q8_k. `pack_by_shape` packs a whole model in fewer bytes."""
+    forms = packed_forms(codes)
+    if fmt is None:
+        fmt = codes.native[0] if codes.native is not None else "q6_k" if "q6_k" in forms else "q8_k"
+    if fmt not in forms:
+        raise ValueError(f"codes do not fit {fmt!r} exactly; these forms hold them: {forms}")
+    if codes.native is not None and fmt == codes.native[0]:
+        _, native_codes, scales, mins = codes.native
         return pack_codes(native_codes, scales, mins, fmt)
-    return pack_k8(codes.codes, codes.scale16, codes.min32)
+    if fmt == "q8_k":
+        return pack_k8(codes.codes, codes.scale16, codes.min32)
+    unsigned = _unsigned_per32(codes)
+    packed = pack_kbits(unsigned.codes, unsigned.scale16, unsigned.min32, int(fmt[1]))
+    assert packed is not None  # packed_forms said it fits
+    return packed
+
+
+def pack_by_shape(codes: dict[str, BlockCodes]) -> dict[str, PackedWeight]:
+    """Every weight of `codes` (by name) packed, all weights of one shape in one form: the fewest bytes per weight
+    that holds each of them exactly (a Q4_K_M file's Q4_K and Q6_K down projections both as q6_k, its Q5_0
+    gate/up projections as q5_k)."""
+    shapes: dict[tuple[int, ...], list[str]] = {}
+    for name, c in codes.items():
+        shapes.setdefault(tuple(c.codes.shape), []).append(name)
+    out: dict[str, PackedWeight] = {}
+    for names in shapes.values():
+        common = set.intersection(*(set(packed_forms(codes[name])) for name in names))
+        fmt = next(f for f in packed_forms(codes[names[0]]) if f in common)
+        out.update({name: pack_block_codes(codes[name], fmt) for name in names})
+    return out
+
+
+def _unsigned_per32(codes: BlockCodes) -> BlockCodes:
+    """`codes` with each row of codes in -16..15, one scale per 32 and no min (Q5_0's) shifted to 0..31 with a
+    min of -16 * scale, where that is bit for bit the same weight; the other rows as they are."""
+    scale32 = codes.scale16[:, 0::2]
+    rows = (codes.codes.amin(dim=1) < 0) & (codes.codes.amin(dim=1) >= -16) & (codes.codes.amax(dim=1) <= 15)
+    rows &= torch.equal(scale32, codes.scale16[:, 1::2])
+    if codes.min32 is not None:
+        rows &= (codes.min32 == 0).all(dim=1)
+    if not bool(rows.any()):
+        return codes
+    shifted, mins = codes.codes.clone(), (codes.min32.clone() if codes.min32 is not None
+                                         else torch.zeros_like(scale32))
+    shifted[rows] += 16
+    mins[rows] = -16 * scale32[rows]
+    out = BlockCodes(shifted, codes.scale16, mins)
+    return out if torch.equal(out.dequantize(), codes.dequantize()) else codes
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -139,6 +197,22 @@ def _decode(blocks: np.ndarray, ggml_type: str) -> tuple[np.ndarray, np.ndarray,
         return codes.reshape(-1, QK_K), dd * sc, None
     raise ValueError(f"GGML type {ggml_type} is not a block format read here; these are: "
                      f"{', '.join(SUPPORTED_GGML_TYPES)}")
+
+
+SCALE_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
+                 "Q5_K": (0, 2), "Q6_K": (208,)}  # where each block's fp16 scales (and mins) sit
+
+
+def random_gguf_blocks(ggml_type: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Random blocks of a `[rows, cols]` tensor (`[rows, bytes per row]` uint8) with finite, moderate fp16 scales:
+    every other byte is a valid code, so these cover each format's whole code range (tests and benchmarks)."""
+    rng = np.random.default_rng(seed)
+    n = rows * cols // BLOCK_WEIGHTS[ggml_type]
+    blocks = rng.integers(0, 256, size=(n, BLOCK_BYTES[ggml_type]), dtype=np.uint8)
+    for offset in SCALE_OFFSETS[ggml_type]:
+        scales = (rng.standard_normal(n) * 0.01).astype(np.float16)
+        blocks[:, offset:offset + 2] = scales.view(np.uint8).reshape(n, 2)
+    return blocks.reshape(rows, -1)
 
 
 def decode_gguf_blocks(raw: np.ndarray, ggml_type: str, rows: int, cols: int) -> BlockCodes:

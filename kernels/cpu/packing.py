@@ -24,7 +24,8 @@ import torch
 
 QK = 32  # values per quantization group (weights) and per activation block
 TILE = 16  # output rows per packed tile
-FORMATS = ("q8_0", "q4_0", "q4_1", "q8_k")  # q8_k: kernels/cpu/packing_k8.py
+# q8_k: kernels/cpu/packing_k8.py; q4_k, q5_k, q6_k: kernels/cpu/packing_kbits.py (GGUF's own blocks)
+FORMATS = ("q8_0", "q4_0", "q4_1", "q8_k", "q4_k", "q5_k", "q6_k")
 
 
 @dataclass
@@ -41,9 +42,11 @@ class PackedWeight:
 
     @property
     def format(self) -> str:
-        """"q8_0", "q4_0", "q4_1" or "q8_k"."""
+        """"q8_0", "q4_0", "q4_1", "q8_k", "q4_k", "q5_k" or "q6_k" (the K forms: fp32 scales)."""
         if self.wsums is not None:
             return "q8_k"
+        if self.bits in (5, 6) or self.scales.dtype == torch.float32:
+            return f"q{self.bits}_k"
         return "q8_0" if self.bits == 8 else "q4_1" if self.mins is not None else "q4_0"
 
     def nbytes(self) -> int:
@@ -131,7 +134,7 @@ def pack_codes(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | N
 
 
 def pack(weight: torch.Tensor, fmt: str) -> PackedWeight:
-    """`weight` packed in `fmt` ("q8_0", "q4_0", "q4_1" or "q8_k")."""
+    """`weight` packed in `fmt` (one of FORMATS)."""
     if fmt == "q8_0":
         return pack_q8_0(weight)
     if fmt in ("q4_0", "q4_1"):
@@ -140,6 +143,10 @@ def pack(weight: torch.Tensor, fmt: str) -> PackedWeight:
         from ringserve.kernels.cpu.packing_k8 import pack_q8_k
 
         return pack_q8_k(weight)
+    if fmt in ("q4_k", "q5_k", "q6_k"):
+        from ringserve.kernels.cpu.packing_kbits import pack_kbits_float
+
+        return pack_kbits_float(weight, int(fmt[1]))
     raise ValueError(f"unknown weight format {fmt!r}; choose one of {list(FORMATS)}")
 
 
@@ -169,6 +176,10 @@ def dequantize(packed: PackedWeight) -> torch.Tensor:
         from ringserve.kernels.cpu.packing_k8 import dequantize_k8
 
         return dequantize_k8(packed)
+    if packed.format in ("q4_k", "q5_k", "q6_k"):
+        from ringserve.kernels.cpu.packing_kbits import dequantize_kbits
+
+        return dequantize_kbits(packed)
     kb = -(-packed.in_features // QK)
     q, scales, mins = unpack(packed.qweight, packed.scales, packed.mins, packed.bits, kb)
     w = q.float() * scales[..., None]
@@ -208,3 +219,19 @@ def reference_group_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch
     if bias is not None:
         y = y + bias.float()
     return y.contiguous()
+
+
+def reference_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What `kernels.cpu.packed_linear` computes for `packed`, whatever its format, in torch (the test reference)."""
+    if packed.format == "q8_k":
+        from ringserve.kernels.cpu.packing_k8 import reference_k8_linear
+
+        return reference_k8_linear(x, packed.qweight, packed.scales, packed.mins, packed.wsums, bias,
+                                   packed.out_features)
+    if packed.format in ("q4_k", "q5_k", "q6_k"):
+        from ringserve.kernels.cpu.packing_kbits import reference_kbit_linear
+
+        return reference_kbit_linear(x, packed.qweight, packed.scales, packed.mins, bias, packed.out_features,
+                                     packed.bits)
+    return reference_group_linear(x, packed.qweight, packed.scales, packed.mins, bias, packed.out_features,
+                                  packed.bits)

@@ -73,21 +73,23 @@ def unpack_k8(packed: PackedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return codes, rows(packed.scales, 2), mins
 
 
+def code_weight(codes: torch.Tensor, scales16: torch.Tensor, mins32: torch.Tensor | None) -> torch.Tensor:
+    """The float32 weight `scales16 * codes + mins32` (a scale per 16 weights, a min per 32) of integer codes."""
+    w = scales16.repeat_interleave(HALF, dim=1) * codes.float()
+    return w + mins32.repeat_interleave(QK, dim=1) if mins32 is not None else w
+
+
 def dequantize_k8(packed: PackedWeight) -> torch.Tensor:
     """The float32 weight `[N, K]` a `q8_k` weight stands for."""
-    codes, scales, mins = unpack_k8(packed)
-    w = scales.repeat_interleave(HALF, dim=1) * codes.float()
-    if mins is not None:
-        w = w + mins.repeat_interleave(QK, dim=1)
-    return w[:packed.out_features, :packed.in_features]
+    return code_weight(*unpack_k8(packed))[:packed.out_features, :packed.in_features]
 
 
-def reference_k8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-                        wsums: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """`k8_linear` in torch: per half block an exact integer dot product (in float32) scaled by the weight's
-    half scale and the activation block's scale, plus the min times the activation block's scale and sum."""
-    packed = PackedWeight(qweight, scales, mins, out_features, x.shape[1], 8, wsums)
-    codes, w_scales, w_mins = unpack_k8(packed)
+def reference_code_linear(x: torch.Tensor, codes: torch.Tensor, scales16: torch.Tensor, mins32: torch.Tensor | None,
+                          bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """`x` `[M, K]` times the weight `scales16 * codes + mins32` (rows padded, K padded to whole blocks) as our
+    kernels compute it: activations quantized per block of 32, per half block an exact integer dot product (in
+    float32) scaled by the weight's half scale and the activation block's scale, plus the min times the
+    activation block's scale and sum."""
     qa, da, sa = quantize_activations(x)  # [M, Kb, 32], [M, Kb], [M, Kb]
     m, kb, _ = qa.shape
     qa_h = qa.float().reshape(m, kb * 2, HALF)
@@ -95,8 +97,15 @@ def reference_k8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Te
     y = torch.zeros(m, codes.shape[0], dtype=torch.float32)
     da_h = da.repeat_interleave(2, dim=1)
     for h in range(kb * 2):
-        y += (qa_h[:, h] @ qw_h[:, h].t()) * (da_h[:, h, None] * w_scales[None, :, h])
-    if w_mins is not None:
-        y += (da * sa.float()) @ w_mins.t()
+        y += (qa_h[:, h] @ qw_h[:, h].t()) * (da_h[:, h, None] * scales16[None, :, h])
+    if mins32 is not None:
+        y += (da * sa.float()) @ mins32.t()
     y = y[:, :out_features]
     return (y + bias.float() if bias is not None else y).contiguous()
+
+
+def reference_k8_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                        wsums: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """`k8_linear` in torch (`reference_code_linear` of the unpacked codes)."""
+    codes, w_scales, w_mins = unpack_k8(PackedWeight(qweight, scales, mins, out_features, x.shape[1], 8, wsums))
+    return reference_code_linear(x, codes, w_scales, w_mins, bias, out_features)
