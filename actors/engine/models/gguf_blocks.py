@@ -23,7 +23,7 @@ import torch
 from ringserve.actors.common.model_source import ModelSource, cache_root, gguf_cache_key, publish_directory
 from ringserve.actors.engine.models.registry import family_of_gguf, spec_of
 from ringserve.kernels.cpu.gguf_formats import (
-    SUPPORTED_GGML_TYPES, BlockCodes, concat_rows, decode_gguf_blocks, pack_block_codes,
+    SUPPORTED_GGML_TYPES, BlockCodes, concat_rows, decode_gguf_blocks, pack_by_shape,
 )
 from ringserve.kernels.cpu.packing import PackedWeight
 
@@ -73,29 +73,29 @@ class GgufBlocks:
             codes = codes.permute_rows(rotary_row_order(rows, heads))
         return codes
 
-    def packed(self, names: tuple[str, ...]) -> PackedWeight | None:
-        """Tensors `names` stacked row-wise and packed for our kernels (parts of different block types share the
-        exact q8_k form); None when any is stored as floats."""
+    def stacked(self, names: tuple[str, ...]) -> BlockCodes | None:
+        """Tensors `names` stacked row-wise (a fused linear's parts); None when any is stored as floats."""
         parts = [self.codes(name) for name in names]
         if any(part is None for part in parts):
             return None
-        return pack_block_codes(concat_rows(parts))  # type: ignore[arg-type]
+        return concat_rows(parts)  # type: ignore[arg-type]
 
 
 def packed_linears(path: str | Path, num_layers: int, tied_head: bool) -> dict[str, PackedWeight]:
     """Our model's linear layers (module name -> packed weight) from the GGUF at `path`: every projection of
     every layer, and the LM head (`output.weight`, or the token embedding when the head is tied); a linear whose
-    tensors the file stores as floats is left out (it runs its float weights)."""
+    tensors the file stores as floats is left out (it runs its float weights). Each shape's weights share the
+    packed form of fewest bytes that holds all of them exactly (the kernel plan runs one form per shape)."""
     blocks = GgufBlocks(path)
     names = {f"model.layers.{i}.{ours}": tuple(f"blk.{i}.{part}.weight" for part in parts)
              for i in range(num_layers) for ours, parts in blocks.spec.gguf_linears.items()}
     names["lm_head"] = ("token_embd.weight" if tied_head else "output.weight",)
-    packed = {ours: blocks.packed(parts) for ours, parts in names.items()}
-    return {ours: p for ours, p in packed.items() if p is not None}
+    codes = {ours: blocks.stacked(parts) for ours, parts in names.items()}
+    return pack_by_shape({ours: c for ours, c in codes.items() if c is not None})
 
 
 PACKED_FILE = "blocks.safetensors"
-PACKED_VERSION = "2"  # bump when the packed layout changes (2: K-quants, q8_k)
+PACKED_VERSION = "3"  # bump when the packed layout changes (2: K-quants as q8_k; 3: q4_k/q5_k/q6_k forms)
 
 
 def load_packed_linears(source: ModelSource, num_layers: int, tied_head: bool) -> dict[str, PackedWeight]:
