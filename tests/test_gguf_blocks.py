@@ -1,5 +1,5 @@
 """`--quantization gguf`: a GGUF file's own blocks packed for our CPU group kernels as they are (each block type
-against gguf-py's dequantization: tests/test_gguf_formats.py).
+against gguf-py's dequantization: tests/test_kernels_cpu_gguf_formats.py).
 
 The q/k row order against transformers' un-permute;
 the default model's blocks, fused and un-permuted, dequantizing exactly to the float weights transformers loads

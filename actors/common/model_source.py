@@ -191,6 +191,31 @@ def metadata_directory(source: ModelSource) -> str:
     return str(cached)
 
 
+def model_chat_template(source: ModelSource) -> str | None:
+    """The text of the model's chat template (every named one, joined), read without a tokenizer: the GGUF's
+    `tokenizer.chat_template`, a directory's chat_template.jinja or tokenizer_config.json; else its family's."""
+    template: Any = None
+    if source.gguf_file is not None:
+        import gguf
+
+        field = gguf.GGUFReader(str(Path(source.directory) / source.gguf_file)).fields.get("tokenizer.chat_template")
+        template = field.contents() if field is not None else None
+    else:
+        directory = Path(source.directory)
+        if (directory / "chat_template.jinja").is_file():
+            template = (directory / "chat_template.jinja").read_text()
+        elif (directory / "tokenizer_config.json").is_file():
+            template = json.loads((directory / "tokenizer_config.json").read_text()).get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        template = "\n".join(str(t.get("template", "")) for t in template if isinstance(t, dict))
+    if not template:
+        try:
+            template = fallback_template(family_of(resolved_config(source).__dict__))
+        except (OSError, ValueError):
+            return None
+    return template
+
+
 def load_tokenizer(source: ModelSource) -> Any:
     """The model's Hugging Face tokenizer with its chat template: the checkpoint's own, or, where it carries none,
     its family's (actors/engine/models/chat_templates.py)."""

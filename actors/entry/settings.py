@@ -10,7 +10,7 @@ import argparse
 import os
 from dataclasses import dataclass, field
 
-from ringserve.actors.entry.tool_parsers import DEFAULT_PARSER, PARSERS
+from ringserve.actors.entry.tool_parsers import AUTO, DEFAULT_PARSER, PARSERS
 
 API_KEY_ENV = "RINGSERVE_API_KEY"
 ADMIN_API_KEY_ENV = "RINGSERVE_ADMIN_API_KEY"  # guards the operator routes (flush, pause, abort) on its own
@@ -79,6 +79,8 @@ class EntrySettings:
             raise ValueError("--heartbeat-timeout must be at least 1 (seconds; actors beat every 0.5 s)")
         if not self.body_read_timeout > 0:
             raise ValueError("--body-read-timeout must be > 0")
+        if self.tool_call_parser == AUTO:  # the launcher resolves auto; an entry started on its own reads Hermes
+            self.tool_call_parser = DEFAULT_PARSER
         if self.tool_call_parser not in PARSERS:
             raise ValueError(f"--tool-call-parser must be one of {', '.join(PARSERS)}")
 
@@ -109,9 +111,11 @@ def add_entry_arguments(parser: argparse.ArgumentParser) -> None:
                              "names when --host is a loopback address, else any); others get 421")
     parser.add_argument("--body-read-timeout", type=float, default=DEFAULT_BODY_READ_TIMEOUT,
                         help="seconds a client may take to send its request body; slower uploads get 408")
-    parser.add_argument("--tool-call-parser", default=DEFAULT_PARSER, choices=sorted(PARSERS),
+    parser.add_argument("--tool-call-parser", default=AUTO, choices=[AUTO, *sorted(PARSERS)],
                         help="how chat output is read for tool calls with tool_choice auto: hermes "
-                             "(<tool_call>{...}</tool_call>) or llama3_json (bare JSON objects)")
+                             "(<tool_call>{...}</tool_call>, Qwen's too), llama3_json (bare JSON objects), mistral "
+                             "([TOOL_CALLS]...), pythonic ([f(x=1)]), or auto: the one the model's chat template "
+                             "asks for (hermes when it says nothing)")
 
 
 def entry_argv(args: argparse.Namespace) -> list[str]:

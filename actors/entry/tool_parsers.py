@@ -9,13 +9,17 @@ content. The same method serves a whole reply and a stream.
 |---|---|
 | `hermes` (default) | `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call (Hermes, Qwen) |
 | `llama3_json` | only JSON objects `{"name": ..., "parameters": {...}}`, separated by `;`, optionally after `<\\|python_tag\\|>` |
+| `mistral` | `[TOOL_CALLS][{"name": ..., "arguments": {...}}]`, or `[TOOL_CALLS]name[ARGS]{...}` per call |
+| `pythonic` | only a Python list of calls with keyword arguments: `[get_weather(city="Paris")]` |
 
-`ringserve serve --tool-call-parser NAME` chooses one; add a parser by subclassing `ToolCallParser` and
-listing it in `PARSERS`.
+`ringserve serve --tool-call-parser NAME` chooses one; by default (`auto`) the launcher picks the one the model's
+chat template asks for (`parser_for_template`). Add a parser by subclassing `ToolCallParser` and listing it in
+`PARSERS`.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -153,7 +157,99 @@ class Llama3JsonParser(ToolCallParser):
         return calls
 
 
-PARSERS: dict[str, ToolCallParser] = {parser.name: parser for parser in (HermesParser(), Llama3JsonParser())}
+class MistralParser(ToolCallParser):
+    """Mistral's `[TOOL_CALLS]`: a JSON list of calls after it (v3 tokenizers), or one `name[ARGS]{...}` after
+    each (v11 and later); text before the first is content. The calls are read when the output ends."""
+
+    name = "mistral"
+    TAG = "[TOOL_CALLS]"
+    ARGS = "[ARGS]"
+
+    def consume(self, buffer: str, final: bool) -> tuple[list[Item], int]:
+        start = buffer.find(self.TAG)
+        if start < 0:
+            end = len(buffer) if final else len(buffer) - _partial_suffix(buffer, self.TAG)
+            return ([buffer[:end]] if end else []), end
+        items: list[Item] = [buffer[:start]] if start else []
+        if not final:
+            return items, start  # calls in progress
+        calls = self._calls(buffer[start:])
+        return items + (list(calls) if calls else [buffer[start:]]), len(buffer)
+
+    def _calls(self, text: str) -> list[ParsedCall] | None:
+        body = text[len(self.TAG):].strip()
+        if body.startswith("["):  # v3: one JSON list
+            try:
+                values = json.loads(body)
+            except ValueError:
+                return None
+            calls = [call_from_json(v) for v in values] if isinstance(values, list) else [None]
+            return None if not calls or None in calls else calls  # type: ignore[return-value]
+        calls = []
+        for part in text.split(self.TAG)[1:]:  # v11: name[ARGS]{...} after each tag
+            name, sep, arguments = part.partition(self.ARGS)
+            try:
+                call = call_from_json({"name": name.strip(), "arguments": json.loads(arguments)}) if sep else None
+            except ValueError:
+                return None
+            if call is None:
+                return None
+            calls.append(call)
+        return calls
+
+
+class PythonicParser(ToolCallParser):
+    """A Python list of calls with keyword arguments, `[get_weather(city="Paris"), f(x=[1, 2])]` (Llama 3.2's and
+    Llama 4's pythonic format), read with `ast` (literal arguments only; nothing is evaluated). An output that is
+    not such a list is content; it is read when the output ends."""
+
+    name = "pythonic"
+
+    def consume(self, buffer: str, final: bool) -> tuple[list[Item], int]:
+        head = buffer.lstrip()
+        if not final:
+            return ([], 0) if not head or head.startswith("[") else ([buffer], len(buffer))
+        calls = self._calls(head) if head.startswith("[") else None
+        return (list(calls) if calls else [buffer] if buffer else []), len(buffer)
+
+    @staticmethod
+    def _calls(text: str) -> list[ParsedCall] | None:
+        try:
+            tree = ast.parse(text.strip(), mode="eval").body
+        except SyntaxError:
+            return None
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return None
+        calls = []
+        for node in tree.elts:
+            if not isinstance(node, ast.Call) or node.args or not isinstance(node.func, (ast.Name, ast.Attribute)):
+                return None
+            try:
+                arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
+            except ValueError:
+                return None
+            calls.append(ParsedCall(ast.unparse(node.func), json.dumps(arguments, ensure_ascii=False)))
+        return calls
+
+
+PARSERS: dict[str, ToolCallParser] = {parser.name: parser for parser in (
+    HermesParser(), Llama3JsonParser(), MistralParser(), PythonicParser())}
+AUTO = "auto"  # --tool-call-parser's default: chosen from the model's chat template (`parser_for_template`)
+
+
+def parser_for_template(template: str | None) -> str:
+    """The parser a chat template's own tool-call format needs: Mistral's `[TOOL_CALLS]`, Llama 3.1's
+    `<|python_tag|>`/"parameters" JSON, a pythonic list, else Hermes's `<tool_call>` (also Qwen's)."""
+    text = template or ""
+    if "[TOOL_CALLS]" in text:
+        return "mistral"
+    if "<tool_call>" in text:
+        return "hermes"
+    if "func_name1(" in text or "<|python_start|>" in text:
+        return "pythonic"
+    if "<|python_tag|>" in text or '"parameters"' in text:
+        return "llama3_json"
+    return DEFAULT_PARSER
 
 
 def get_parser(name: str) -> ToolCallParser:

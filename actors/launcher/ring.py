@@ -13,10 +13,11 @@ from __future__ import annotations
 import argparse
 import logging
 
-from ringserve.actors.common.model_source import check_servable, resolve_model, resolved_config
+from ringserve.actors.common.model_source import check_servable, model_chat_template, resolve_model, resolved_config
 from ringserve.actors.engine.config import EngineConfig
 from ringserve.actors.engine.parallel.tp_checks import check_shardable, check_tp_quantization
 from ringserve.actors.entry.settings import entry_argv
+from ringserve.actors.entry.tool_parsers import AUTO, parser_for_template
 from ringserve.actors.launcher.nats_auth import NatsPlan, plan_nats
 from ringserve.actors.launcher.supervisor import ActorSpec, Supervisor
 from ringserve.actors.launcher.trace_buffer import TraceBuffer, actor_tracing_argv, plan_trace_buffer, trace_exporter_specs
@@ -82,6 +83,8 @@ class Ring:
         if args.tokenizer_workers < 1 or args.detokenizer_shards < 1 or args.dp < 1:
             raise RingError("--dp, --tokenizer-workers and --detokenizer-shards must be >= 1")
         self.served_name: str = args.served_model_name or self.source.name
+        if args.tool_call_parser == AUTO:  # the format the model's own chat template asks for
+            args.tool_call_parser = parser_for_template(model_chat_template(self.source))
         try:
             self.trace = plan_trace_buffer(args)
         except ValueError as exc:
