@@ -63,6 +63,7 @@ def build_app(service: EntryService, settings: EntrySettings | None = None) -> S
                              **service.counters(),
                              "actors": service.liveness.actors(), "heartbeat_timeout": service.liveness.silence_s,
                              "max_total_num_tokens": info.kv_total_tokens,
+                             "tool_call_parser": settings.tool_call_parser,
                              "version": _package_version(), "model_path": info.model or service.served_model})
 
     @handles_errors

@@ -1,6 +1,6 @@
 """Tool calls in chat responses: read out of a choice's text, as a whole message or as stream deltas.
 
-With `tool_choice: "auto"` the request's parser (`actors/entry/tool_parsers.py`) finds the calls in the text;
+With `tool_choice: "auto"` the request's parser (`actors/entry/tool_parsers/`) finds the calls in the text;
 with `required` the constrained output is a JSON array of `{"name", "arguments"}`, and with a named function
 it is that function's arguments object. Calls get ids `call_<24 hex digits>`; a reply with calls that ended
 with a stop has `finish_reason: "tool_calls"`, and its `content` is the text outside the calls (null if none).

@@ -85,6 +85,7 @@ class Ring:
         self.served_name: str = args.served_model_name or self.source.name
         if args.tool_call_parser == AUTO:  # the format the model's own chat template asks for
             args.tool_call_parser = parser_for_template(model_chat_template(self.source))
+            log_event(log, logging.INFO, "tool-call parser chosen from the chat template", parser=args.tool_call_parser)
         try:
             self.trace = plan_trace_buffer(args)
         except ValueError as exc:

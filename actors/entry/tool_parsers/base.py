@@ -1,0 +1,77 @@
+"""What every tool-call parser shares: the parsed call, the `consume(buffer, final)` contract, and the helpers
+that read a call out of decoded JSON and hold back text that may become a marker."""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Union
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    """One tool call found in the output: the function's name and its arguments as a JSON text."""
+
+    name: str
+    arguments: str
+
+
+Item = Union[str, ParsedCall]  # content text, or a call
+
+
+def call_from_json(value: Any, argument_keys: tuple[str, ...] = ("arguments", "parameters")) -> ParsedCall | None:
+    """A call from a decoded `{"name": str, "arguments": object}` (or `parameters`), None for anything else.
+
+    Arguments given as a JSON string holding an object are accepted too (some models double-encode them).
+    """
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
+        return None
+    arguments: Any = next((value[key] for key in argument_keys if key in value), {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return ParsedCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def json_list_calls(text: str) -> list[ParsedCall] | None:
+    """The calls of a text that is exactly one non-empty JSON list of call objects (blank around it), else None."""
+    try:
+        values, end = json.JSONDecoder().raw_decode(text.strip())
+    except ValueError:
+        return None
+    if end != len(text.strip()) or not isinstance(values, list) or not values:
+        return None
+    calls = [call_from_json(v) for v in values]
+    return None if None in calls else calls  # type: ignore[return-value]
+
+
+def partial_suffix(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that is a proper beginning of `marker` (may become it)."""
+    for size in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-size:]):
+            return size
+    return 0
+
+
+def content_or_calls(buffer: str, calls: list[ParsedCall] | None) -> tuple[list[Item], int]:
+    """A whole output settled: its calls, or (none found) the output as content."""
+    return (list(calls) if calls else [buffer] if buffer else []), len(buffer)
+
+
+class ToolCallParser(ABC):
+    """Finds tool calls in generated text; stateless (one instance serves every request)."""
+
+    name: str = ""
+
+    @abstractmethod
+    def consume(self, buffer: str, final: bool) -> tuple[list[Item], int]:
+        """The items settled in `buffer` and how many of its characters they took (all of them if `final`)."""
+
+    def parse(self, text: str) -> list[Item]:
+        """Every item of a whole output."""
+        return self.consume(text, final=True)[0]
