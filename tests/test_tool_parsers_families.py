@@ -148,3 +148,16 @@ def test_the_models_template_is_read_without_a_tokenizer(tmp_path: Path) -> None
     assert parser_for_template(model_chat_template(resolve_model(str(tmp_path)))) == "mistral"
     gemma = model_chat_template(resolve_model(str(gemma3_gguf())))
     assert gemma is not None and "<start_of_turn>" in gemma and parser_for_template(gemma) == "hermes"
+
+
+def test_a_chat_with_tools_keeps_the_mistral_tags() -> None:
+    """Mistral's tags are special tokens: with tools and tool_choice auto the request decodes with them kept,
+    unless it says otherwise; other parsers leave the default."""
+    from ringserve.actors.entry.openai_protocol import parse_chat
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    assert parse_chat(body, "r", "m", "mistral")[0].sampling["skip_special_tokens"] is False
+    assert parse_chat({**body, "skip_special_tokens": True}, "r", "m", "mistral")[0].sampling["skip_special_tokens"]
+    assert "skip_special_tokens" not in parse_chat(body, "r", "m", "hermes")[0].sampling
+    assert "skip_special_tokens" not in parse_chat({**body, "tool_choice": "none"}, "r", "m", "mistral")[0].sampling

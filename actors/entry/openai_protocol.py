@@ -230,6 +230,10 @@ def parse_chat(body: dict[str, Any], rid: str, served_model: str,
     options = _options(body, "chat", served_model)
     options.tools = parse_tools(body, tool_parser)
     sampling = _sampling(body)
+    tools = options.tools
+    if tools is not None and tools.choice == "auto" and tools.parser.keeps_special_tokens \
+            and "skip_special_tokens" not in body:  # the parser must see its tags (vLLM does the same)
+        sampling["skip_special_tokens"] = False
     _constrain(body, sampling, options)
     options.token_ids = sampling.get("return_prompt_ids") is True
     options.logprobs, options.top_logprobs = _chat_logprobs(body, sampling)

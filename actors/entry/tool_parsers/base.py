@@ -67,6 +67,9 @@ class ToolCallParser(ABC):
     """Finds tool calls in generated text; stateless (one instance serves every request)."""
 
     name: str = ""
+    # whether the format's tags are special tokens the detokenizer must keep (a request with tools then decodes
+    # with skip_special_tokens false unless it says otherwise)
+    keeps_special_tokens: bool = False
 
     @abstractmethod
     def consume(self, buffer: str, final: bool) -> tuple[list[Item], int]:

@@ -14,12 +14,13 @@ class MistralParser(ToolCallParser):
     except an end that may begin the tag. The calls are read when the output ends; calls that do not parse stay
     content.
 
-    `[TOOL_CALLS]` is a special token, which the detokenizer leaves out unless the request sets
-    `skip_special_tokens: false`; an output that starts with a JSON list of calls (v3 without its tag) is read
-    as calls too.
+    `[TOOL_CALLS]` is a special token: a chat request with tools decodes with `skip_special_tokens` false
+    unless it sets it (openai_protocol.parse_chat); an output that starts with a JSON list of calls (v3 without
+    its tag) is read as calls too.
     """
 
     name = "mistral"
+    keeps_special_tokens = True  # [TOOL_CALLS], [ARGS], [CALL_ID]
     TAG = "[TOOL_CALLS]"
     ARGS = "[ARGS]"
     CALL_ID = "[CALL_ID]"
