@@ -20,6 +20,7 @@ from ringserve.actors.common.model_source import (DEFAULT_MODEL, ModelSource, lo
                                                   resolve_model)
 from ringserve.actors.common.text_tokenizer import load_text_model
 from ringserve.actors.engine.models.chat_templates import fallback_template
+from ringserve.actors.entry.tool_parsers import parser_for_template
 from ringserve.actors.tokenizer.prompt import PromptEncoder
 from ringserve.bus.errors import ApiError
 from ringserve.bus.messages import ChatMessage, GenerateRequest
@@ -99,6 +100,13 @@ def test_a_familys_template_renders_as_transformers_does(family: str, hf_tokeniz
     assert results["user", False] != "refused"
     if "tools" in template:  # the tool definitions reach the prompt
         assert "get_weather" in results["user", True] and "get_weather" not in results["user", False]
+
+
+def test_the_tool_call_parser_follows_the_whole_templates() -> None:
+    """`--tool-call-parser auto` on the full templates: Mistral's writes [TOOL_CALLS], Qwen's asks for <tool_call>,
+    the others name no format (hermes, the default tool prompt's)."""
+    chosen = {family: parser_for_template(family_template(family)) for family in FAMILIES}
+    assert chosen == {family: "mistral" if family == "mistral_v3" else "hermes" for family in FAMILIES}
 
 
 def test_gemma2_refuses_a_system_message_and_gemma3_folds_it_into_the_first_turn() -> None:
