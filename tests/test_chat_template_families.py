@@ -221,3 +221,14 @@ def test_a_ring_answers_a_refused_system_message_with_a_400(gemma2_template_ring
     served = httpx.post(f"{url}/v1/chat/completions", json={**body, "messages": [USER]}, timeout=60)
     assert served.status_code == 200, served.text
     assert server_info(url)["tool_call_parser"] == "hermes"  # Gemma's template names no tool format
+
+
+def test_tools_with_a_template_that_refuses_a_system_role(text_tokenizer: Any) -> None:
+    """Gemma 2's template reads no tools and refuses a system role: the default tool prompt opens the first user
+    turn instead of a system message of its own."""
+    encoder = encoder_with(text_tokenizer, family_template("gemma2"))
+    request = chat_request(USER)
+    request.tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    text = text_tokenizer.decode(encoder.encode(request))
+    assert text.startswith(f"{text_tokenizer.special_tokens_map['bos_token']}<start_of_turn>user\n")
+    assert "get_weather" in text and text.rstrip().endswith("Hi<end_of_turn>\n<start_of_turn>model")

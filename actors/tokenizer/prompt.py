@@ -102,6 +102,12 @@ def with_default_tool_prompt(turns: list[dict[str, Any]], tools: list[dict[str, 
     return [{"role": "system", "content": section}, *turns]
 
 
+def tool_prompt_in_first_turn(turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`with_default_tool_prompt`'s turns with its system message (the tool prompt) opening the first user turn."""
+    section, first, rest = turns[0]["content"], turns[1], turns[2:]
+    return [{**first, "content": f"{section}\n\n{first['content']}"}, *rest]
+
+
 class PromptEncoder:
     """Applies the model's chat template and tokenizes, with errors a client can act on."""
 
@@ -161,9 +167,19 @@ class PromptEncoder:
             if tools:
                 turns = with_default_tool_prompt(turns, tools)
         try:
-            text = self._tokenizer.apply_chat_template(
+            text = self._render(turns, req, extra)
+        except ApiError:
+            if not (tools and not self.template_tools and req.messages[0].role != "system"):
+                raise
+            # the system message was ours (the tool prompt) and the template has no system role (Gemma 2's):
+            # the tool prompt opens the first user turn instead, as Gemma 3's template does with a system message
+            text = self._render(tool_prompt_in_first_turn(turns), req, extra)
+        return self._tokenizer.encode(text, add_special_tokens=False)
+
+    def _render(self, turns: list[dict[str, Any]], req: GenerateRequest, extra: dict[str, Any]) -> str:
+        try:
+            return self._tokenizer.apply_chat_template(
                 turns, add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message, tokenize=False, **extra)
         except Exception as exc:  # jinja templates raise arbitrary errors for unsupported conversations
             raise ApiError(f"the chat template rejected these messages: {exc}", param="messages") from exc
-        return self._tokenizer.encode(text, add_special_tokens=False)

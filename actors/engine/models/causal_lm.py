@@ -56,7 +56,7 @@ class CausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         """Share the embedding matrix with the LM head when the config says so."""
-        if getattr(self.config, "tie_word_embeddings", False):
+        if self.tied_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def decoder_layers(self) -> list[DecoderLayer]:
@@ -69,6 +69,7 @@ class CausalLM(nn.Module):
 
     @property
     def num_layers(self) -> int:
+        """Decoder layers."""
         return len(self.model.layers)
 
     @property
@@ -83,6 +84,7 @@ class CausalLM(nn.Module):
 
     @property
     def head_dim(self) -> int:
+        """Per-head dimension of queries, keys and values."""
         return self.model.layers[0].self_attn.head_dim
 
     @property
@@ -97,11 +99,18 @@ class CausalLM(nn.Module):
 
     @property
     def vocab_size(self) -> int:
+        """Rows of the LM head."""
         return self.config.vocab_size
 
     @property
     def context_length(self) -> int:
+        """The longest sequence the model takes (its config's max_position_embeddings)."""
         return self.config.max_position_embeddings
+
+    @property
+    def tied_embeddings(self) -> bool:
+        """Whether the LM head is the embedding matrix."""
+        return bool(getattr(self.config, "tie_word_embeddings", False))
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -26,6 +27,9 @@ from ringserve.kernels.linear_plan.planner import LinearPlan, linear_shapes, pla
 from ringserve.kernels.linear_plan.report import choices, quantization_report
 from ringserve.kernels.quantization import quantize_linears
 from ringserve.observability.logging import log_event
+
+if TYPE_CHECKING:
+    from ringserve.actors.engine.models.causal_lm import CausalLM
 
 __all__ = ["apply_quantization", "plan_rows", "quantization_report"]
 
@@ -54,13 +58,13 @@ def plan_rows(model: nn.Module, config: EngineConfig) -> dict[tuple[int, int], l
             for shape in linear_shapes(model)}
 
 
-def load_gguf_blocks(model: nn.Module, source: ModelSource | None) -> dict[str, PackedWeight]:
+def load_gguf_blocks(model: CausalLM, source: ModelSource | None) -> dict[str, PackedWeight]:
     """Every linear's GGUF blocks, packed as the file stores them (`--quantization gguf`)."""
     from ringserve.actors.engine.models.gguf_blocks import load_packed_linears
 
     if source is None:
         raise ValueError("--quantization gguf needs the model's GGUF file")
-    return load_packed_linears(source, model.config.num_hidden_layers, model.config.tie_word_embeddings)
+    return load_packed_linears(source, model.num_layers, model.tied_embeddings)
 
 
 def apply_quantization(model: nn.Module, config: EngineConfig, source: ModelSource | None = None
