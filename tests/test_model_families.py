@@ -92,11 +92,17 @@ def test_prompt_logprobs_match_transformers(family_hf: tuple[str, Any]) -> None:
     torch.testing.assert_close(torch.tensor(row.prompt_logprobs[1:]), expected, atol=2e-3, rtol=0)
 
 
+COMPILED = ("gemma2", "gemma3", "mistral", "phi3")  # every block variant; Llama's graph is SmolLM2's, tested elsewhere
+
+
 def test_the_compiled_decode_graph_gives_transformers_tokens(family_hf: tuple[str, Any],
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """The CPU decode graph (torch.compile of the whole model's decode step) of each family compiles (a fallback
-    to eager is an error in the tests) and its tokens are transformers'."""
+    """The CPU decode graph (torch.compile of the whole model's decode step) compiles (a fallback to eager is an
+    error in the tests) and its tokens are transformers', for the families that between them use every block
+    variant (soft-caps, sandwich norms, q/k norms, per-type rotary, windows, partial rotary, longrope)."""
     family, hf = family_hf
+    if family not in COMPILED:
+        pytest.skip("its blocks' graph is covered by the families in COMPILED")
     monkeypatch.setenv("RINGSERVE_CPU_GRAPHS", "1")
     monkeypatch.setenv("RINGSERVE_GRAPH_STORE", "0")
     engine = engine_for(hf, max_total_tokens=1024, cuda_graph_max_bs=1)

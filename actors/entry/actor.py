@@ -38,11 +38,17 @@ class _EmbeddedUvicorn(uvicorn.Server):
 
 
 class NatsStateLog:
-    """Logs the entry's NATS connection going down and coming back (polled: BusConnection has no hook)."""
+    """Logs the entry's NATS connection going down and coming back (polled: BusConnection has no hook). On a
+    reconnect it ends the streams that were open when the connection went down (`service.fail_rids`): outputs
+    published while this entry was away, or before its subscriptions were back, are gone, so those streams
+    cannot be trusted to complete. Streams opened since go on."""
 
-    def __init__(self, bus: BusConnection) -> None:
+    def __init__(self, bus: BusConnection, service: EntryService | None = None) -> None:
         self._bus = bus
         self._connected = True
+        self._service = service
+        self._open_at_outage: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def __call__(self) -> None:
         """Check the connection once; log a change since the last check."""
@@ -52,6 +58,16 @@ class NatsStateLog:
             reconnects = self._bus.client.stats.get("reconnects", 0)
             log_event(log, logging.INFO if connected else logging.WARNING,
                       "nats reconnected" if connected else "nats disconnected", reconnects=reconnects)
+            if self._service is None:
+                return
+            if not connected:
+                self._open_at_outage = set(self._service.live)
+                return
+            task = asyncio.get_running_loop().create_task(self._service.fail_rids(
+                self._open_at_outage, "the bus connection was interrupted and output may have been lost; retry",
+                "bus interrupted"))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
 
 async def entry_main(ctx: ActorContext, settings: EntrySettings) -> dict[str, Any]:
@@ -88,7 +104,7 @@ async def entry_main(ctx: ActorContext, settings: EntrySettings) -> dict[str, An
             await service.fail_all(message, reason="actor lost")
 
     loop = asyncio.get_running_loop()
-    watcher = loop.create_task(liveness.watch(on_lost, on_tick=NatsStateLog(ctx.bus)))
+    watcher = loop.create_task(liveness.watch(on_lost, on_tick=NatsStateLog(ctx.bus, service)))
     config = uvicorn.Config(traced_app(build_app(service, settings)), host=settings.host, port=settings.port,
                             log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5,
                             log_config=None)  # uvicorn logs through our formatter (escaped), not its own

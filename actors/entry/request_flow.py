@@ -252,8 +252,12 @@ class EntryService:
 
     async def fail_all(self, message: str, reason: str = "entry shutdown") -> None:
         """End every in-flight request with a 503 error instead of leaving its client waiting, and abort it."""
+        await self.fail_rids(set(self.live), message, reason)
+
+    async def fail_rids(self, rids: set[str], message: str, reason: str) -> None:
+        """`fail_all` for the in-flight requests among `rids`."""
         error = ApiError(message, 503, type="server_error")
-        for stream in list(self.live.values()):
+        for stream in [s for rid, s in list(self.live.items()) if rid in rids]:
             try:
                 await stream.fail(error, reason)
             except Exception:
