@@ -19,8 +19,10 @@ kernel its plan names for its row count.
 
 A `KernelPlan` maps each linear shape `(out, in)` to its kernel per row-count bucket. The plan is measured,
 cached and chosen by `ringserve.kernels.linear_plan` (the fastest kernel not slower than float32, so
-`--quantization` never makes a step slower); a layer only runs it (`kernel_for`, `run`). A token's output
-never depends on the other rows of its batch: every kernel scales activations per row (or per row and block).
+`--quantization` never makes a step slower); a layer only runs it (`kernel_for`, `run`). Within one kernel a
+token's output never depends on the other rows of its batch (every kernel scales activations per row, or per
+row and block); but the plan may choose another kernel for another row count, so a token computed in a batch
+of 4 may differ slightly from the same token computed alone.
 """
 
 from __future__ import annotations

@@ -60,15 +60,22 @@ def test_logits_match_transformers_through_prefill_extend_and_decode(tied: bool)
         assert model.lm_head.weight is model.model.embed_tokens.weight
     gen = torch.Generator().manual_seed(1)
     seqs = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (4, 7, 12)]
+    # The extend chunk of the first sequence is a single token: one step mixes decode and extend rows.
+    assert_steps_match(model, hf, seqs, tol=1e-4)
+
+
+def assert_steps_match(model: CausalLM, hf: Any, seqs: list[list[int]], tol: float, name: str = "") -> None:
+    """Our logits for `seqs` fed as a prefill of 2 tokens, an extend and a decode step (all sequences in each
+    step, over scattered pool slots) equal transformers' for the same prefixes within `tol`."""
     runner = PagedRunner(model, len(seqs))
     plan = [[s[:2] for s in seqs], [s[2:-1] for s in seqs], [s[-1:] for s in seqs]]  # prefill, extend, decode
-    # The extend chunk of the first sequence is a single token: one step mixes decode and extend rows.
     done = [0] * len(seqs)
     for chunks in plan:
         logits = runner.feed(chunks)
         for b, chunk in enumerate(chunks):
             done[b] += len(chunk)
-            torch.testing.assert_close(logits[b], hf_last_logits(hf, seqs[b][: done[b]]), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(logits[b], hf_last_logits(hf, seqs[b][: done[b]]), atol=tol, rtol=tol,
+                                       msg=lambda m: f"{name} sequence {b} at {done[b]} tokens: {m}")
 
 
 def test_unknown_rope_types_and_architectures_are_refused_naming_them() -> None:

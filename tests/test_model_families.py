@@ -14,7 +14,7 @@ from ringserve.actors.engine.models.weights import model_from_hf
 from ringserve.bus.messages import TokenizedRequest
 from tests.engine_helpers import assert_greedy_matches, engine_for, greedy, hf_greedy, run_to_completion, tokens_of
 from tests.model_families import CONFIGS, ORIGINAL_CONTEXT, VOCAB, WINDOW, tiny_hf_model
-from tests.test_engine_model import PagedRunner, hf_last_logits
+from tests.test_engine_model import PagedRunner, assert_steps_match, hf_last_logits
 
 FAMILIES = sorted(CONFIGS)
 COMPILE_TIMEOUT = 900.0  # one graph on a busy 2-core host
@@ -51,16 +51,7 @@ def reference_greedy(family: str, hf: Any, prompt: list[int], new_tokens: int) -
 def test_logits_match_transformers_through_prefill_extend_and_decode(family_hf: tuple[str, Any]) -> None:
     family, hf = family_hf
     model = model_from_hf(hf.config, hf.state_dict())
-    seqs = prompts(3, (4, 3 * WINDOW, 2 * WINDOW + 3))
-    runner = PagedRunner(model, len(seqs))
-    plan = [[s[:2] for s in seqs], [s[2:-1] for s in seqs], [s[-1:] for s in seqs]]  # prefill, extend, decode
-    done = [0] * len(seqs)
-    for chunks in plan:
-        logits = runner.feed(chunks)
-        for b, chunk in enumerate(chunks):
-            done[b] += len(chunk)
-            torch.testing.assert_close(logits[b], hf_last_logits(hf, seqs[b][: done[b]]), atol=2e-4, rtol=2e-4,
-                                       msg=lambda m: f"{family}, sequence {b} at {done[b]} tokens: {m}")
+    assert_steps_match(model, hf, prompts(3, (4, 3 * WINDOW, 2 * WINDOW + 3)), tol=2e-4, name=family)
 
 
 @pytest.mark.parametrize("chunk", [0, 5])
