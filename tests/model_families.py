@@ -75,8 +75,56 @@ def _phi3() -> Any:
         "original_max_position_embeddings": ORIGINAL_CONTEXT})
 
 
+# Mixture-of-experts models: 8 experts of which 2 (DeepSeek-V3: 2 of the 2 best of 4 groups) per token, a dense
+# first layer where the family allows it
+MOE: dict[str, Any] = dict(moe_intermediate_size=32, num_experts_per_tok=2)
+
+
+def _mixtral() -> Any:
+    from transformers import MixtralConfig
+
+    return MixtralConfig(**{**COMMON, "intermediate_size": 32}, num_local_experts=8, num_experts_per_tok=2,
+                         sliding_window=None)
+
+
+def _qwen2_moe() -> Any:
+    from transformers import Qwen2MoeConfig
+
+    return Qwen2MoeConfig(**COMMON, **MOE, num_experts=8, shared_expert_intermediate_size=48, norm_topk_prob=False,
+                          mlp_only_layers=[0])
+
+
+def _qwen3_moe() -> Any:
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(**COMMON, **MOE, head_dim=16, num_experts=8, norm_topk_prob=True)
+
+
+# Latent attention: a 32-dim latent and 8 rotary dims per token (40 floats) where full K/V would hold 4 heads of
+# 24 + 16 dims
+MLA: dict[str, Any] = dict(kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                           num_key_value_heads=4, first_k_dense_replace=1, n_routed_experts=8, n_shared_experts=1)
+
+
+def _deepseek_v2() -> Any:
+    from transformers import DeepseekV2Config
+
+    return DeepseekV2Config(**{**COMMON, **MOE, **MLA}, q_lora_rank=None, topk_method="group_limited_greedy",
+                            n_group=4, topk_group=2, routed_scaling_factor=1.5)
+
+
+def _deepseek_v3() -> Any:
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(**{**COMMON, **MOE, **MLA}, q_lora_rank=48, n_group=4, topk_group=2,
+                            routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True)
+
+
 CONFIGS: dict[str, Callable[[], Any]] = {"llama3": _llama3, "mistral": _mistral, "qwen2": _qwen2, "qwen3": _qwen3,
-                                         "gemma2": _gemma2, "gemma3": _gemma3, "phi3": _phi3}
+                                         "gemma2": _gemma2, "gemma3": _gemma3, "phi3": _phi3, "mixtral": _mixtral,
+                                         "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe}
+# families whose latent attention is not served yet (models/mla.py); added to CONFIGS when it is
+LATENT: dict[str, Callable[[], Any]] = {"deepseek_v2": _deepseek_v2, "deepseek_v3": _deepseek_v3}
 
 
 def tiny_hf_model(family: str, seed: int = 0) -> Any:

@@ -2,7 +2,8 @@
 against transformers: a tiny random model of each family (tests/model_families.py) with SmolLM2's 49152-token
 vocabulary and tokenizer, saved as a directory and served. Greedy `/generate` tokens of batched prompts that cross
 the sliding windows and the rope-scaled models' original context equal transformers' greedy ones, and prompt
-logprobs equal transformers' log-softmax. Qwen 3 and Gemma 3 with `--tp 2` give transformers' tokens too, and
+logprobs equal transformers' log-softmax. Qwen 3, Gemma 3, Qwen3-MoE and DeepSeek-V2 with `--tp 2`, and
+Qwen2-MoE with whole experts per rank (`--tp 2 --ep 2`), give transformers' tokens too, and
 Qwen 3 with `--quantization int8`/`int4`/`auto` gives the tokens of an in-process engine quantized the same way. A
 directory of an architecture no family serves is refused in one line naming it and the served ones.
 
@@ -49,9 +50,14 @@ GROUPS: list[dict[str, tuple[str, list[str]]]] = [
     # auto measures int8's plan as int8 does: never side by side with it, or the two would race to cache it
     {"qwen3-auto": ("qwen3", ["--quantization", "auto"]), "qwen3-tp2": ("qwen3", ["--tp", "2"]),
      "gemma3-tp2": ("gemma3", ["--tp", "2"])},
+    {"mixtral": ("mixtral", []), "qwen2_moe": ("qwen2_moe", []), "qwen3_moe": ("qwen3_moe", [])},
+    {"qwen3_moe-tp2": ("qwen3_moe", ["--tp", "2"]), "qwen2_moe-ep2": ("qwen2_moe", ["--tp", "2", "--ep", "2"])},
+    {"deepseek_v2": ("deepseek_v2", []), "deepseek_v3": ("deepseek_v3", []),
+     "deepseek_v2-tp2": ("deepseek_v2", ["--tp", "2"])},
 ]
 SERVED = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM",
-          "Gemma3ForCausalLM", "Phi3ForCausalLM"]
+          "Gemma3ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+          "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"]
 
 
 def lengths(family: str) -> tuple[int, ...]:
@@ -152,6 +158,7 @@ def assert_transformers_tokens(family: str, hf: Any, server: ServerHandle) -> No
 
 
 FAMILIES = sorted(CONFIGS, key=lambda f: next(i for i, g in enumerate(GROUPS) if f in g))
+TP_CASES = [case for group in GROUPS for case, (_, flags) in group.items() if "--tp" in flags]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -200,9 +207,14 @@ def test_quantized_qwen3_serves_the_in_process_engines_tokens(method: str, rings
     assert got == expected, served_plan
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
-def test_two_tensor_parallel_ranks_give_transformers_tokens(family: str, rings: Rings) -> None:
-    server = rings.server(f"{family}-tp2")
+@pytest.mark.parametrize("case", TP_CASES)
+def test_two_tensor_parallel_ranks_give_transformers_tokens(case: str, rings: Rings) -> None:
+    """Sharded heads and MLPs; a mixture of experts sliced (`--tp 2`) or placed whole per rank (`--ep 2`);
+    DeepSeek's latent attention split by heads over the whole latent."""
+    family = case.split("-")[0]
+    if family not in CONFIGS:
+        pytest.skip(f"{family} is not served yet")
+    server = rings.server(case)
     info = server_info(server.base_url)
     assert [(r["tp_size"], r["up"]) for r in info["replicas"]] == [(2, True)], info["replicas"]
     assert_transformers_tokens(family, rings.model(family), server)

@@ -27,6 +27,7 @@ from ringserve.actors.engine.models.weights import model_from_hf
 from ringserve.bus.codec import DecodeError
 from ringserve.bus.messages import SamplingParams, TokenizedRequest
 from tests.engine_helpers import engine_for, tiny_hf_llama
+from tests.model_families import tiny_hf_model
 
 EOS = 2
 TIMEOUT_S = 3.0  # every collective's timeout in these tests (the default)
@@ -90,11 +91,15 @@ def _rank_main(rank: int, size: int, addr: str, scenarios: list[Any], queue: Any
     group = None
     try:
         group = init_group(rank, size, addr, "cpu", timeout_s=TIMEOUT_S)
-        hf = tiny_hf_llama()  # seeded: the same weights in every process
         results: dict[str, Any] = {}
         for name, config_kwargs, waves in scenarios:
+            # seeded: the same weights in every process; "model" names a tiny family (tests/model_families.py)
+            config_kwargs = dict(config_kwargs)
+            family, expert_parallel = config_kwargs.pop("model", None), config_kwargs.pop("expert_parallel", False)
+            hf = tiny_hf_model(family) if family else tiny_hf_llama()
             model = model_from_hf(hf.config, hf.state_dict(), "cpu")
-            config = prepare_rank(model, EngineConfig(device="cpu", torch_threads=1, **config_kwargs), group)
+            config = prepare_rank(model, EngineConfig(device="cpu", torch_threads=1, **config_kwargs), group,
+                                  expert_parallel)
             if rank != 0:
                 follower = TPFollower(model, config, group)
                 follower.run()

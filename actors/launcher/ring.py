@@ -15,7 +15,7 @@ import logging
 
 from ringserve.actors.common.model_source import check_servable, model_chat_template, resolve_model, resolved_config
 from ringserve.actors.engine.config import EngineConfig
-from ringserve.actors.engine.parallel.tp_checks import check_shardable, check_tp_quantization
+from ringserve.actors.engine.parallel.tp_checks import check_expert_parallel, check_shardable, check_tp_quantization
 from ringserve.actors.entry.settings import entry_argv
 from ringserve.actors.entry.tool_parsers import AUTO, parser_for_template
 from ringserve.actors.launcher.nats_auth import NatsPlan, plan_nats
@@ -72,8 +72,9 @@ class Ring:
             check_servable(self.source)  # weights and a tokenizer, before any actor starts
             self.subjects = Subjects(args.namespace)
             EngineConfig.from_args(args)
-            if args.tp != 1:  # heads that --tp does not divide: refused before any process starts
+            if args.tp != 1 or args.ep != 1:  # heads that --tp does not divide: refused before any process starts
                 check_shardable(resolved_config(self.source), args.tp)
+                check_expert_parallel(resolved_config(self.source), args.tp, args.ep)
                 check_tp_quantization(args.tp, args.quantization)
         except (FileNotFoundError, ValueError) as exc:
             raise RingError(str(exc)) from exc

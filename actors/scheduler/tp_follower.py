@@ -38,11 +38,15 @@ def add_tp_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
                         help="with --tp > 1: seconds any collective between the ranks may take; a rank that "
                              "died or hangs fails its replica's requests after at most this long")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert parallelism for mixture-of-experts models: with --ep equal to --tp, each rank "
+                             "holds whole experts (1/ep of them) instead of a slice of every expert; attention "
+                             "stays split by heads (1: experts sliced like the MLP)")
 
 
 def tp_argv(args: argparse.Namespace) -> list[str]:
     """The flags of `add_tp_arguments` as a scheduler process takes them."""
-    return ["--tp", str(args.tp), "--tp-timeout", str(args.tp_timeout)]
+    return ["--tp", str(args.tp), "--tp-timeout", str(args.tp_timeout), "--ep", str(args.ep)]
 
 
 def follower_rank(replica: int, tp_rank: int) -> int:
@@ -58,6 +62,8 @@ def check_tp_args(args: argparse.Namespace) -> str | None:
         return f"--rank must be in [0, --tp {args.tp}), got {args.rank}"
     if args.tp > 1 and not args.dist_init_addr:
         return "--tp > 1 needs --dist-init-addr host:port (where rank 0 of the replica listens)"
+    if args.ep != 1 and args.ep != args.tp:
+        return f"--ep must be 1 or equal to --tp ({args.tp}): experts are placed over the tensor-parallel ranks, got {args.ep}"
     if not args.tp_timeout > 0:
         return f"--tp-timeout must be > 0, got {args.tp_timeout}"
     if args.tp > 1 and args.dp_replica_id >= TP_RANK_STRIDE:
@@ -75,8 +81,8 @@ def _load_rank(model: str, config: Any, args: argparse.Namespace) -> tuple[Any, 
 
     source = resolve_model(model)
     group = init_group(args.rank, args.tp, args.dist_init_addr, config.resolved_device(), args.tp_timeout)
-    llama = load_model(source, DTYPES[config.resolved_dtype()], config.resolved_device())
-    return group, llama, prepare_rank(llama, config, group), source
+    loaded = load_model(source, DTYPES[config.resolved_dtype()], config.resolved_device())
+    return group, loaded, prepare_rank(loaded, config, group, expert_parallel=args.ep > 1), source
 
 
 async def leader_main(ctx: Any, model: str, config: Any, admission: Any, args: argparse.Namespace) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""The building blocks every architecture is declared from: RMSNorm, attention, gated MLP and the decoder layer.
+"""The building blocks every dense architecture is declared from: RMSNorm, attention and the gated MLP (the
+decoder layer that assembles them, with the mixture-of-experts and latent-attention blocks, is decoder_layer.py).
 
 Shapes: `T` new tokens in the step, `H`/`Hkv` query/KV heads, `D` head dim, `C` hidden size. Parameter names
 mirror Hugging Face's, except that q/k/v are fused into one `qkv_proj` and gate/up into one `gate_up_proj` (one
@@ -18,7 +19,6 @@ from torch import nn
 from ringserve.actors.engine.models.rope import apply_rotary
 from ringserve.actors.engine.models.spec import LayerShape
 from ringserve.kernels.attention import AttentionBackend, AttentionMetadata
-from ringserve.kernels.cpu.decode_layer import fused_decode_layer
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -96,39 +96,3 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
-
-
-class DecoderLayer(nn.Module):
-    """Pre-norm block: attention and MLP, each with a residual. With `sandwich_norms` (Gemma 2/3) each sublayer's
-    output is normed too, and the pre-MLP norm is `pre_feedforward_layernorm` (HF's names for both layouts)."""
-
-    def __init__(self, shape: LayerShape, layer: int) -> None:
-        super().__init__()
-        norm = lambda: RMSNorm(shape.hidden, shape.norm_eps, shape.norm_unit_offset)  # noqa: E731
-        self.self_attn = Attention(shape, layer)
-        self.mlp = GatedMLP(shape)
-        self.input_layernorm = norm()
-        self.post_attention_layernorm = norm()  # Llama: before the MLP; sandwich: after attention
-        self.sandwich = shape.sandwich_norms
-        if self.sandwich:
-            self.pre_feedforward_layernorm = norm()
-            self.post_feedforward_layernorm = norm()
-        self.rope = shape.rope
-        # Set where a decode step's whole layer may run as one CPU op (model_runner.use_cpu_decode_layers).
-        self.fused_decode = False
-        self.fusable = shape.fusable
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
-                meta: AttentionMetadata) -> torch.Tensor:
-        if self.fused_decode:
-            attn, mlp = self.self_attn, self.mlp
-            out = fused_decode_layer(x, cos, sin, (self.input_layernorm, self.post_attention_layernorm),
-                                     (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj), attn.num_heads,
-                                     attn.layer, backend, meta)
-            if out is not None:
-                return out
-        if not self.sandwich:
-            x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, meta)
-            return x + self.mlp(self.post_attention_layernorm(x))
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, backend, meta))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))

@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ringserve.actors.engine.models.blocks import DecoderLayer, RMSNorm
+from ringserve.actors.engine.models.blocks import RMSNorm
+from ringserve.actors.engine.models.decoder_layer import DecoderLayer
 from ringserve.actors.engine.models.rope import Rotary, rope_parameters
 from ringserve.actors.engine.models.spec import ArchSpec, LayerShape, layer_shapes
 from ringserve.kernels.attention import AttentionBackend, AttentionMetadata
@@ -35,7 +36,7 @@ class DecoderStack(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, spec.norm_unit_offset)
         max_positions = config.max_position_embeddings
         self.rotary = nn.ModuleDict({kind: Rotary(rope_parameters(config, None if kind == "default" else kind),
-                                                  shapes[0].head_dim, max_positions)
+                                                  shapes[0].rope_dim, max_positions)
                                      for kind in sorted({s.rope for s in shapes})})
 
 

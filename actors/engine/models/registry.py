@@ -19,6 +19,11 @@ FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = 
     "gemma2": (("Gemma2ForCausalLM",), ("gemma2",), ("gemma2",)),
     "gemma3": (("Gemma3ForCausalLM",), ("gemma3_text",), ("gemma3",)),
     "phi3": (("Phi3ForCausalLM",), ("phi3",), ("phi3",)),
+    "mixtral": (("MixtralForCausalLM",), ("mixtral",), ()),  # llama.cpp writes Mixtral GGUFs as "llama"
+    "qwen2_moe": (("Qwen2MoeForCausalLM",), ("qwen2_moe",), ("qwen2moe",)),
+    "qwen3_moe": (("Qwen3MoeForCausalLM",), ("qwen3_moe",), ("qwen3moe",)),
+    "deepseek_v2": (("DeepseekV2ForCausalLM",), ("deepseek_v2",), ("deepseek2",)),
+    "deepseek_v3": (("DeepseekV3ForCausalLM",), ("deepseek_v3",), ()),
 }
 
 

@@ -3,28 +3,59 @@
 A family file (models/llama.py, qwen3.py, gemma3.py, ...) holds one `ArchSpec` (the checkpoint names that lead
 to it are in models/registry.py): which optional pieces of the shared blocks it uses
 (q/k/v bias, q/k norm, Gemma's `1 + weight` norms and sandwich norms, embedding scale, logit soft-caps, sliding
-windows, partial rotary, activation), how its checkpoint's tensors map onto ours (fusions, GGUF names) and whether
-the fused CPU decode-layer op may run its layers. `layer_shapes(spec, config)` resolves all of it per layer.
+windows, partial rotary, activation), which layers are mixture-of-experts (`MoESpec`) and whether attention is
+DeepSeek's latent attention (`mla`), how its checkpoint's tensors map onto ours (renames, fusions, GGUF names)
+and whether the fused CPU decode-layer op may run its layers. `layer_shapes(spec, config)` resolves all of it per
+layer.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ringserve.kernels.attention.backend import LayerAttention
 
-# our fused linear -> the HF checkpoint tensors it is made of (row order), for families whose checkpoints keep
-# them apart
-HF_FUSIONS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-              "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+# our fused linear -> the HF checkpoint linears it is made of (row order), siblings under one parent module (an
+# attention, an MLP, each expert), for families whose checkpoints keep them apart
+HF_FUSIONS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # our linear -> the GGUF tensors (suffixes of `blk.{i}.`) it is made of, in row order (llama.cpp's names)
 GGUF_LINEARS = {"self_attn.qkv_proj": ("attn_q", "attn_k", "attn_v"), "self_attn.o_proj": ("attn_output",),
                 "mlp.gate_up_proj": ("ffn_gate", "ffn_up"), "mlp.down_proj": ("ffn_down",)}
 
 
+def config_value(config: Any, *names: str) -> Any:
+    """The first of `names` the config sets: transformers serialises some fields under an alias (Qwen3-MoE's
+    `num_experts` is `num_local_experts` in its resolved JSON), and our resolved configs are plain namespaces."""
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    raise AttributeError(f"config has none of {', '.join(names)}")
+
+
 def _config_flag(name: str) -> Callable[[Any], bool]:
     return lambda config: bool(getattr(config, name, False))
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """A family's mixture-of-experts layers (models/moe.py): which layers, how the router scores and picks
+    experts, and the shared experts. Each field reads the family's own config names."""
+
+    num_experts: Callable[[Any], int]  # routed experts
+    inner: Callable[[Any], int]  # each expert's intermediate size
+    is_sparse: Callable[[Any, int], bool]  # whether layer i is MoE (else a dense GatedMLP of intermediate_size)
+    scoring: str = "softmax"  # "softmax" (Mixtral, Qwen, DeepSeek-V2) or "sigmoid" (DeepSeek-V3)
+    renormalize: Callable[[Any], bool] = lambda config: True  # top-k weights divided by their sum
+    # expert groups (DeepSeek): "max" (V2's group_limited_greedy: a group's best score), "top2" (V3: its best two
+    # summed); None: plain top-k
+    group_score: Callable[[Any], str | None] = lambda config: None
+    routed_scale: Callable[[Any], float] = lambda config: 1.0  # routed_scaling_factor
+    score_bias: bool = False  # V3's e_score_correction_bias, added for the choice only
+    shared_inner: Callable[[Any], int] = lambda config: 0  # the shared experts' intermediate size (0: none)
+    shared_gate: bool = False  # Qwen2-MoE: the shared expert's output times sigmoid(gate(x))
 
 
 @dataclass(frozen=True)
@@ -47,6 +78,10 @@ class ArchSpec:
     gguf_linears: dict[str, tuple[str, ...]] = field(default_factory=lambda: dict(GGUF_LINEARS))
     gguf_permute_qk: bool = False  # llama.cpp's converter permutes q/k rows for Llama's rotary layout
     fused_cpu_decode: bool = False  # the C++ decode-layer op (kernels/cpu/decode_layer.cpp) runs Llama's layer
+    moe: MoESpec | None = None  # mixture-of-experts layers, where the family has them
+    mla: bool = False  # DeepSeek's multi-head latent attention (models/mla.py) instead of `Attention`
+    # checkpoint name -> ours, regex substitutions applied before the fusions (Mixtral's `block_sparse_moe.w1`)
+    hf_renames: tuple[tuple[str, str], ...] = ()
 
     def activation(self, config: Any) -> str:
         """The MLP's activation function's name."""
@@ -73,6 +108,28 @@ class LayerShape:
     rope: str  # the layer type whose rotary parameters this layer uses
     attention: LayerAttention
     fusable: bool  # whether the fused CPU decode-layer op computes this layer
+    rope_dim: int = 0  # the per-head dimension the rotary tables are built for (head_dim; MLA's qk_rope_head_dim)
+    moe: MoEShape | None = None  # this layer's experts, when it is a mixture-of-experts layer
+    mla: bool = False  # latent attention (models/mla.py reads its own sizes from `config`)
+    config: Any = None  # the model config, for blocks with sizes of their own (latent attention)
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """One mixture-of-experts layer: its experts and router as `MoESpec` resolves them for a config."""
+
+    num_experts: int
+    top_k: int
+    inner: int
+    scoring: str
+    renormalize: bool
+    group_score: str | None
+    num_groups: int
+    top_groups: int
+    routed_scale: float
+    score_bias: bool
+    shared_inner: int
+    shared_gate: bool
 
 
 def head_dim_of(config: Any) -> int:
@@ -102,6 +159,9 @@ def layer_shapes(spec: ArchSpec, config: Any) -> list[LayerShape]:
         kind = layer_type(config, i)
         window = config.sliding_window if kind == "sliding_attention" else None
         attention = LayerAttention(scale, window, softcap)
+        moe = _moe_shape(spec.moe, config) if spec.moe is not None and spec.moe.is_sparse(config, i) else None
+        if spec.mla:  # DeepSeek: q·k over nope + rope dims, scaled as transformers' yarn_apply_mscale does
+            attention = LayerAttention(_mla_scale(config), None, None)
         shapes.append(LayerShape(
             hidden=config.hidden_size, intermediate=config.intermediate_size,
             num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads, head_dim=head_dim,
@@ -109,5 +169,28 @@ def layer_shapes(spec: ArchSpec, config: Any) -> list[LayerShape]:
             o_bias=spec.o_bias(config), mlp_bias=spec.mlp_bias(config), qk_norm=spec.qk_norm,
             norm_unit_offset=spec.norm_unit_offset, sandwich_norms=spec.sandwich_norms,
             rope=kind if per_type_rope else "default", attention=attention,
-            fusable=spec.fused_cpu_decode and activation == "silu"))
+            fusable=spec.fused_cpu_decode and activation == "silu" and moe is None and not spec.mla,
+            rope_dim=config.qk_rope_head_dim if spec.mla else head_dim, moe=moe, mla=spec.mla, config=config))
     return shapes
+
+
+def _moe_shape(spec: MoESpec, config: Any) -> MoEShape:
+    groups = spec.group_score(config)
+    return MoEShape(
+        num_experts=spec.num_experts(config), top_k=config.num_experts_per_tok, inner=spec.inner(config),
+        scoring=spec.scoring, renormalize=spec.renormalize(config), group_score=groups,
+        num_groups=(getattr(config, "n_group", None) or 1) if groups else 1,
+        top_groups=(getattr(config, "topk_group", None) or 1) if groups else 1, routed_scale=spec.routed_scale(config),
+        score_bias=spec.score_bias, shared_inner=spec.shared_inner(config), shared_gate=spec.shared_gate)
+
+
+def _mla_scale(config: Any) -> float:
+    """Latent attention's softmax scale: 1/sqrt(nope + rope dims), times yarn's mscale(factor, mscale_all_dim)²
+    when the rotary embedding is yarn-scaled (transformers' `yarn_apply_mscale`)."""
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if params.get("rope_type", params.get("type", "default")) != "default" and params.get("mscale_all_dim"):
+        factor, mscale_all_dim = params["factor"], params["mscale_all_dim"]
+        mscale = 1.0 if factor <= 1 else 0.1 * mscale_all_dim * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    return scale

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -103,7 +104,7 @@ def model_from_hf(
     when already on `device`). The state dict may already have fused projections (as our own saved weights do)."""
     with torch.device("meta"):
         model = build_model(config)
-    tensors = fuse_hf_state_dict(dict(state_dict), config.num_hidden_layers, model.spec.hf_fusions)
+    tensors = fuse_hf_state_dict(dict(state_dict), model.spec.hf_fusions, model.spec.hf_renames)
     if getattr(config, "tie_word_embeddings", False):
         tensors.setdefault("lm_head.weight", tensors["model.embed_tokens.weight"])
     moved = {name: t.to(device) for name, t in tqdm(tensors.items(), desc="Loading weights into engine", unit="t")}
@@ -112,17 +113,26 @@ def model_from_hf(
     return model.to(device).eval().requires_grad_(False)
 
 
-def fuse_hf_state_dict(tensors: dict[str, torch.Tensor], num_layers: int,
-                       fusions: Mapping[str, tuple[str, ...]]) -> dict[str, torch.Tensor]:
-    """A HF state dict with each layer's tensors that `fusions` names (q/k/v, gate/up; weights and biases)
-    concatenated into our fused linear's."""
-    out = dict(tensors)
-    for i in range(num_layers):
-        for fused, parts in fusions.items():
-            for kind in ("weight", "bias"):
-                names = [f"model.layers.{i}.{part}.{kind}" for part in parts]
-                if names[0] in out:
-                    out[f"model.layers.{i}.{fused}.{kind}"] = torch.cat([out.pop(n) for n in names])
+def fuse_hf_state_dict(tensors: dict[str, torch.Tensor], fusions: Mapping[str, tuple[str, ...]],
+                       renames: tuple[tuple[str, str], ...] = ()) -> dict[str, torch.Tensor]:
+    """A HF state dict in our model's names: `renames` applied, stacked experts (`experts.gate_up_proj`
+    `[E, 2I, C]`, as transformers holds them in memory) split into one linear per expert, and the sibling
+    linears `fusions` names (q/k/v, gate/up; weights and biases) concatenated into our fused linear's."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        for pattern, replacement in renames:
+            name = re.sub(pattern, replacement, name)
+        stacked = re.fullmatch(r"(.*\.experts)\.(gate_up_proj|down_proj)", name)
+        if stacked is not None and tensor.dim() == 3:
+            out.update({f"{stacked[1]}.{e}.{stacked[2]}.weight": w for e, w in enumerate(tensor.unbind(0))})
+        else:
+            out[name] = tensor
+    for fused, parts in fusions.items():
+        for match in [m for m in map(re.compile(rf"(|.*\.){parts[0]}\.(weight|bias)").fullmatch, list(out)) if m]:
+            parent, kind = match[1], match[2]
+            names = [f"{parent}{part}.{kind}" for part in parts]
+            if all(n in out for n in names):
+                out[f"{parent}{fused}.{kind}"] = torch.cat([out.pop(n) for n in names])
     return out
 
 

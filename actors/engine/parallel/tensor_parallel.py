@@ -140,28 +140,55 @@ def local_heads(config: Any, tp: int, rank: int) -> tuple[int, int, int]:
     return heads // tp, 1, rank // (tp // kv_heads)
 
 
-def shard_model(model: CausalLM, group: TPGroup) -> CausalLM:
+def shard_model(model: CausalLM, group: TPGroup, expert_parallel: bool = False) -> CausalLM:
     """Keep only `group.rank`'s shard of each layer's attention and MLP (in place, before any quantization);
-    the row-parallel layers all-reduce over `group`."""
+    the row-parallel layers all-reduce over `group`. Mixture-of-experts layers slice every expert, or with
+    `expert_parallel` keep whole experts per rank (actors/engine/parallel/moe_shard.py); latent attention keeps
+    a slice of the heads over the whole latent (actors/engine/parallel/mla_shard.py)."""
+    from ringserve.actors.engine.models.mla import LatentAttention
+    from ringserve.actors.engine.models.moe import SparseMoE
+    from ringserve.actors.engine.parallel.mla_shard import shard_latent_attention
+    from ringserve.actors.engine.parallel.moe_shard import shard_experts
+
     config, tp, rank = model.config, group.size, group.rank
     check_shardable(config, tp)
     if tp == 1:
         return model
-    hq, hkv, first_kv = local_heads(config, tp, rank)
     for layer in model.decoder_layers():  # per-head q/k norms and every other norm stay whole
-        attn, mlp = layer.self_attn, layer.mlp
-        d, q_size, kv_size = attn.head_dim, attn.q_size, attn.kv_size
-        q0, kv0 = rank * hq * d, first_kv * d
-        inner = mlp.inner
-        i0, ni = rank * (inner // tp), inner // tp
-        attn.qkv_proj = _column_parallel(attn.qkv_proj, [(q0, q0 + hq * d),
-                                                         (q_size + kv0, q_size + kv0 + hkv * d),
-                                                         (q_size + kv_size + kv0, q_size + kv_size + kv0 + hkv * d)])
-        attn.o_proj = _row_parallel(attn.o_proj, q0, q0 + hq * d, group)
-        attn.num_heads, attn.num_kv_heads = hq, hkv
-        attn.q_size, attn.kv_size = hq * d, hkv * d
-        mlp.gate_up_proj = _column_parallel(mlp.gate_up_proj, [(i0, i0 + ni), (inner + i0, inner + i0 + ni)])
-        mlp.down_proj = _row_parallel(mlp.down_proj, i0, i0 + ni, group)
-        mlp.inner = ni
+        if isinstance(layer.self_attn, LatentAttention):
+            shard_latent_attention(layer.self_attn, group)
+        else:
+            shard_attention(layer.self_attn, config, group)
+        if isinstance(layer.mlp, SparseMoE):
+            shard_experts(layer.mlp, group, expert_parallel)
+        else:
+            shard_mlp(layer.mlp, group)
     model.tp = group  # type: ignore[assignment]  # what the engine's builders look for
     return model
+
+
+def shard_attention(attn: Any, config: Any, group: TPGroup) -> None:
+    """Keep `group.rank`'s query heads and the KV heads they read: `qkv_proj` column-, `o_proj` row-parallel."""
+    hq, hkv, first_kv = local_heads(config, group.size, group.rank)
+    d, q_size, kv_size = attn.head_dim, attn.q_size, attn.kv_size
+    q0, kv0 = group.rank * hq * d, first_kv * d
+    attn.qkv_proj = _column_parallel(attn.qkv_proj, [(q0, q0 + hq * d),
+                                                     (q_size + kv0, q_size + kv0 + hkv * d),
+                                                     (q_size + kv_size + kv0, q_size + kv_size + kv0 + hkv * d)])
+    attn.o_proj = _row_parallel(attn.o_proj, q0, q0 + hq * d, group)
+    attn.num_heads, attn.num_kv_heads = hq, hkv
+    attn.q_size, attn.kv_size = hq * d, hkv * d
+
+
+def shard_mlp(mlp: Any, group: TPGroup, reduce: bool = True) -> None:
+    """Keep `group.rank`'s slice of a gated MLP's inner dimension: `gate_up_proj` column-parallel, `down_proj`
+    row-parallel (all-reduced, unless `reduce` is False: a caller that sums several MLPs reduces once)."""
+    inner, tp = mlp.inner, group.size
+    i0, ni = group.rank * (inner // tp), inner // tp
+    mlp.gate_up_proj = _column_parallel(mlp.gate_up_proj, [(i0, i0 + ni), (inner + i0, inner + i0 + ni)])
+    if reduce:
+        mlp.down_proj = _row_parallel(mlp.down_proj, i0, i0 + ni, group)
+    else:
+        down = mlp.down_proj
+        mlp.down_proj = _linear(down.weight[:, i0:i0 + ni], down.bias if group.rank == 0 else None)
+    mlp.inner = ni

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-DEFAULT_TIMEOUT_S = 3.0  # a live peer answers a collective in milliseconds; a dead or stopped one never
+DEFAULT_TIMEOUT_S = 3.0
+EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")  # Mixtral, Qwen, DeepSeek  # a live peer answers a collective in milliseconds; a dead or stopped one never
 
 
 def check_shardable(config: Any, tp: int) -> None:
@@ -20,6 +21,25 @@ def check_shardable(config: Any, tp: int) -> None:
                          f"(then each KV head is replicated)")
     if inner % tp:
         raise ValueError(f"--tp {tp} must divide the model's MLP size {inner}")
+    for field in ("moe_intermediate_size", "shared_expert_intermediate_size"):  # each expert is sliced like an MLP
+        size = getattr(config, field, None) or 0
+        if size % tp:
+            raise ValueError(f"--tp {tp} must divide the model's {field} {size}")
+
+
+def check_expert_parallel(config: Any, tp: int, ep: int) -> None:
+    """Raise ValueError saying why `--ep ep` cannot place `config`'s experts over `tp` ranks."""
+    if ep == 1:
+        return
+    if ep != tp:
+        raise ValueError(f"--ep must be 1 or equal to --tp ({tp}): experts are placed over the tensor-parallel "
+                         f"ranks, got {ep}")
+    experts = next((getattr(config, f) for f in EXPERT_COUNT_FIELDS if getattr(config, f, None)), 0)
+    if not experts:
+        raise ValueError(f"--ep applies to mixture-of-experts models; {getattr(config, 'model_type', 'this model')} "
+                         "has no experts")
+    if experts % ep:
+        raise ValueError(f"--ep {ep} must divide the model's {experts} experts")
 
 
 def check_tp_quantization(tp: int, method: str) -> None:

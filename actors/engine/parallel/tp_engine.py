@@ -39,12 +39,12 @@ log = logging.getLogger("engine")
 KEEPALIVE_S = 1.0  # rank 0 idle: a plan at least this often, well inside the followers' collective timeout
 
 
-def prepare_rank(model: CausalLM, config: EngineConfig, group: TPGroup) -> EngineConfig:
+def prepare_rank(model: CausalLM, config: EngineConfig, group: TPGroup, expert_parallel: bool = False) -> EngineConfig:
     """Shard `model` for `group.rank` and quantize the shard as `config` says; the config every rank of the
     group runs: CUDA graphs off (a forward's collectives run eagerly on every rank) and the KV pool size all
     ranks agree on (the smallest any of them would allocate). A collective with every rank (startup timeout)."""
     check_tp_quantization(group.size, config.quantization)
-    shard_model(model, group)
+    shard_model(model, group, expert_parallel)
     apply_quantization(model, config)
     if config.graph_max_bs():
         log_event(log, logging.INFO, "tensor parallelism runs every step eagerly: decode graphs are off", tp=group.size)

@@ -1,0 +1,51 @@
+"""The decoder layer: an attention block and an MLP block, each with a residual, assembled as the layer's
+`LayerShape` says: grouped-query `Attention` or DeepSeek's `LatentAttention` (models/mla.py), a dense `GatedMLP`
+or a mixture of experts (`SparseMoE`, models/moe.py), and the norms around them."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ringserve.actors.engine.models.blocks import Attention, GatedMLP, RMSNorm
+from ringserve.actors.engine.models.mla import LatentAttention
+from ringserve.actors.engine.models.moe import SparseMoE
+from ringserve.actors.engine.models.spec import LayerShape
+from ringserve.kernels.attention import AttentionBackend, AttentionMetadata
+from ringserve.kernels.cpu.decode_layer import fused_decode_layer
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: attention and MLP, each with a residual. With `sandwich_norms` (Gemma 2/3) each sublayer's
+    output is normed too, and the pre-MLP norm is `pre_feedforward_layernorm` (HF's names for both layouts)."""
+
+    def __init__(self, shape: LayerShape, layer: int) -> None:
+        super().__init__()
+        norm = lambda: RMSNorm(shape.hidden, shape.norm_eps, shape.norm_unit_offset)  # noqa: E731
+        self.self_attn: nn.Module = LatentAttention(shape, layer) if shape.mla else Attention(shape, layer)
+        self.mlp: nn.Module = SparseMoE(shape) if shape.moe is not None else GatedMLP(shape)
+        self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()  # Llama: before the MLP; sandwich: after attention
+        self.sandwich = shape.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
+        self.rope = shape.rope
+        # Set where a decode step's whole layer may run as one CPU op (model_runner.use_cpu_decode_layers).
+        self.fused_decode = False
+        self.fusable = shape.fusable
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
+                meta: AttentionMetadata) -> torch.Tensor:
+        if self.fused_decode:
+            attn, mlp = self.self_attn, self.mlp
+            out = fused_decode_layer(x, cos, sin, (self.input_layernorm, self.post_attention_layernorm),
+                                     (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj), attn.num_heads,
+                                     attn.layer, backend, meta)
+            if out is not None:
+                return out
+        if not self.sandwich:
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, meta)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, backend, meta))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
