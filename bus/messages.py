@@ -237,6 +237,13 @@ class SchedulerInfo:
     tp_size: int = 1  # tensor-parallel ranks of this replica (one report per replica, from its rank 0)
     # which weights serve: "1" for those loaded at start, then each update_weights_from_disk's (or the next number)
     weight_version: str = ""
+    # speculative decoding since start: the algorithm, draft tokens proposed and accepted, tokens verify rows
+    # emitted (accepted drafts plus one each) and verify rows run
+    speculative: str = "none"
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_emitted_tokens: int = 0
+    spec_verify_rows: int = 0
 
 
 @dataclass

@@ -76,6 +76,8 @@ class SamplingParams:
                              "root)", max_items=MAX_GRAMMAR_CHARS, openai=(), default_doc="none")
     return_prompt_ids: bool = param(False, "return the prompt's token ids with the first output",
                                     openai=("return_token_ids",))
+    speculative: bool = param(True, "false: never decode this request speculatively (with "
+                              "--speculative-algorithm; greedy output is the same either way)")
 
     @property
     def grammar(self) -> tuple[str, str] | None:

@@ -20,7 +20,8 @@ REPLICA_FIELDS = ("requests_routed", "num_running_reqs", "num_waiting_reqs", "kv
                   "cache_hit_rate", "decode_graphs")
 
 SUMMED_INFO = ("num_running_reqs", "num_waiting_reqs", "kv_used_tokens", "kv_total_tokens", "kv_running_tokens",
-               "kv_cached_tokens", "num_retractions", "requests_routed")
+               "kv_cached_tokens", "num_retractions", "requests_routed", "spec_drafted_tokens", "spec_accepted_tokens",
+               "spec_emitted_tokens", "spec_verify_rows")
 
 
 def left(load: ReplicaLoad, live_rids: int) -> bool:

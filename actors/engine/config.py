@@ -21,6 +21,7 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATION_CHOICES = ("none", "int8", "int4", "gguf", "auto")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 OVERLAP_CHOICES = ("auto", "on", "off")
+SPECULATIVE_ALGORITHMS = ("none", "ngram")
 CPU_MEM_FRACTION = 0.1  # of total host memory (or the cgroup limit), when the KV pool lives on the CPU
 GPU_MEM_FRACTION = 0.85  # of free GPU memory after the weights are loaded
 # An automatic pool size is rounded down to a multiple of this: the pool's shape is part of a compiled decode
@@ -91,9 +92,17 @@ class EngineConfig:
         "compiling never delays other requests"))
     disable_jump_forward: bool = field(default=False, metadata=_flag(
         "decode the tokens an output constraint forces one step each, instead of appending them at once"))
+    speculative_algorithm: str = field(default="none", metadata=_flag(
+        "speculative decoding: ngram drafts each greedy request's next tokens from where its last tokens occurred "
+        "before (its own prompt and output, then earlier requests) and verifies them in one forward, keeping the "
+        "output token for token; none decodes one token per step", choices=SPECULATIVE_ALGORITHMS))
+    speculative_num_draft_tokens: int = field(default=3, metadata=_flag(
+        "with --speculative-algorithm: draft tokens per verify step at most (each request adapts its own "
+        "length to what it gets accepted); a request verifying k drafts is k + 1 decode rows of one step"))
 
     def __post_init__(self) -> None:
-        for name in ("max_prefill_tokens", "max_running_requests", "cuda_graph_max_bs", "stream_interval"):
+        for name in ("max_prefill_tokens", "max_running_requests", "cuda_graph_max_bs", "stream_interval",
+                     "speculative_num_draft_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         for name in ("max_total_tokens", "torch_threads"):

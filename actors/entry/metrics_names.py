@@ -28,6 +28,10 @@ MAPPINGS: dict[str, dict[str, tuple[str, dict[str, str]]]] = {
         "num_running_reqs": ("vllm:num_requests_running", {}),
         "num_queue_reqs": ("vllm:num_requests_waiting", {}),
         "token_usage": ("vllm:kv_cache_usage_perc", {}),
+        "spec_drafted_tokens": ("vllm:spec_decode_num_draft_tokens", {}),
+        "spec_accepted_tokens": ("vllm:spec_decode_num_accepted_tokens", {}),
+        "spec_emitted_tokens": ("vllm:spec_decode_num_emitted_tokens", {}),
+        "spec_verify_rows": ("vllm:spec_decode_num_drafts", {}),
     },
     "sglang": {
         "prompt_tokens": ("sglang:prompt_tokens", {}),
@@ -43,6 +47,7 @@ MAPPINGS: dict[str, dict[str, tuple[str, dict[str, str]]]] = {
         "token_usage": ("sglang:token_usage", {}),
         "cache_hit_rate": ("sglang:cache_hit_rate", {}),
         "num_retractions": ("sglang:num_retracted_reqs", {}),
+        "spec_accept_length": ("sglang:spec_accept_length", {}),
     },
 }
 DIALECTS = ("ringserve", *MAPPINGS)

@@ -7,7 +7,9 @@ the request-level series still render. The text format is Prometheus' (OpenMetri
 
 Gauges: `ringserve:num_running_reqs`, `ringserve:num_queue_reqs` (waiting in the scheduler),
 `ringserve:token_usage` (KV slots used / total), `ringserve:kv_cached_tokens` (held only by the prefix cache),
-`ringserve:cache_hit_rate` (cached / all prompt tokens since start), `ringserve:num_retractions` (since start).
+`ringserve:cache_hit_rate` (cached / all prompt tokens since start), `ringserve:num_retractions` (since start);
+speculative decoding's `ringserve:spec_drafted_tokens`, `spec_accepted_tokens`, `spec_emitted_tokens`,
+`spec_verify_rows` (since start) and `spec_accept_length` (emitted per verify row).
 """
 
 from __future__ import annotations
@@ -56,6 +58,15 @@ def scheduler_families(info: SchedulerInfo | None, served_model: str) -> list[Me
               info.cache_hit_rate),
         gauge("num_retractions", "Requests retracted to the queue since start (KV cache ran short).",
               info.num_retractions),
+        gauge("spec_drafted_tokens", "Draft tokens speculative decoding proposed since start.",
+              info.spec_drafted_tokens),
+        gauge("spec_accepted_tokens", "Draft tokens verification accepted since start.", info.spec_accepted_tokens),
+        gauge("spec_emitted_tokens", "Tokens verify steps emitted since start (accepted drafts plus one each).",
+              info.spec_emitted_tokens),
+        gauge("spec_verify_rows", "Verify rows (a request's drafts checked in one forward) since start.",
+              info.spec_verify_rows),
+        gauge("spec_accept_length", "Tokens a verify row emitted on average since start (1 + accepted drafts).",
+              info.spec_emitted_tokens / info.spec_verify_rows if info.spec_verify_rows else 0.0),
     ]
 
 

@@ -54,6 +54,11 @@ class TokenTable:
         if ids:
             self.ids[row, : len(ids)] = to_device(list(ids), self.ids.device)
 
+    def write_ids_at(self, row: int, start: int, ids: Sequence[int]) -> None:
+        """Record `ids` as the token ids of tokens `start...` of `row` (draft tokens; a verify step's own token)."""
+        if ids:
+            self.ids[row, start:start + len(ids)] = to_device(list(ids), self.ids.device)
+
     def slots(self, row: int, end: int, start: int = 0) -> torch.Tensor:
         """The slots of tokens `[start, end)` of `row`."""
         return self.table[row, start:end]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,16 @@ class Batch:
     extend_lens: list[int]
     samples: list[bool]
     num_decode: int  # the first `num_decode` rows are decode rows
+    # speculative decoding: a request verifying `k` draft tokens has `k + 1` consecutive decode rows, its last
+    # real token's and one per draft (each one token at the next position, on the same table row: the step
+    # writes every row's K/V before any row attends, so each sees the ones before it, and the decode graphs run
+    # them as they run any decode batch). Keyed by the first of those rows; {} for most batches.
+    drafts: dict[int, list[int]] = field(default_factory=dict)
+
+    @property
+    def draft_rows(self) -> set[int]:
+        """The rows that compute a draft token (each verifying request's rows but its first)."""
+        return {b + 1 + i for b, drafts in self.drafts.items() for i in range(len(drafts))}
 
     @property
     def num_tokens(self) -> int:

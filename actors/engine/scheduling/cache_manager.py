@@ -83,6 +83,12 @@ class CacheManager:
         for req in reqs:
             req.cached_len += 1
 
+    def truncate(self, req: Req, cached_len: int) -> None:
+        """Free `req`'s slots from token `cached_len` on (the KV of rejected draft tokens) and keep the rest."""
+        assert req.prefix_len <= cached_len <= req.cached_len
+        self.free(self.table.slots(req.row, req.cached_len, cached_len).clone())
+        req.cached_len = cached_len
+
     def cache_req(self, req: Req, finished: bool) -> None:
         """Offer `req`'s computed tokens to the prefix cache.
 

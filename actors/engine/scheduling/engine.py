@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ringserve.actors.engine.speculative.speculator import Speculator
 from ringserve.actors.engine.scheduling.batch import Batch, ForwardOutput
 from ringserve.actors.engine.scheduling.request_checks import request_error
 from ringserve.actors.engine.scheduling.cache_manager import CacheManager
@@ -99,6 +100,8 @@ class Engine:
         self.jumper = (JumpForward(self.grammars, self.stop_checker, self.decode, self.cache, self.prefill,
                                    self.context_length, self.device)
                        if not config.disable_jump_forward and prefix_cache.caches else None)
+        self.speculator = (Speculator(config.speculative_num_draft_tokens)
+                           if config.speculative_algorithm == "ngram" else None)
         self.live: dict[str, Req] = {}
         self.num_retractions = 0
         self._last_batch: Batch | None = None
@@ -206,8 +209,10 @@ class Engine:
             return self.finish(*prev) if prev is not None else []
         rows: list[TokenRow] = []
         drained = False
-        # Retraction needs every token applied, and so does a constrained request's next mask.
-        if prev is not None and (self.decode.must_retract() or any(r.matcher for r in prev[0].sampling_reqs)):
+        # Retraction needs every token applied, and so do a constrained request's next mask and the drafts of a
+        # request that speculates.
+        if prev is not None and (self.decode.must_retract() or any(r.matcher for r in prev[0].sampling_reqs)
+                                 or self._speculates(prev[0].sampling_reqs)):
             rows, prev, drained = self.finish(*prev), None, True
         batch = self._last_batch = self.schedule()
         if batch is not None:
@@ -246,14 +251,38 @@ class Engine:
             self.prefill.add(req, front=True)
             self.num_retractions += 1
         decodes = self.decode.schedule()
+        drafts = self._draft(decodes)
         prefills = self.prefill.schedule(len(decodes))
         if not decodes and not prefills:
             return None
-        reqs = decodes + [req for req, _ in prefills]
-        extend_lens = [1] * len(decodes) + [n for _, n in prefills]
-        starts = [req.cached_len - n for req, n in zip(reqs, extend_lens)]
-        samples = [req.cached_len == req.device_len for req in reqs]
-        return Batch(reqs, starts, extend_lens, samples, num_decode=len(decodes))
+        rows: list[Req] = []
+        starts: list[int] = []
+        first_rows: dict[int, list[int]] = {}
+        for req in decodes:  # a verifying request: one decode row per position, from its last real token's on
+            k = len(drafts.get(req, ()))
+            if k:
+                first_rows[len(rows)] = drafts[req]
+            rows += [req] * (k + 1)
+            starts += range(req.cached_len - k - 1, req.cached_len)
+        reqs = rows + [req for req, _ in prefills]
+        extend_lens = [1] * len(rows) + [n for _, n in prefills]
+        starts += [req.cached_len - n for req, n in prefills]
+        samples = [True] * len(rows) + [req.cached_len == req.device_len for req, _ in prefills]
+        return Batch(reqs, starts, extend_lens, samples, num_decode=len(rows), drafts=first_rows)
+
+    def _speculates(self, reqs: list[Req]) -> bool:
+        return self.speculator is not None and any(self.speculator.eligible(r) for r in reqs)
+
+    def _draft(self, decodes: list[Req]) -> dict[Req, list[int]]:
+        """Speculative decoding: draft tokens for the decode rows that speculate, written after each one's last
+        token (ids and KV slots), leaving a slot per running request for the next step."""
+        if self.speculator is None or not decodes:
+            return {}
+        drafts = self.speculator.propose(decodes, self.context_length, self.cache.available - len(self.decode))
+        for req, tokens in drafts.items():
+            self.table.write_ids_at(req.row, req.device_len, tokens)  # type: ignore[arg-type]
+            self.cache.extend(req, len(tokens))
+        return drafts
 
     def launch(self, batch: Batch) -> ForwardOutput:
         """Queue the batch's forward and sampling on the device, then account for them as if done: each
@@ -261,8 +290,9 @@ class Engine:
         (their token ids are known here; the device computes the KV before any later step reads it), and
         requests whose prefill completes start running, so the next step can decode them."""
         out = self.runner.forward(batch, self.grammars.bitmask(batch.sampling_reqs))
+        draft_rows = batch.draft_rows
         for i, (req, samples) in enumerate(zip(batch.reqs, batch.samples)):
-            if samples:
+            if samples and i not in draft_rows:
                 req.device_len += 1
             if i >= batch.num_decode:
                 self.cache.cache_req(req, finished=False)
@@ -277,8 +307,11 @@ class Engine:
         logprobs = StepLogprobs(out)
         if out.prompt is not None:
             out.prompt.give_to(batch.reqs, lambda req: self.live.get(req.rid) is req)
+        draft_rows = batch.draft_rows
         rows: list[TokenRow] = []
         for k, req in enumerate(batch.sampling_reqs):
+            if k in draft_rows:  # decode rows come first and all sample: sampling row k is batch row k
+                continue
             # Finished by a stop at the step before (launched before that one was applied), or aborted while
             # this step was in flight: the token is one too many; the request's slots are already freed.
             if self.live.get(req.rid) is not req:
@@ -288,6 +321,11 @@ class Engine:
                 rows.append(self._output(req, [], FinishReason("length")))
                 continue
             token = tokens[k]
+            if k in batch.drafts:  # the target's token at each of the request's rows
+                row = self._apply_verified(req, batch.drafts[k], tokens[k:k + len(batch.drafts[k]) + 1])
+                logprobs.fill(row, req, k)
+                rows.append(row)
+                continue
             if not self.grammars.accept(req, token):
                 rows.append(self._fail(req, f"the output constraint rejected the sampled token {token}"))
                 continue
@@ -302,6 +340,29 @@ class Engine:
             logprobs.fill(row, req, k)
             rows.append(row)
         return rows
+
+    def _apply_verified(self, req: Req, drafts: list[int], predicted: list[int]) -> TokenRow:
+        """Apply a verifying request's step: its accepted drafts and the target's next token, each through the
+        stop checks; the KV of the positions not kept is freed (it never reaches the prefix cache). Each row wrote
+        its greedy token after its position in `TokenTable.ids`, so the accepted drafts and the next token are
+        there already."""
+        assert self.speculator is not None
+        known = req.seq_len  # the rows computed positions known - 1 ... known - 1 + len(drafts)
+        new = self.speculator.verify(req, drafts, predicted)
+        applied: list[int] = []
+        finish = None
+        for token in new:
+            req.ids.append(token)
+            applied.append(token)
+            finish = self.stop_checker.verdict(req)
+            if finish is not None:
+                break
+        # KV stays for the last real token and the accepted drafts that were applied; the newest token has none
+        self.cache.truncate(req, known + min(len(new) - 1, len(applied) - 1))
+        req.device_len = req.seq_len
+        if finish is not None:
+            self._release(req)
+        return self._output(req, applied, finish)
 
     def abort(self, rid: str) -> TokenRow | None:
         """Drop a waiting or running request now and free its KV; its final row, or None if `rid` is not live."""
@@ -341,7 +402,15 @@ class Engine:
             chunked_prefill_size=config.chunked_prefill_size if config.chunking else 0,
             overlap_schedule=self.overlap, torch_threads=dict(self._thread_choices),
             quantization=dict(self._quantization), kv_pool=dict(self._kv_pool_report),
-            decode_graphs=self.decode_graph_report())
+            decode_graphs=self.decode_graph_report(), **self._speculation_stats())
+
+    def _speculation_stats(self) -> dict[str, Any]:
+        if self.speculator is None:
+            return {}
+        s = self.speculator.stats
+        return {"speculative": self.config.speculative_algorithm, "spec_drafted_tokens": s.drafted,
+                "spec_accepted_tokens": s.accepted, "spec_emitted_tokens": s.emitted,
+                "spec_verify_rows": s.verify_rows}
 
     def pause(self) -> None:
         """Start no more steps (a step in flight is still applied); requests keep their KV, new ones queue."""
@@ -368,6 +437,8 @@ class Engine:
 
     def _release(self, req: Req, keep_kv: bool = True) -> None:
         """Take `req` out of every queue; cache its KV (unless it may be garbage) and free the rest."""
+        if self.speculator is not None:
+            self.speculator.forget(req)
         if not self.decode.remove(req) and not self.prefill.remove(req):
             self.grammars.remove(req)
         if req.row is not None:

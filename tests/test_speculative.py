@@ -1,0 +1,134 @@
+"""Speculative decoding in the engine (`--speculative-algorithm ngram`): greedy output token-identical to decoding
+one token a step, through chunked prefill, the overlap loop, the prefix cache and retraction, with stop tokens
+and max_new_tokens landing inside an accepted run; the KV of rejected drafts freed at once; requests that opt out
+or are not greedy never speculate; the counters move. Prompts repeat a random phrase, so drafts are accepted."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from ringserve.bus.messages import SamplingParams, TokenizedRequest
+from tests.engine_helpers import engine_for, run_to_completion, tiny_hf_llama, tokens_of
+
+VOCAB = 500
+
+
+@pytest.fixture(scope="module")
+def hf() -> Any:
+    return tiny_hf_llama()
+
+
+def phrase_prompts(seed: int) -> list[list[int]]:
+    """Prompts that repeat a phrase (drafts hit), one that repeats a short one, and one of random tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    phrase = torch.randint(3, VOCAB, (12,), generator=gen).tolist()
+    return [phrase * 4, phrase[:5] * 6, torch.randint(3, VOCAB, (20,), generator=gen).tolist(), phrase * 2]
+
+
+def run(hf: Any, requests: list[TokenizedRequest], **config: Any) -> tuple[dict[str, Any], Any]:
+    """Each request's (tokens, finish type), and the engine."""
+    engine = engine_for(hf, max_total_tokens=config.pop("max_total_tokens", 4096), **config)
+    rows = run_to_completion(engine, requests)
+    return {rid: (tokens_of(r), r[-1].finish.type if r[-1].finish else None) for rid, r in rows.items()}, engine
+
+
+def requests_for(seqs: list[list[int]], stop_token: int | None = None) -> list[TokenizedRequest]:
+    out = [TokenizedRequest(f"r{i}", s, SamplingParams(max_new_tokens=30 + 3 * i, temperature=0.0, ignore_eos=True))
+           for i, s in enumerate(seqs)]
+    if stop_token is not None:  # lands inside a run of accepted drafts of the first request
+        out.append(TokenizedRequest("stop", seqs[0], SamplingParams(max_new_tokens=40, temperature=0.0,
+                                                                     stop_token_ids=[stop_token])))
+    return out
+
+
+SCENARIOS = {
+    "plain": {},
+    "chunked": {"chunked_prefill_size": 5},
+    "overlap": {"overlap_schedule": "on"},
+    "retraction": {"max_total_tokens": 160},
+}
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_greedy_output_is_identical_with_speculation_on_and_off(hf: Any, scenario: str) -> None:
+    seqs = phrase_prompts(seed=1)
+    off, _ = run(hf, requests_for(seqs), **SCENARIOS[scenario])
+    stop_token = off["r0"][0][17]
+    off, _ = run(hf, requests_for(seqs, stop_token), **SCENARIOS[scenario])
+    on, engine = run(hf, requests_for(seqs, stop_token), speculative_algorithm="ngram", **SCENARIOS[scenario])
+    assert on == off
+    assert off["stop"][1] == "stop" and len(off["stop"][0]) < 40
+    stats = engine.stats()
+    assert stats.spec_accepted_tokens > 10 and stats.spec_verify_rows > 0, stats
+    assert stats.spec_emitted_tokens == stats.spec_accepted_tokens + stats.spec_verify_rows
+    if scenario == "retraction":
+        assert engine.num_retractions > 0
+
+
+def test_a_second_round_hits_the_prefix_cache_and_keeps_the_tokens(hf: Any) -> None:
+    seqs = phrase_prompts(seed=2)
+    engine = engine_for(hf, max_total_tokens=4096, speculative_algorithm="ngram")
+    first = run_to_completion(engine, requests_for(seqs))
+    second = run_to_completion(engine, [TokenizedRequest(f"again-{r.rid}", r.input_ids, r.sampling)
+                                        for r in requests_for(seqs)])
+    assert all(tokens_of(second[f"again-{rid}"]) == tokens_of(rows) for rid, rows in first.items())
+    assert all(rows[0].cached_tokens > 0 for rows in second.values())
+
+
+def test_rejected_drafts_free_their_kv_at_once(hf: Any) -> None:
+    """After every step each running request holds KV for exactly its tokens but the newest (no slot of a
+    rejected draft is kept), and the pool's slots are partitioned as ever."""
+    engine = engine_for(hf, max_total_tokens=4096, speculative_algorithm="ngram")
+    for request in requests_for(phrase_prompts(seed=3)):
+        assert engine.add_request(request) is None
+    while engine.has_work():
+        engine.step()
+        engine.check_integrity()
+        for req in engine.decode.running:
+            assert req.cached_len == req.seq_len - 1, (req.rid, req.cached_len, req.seq_len)
+    stats = engine.stats()
+    assert stats.spec_drafted_tokens > stats.spec_accepted_tokens > 0  # some drafts were rejected
+    assert stats.kv_running_tokens == 0
+
+
+@pytest.mark.parametrize("params", [
+    {"speculative": False}, {"temperature": 0.7, "seed": 3}, {"return_logprob": True},
+    {"repetition_penalty": 1.2}, {"logit_bias": {5: 1.0}}])
+def test_requests_that_opt_out_or_are_not_plain_greedy_do_not_speculate(hf: Any, params: dict[str, Any]) -> None:
+    seqs = phrase_prompts(seed=4)[:2]
+    requests = [TokenizedRequest(f"r{i}", s, SamplingParams(max_new_tokens=20, **{"temperature": 0.0, **params}))
+                for i, s in enumerate(seqs)]
+    off, _ = run(hf, requests)
+    on, engine = run(hf, requests, speculative_algorithm="ngram")
+    assert on == off
+    assert engine.stats().spec_verify_rows == 0
+
+
+def test_a_request_whose_drafts_miss_stops_drafting_for_a_while_then_tries_again() -> None:
+    """Fully rejected drafts halve the draft length; the second miss in a row skips 2 steps, the third 4; a fully
+    accepted draft grows it again."""
+    from ringserve.actors.engine.scheduling.request import Req
+    from ringserve.actors.engine.speculative.speculator import Speculator
+
+    speculator = Speculator(num_draft_tokens=4)
+    ids = [7, 8, 9, 10, 11] * 4
+    req = Req("r", len(ids), list(ids), SamplingParams(max_new_tokens=100, temperature=0.0), seed=0)
+
+    def propose() -> list[int]:
+        return speculator.propose([req], context_length=1000, room=100).get(req, [])
+
+    drafts = propose()
+    assert drafts == [7, 8, 9, 10]
+    speculator.verify(req, drafts, [0] * 5)  # first miss: length 2, no pause
+    assert propose() == [7, 8]
+    speculator.verify(req, [7, 8], [0] * 3)  # second miss: length 1, 2 steps without drafts
+    assert [propose() for _ in range(3)] == [[], [], [7]]
+    speculator.verify(req, [7], [0, 0])  # third miss: 4 steps without drafts
+    assert [propose() for _ in range(5)] == [[], [], [], [], [7]]
+    assert speculator.verify(req, [7], [7, 8]) == [7, 8]  # accepted: the draft and the target's next token
+    assert propose() == [7, 8]
+    stats = speculator.stats
+    assert (stats.drafted, stats.accepted, stats.emitted, stats.verify_rows) == (8, 1, 5, 4)
