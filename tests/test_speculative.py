@@ -95,9 +95,42 @@ def test_rejected_drafts_free_their_kv_at_once(hf: Any) -> None:
 
 
 @pytest.mark.parametrize("params", [
-    {"speculative": False}, {"temperature": 0.7, "seed": 3}, {"return_logprob": True},
-    {"repetition_penalty": 1.2}, {"logit_bias": {5: 1.0}}])
-def test_requests_that_opt_out_or_are_not_plain_greedy_do_not_speculate(hf: Any, params: dict[str, Any]) -> None:
+    {"temperature": 0.3, "seed": 3}, {"temperature": 0.5, "top_p": 0.9, "top_k": 20, "seed": 4},
+    {"temperature": 0.0, "logit_bias": {5: 1.0}}])
+def test_sampled_and_biased_requests_speculate_with_the_same_tokens(hf: Any, params: dict[str, Any]) -> None:
+    """A seeded draw is a pure function of seed, position and logits: each verify row draws the token decoding
+    one token a step draws at its position, so sampled output is token for token the same, not only alike."""
+    seqs = phrase_prompts(seed=4)
+    requests = [TokenizedRequest(f"r{i}", s, SamplingParams(max_new_tokens=40, ignore_eos=True, **params))
+                for i, s in enumerate(seqs)]
+    off, _ = run(hf, requests)
+    on, engine = run(hf, requests, speculative_algorithm="ngram")
+    assert on == off
+    assert engine.stats().spec_accepted_tokens > 0
+
+
+def test_every_emitted_token_carries_its_own_logprobs(hf: Any) -> None:
+    seqs = phrase_prompts(seed=6)
+    params = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True, return_logprob=True,
+                            top_logprobs_num=2)
+    got = {}
+    for algorithm in ("none", "ngram"):
+        engine = engine_for(hf, max_total_tokens=4096, speculative_algorithm=algorithm)
+        rows = run_to_completion(engine, [TokenizedRequest(f"r{i}", s, params) for i, s in enumerate(seqs)])
+        got[algorithm] = {rid: ([t for r in rs for t in r.token_ids], [lp for r in rs for lp in r.logprobs],
+                                [ids for r in rs for ids in r.top_ids]) for rid, rs in rows.items()}
+    assert engine.stats().spec_accepted_tokens > 0
+    for rid, (tokens, logprobs, top_ids) in got["none"].items():
+        on_tokens, on_logprobs, on_top_ids = got["ngram"][rid]
+        assert on_tokens == tokens and on_top_ids == top_ids and len(on_logprobs) == len(tokens)
+        torch.testing.assert_close(torch.tensor(on_logprobs), torch.tensor(logprobs), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("params", [{"speculative": False}, {"repetition_penalty": 1.2},
+                                    {"min_new_tokens": 25, "stop_token_ids": [7]}])
+def test_requests_that_opt_out_or_count_their_tokens_do_not_speculate(hf: Any, params: dict[str, Any]) -> None:
+    """Opted out, or drawing with penalties over the tokens so far; a min_new_tokens ban holds it off until the
+    ban ends."""
     seqs = phrase_prompts(seed=4)[:2]
     requests = [TokenizedRequest(f"r{i}", s, SamplingParams(max_new_tokens=20, **{"temperature": 0.0, **params}))
                 for i, s in enumerate(seqs)]

@@ -54,6 +54,8 @@ def _scenarios() -> list[tuple[str, dict[str, Any], list[Wave]]]:
          [[(f"c{i}", p, 8) for i, p in enumerate(chunked)]]),
         ("retract", {"max_total_tokens": 48}, [[(f"r{i}", p, 12) for i, p in enumerate(retract)]]),
         ("int8", {"quantization": "int8"}, [[(f"q{i}", p, 8) for i, p in enumerate(plain)]]),
+        # verify steps: a request's draft rows on its table row, laid out for the followers as any decode rows
+        ("speculative", {"speculative_algorithm": "ngram"}, [[(f"n{i}", p * 3, 24) for i, p in enumerate(plain)]]),
     ]
 
 
@@ -74,7 +76,8 @@ def _run_waves(engine: Any, waves: list[Wave]) -> dict[str, Any]:
                 got["top"] += row.top_logprobs or []
             engine.check_integrity()
     return {"requests": out, "retractions": engine.num_retractions,
-            "quantization": engine.stats().quantization.get("method", "none")}
+            "quantization": engine.stats().quantization.get("method", "none"),
+            "spec_accepted": engine.stats().spec_accepted_tokens}
 
 
 def _free_addr() -> str:
@@ -223,6 +226,7 @@ def test_tp2_matches_tp1_through_prefill_chunking_prefix_cache_and_retraction(
         assert got["tokens"][0] == want["tokens"][0] and abs(got["logprobs"][0] - want["logprobs"][0]) < 5e-2, rid
     assert results[0]["plain"]["requests"]["s0"]["cached"] >= 24  # the prefix cache served the second wave
     assert results[0]["retract"]["retractions"] > 0
+    assert results[0]["speculative"]["spec_accepted"] > 0
     assert all(p.exitcode == 0 for p in procs)
 
 

@@ -142,7 +142,7 @@ class ModelRunner:
         """Sample the sampling rows' next tokens, write them to `TokenTable.ids` and start their copy to the
         host."""
         device = self.device
-        rows = [req.sampling_row() for req in batch.sampling_reqs]
+        rows = batch.sampling_rows()
         if not rows:  # a step of prefill chunks only
             empty = torch.empty(0, dtype=torch.int64)
             return ForwardOutput(tokens=empty.to(device), tokens_cpu=empty)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
 from ringserve.actors.engine.scheduling.request import Req
+from ringserve.kernels.sampling import SamplingRow
 
 
 @dataclass
@@ -51,6 +53,16 @@ class Batch:
     @property
     def sampling_reqs(self) -> list[Req]:
         return [req for req, s in zip(self.reqs, self.samples) if s]
+
+    def sampling_rows(self) -> list[SamplingRow]:
+        """Each sampling row's settings; a verifying request's rows draw the output tokens after its next one
+        (draws are a pure function of seed, position and logits, so a row draws what decoding one token a step
+        would draw there)."""
+        rows = [req.sampling_row() for req in self.sampling_reqs]
+        for b, drafts in self.drafts.items():  # decode rows come first and all sample: row b is sampling row b
+            for i in range(1, len(drafts) + 1):
+                rows[b + i] = dataclasses.replace(rows[b + i], position=rows[b + i].position + i)
+        return rows
 
     def prompt_logit_spans(self) -> list[tuple[int, int, int]]:
         """`(row b, first position, count)` for each prefill row whose computed positions score prompt tokens

@@ -323,7 +323,7 @@ class Engine:
             token = tokens[k]
             if k in batch.drafts:  # the target's token at each of the request's rows
                 row = self._apply_verified(req, batch.drafts[k], tokens[k:k + len(batch.drafts[k]) + 1])
-                logprobs.fill(row, req, k)
+                logprobs.fill(row, req, k, len(row.token_ids))
                 rows.append(row)
                 continue
             if not self.grammars.accept(req, token):

@@ -33,11 +33,13 @@ class StepLogprobs:
         self._top_ids = out.top_ids_cpu.tolist() if out.top_ids_cpu is not None else None
         self._top_lps = out.top_logprobs_cpu.tolist() if out.top_logprobs_cpu is not None else None
 
-    def fill(self, row: TokenRow, req: Req, k: int) -> None:
-        """Put the `k`-th sampled token's logprob and `req`'s top alternatives on `row`, if `req` asked."""
+    def fill(self, row: TokenRow, req: Req, k: int, count: int = 1) -> None:
+        """Put the logprobs of sampled tokens `k ... k + count - 1` (one request's: a verify step emits several)
+        and `req`'s top alternatives on `row`, if `req` asked."""
         if self._logprobs is None or not req.params.return_logprob:
             return
         n = req.params.top_logprobs_num
-        row.logprobs = [self._logprobs[k]]
-        row.top_ids = [self._top_ids[k][:n] if self._top_ids and n else []]
-        row.top_logprobs = [self._top_lps[k][:n] if self._top_lps and n else []]
+        ks = range(k, k + count)
+        row.logprobs = [self._logprobs[i] for i in ks]
+        row.top_ids = [self._top_ids[i][:n] if self._top_ids and n else [] for i in ks]
+        row.top_logprobs = [self._top_lps[i][:n] if self._top_lps and n else [] for i in ks]

@@ -1,11 +1,14 @@
 """Which requests speculate, their drafts, and what a verify step keeps.
 
-A request speculates when its next tokens are what greedy decoding picks from the raw logits (temperature 0; no
-penalties, logit bias, grammar, logprobs or `min_new_tokens` ban in force) and it did not opt out
-(`speculative: false`). Its decode row then carries `k` drafted tokens after its last real one: `k + 1` rows of
-one forward. Greedy verification keeps the drafts while each equals the target's argmax at the position before
-it, then the target's own next token (the "bonus"), so the output is token for token what decoding one token a
-step gives. The KV of rejected positions is freed by the engine at once (it never reaches the prefix cache).
+A request speculates unless it opted out (`speculative: false`) or its draws depend on state a draft would change
+(penalties counting the tokens so far, a grammar's state, a `min_new_tokens` ban in force). It then verifies `k`
+drafted tokens in one step: `k + 1` decode rows, its last real token's and one per draft, each drawing the token
+after its position as decoding one token a step would (greedy: the argmax; sampled: our draws are a pure function
+of seed, position and logits, kernels/sampling.py). Verification keeps the drafts while each equals the token
+drawn at the position before it, then the token drawn where they part (the "bonus"), so the output is token for
+token what decoding one token a step gives, sampled output included (stronger than rejection sampling, which
+keeps only the distribution). The KV of rejected positions is freed by the engine at once (it never reaches the
+prefix cache), and each emitted token's logprob is its own row's.
 
 Never slower, per request: the draft length grows by one after a fully accepted draft and halves after a fully
 rejected one; after repeated misses the request stops drafting for a while (2, 4, ... up to 32 steps) and then
@@ -19,7 +22,6 @@ from dataclasses import dataclass
 
 from ringserve.actors.engine.scheduling.request import Req
 from ringserve.actors.engine.speculative.ngram import NgramIndex, SharedNgramPool
-from ringserve.kernels.sampling import GREEDY_BELOW
 
 MIN_N, MAX_N = 2, 4  # n-gram sizes matched in the request's own tokens, longest first
 POOL_N = 3  # n of the shared pool's n-grams
@@ -56,10 +58,10 @@ class Speculator:
         self._states: dict[str, _RequestState] = {}
 
     def eligible(self, req: Req) -> bool:
-        """Whether `req`'s next token is a plain greedy pick from the raw logits and it may speculate."""
+        """Whether `req` may speculate: its draws depend on nothing a draft changes (no penalties counting the
+        tokens so far, no grammar state, no min_new_tokens ban in force) and it did not opt out."""
         p = req.params
-        return (p.speculative and p.temperature < GREEDY_BELOW and not p.logit_bias and req.penalties is None
-                and req.matcher is None and not p.return_logprob and req.output_len >= p.min_new_tokens)
+        return p.speculative and req.penalties is None and req.matcher is None and req.output_len >= p.min_new_tokens
 
     def propose(self, reqs: list[Req], context_length: int, room: int) -> dict[Req, list[int]]:
         """Drafts for the decode rows `reqs` (each with every token applied), spending at most `room` KV slots."""
