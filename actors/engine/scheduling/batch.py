@@ -54,6 +54,14 @@ class Batch:
     def sampling_reqs(self) -> list[Req]:
         return [req for req, s in zip(self.reqs, self.samples) if s]
 
+    def drafted_before(self) -> list[list[int]]:
+        """For each sampling row, the draft tokens before it in its request's verify rows (mostly empty)."""
+        before: list[list[int]] = [[] for s in self.samples if s]
+        for b, drafts in self.drafts.items():
+            for i in range(1, len(drafts) + 1):
+                before[b + i] = drafts[:i]
+        return before
+
     def sampling_rows(self) -> list[SamplingRow]:
         """Each sampling row's settings; a verifying request's rows draw the output tokens after its next one
         (draws are a pure function of seed, position and logits, so a row draws what decoding one token a step

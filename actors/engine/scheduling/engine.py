@@ -279,6 +279,10 @@ class Engine:
         if self.speculator is None or not decodes:
             return {}
         drafts = self.speculator.propose(decodes, self.context_length, self.cache.available - len(self.decode))
+        for req in [r for r in drafts if r.matcher is not None]:  # drafts the grammar refuses go no further
+            drafts[req] = self.grammars.valid_prefix(req, drafts[req])
+            if not drafts[req]:
+                del drafts[req]
         for req, tokens in drafts.items():
             self.table.write_ids_at(req.row, req.device_len, tokens)  # type: ignore[arg-type]
             self.cache.extend(req, len(tokens))
@@ -289,7 +293,8 @@ class Engine:
         sampling request has one more token on the device, prefill chunks' KV is offered to the prefix cache
         (their token ids are known here; the device computes the KV before any later step reads it), and
         requests whose prefill completes start running, so the next step can decode them."""
-        out = self.runner.forward(batch, self.grammars.bitmask(batch.sampling_reqs))
+        drafted = batch.drafted_before() if batch.drafts else ()
+        out = self.runner.forward(batch, self.grammars.bitmask(batch.sampling_reqs, drafted))
         draft_rows = batch.draft_rows
         for i, (req, samples) in enumerate(zip(batch.reqs, batch.samples)):
             if samples and i not in draft_rows:
@@ -352,6 +357,8 @@ class Engine:
         applied: list[int] = []
         finish = None
         for token in new:
+            if not self.grammars.accept(req, token):  # masked by the grammar's state at its row: never expected
+                return self._fail(req, f"the output constraint rejected the sampled token {token}")
             req.ids.append(token)
             applied.append(token)
             finish = self.stop_checker.verdict(req)

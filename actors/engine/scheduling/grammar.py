@@ -105,16 +105,41 @@ class GrammarManager:
             concurrent.futures.wait([f for _, f, _ in self.pending.values()], timeout=timeout,
                                     return_when=concurrent.futures.FIRST_COMPLETED)
 
-    def bitmask(self, reqs: Sequence[Req]) -> tuple[torch.Tensor, list[int]] | None:
+    def bitmask(self, reqs: Sequence[Req], drafted: Sequence[Sequence[int]] = ()) -> tuple[torch.Tensor,
+                                                                                             list[int]] | None:
         """The packed masks of the constrained ones among a step's sampling rows `reqs`, and their row
-        indices; None when no row is constrained (the common case costs one scan)."""
+        indices; None when no row is constrained (the common case costs one scan). `drafted[i]`: the draft
+        tokens before row `i` of a verifying request (speculative decoding), which its mask follows (accepted
+        into the matcher for the fill, then rolled back)."""
         rows = [i for i, req in enumerate(reqs) if req.matcher is not None]
         if not rows:
             return None
         mask = allocate_bitmask(len(reqs), self._vocab_size)
         for i in rows:
-            reqs[i].matcher.fill_bitmask(mask, i)  # type: ignore[union-attr]
+            matcher = reqs[i].matcher
+            before = drafted[i] if drafted else ()
+            for token in before:  # valid: the drafts were cut at the first token the grammar refuses
+                matcher.accept_token(token)  # type: ignore[union-attr]
+            matcher.fill_bitmask(mask, i)  # type: ignore[union-attr]
+            if before:
+                matcher.rollback(len(before))  # type: ignore[union-attr]
         return mask, rows
+
+    @staticmethod
+    def valid_prefix(req: Req, tokens: list[int]) -> list[int]:
+        """The longest prefix of draft `tokens` that `req`'s grammar admits next (all of them unconstrained);
+        the matcher is left as it was."""
+        matcher = req.matcher
+        if matcher is None:
+            return tokens
+        if matcher.is_terminated():
+            return []
+        n = 0
+        while n < len(tokens) and matcher.accept_token(tokens[n]):
+            n += 1
+        if n:
+            matcher.rollback(n)
+        return tokens[:n]
 
     @staticmethod
     def accept(req: Req, token: int) -> bool:
