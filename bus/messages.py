@@ -98,6 +98,9 @@ class TokenRow:
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     finish: FinishReason | None = None
     decode: DecodeParams | None = None  # set on the request's first row only, for the detokenizer
+    # speculative decoding, so far: draft tokens verified for the request, and accepted
+    spec_drafted_tokens: int = 0
+    spec_accepted_tokens: int = 0
     queue_time: float | None = None  # first row only: seconds the request waited in the scheduler's queue
     logprobs: list[float] = field(default_factory=list)
     top_ids: list[list[int]] = field(default_factory=list)
@@ -168,6 +171,8 @@ class RequestOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    spec_drafted_tokens: int = 0  # speculative decoding, so far: draft tokens verified, and accepted
+    spec_accepted_tokens: int = 0
     finish: FinishReason | None = None
     error: ApiError | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -61,8 +61,18 @@ def test_greedy_answers_equal_the_server_without_speculation(servers: dict[str, 
     assert server_info(servers["off"].base_url)["spec_verify_rows"] == 0
 
 
-def test_metrics_show_the_drafts_under_our_names_and_vllms(servers: dict[str, ServerHandle]) -> None:
-    chat(servers["ngram"], CASES["copy"][0])
+def test_usage_metrics_and_server_info_show_the_drafts(servers: dict[str, ServerHandle]) -> None:
+    """The response's usage counts its accepted and rejected drafts (OpenAI's predicted-output fields), /generate's
+    meta_info too, and /metrics shows the totals under our names and vLLM's."""
+    reply = chat(servers["ngram"], CASES["copy"][0])
+    details = reply["usage"]["completion_tokens_details"]
+    assert details["accepted_prediction_tokens"] > 0 and details["rejected_prediction_tokens"] >= 0, reply["usage"]
+    assert "completion_tokens_details" not in chat(servers["off"], CASES["copy"][0])["usage"]
+    generated = httpx.post(servers["ngram"].base_url + "/generate", json={
+        "text": QUOTE * 3 + "\n\ndef add(a, b):\n", "sampling_params": {"max_new_tokens": 48, "temperature": 0}},
+        timeout=300).json()
+    meta = generated["meta_info"]
+    assert meta["spec_drafted_tokens"] >= meta["spec_accepted_tokens"] > 0, (meta, generated["text"])
     ours = httpx.get(servers["ngram"].base_url + "/metrics", timeout=10).text
     accepted = [line for line in ours.splitlines() if line.startswith("ringserve:spec_accepted_tokens{")]
     assert accepted and float(accepted[0].rsplit(" ", 1)[1]) > 0, ours

@@ -169,6 +169,8 @@ class DetokenizerActor:
                 # may have had are ruled out by `_lost_tokens`
                 return RequestOutput(rid=row.rid, prompt_tokens=row.prompt_tokens,
                                      completion_tokens=row.completion_tokens, cached_tokens=row.cached_tokens,
+                                     spec_drafted_tokens=row.spec_drafted_tokens,
+                                     spec_accepted_tokens=row.spec_accepted_tokens,
                                      finish=row.finish, queue_time=row.queue_time)
             decoder = self._decoders[row.rid] = IncrementalDecoder(self._tokenizer, row.decode)
         text = decoder.feed(row.token_ids, row.finish)
@@ -177,6 +179,8 @@ class DetokenizerActor:
         scored_ids = row.prompt_ids[len(row.prompt_ids) - len(row.prompt_logprobs):]  # the scored tail
         return RequestOutput(rid=row.rid, text=text, token_ids=row.token_ids, prompt_tokens=row.prompt_tokens,
                              completion_tokens=row.completion_tokens, cached_tokens=row.cached_tokens,
+                                     spec_drafted_tokens=row.spec_drafted_tokens,
+                                     spec_accepted_tokens=row.spec_accepted_tokens,
                              finish=row.finish, queue_time=row.queue_time,
                              logprobs=self._logprobs(row.token_ids, row.logprobs, row.top_ids, row.top_logprobs),
                              prompt_logprobs=self._logprobs(scored_ids, row.prompt_logprobs, row.prompt_top_ids,

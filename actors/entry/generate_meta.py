@@ -40,6 +40,8 @@ def meta_info(rid: str, out: RequestOutput, entries: list[TokenLogprob], first: 
     info: dict[str, Any] = {"id": rid, "finish_reason": asdict(out.finish) if out.finish else None,
                             "prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
                             "cached_tokens": out.cached_tokens}
+    if out.spec_drafted_tokens:  # speculative decoding: draft tokens verified so far, and accepted
+        info.update(spec_drafted_tokens=out.spec_drafted_tokens, spec_accepted_tokens=out.spec_accepted_tokens)
     if sampling.get("return_prompt_ids") is True:
         info["prompt_token_ids"] = first.prompt_token_ids
     return {**info, **logprob_meta(entries, first.prompt_logprobs)} if wants_logprobs(sampling) else info

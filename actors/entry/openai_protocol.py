@@ -290,11 +290,18 @@ def parse_completion(body: dict[str, Any], rid: str,
             for prompt in text_or_ids], options
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    """OpenAI's usage object; `cached_tokens` are prompt tokens served from the prefix cache."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, drafted: int = 0,
+          accepted: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; `cached_tokens` are prompt tokens served from the prefix cache. With speculative
+    decoding, `completion_tokens_details` says how many draft tokens were accepted and rejected (the fields
+    OpenAI's predicted outputs use)."""
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens,
+                           "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    if drafted:
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                            "rejected_prediction_tokens": drafted - accepted}
+    return out
 
 
 def choices_usage(lasts: list[RequestOutput], n: int = 1) -> dict[str, Any]:
@@ -305,7 +312,8 @@ def choices_usage(lasts: list[RequestOutput], n: int = 1) -> dict[str, Any]:
     """
     groups = [lasts[i:i + n] for i in range(0, len(lasts), n)]
     return usage(sum(group[0].prompt_tokens for group in groups), sum(out.completion_tokens for out in lasts),
-                 sum(min(out.cached_tokens for out in group) for group in groups))
+                 sum(min(out.cached_tokens for out in group) for group in groups),
+                 sum(out.spec_drafted_tokens for out in lasts), sum(out.spec_accepted_tokens for out in lasts))
 
 
 def full_response(rid: str, options: ApiOptions, choices: list[list[RequestOutput]]) -> dict[str, Any]:

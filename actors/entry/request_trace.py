@@ -32,6 +32,8 @@ class _Root:
     input_tokens: int = 0
     output_tokens: int = 0
     cached_tokens: int = 0
+    spec_drafted: int = 0  # speculative decoding: draft tokens verified over the request's choices, and accepted
+    spec_accepted: int = 0
     finish_reasons: list[str] = field(default_factory=list)
     generation: bool = False
     first_output: bool = False
@@ -153,9 +155,14 @@ def released(stream: RequestStream) -> None:
         root.input_tokens = max(root.input_tokens, terminal.prompt_tokens)
         root.output_tokens += terminal.completion_tokens
         root.cached_tokens = max(root.cached_tokens, terminal.cached_tokens)
+        root.spec_drafted += terminal.spec_drafted_tokens
+        root.spec_accepted += terminal.spec_accepted_tokens
     root.span.set_attribute("gen_ai.usage.input_tokens", root.input_tokens)
     root.span.set_attribute("gen_ai.usage.output_tokens", root.output_tokens)
     root.span.set_attribute("gen_ai.usage.cache_read.input_tokens", root.cached_tokens)
+    if root.spec_drafted:
+        root.span.set_attribute("ringserve.speculative.drafted_tokens", root.spec_drafted)
+        root.span.set_attribute("ringserve.speculative.accepted_tokens", root.spec_accepted)
     root.span.set_attribute("gen_ai.response.finish_reasons", list(root.finish_reasons))
     if error is not None:
         tracing.set_error(root.span, error)

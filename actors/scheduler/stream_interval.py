@@ -31,6 +31,7 @@ def joined(held: TokenRow, row: TokenRow) -> TokenRow:
     return dataclasses.replace(
         held, token_ids=held.token_ids + row.token_ids, completion_tokens=row.completion_tokens,
         prompt_tokens=row.prompt_tokens, cached_tokens=row.cached_tokens, finish=row.finish,
+        spec_drafted_tokens=row.spec_drafted_tokens, spec_accepted_tokens=row.spec_accepted_tokens,
         logprobs=held.logprobs + row.logprobs, top_ids=held.top_ids + row.top_ids,
         top_logprobs=held.top_logprobs + row.top_logprobs)
 

@@ -354,6 +354,8 @@ class Engine:
         assert self.speculator is not None
         known = req.seq_len  # the rows computed positions known - 1 ... known - 1 + len(drafts)
         new = self.speculator.verify(req, drafts, predicted)
+        req.spec_drafted += len(drafts)
+        req.spec_accepted += len(new) - 1
         applied: list[int] = []
         finish = None
         for token in new:

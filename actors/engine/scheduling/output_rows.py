@@ -15,7 +15,8 @@ def output_row(req: Req, token_ids: list[int], finish: FinishReason | None) -> T
     row = TokenRow(rid=req.rid, token_ids=token_ids, prompt_tokens=req.prompt_len,
                    completion_tokens=req.output_len, cached_tokens=req.cached_tokens, finish=finish,
                    decode=req.params.decode_params() if first else None,
-                   queue_time=req.queue_time if first else None)
+                   queue_time=req.queue_time if first else None, spec_drafted_tokens=req.spec_drafted,
+                   spec_accepted_tokens=req.spec_accepted)
     scored = req.prompt_logprobs
     complete = scored is not None and scored.complete(req.prompt_len)
     if first and (req.params.return_prompt_ids or complete):

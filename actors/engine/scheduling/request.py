@@ -42,6 +42,8 @@ class Req:
     matcher: Any = None  # a GrammarMatcher while the request has an output constraint (actors/engine/scheduling/grammar.py)
     # logprob_start_len: the prompt tokens' logprobs, gathered chunk by chunk until the first row carries them
     prompt_logprobs: PromptLogprobs | None = None
+    spec_drafted: int = 0  # speculative decoding: draft tokens verified for this request, and accepted
+    spec_accepted: int = 0
 
     def __post_init__(self) -> None:
         self.device_len = len(self.ids)
