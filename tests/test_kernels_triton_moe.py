@@ -145,3 +145,28 @@ def test_without_triton_the_reference_runs(monkeypatch: pytest.MonkeyPatch) -> N
     w_gate_up, w_down = expert_weights(torch.float32)
     torch.testing.assert_close(moe_gemm.fused_experts(x, ids, weights, w_gate_up, w_down, "silu"),
                                reference_fused_experts(x, ids, weights, w_gate_up, w_down, "silu"), atol=0, rtol=0)
+
+
+def test_a_layer_on_the_gpu_path_stacks_its_experts_once_and_matches_its_cpu_loop() -> None:
+    """`SparseMoE._grouped` (what `routed` runs on CUDA) under the interpreter: the experts' parameters become
+    views of the stacks, and the output is the per-expert loop's; with expert parallelism the experts of the
+    other rank are dropped."""
+    from torch import nn
+
+    from ringserve.actors.engine.models.moe import SparseMoE
+    from ringserve.actors.engine.models.weights import model_from_hf
+    from tests.model_families import tiny_hf_model
+
+    hf = tiny_hf_model("qwen2_moe")
+    layer = next(l.mlp for l in model_from_hf(hf.config, hf.state_dict()).decoder_layers()
+                 if isinstance(l.mlp, SparseMoE))
+    x = torch.randn(7, hf.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    weights, ids = layer.gate(x)
+    want = layer.routed(x, ids, weights)
+    torch.testing.assert_close(layer._grouped(x, ids, weights), want, atol=1e-4, rtol=1e-4)
+    gate_up, _, _ = layer._stacks
+    assert layer.experts[3].gate_up_proj.weight.data_ptr() == gate_up[3].data_ptr()
+    layer.experts = nn.ModuleList(e if i % 2 == 0 else None for i, e in enumerate(layer.experts))
+    layer._stacks = None
+    torch.testing.assert_close(layer._grouped(x, ids, weights), layer.routed(x, ids, weights), atol=1e-4,
+                               rtol=1e-4)

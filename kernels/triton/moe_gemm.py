@@ -15,11 +15,10 @@ other ranks to -1. `triton` is optional; without it (or on CPU without the inter
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
 
+from ringserve.kernels.activations import ACTIVATIONS
 from ringserve.kernels.triton import dot_precision, interpreter_enabled, next_power_of_2
 
 try:
@@ -28,13 +27,6 @@ try:
 except ImportError:  # the base install has no triton: fused_experts falls back to the reference
     triton = None
 
-# the activations of `actors/engine/models/blocks.py`'s ACTIVATIONS, by the same names
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
-}
 
 
 def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int

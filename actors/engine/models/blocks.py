@@ -13,19 +13,13 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ringserve.actors.engine.models.rope import apply_rotary
 from ringserve.actors.engine.models.spec import LayerShape
+from ringserve.kernels.activations import ACTIVATIONS
 from ringserve.kernels.attention import AttentionBackend, AttentionMetadata
 
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "silu": F.silu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
-}
 
 
 class RMSNorm(nn.Module):

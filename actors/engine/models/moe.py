@@ -12,7 +12,8 @@ tensor parallelism slices every expert like a dense MLP. A step's rows are group
 and each selected expert runs once on its rows: a decode step of one row reads only its `top_k` experts'
 weights. Inside a compiled decode graph the routed part is one opaque op (`torch.ops.ringserve.moe_experts`,
 keyed by the layer), so the graph stays whole while the expert choice varies per step. On a GPU the experts
-run as one grouped GEMM over stacked weights (kernels/triton/moe_gemm.py) where the weights are float.
+run as two grouped GEMMs over their weights stacked once (kernels/triton/moe_gemm.py; GPU weights are float),
+with no host sync, so CUDA graphs capture the block.
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ class SparseMoE(nn.Module):
         # tensor parallelism: every expert holds a slice of its inner dimension, so the block's output is a
         # partial sum, reduced once here (actors/engine/parallel/tensor_parallel.py sets it)
         self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.activation = shape.activation
+        self._stacks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # on a GPU (`_grouped`)
         self.key = id(self)
         _LAYERS[self.key] = weakref.ref(self)
         weakref.finalize(self, _LAYERS.pop, self.key, None)
@@ -116,7 +119,10 @@ class SparseMoE(nn.Module):
 
     def routed(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum per row: rows sorted by expert once, each chosen expert run once on
-        its rows, in expert order (transformers' order of accumulation)."""
+        its rows, in expert order (transformers' order of accumulation). On a GPU: one grouped GEMM per
+        projection over the stacked experts (no host sync, so CUDA graphs capture it)."""
+        if x.is_cuda:
+            return self._grouped(x, ids, weights)
         out = torch.zeros_like(x)
         if x.shape[0] == 1:  # a one-row decode step: its k experts directly, without the sort and gathers
             for expert, weight in sorted(zip(ids[0].tolist(), weights[0].tolist())):
@@ -137,6 +143,29 @@ class SparseMoE(nn.Module):
             y = self.experts[expert](x[rows]) * flat_weights[picks].to(x.dtype)
             out.index_add_(0, rows, y)
         return out
+
+
+    def _grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        from ringserve.kernels.triton.moe_gemm import fused_experts
+
+        if self._stacks is None:
+            self._stacks = self._stack_experts()
+        gate_up, down, local = self._stacks
+        return fused_experts(x, local[ids], weights, gate_up, down, self.activation)
+
+    def _stack_experts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """This rank's experts' weights stacked (`[E', 2I, C]`, `[E', C, I]`), each expert's parameters becoming
+        views of the stacks (no second copy; an in-place weight update reaches both), and expert id -> index
+        in the stacks (-1: held by another rank)."""
+        held = [e for e, expert in enumerate(self.experts) if expert is not None]
+        gate_up = torch.stack([self.experts[e].gate_up_proj.weight.detach() for e in held])
+        down = torch.stack([self.experts[e].down_proj.weight.detach() for e in held])
+        for i, e in enumerate(held):
+            self.experts[e].gate_up_proj.weight = nn.Parameter(gate_up[i], requires_grad=False)
+            self.experts[e].down_proj.weight = nn.Parameter(down[i], requires_grad=False)
+        local = torch.full((len(self.experts),), -1, dtype=torch.int64, device=gate_up.device)
+        local[held] = torch.arange(len(held), device=gate_up.device)
+        return gate_up, down, local
 
 
 def _moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, key: int) -> torch.Tensor:
