@@ -30,9 +30,11 @@ def gguf_path(model: str) -> Path:
 
 
 def launch_llama_server(model: str, slots: int, slot_tokens: int, threads: int = 0,
-                        binary: str | Path = DEFAULT_BINARY, timeout: float = 300.0) -> LaunchedServer:
+                        binary: str | Path = DEFAULT_BINARY, timeout: float = 300.0,
+                        extra_args: tuple[str, ...] = ()) -> LaunchedServer:
     """Start llama-server on `model`'s GGUF with `slots` parallel slots of `slot_tokens` tokens each on a free
-    loopback port and wait until it serves; RuntimeError (with its log's tail) when it exits or times out."""
+    loopback port (`extra_args` appended: its speculative settings) and wait until it serves; RuntimeError (with
+    its log's tail) when it exits or times out."""
     binary = Path(binary)
     if not binary.is_file():
         raise FileNotFoundError(f"no llama-server at {binary}: build it with `bash bench/build_llama_server.sh`")
@@ -40,7 +42,7 @@ def launch_llama_server(model: str, slots: int, slot_tokens: int, threads: int =
     log_path = Path(tempfile.mkstemp(prefix="llama-server-bench-", suffix=".log")[1])
     argv = [str(binary), "-m", str(gguf_path(model)), "--host", "127.0.0.1", "--port", str(port),
             "-np", str(slots), "-c", str(slots * slot_tokens), "-t", str(threads or os.cpu_count() or 1),
-            "--no-webui"]
+            "--no-webui", *extra_args]
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT)
     server = LaunchedServer(proc, f"http://127.0.0.1:{port}", log_path)
