@@ -19,6 +19,7 @@ from ringserve.observability.logging import log_event
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATION_CHOICES = ("none", "int8", "int4", "gguf", "auto")
+FLOAT_KERNEL_CHOICES = ("auto", "float32")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 OVERLAP_CHOICES = ("auto", "on", "off")
 SPECULATIVE_ALGORITHMS = ("none", "ngram")
@@ -53,6 +54,11 @@ class EngineConfig:
         "never requantized: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q4_K, Q5_K, Q6_K), auto (int8 when a start-up micro-benchmark finds it faster on this CPU); "
         "each step size runs the kernel measured fastest here, never one slower than float32",
         choices=QUANTIZATION_CHOICES))
+    float_kernels: str = field(default="auto", metadata=_flag(
+        "what an unquantized CPU model's float32 linears may run: auto (each step size the kernel measured "
+        "fastest here, which for a bfloat16 checkpoint may be bfloat16: the checkpoint's own weights, activations "
+        "rounded to bfloat16, as transformers computes in bfloat16), float32 (float32 kernels only)",
+        choices=FLOAT_KERNEL_CHOICES))
     max_total_tokens: int = field(default=0, metadata=_flag(
         "KV cache size in tokens (0 = sized from memory, see --mem-fraction-static)"))
     mem_fraction_static: float = field(default=0.0, metadata=_flag(

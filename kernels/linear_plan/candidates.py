@@ -4,7 +4,9 @@ Quantized layers (kernels/quantization.py) time their method's kernels beside th
 `float32` first (the one every other must beat), oneDNN's `onednn` where torch has it, then the method's in
 order of quality (`int8`: our `q8_0` group kernel, then `int_mm`; `int4`: `q4_1`; a GGUF block format: its
 group kernel, `packing.FORMATS`). Float32 layers (kernels/float_linear.py) time torch's, our `f32_gemv` at
-1-3 rows and oneDNN's. Our kernels are candidates only when compiled (their torch fallback is far slower than
+1-3 rows and oneDNN's, and, for a bfloat16 checkpoint, `bf16` (oneDNN's bfloat16 matmul: the one candidate
+that changes the outputs by more than the sums' order, so a float32 kernel within `NEAR_TIE` of it is taken
+instead, as a better-quality kernel is in a quantized layer's near tie). Our kernels are candidates only when compiled (their torch fallback is far slower than
 float32); `int_mm` needs fbgemm (and on AVX2 CPUs without VNNI `torch._int_mm` is a scalar loop, 10-25x
 slower than float32 at 8-32 rows: measured, it is never chosen there).
 """
@@ -37,11 +39,11 @@ def candidates(method: str) -> tuple[str, ...]:
     return tuple(out)
 
 
-def float_candidates(rows: int) -> tuple[str, ...]:
+def float_candidates(rows: int, bf16: bool = False) -> tuple[str, ...]:
     """The float32 kernels timed at `rows` rows on this host: torch's, ours where built and the rows few,
-    oneDNN's."""
+    oneDNN's; and with `bf16` (a bfloat16 checkpoint's layers) oneDNN's bfloat16 matmul."""
     return ("float32", *(("f32_gemv",) if cpu_kernels.compiled() and rows <= GEMV_MAX_ROWS else ()),
-            *(("onednn",) if onednn_available() else ()))
+            *(("onednn",) if onednn_available() else ()), *(("bf16",) if bf16 and onednn_available() else ()))
 
 
 def float_plan_possible() -> bool:
@@ -60,7 +62,11 @@ def choose_kernel(times: dict[str, float], order: tuple[str, ...]) -> str:
 
 
 def choose_float_kernel(times: dict[str, float]) -> str:
-    """The float32 kernel to run given seconds per call: the fastest, if it beats torch's by the margin (all
-    compute the same sums, so no quality order)."""
-    best = min(times, key=times.__getitem__)
-    return best if times[best] <= MARGIN * times["float32"] else "float32"
+    """The float32 kernel to run given seconds per call: the fastest, if it beats torch's by the margin (the
+    float32 kernels compute the same sums, so no quality order among them); `bf16` only if it also beats the
+    chosen float32 kernel by more than the near tie."""
+    exact = {k: t for k, t in times.items() if k != "bf16"}
+    best = min(exact, key=exact.__getitem__)
+    chosen = best if exact[best] <= MARGIN * times["float32"] else "float32"
+    fast_bf16 = "bf16" in times and times["bf16"] <= MARGIN * times["float32"]
+    return "bf16" if fast_bf16 and NEAR_TIE * times["bf16"] < times[chosen] else chosen

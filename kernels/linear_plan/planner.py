@@ -6,9 +6,10 @@ layers in (`quantize_linears`, `use_float_plan`) and logs what it got.
   head has (int4 keeps the head at int8, `layer_method`) among int8's.
 - `gguf`: each shape among float32 and the block format its layers' GGUF weights have (one per shape).
 - `none`: each float32 shape among torch's, our GEMV and oneDNN's (nothing measured where no kernel but
-  torch's is a candidate here).
+  torch's is a candidate here); with `bf16` (the engine's verdict: a bfloat16 checkpoint, `--float-kernels
+  auto`) oneDNN's bfloat16 matmul too.
 - `auto`: the `int8` plan, taken if it is at least `AUTO_MIN_SPEEDUP` times faster than the fastest float32
-  kernels at every batch of `AUTO_BATCHES`; else the `none` plan.
+  kernels at every batch of `AUTO_BATCHES`; else the `none` plan (with `bf16` as for `none`).
 """
 
 from __future__ import annotations
@@ -47,14 +48,16 @@ def linear_shapes(model: nn.Module) -> list[tuple[int, int]]:
 
 
 def plan_linears(model: nn.Module, rows: ShapeRows, method: str,
-                 packed: dict[str, PackedWeight] | None = None) -> LinearPlan:
+                 packed: dict[str, PackedWeight] | None = None, bf16: bool = False) -> LinearPlan:
     """The kernel plan of `model`'s linears for `method` ("none", "int8", "int4", "gguf" or "auto"), each shape
-    measured at its `rows` (shape -> row counts). With "gguf", `packed` holds every linear's GGUF blocks."""
+    measured at its `rows` (shape -> row counts). With "gguf", `packed` holds every linear's GGUF blocks.
+    `bf16`: the unquantized layers may also run the bfloat16 kernel (their weights are a bfloat16
+    checkpoint's)."""
     if method == "gguf":
         blocks = _one_pass("gguf", _gguf_groups(rows, packed or {}))
         return LinearPlan("gguf", blocks.plan, [blocks])
     if method == "none":
-        return _float_plan(model, rows)
+        return _float_plan(model, rows, bf16)
     measured_as = "int8" if method == "auto" else method
     quantized = _one_pass(measured_as, _quantized_groups(model, rows, measured_as))
     if method != "auto":
@@ -62,15 +65,16 @@ def plan_linears(model: nn.Module, rows: ShapeRows, method: str,
     speedups = {batch: speedup(quantized.times, quantized.plan, batch) for batch in AUTO_BATCHES}
     if min(speedups.values()) >= AUTO_MIN_SPEEDUP:
         return LinearPlan("int8", quantized.plan, [quantized], speedups)
-    unquantized = _float_plan(model, rows)
+    unquantized = _float_plan(model, rows, bf16)
     return LinearPlan("none", unquantized.plan, [quantized, *unquantized.passes], speedups)
 
 
-def _float_plan(model: nn.Module, rows: ShapeRows) -> LinearPlan:
+def _float_plan(model: nn.Module, rows: ShapeRows, bf16: bool) -> LinearPlan:
     if not float_plan_possible():
         return LinearPlan("none", {})
     shapes = {(m.out_features, m.in_features) for _, m in float_linears(model)}
-    measured = measure_float({s: r for s, r in rows.items() if s in shapes})
+    selected = {s: r for s, r in rows.items() if s in shapes}
+    measured = measure_float(selected, bf16=True) if bf16 else measure_float(selected)
     return LinearPlan("none", measured.plan, [measured])
 
 

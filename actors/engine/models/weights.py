@@ -10,7 +10,8 @@ Weights swapped without a restart (`update_weights_from_disk`): `load_checkpoint
 the CPU (while the old weights keep serving), `swap_weights` checks that it has the running model's
 architecture (config and every tensor's shape; `WeightMismatch` lists what differs) and copies it into the
 running model's tensors in place, so CUDA graphs and kernels that hold them see the new values; quantized layers
-(`--quantization`) are quantized again from the new float weights.
+(`--quantization`) are quantized again from the new float weights, and the bfloat16 copies float linears keep
+(kernels/float_linear.py) are refreshed.
 """
 
 from __future__ import annotations
@@ -58,10 +59,8 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: str | torch.devi
     return model_from_hf(resolved_config(source), read_safetensors(cached, dtype), device)
 
 
-def read_safetensors(directory: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every tensor of the safetensors checkpoint in `directory` (one file or shards), floats in `dtype`."""
-    from safetensors.torch import load_file
-
+def _safetensors_files(directory: Path) -> list[Path]:
+    """The safetensors files of the checkpoint in `directory` (one file or shards)."""
     index = directory / SHARD_INDEX
     if index.is_file():
         files = sorted({directory / name for name in json.loads(index.read_text())["weight_map"].values()})
@@ -69,8 +68,33 @@ def read_safetensors(directory: Path, dtype: torch.dtype) -> dict[str, torch.Ten
         files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{directory} has no .safetensors weights (other formats are not read)")
+    return files
+
+
+def checkpoint_dtype(source: ModelSource) -> torch.dtype | None:
+    """The dtype a safetensors checkpoint stores its matrices in (every linear's weight, the embeddings), read
+    from its files' headers (no tensor is read); None for a GGUF, or matrices of several dtypes."""
+    from safetensors import safe_open
+
+    if source.gguf_file is not None:
+        return None
+    dtypes = set()
+    for path in _safetensors_files(Path(source.directory)):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():
+                tensor = f.get_slice(name)
+                if len(tensor.get_shape()) == 2:
+                    dtypes.add(tensor.get_dtype())
+    names = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+    return names.get(dtypes.pop()) if len(dtypes) == 1 else None
+
+
+def read_safetensors(directory: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors checkpoint in `directory` (one file or shards), floats in `dtype`."""
+    from safetensors.torch import load_file
+
     tensors: dict[str, torch.Tensor] = {}
-    for path in files:
+    for path in _safetensors_files(directory):
         for name, tensor in load_file(path).items():
             if not name.endswith(IGNORED_TENSORS):
                 tensors[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
@@ -226,6 +250,17 @@ def swap_weights(model: CausalLM, checkpoint: Checkpoint, check_only: bool = Fal
             target.copy_(checkpoint.tensors[name])
         for name, layer in _quantized_layers(model).items():
             _requantize(model, name, layer, checkpoint.tensors)
+        _refresh_bf16_copies(model)
+
+
+def _refresh_bf16_copies(model: nn.Module) -> None:
+    """Bring the bfloat16 copies float linears keep beside their float32 weights (kernels/float_linear.py) up
+    to the weights just copied in."""
+    from ringserve.kernels.float_linear import FloatLinear
+
+    for layer in model.modules():
+        if isinstance(layer, FloatLinear):
+            layer.refresh()
 
 
 def _requantize(model: nn.Module, name: str, layer: Any, tensors: Mapping[str, torch.Tensor]) -> None:

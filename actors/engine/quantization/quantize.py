@@ -6,7 +6,8 @@ once (`ringserve.kernels.linear_plan.planner.plan_linears`: which kernel each li
 bucket, measured at start-up and cached on disk per host) at the row counts the server runs (`plan_rows`),
 swaps the layers that follow it in, and logs what it chose. A bucket where no quantized kernel is faster on
 this CPU runs the float32 weights, so `--quantization` never makes a step slower; unquantized, each float32
-linear shape runs the float32 kernel measured fastest (kernels/float_linear.py).
+linear shape runs the float32 kernel measured fastest (kernels/float_linear.py), and for a bfloat16 checkpoint
+(`checkpoint_dtype`) with `--float-kernels auto` the bfloat16 kernel is measured among them.
 """
 
 from __future__ import annotations
@@ -15,13 +16,15 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 import ringserve.kernels.cpu as cpu_kernels
 from ringserve.actors.common.model_source import ModelSource
 from ringserve.actors.engine.config import EngineConfig
+from ringserve.actors.engine.models.weights import checkpoint_dtype
 from ringserve.kernels.cpu.packing import PackedWeight
-from ringserve.kernels.float_linear import use_float_plan
+from ringserve.kernels.float_linear import BF16, FloatLinear, use_float_plan
 from ringserve.kernels.linear_plan.plan import KernelPlan
 from ringserve.kernels.linear_plan.planner import LinearPlan, linear_shapes, plan_linears
 from ringserve.kernels.linear_plan.report import choices, quantization_report
@@ -67,11 +70,19 @@ def load_gguf_blocks(model: CausalLM, source: ModelSource | None) -> dict[str, P
     return load_packed_linears(source, model.num_layers, model.tied_embeddings)
 
 
+def bf16_allowed(config: EngineConfig, source: ModelSource | None) -> bool:
+    """Whether the unquantized linears may run the bfloat16 kernel: `--float-kernels auto`, `--quantization`
+    none or auto, and `source` a checkpoint whose matrices are bfloat16 (the kernel's weight is then exactly
+    the checkpoint's). The caller has checked that the model computes in float32 on a CPU."""
+    return (config.float_kernels == "auto" and config.quantization in ("none", "auto") and source is not None
+            and checkpoint_dtype(source) == torch.bfloat16)
+
+
 def apply_quantization(model: nn.Module, config: EngineConfig, source: ModelSource | None = None
                        ) -> tuple[str, KernelPlan]:
     """Quantize `model` in place as `config` says; returns the method applied ("none", "int8", "int4" or
     "gguf") and the kernel chosen per shape and row-count bucket. `source`: where `model` was loaded from (the
-    gguf method reads its file's blocks)."""
+    gguf method reads its file's blocks; a bfloat16 checkpoint may run the bfloat16 kernel, `bf16_allowed`)."""
     method = config.quantization
     on_cpu = config.resolved_device() == "cpu" and config.resolved_dtype() == "float32"
     if not on_cpu:
@@ -80,18 +91,20 @@ def apply_quantization(model: nn.Module, config: EngineConfig, source: ModelSour
         return "none", {}
     start = time.perf_counter()
     packed = load_gguf_blocks(model, source) if method == "gguf" else None
-    chosen = plan_linears(model, plan_rows(model, config), method, packed)
+    chosen = plan_linears(model, plan_rows(model, config), method, packed, bf16_allowed(config, source))
     _log(chosen, time.perf_counter() - start, packed)
     if chosen.method == "none":
         use_float_plan(model, chosen.plan)
+        _log_bf16(model)
     else:
         quantize_linears(model, chosen.method, chosen.plan, packed)
     return chosen.method, chosen.plan
 
 
 def _log(chosen: LinearPlan, seconds: float, packed: dict[str, PackedWeight] | None) -> None:
-    """One event per measuring pass (the gguf one timed with reading the file's blocks), auto's verdict after
-    its int8 pass, and a warning where quantized layers run without our group kernels."""
+    """One event per measuring pass (the gguf one timed with reading the file's blocks; the float32 one naming
+    the kernels it timed, `bf16` among them for a bfloat16 checkpoint), auto's verdict after its int8 pass, and
+    a warning where quantized layers run without our group kernels."""
     isa = cpu_kernels.isa()
     for i, measured in enumerate(chosen.passes):
         if packed is not None:
@@ -99,8 +112,9 @@ def _log(chosen: LinearPlan, seconds: float, packed: dict[str, PackedWeight] | N
                       formats=", ".join(sorted({p.format for p in packed.values()})), seconds=round(seconds, 2),
                       choices=choices(measured))
             continue
+        timed = {"candidates": ", ".join(measured.candidates)} if measured.kind == "float32" else {}
         log_event(log, logging.INFO, f"{measured.kind} kernels per linear shape and step size", isa=isa,
-                  cached=measured.cached, seconds=round(measured.seconds, 2), choices=choices(measured))
+                  cached=measured.cached, seconds=round(measured.seconds, 2), choices=choices(measured), **timed)
         if i == 0 and chosen.auto_speedups:
             log_event(log, logging.INFO, "quantization auto", chosen=chosen.method,
                       **{f"int8_speedup_batch{b}": round(s, 2) for b, s in chosen.auto_speedups.items()})
@@ -108,3 +122,17 @@ def _log(chosen: LinearPlan, seconds: float, packed: dict[str, PackedWeight] | N
         log_event(log, logging.WARNING, "CPU group kernels not built: quantized layers run torch's kernels or "
                   "float32 where those are slower", method=chosen.method)
 
+
+
+def _log_bf16(model: nn.Module) -> None:
+    """Where the plan runs the bfloat16 kernel: how many layers, and the memory that changed (layers running
+    only it keep only bfloat16 weights; the others, and a tied LM head, keep a bfloat16 copy as well)."""
+    layers = [m for m in model.modules() if isinstance(m, FloatLinear) and "bf16" in m.plan.values()]
+    if not layers:
+        return
+    only = [m for m in layers if m.weight.dtype == BF16]
+    freed = sum(m.weight.numel() * 2 for m in only)  # float32 bytes dropped, less the bfloat16 kept
+    copies = sum(m.weight_bf16.numel() * 2 for m in layers if m.weight_bf16 is not None)
+    log_event(log, logging.INFO, "bfloat16 linears (a bfloat16 checkpoint; --float-kernels float32 turns them off)",
+              layers=len(layers), bf16_only=len(only), freed_mib=round(freed / 2**20, 1),
+              copies_mib=round(copies / 2**20, 1))
