@@ -124,3 +124,19 @@ def load_hf_model(source: Any) -> Any:
 
     model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=torch.float32, **source.hf_kwargs())
     return model.eval()
+
+
+def compiled_engine(hf_model: Any, monkeypatch: Any, max_bs: int = 1, timeout: float = 900.0) -> Engine:
+    """An engine sharing `hf_model`'s weights whose CPU decode graph of batch size 1 is compiled (kept however it
+    measures on a busy host, never stored) and serving: a fallback to eager fails the test."""
+    monkeypatch.setenv("RINGSERVE_CPU_GRAPHS", "1")
+    monkeypatch.setenv("RINGSERVE_GRAPH_STORE", "0")
+    engine = engine_for(hf_model, max_total_tokens=1024, cuda_graph_max_bs=max_bs)
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.compiler is not None, "the torch backend compiles CPU decode graphs"
+    graphs.compiler.choose = False
+    engine.start_decode_graphs()
+    assert graphs.compiler.wait((1, 1), timeout)
+    state = engine.stats().decode_graphs["bs 1, 1 thread"]
+    assert state.startswith("compiled"), state
+    return engine

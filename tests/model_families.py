@@ -122,9 +122,8 @@ def _deepseek_v3() -> Any:
 
 CONFIGS: dict[str, Callable[[], Any]] = {"llama3": _llama3, "mistral": _mistral, "qwen2": _qwen2, "qwen3": _qwen3,
                                          "gemma2": _gemma2, "gemma3": _gemma3, "phi3": _phi3, "mixtral": _mixtral,
-                                         "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe}
-# families whose latent attention is not served yet (models/mla.py); added to CONFIGS when it is
-LATENT: dict[str, Callable[[], Any]] = {"deepseek_v2": _deepseek_v2, "deepseek_v3": _deepseek_v3}
+                                         "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe,
+                                         "deepseek_v2": _deepseek_v2, "deepseek_v3": _deepseek_v3}
 
 
 def tiny_hf_model(family: str, seed: int = 0) -> Any:

@@ -12,12 +12,12 @@ import torch
 
 from ringserve.actors.engine.models.weights import model_from_hf
 from ringserve.bus.messages import TokenizedRequest
-from tests.engine_helpers import assert_greedy_matches, engine_for, greedy, hf_greedy, run_to_completion, tokens_of
+from tests.engine_helpers import (assert_greedy_matches, compiled_engine, engine_for, greedy, hf_greedy,
+                                  run_to_completion, tokens_of)
 from tests.model_families import CONFIGS, ORIGINAL_CONTEXT, VOCAB, WINDOW, tiny_hf_model
 from tests.test_engine_model import PagedRunner, assert_steps_match, hf_last_logits
 
 FAMILIES = sorted(CONFIGS)
-COMPILE_TIMEOUT = 900.0  # one graph on a busy 2-core host
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -94,16 +94,7 @@ def test_the_compiled_decode_graph_gives_transformers_tokens(family_hf: tuple[st
     family, hf = family_hf
     if family not in COMPILED:
         pytest.skip("its blocks' graph is covered by the families in COMPILED")
-    monkeypatch.setenv("RINGSERVE_CPU_GRAPHS", "1")
-    monkeypatch.setenv("RINGSERVE_GRAPH_STORE", "0")
-    engine = engine_for(hf, max_total_tokens=1024, cuda_graph_max_bs=1)
-    graphs = engine.runner.graphs
-    assert graphs is not None and graphs.compiler is not None, "the torch backend compiles CPU decode graphs"
-    graphs.compiler.choose = False  # keep the compiled graph however it measures on a busy host
-    engine.start_decode_graphs()
-    assert graphs.compiler.wait((1, 1), COMPILE_TIMEOUT)
-    state = engine.stats().decode_graphs["bs 1, 1 thread"]
-    assert state.startswith("compiled"), f"{family}: {state}"
+    engine = compiled_engine(hf, monkeypatch)
     seq = prompts(1, (WINDOW + 2,), seed=5)[0]
     rows = run_to_completion(engine, [TokenizedRequest("g", seq, greedy(2 * WINDOW))])
     assert_greedy_matches(hf, seq, hf_greedy(hf, seq, 2 * WINDOW, None), tokens_of(rows["g"]))

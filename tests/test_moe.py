@@ -19,12 +19,12 @@ from ringserve.actors.engine.models.moe import SparseMoE
 from ringserve.actors.engine.quantization.quantize import apply_quantization
 from ringserve.bus.messages import SamplingParams, TokenizedRequest
 from ringserve.kernels.quantization import QuantLinear
-from tests.engine_helpers import assert_greedy_matches, engine_for, greedy, hf_greedy, run_to_completion, tokens_of
+from tests.engine_helpers import (assert_greedy_matches, compiled_engine, engine_for, greedy, hf_greedy,
+                                  run_to_completion, tokens_of)
 from tests.model_families import VOCAB, tiny_hf_model
 from tests.test_tensor_parallel import _check_close, _run_waves, _spawn_group
 
 FAMILY = "qwen2_moe"
-COMPILE_TIMEOUT = 900.0  # one graph on a busy 2-core host
 
 
 @pytest.fixture(scope="module")
@@ -96,16 +96,7 @@ def test_quantized_experts_run_their_kernels_close_to_float(hf: Any, method: str
 
 
 def test_the_compiled_decode_graph_keeps_the_experts_in_one_graph(hf: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RINGSERVE_CPU_GRAPHS", "1")
-    monkeypatch.setenv("RINGSERVE_GRAPH_STORE", "0")
-    engine = engine_for(hf, max_total_tokens=1024, cuda_graph_max_bs=2)
-    graphs = engine.runner.graphs
-    assert graphs is not None and graphs.compiler is not None
-    graphs.compiler.choose = False  # keep the compiled graph however it measures on a busy host
-    engine.start_decode_graphs()
-    assert graphs.compiler.wait((1, 1), COMPILE_TIMEOUT)
-    state = engine.stats().decode_graphs["bs 1, 1 thread"]
-    assert state.startswith("compiled"), state
+    engine = compiled_engine(hf, monkeypatch, max_bs=2)
     seq = prompts(1, 8, seed=6)[0]
     rows = run_to_completion(engine, [TokenizedRequest("g", seq, greedy(10))])
     assert_greedy_matches(hf, seq, hf_greedy(hf, seq, 10, None), tokens_of(rows["g"]))

@@ -169,7 +169,8 @@ class EngineConfig:
 
     def kv_pool_plan(self, bytes_per_token: int, context_length: int,
                      memory: MemoryBudget | None = None) -> tuple[int, dict[str, str]]:
-        """(KV slots to allocate, how they were chosen, for `/get_server_info` → `kv_pool`).
+        """(KV slots to allocate, how they were chosen and the bytes one token's KV takes, for `/get_server_info`
+        → `kv_pool`).
 
         `max_total_tokens` when set. Otherwise on a CPU a fraction of the memory the process may ever use
         (`MemoryBudget.total`: MemTotal or the cgroup limit, which do not move between starts), rounded down
@@ -183,7 +184,8 @@ class EngineConfig:
         if self.max_total_tokens:
             log_event(log, logging.INFO, "sized the KV pool", tokens=self.max_total_tokens,
                       sized_from="--max-total-tokens", bytes_per_token=bytes_per_token)
-            return self.max_total_tokens, {"tokens": str(self.max_total_tokens), "sized_from": "--max-total-tokens"}
+            return self.max_total_tokens, {"tokens": str(self.max_total_tokens), "sized_from": "--max-total-tokens",
+                                           "bytes_per_token": str(bytes_per_token)}
         device = self.resolved_device()
         fields: dict[str, object]
         if device.startswith("cuda"):
@@ -206,7 +208,7 @@ class EngineConfig:
         log_event(log, logging.INFO, "sized the KV pool", tokens=tokens, bytes_per_token=bytes_per_token,
                   pool_bytes=tokens * bytes_per_token, fraction=fraction, capped_by_running_requests=tokens == cap,
                   halved_to_fit=halved, **fields)
-        report = {"tokens": str(tokens), "sized_from": str(fields["sized_from"]),
+        report = {"tokens": str(tokens), "sized_from": str(fields["sized_from"]), "bytes_per_token": str(bytes_per_token),
                   "pool_bytes": str(tokens * bytes_per_token), "capped_by_running_requests": str(tokens == cap)}
         if "total_bytes" in fields:
             report.update(total_bytes=str(fields["total_bytes"]), available_bytes=str(fields["available_bytes"]),

@@ -109,11 +109,16 @@ class AttentionBackend(ABC):
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, layer: int, meta: AttentionMetadata) -> None:
         """Write the step's new keys and values into their slots of `layer` (through the in-place op of
         kernels/attention/kv_store.py when compiled)."""
+        latent = self.v_pool is self.k_pool  # latent attention: the values are the keys' leading part
         if torch.compiler.is_compiling():
-            torch.ops.ringserve.store_kv(self.k_pool, self.v_pool, layer, meta.out_slots, k, v)
+            if latent:
+                torch.ops.ringserve.store_latent(self.k_pool, layer, meta.out_slots, k)
+            else:
+                torch.ops.ringserve.store_kv(self.k_pool, self.v_pool, layer, meta.out_slots, k, v)
             return
         self.k_pool[layer].index_copy_(0, meta.out_slots, k)
-        self.v_pool[layer].index_copy_(0, meta.out_slots, v)
+        if not latent:
+            self.v_pool[layer].index_copy_(0, meta.out_slots, v)
 
     def in_place_decode_inputs(self, meta: AttentionMetadata, layer: int) -> tuple[
             torch.Tensor, torch.Tensor, torch.Tensor, LayerAttention] | None:

@@ -60,6 +60,9 @@ class FlashInferBackend(AttentionBackend):
     def __init__(self, k_pool: torch.Tensor, v_pool: torch.Tensor, num_heads: int,
                  layers: Sequence[LayerAttention] | None = None) -> None:
         super().__init__(k_pool, v_pool, num_heads, layers)
+        if v_pool is k_pool:
+            raise ValueError("the flashinfer attention backend does not run latent attention (one latent of "
+                             f"{k_pool.shape[-1]} values per token, DeepSeek's MLA): use --attention-backend triton")
         if flashinfer is None:
             raise ValueError("the flashinfer attention backend needs the flashinfer package (flashinfer-python)")
         if k_pool.device.type != "cuda":

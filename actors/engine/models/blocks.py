@@ -45,6 +45,8 @@ class Attention(nn.Module):
     """Grouped-query self-attention with optional q/k/v bias, per-head q/k norms and partial rotary; how the
     layer attends (scale, window, soft-cap) is its `LayerAttention`, applied by the backend."""
 
+    latent_kv = False  # the pool holds keys and values apart (models/mla.py's attention holds one latent)
+
     def __init__(self, shape: LayerShape, layer: int) -> None:
         super().__init__()
         self.layer = layer

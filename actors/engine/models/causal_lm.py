@@ -3,7 +3,7 @@ interface the rest of the engine reaches every model through.
 
 The runner, graphs, quantization and tensor-parallel code use only: `layer_attention()` (each layer's scale,
 window and soft-cap, for the attention backend), `num_heads`/`num_kv_heads`/`head_dim` (this rank's, uniform
-over layers), `num_layers`, `dtype`, `vocab_size`, `context_length`, `decoder_layers()` (each with `self_attn`
+over layers), `latent_kv` (one latent per token instead of K and V), `num_layers`, `dtype`, `vocab_size`, `context_length`, `decoder_layers()` (each with `self_attn`
 (`qkv_proj`, `o_proj`, head counts) and `mlp` (`gate_up_proj`, `down_proj`, `inner`), the pieces tensor
 parallelism shards and quantization swaps), and `forward`. Nothing outside models/ names an architecture.
 """
@@ -87,6 +87,12 @@ class CausalLM(nn.Module):
     def head_dim(self) -> int:
         """Per-head dimension of queries, keys and values."""
         return self.model.layers[0].self_attn.head_dim
+
+    @property
+    def latent_kv(self) -> bool:
+        """Whether the KV pool holds one latent per token and layer, its values the keys' leading part (latent
+        attention, models/mla.py), instead of keys and values apart."""
+        return bool(self.model.layers[0].self_attn.latent_kv)
 
     @property
     def rotary_dim(self) -> int:

@@ -82,6 +82,8 @@ class ArchSpec:
     mla: bool = False  # DeepSeek's multi-head latent attention (models/mla.py) instead of `Attention`
     # checkpoint name -> ours, regex substitutions applied before the fusions (Mixtral's `block_sparse_moe.w1`)
     hf_renames: tuple[tuple[str, str], ...] = ()
+    # a last change to the checkpoint's tensors (in our names) and the config: DeepSeek's rope rows reordered
+    prepare_weights: Callable[[Any, Any], Any] | None = None
 
     def activation(self, config: Any) -> str:
         """The MLP's activation function's name."""

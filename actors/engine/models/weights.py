@@ -129,6 +129,8 @@ def model_from_hf(
     with torch.device("meta"):
         model = build_model(config)
     tensors = fuse_hf_state_dict(dict(state_dict), model.spec.hf_fusions, model.spec.hf_renames)
+    if model.spec.prepare_weights is not None:
+        tensors = model.spec.prepare_weights(tensors, config)
     if getattr(config, "tie_word_embeddings", False):
         tensors.setdefault("lm_head.weight", tensors["model.embed_tokens.weight"])
     moved = {name: t.to(device) for name, t in tqdm(tensors.items(), desc="Loading weights into engine", unit="t")}

@@ -77,9 +77,9 @@ class Engine:
         self.tokenizer = tokenizer
         dtype, head_dim, layers = model.dtype, model.head_dim, model.num_layers
         kv_heads = model.num_kv_heads  # this rank's share under tensor parallelism
-        per_token = KVPool.bytes_per_token(layers, kv_heads, head_dim, dtype)
+        per_token = KVPool.bytes_per_token(layers, kv_heads, head_dim, dtype, model.latent_kv)
         num_slots, self._kv_pool_report = config.kv_pool_plan(per_token, self.context_length)
-        self.pool = KVPool(layers, num_slots, kv_heads, head_dim, dtype, self.device)
+        self.pool = KVPool(layers, num_slots, kv_heads, head_dim, dtype, self.device, model.latent_kv)
         self.table = TokenTable(config.max_running_requests, min(self.context_length, num_slots), self.device,
                                 self.pool.scratch_slot)
         prefix_cache = create_prefix_cache(not config.disable_radix_cache, self.device)
