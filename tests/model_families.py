@@ -90,7 +90,7 @@ def _mixtral() -> Any:
 def _qwen2_moe() -> Any:
     from transformers import Qwen2MoeConfig
 
-    return Qwen2MoeConfig(**COMMON, **MOE, num_experts=8, shared_expert_intermediate_size=48, norm_topk_prob=False,
+    return Qwen2MoeConfig(**COMMON, **MOE, num_experts=8, shared_expert_intermediate_size=64, norm_topk_prob=False,
                           mlp_only_layers=[0])
 
 

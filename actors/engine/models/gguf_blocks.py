@@ -9,7 +9,9 @@ Names follow llama.cpp's layout (`blk.{i}.attn_q.weight`, ...), per family as it
 (the file's `general.architecture` picks the family). llama.cpp's converter permutes the rows of Llama's q and k
 projections for its rotary layout; transformers undoes it when it loads the file, and so does this module, on the
 codes and scales alike (a row permutation leaves the groups along K intact). Our model fuses q/k/v and gate/up:
-their blocks are concatenated row-wise in the same order.
+their blocks are concatenated row-wise in the same order. Mixture-of-experts layers keep their experts stacked
+in one tensor per projection (`ffn_gate_exps` `[E, rows, cols]`, ...); each of our experts takes its slice of
+the blocks, and a shared expert its own tensors (`ffn_gate_shexp`, ...). The router stays float.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ringserve.actors.common.model_source import ModelSource, cache_root, gguf_cache_key, publish_directory
@@ -28,6 +31,12 @@ from ringserve.kernels.cpu.gguf_formats import (
 from ringserve.kernels.cpu.packing import PackedWeight
 
 FLOAT_TYPES = ("F32", "F16", "BF16")  # tensors not stored as blocks
+# llama.cpp's names of a mixture-of-experts layer's tensors (every MoE architecture's), as our linears' parts:
+# the stacked experts' (our expert e takes slice e) and the shared expert's
+GGUF_EXPERTS = {"gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "down_proj": ("ffn_down_exps",)}
+GGUF_SHARED_EXPERT = {"mlp.shared_expert.gate_up_proj": ("ffn_gate_shexp", "ffn_up_shexp"),
+                      "mlp.shared_expert.down_proj": ("ffn_down_shexp",)}
+Part = tuple[str, int | None]  # a tensor's name, and the expert whose slice it is (None: the whole tensor)
 
 def rotary_row_order(rows: int, heads: int) -> torch.Tensor:
     """The row order that undoes llama.cpp's q/k permutation (transformers' `_reverse_permute_weights`)."""
@@ -55,9 +64,19 @@ class GgufBlocks:
                 return int(field.parts[field.data[0]][0])
         return None
 
-    def codes(self, name: str) -> BlockCodes | None:
-        """Tensor `name`'s exact codes with llama.cpp's q/k permutation undone (Llama's), or None for a tensor
-        stored as floats (F32/F16/BF16: its layer runs the float weights transformers read)."""
+    def has(self, name: str) -> bool:
+        """Whether the file holds tensor `name`."""
+        return name in self._tensors
+
+    def num_experts(self, name: str) -> int:
+        """How many experts stacked tensor `name` holds (0 when the file has no such tensor)."""
+        tensor = self._tensors.get(name)
+        return int(tensor.shape[2]) if tensor is not None and len(tensor.shape) > 2 else 0
+
+    def codes(self, name: str, expert: int | None = None) -> BlockCodes | None:
+        """Tensor `name`'s exact codes (of `expert`'s slice, for stacked experts) with llama.cpp's q/k permutation
+        undone (Llama's), or None for a tensor stored as floats (F32/F16/BF16: its layer runs the float weights
+        transformers read)."""
         tensor = self._tensors[name]
         kind = tensor.tensor_type.name
         if kind in FLOAT_TYPES:
@@ -66,16 +85,18 @@ class GgufBlocks:
             raise ValueError(f"{name} is {kind} in {self.path}; --quantization gguf reads "
                              f"{', '.join(SUPPORTED_GGML_TYPES + FLOAT_TYPES)}")
         cols, rows = (int(d) for d in tensor.shape[:2])  # GGML order: the row length first
-        codes = decode_gguf_blocks(tensor.data, kind, rows, cols)
+        data = tensor.data if expert is None else np.asarray(tensor.data).reshape(int(tensor.shape[2]), -1)[expert]
+        codes = decode_gguf_blocks(data, kind, rows, cols)
         heads = self.heads if name.endswith("attn_q.weight") else self.kv_heads if name.endswith("attn_k.weight") \
             else None
         if heads and self.spec.gguf_permute_qk:
             codes = codes.permute_rows(rotary_row_order(rows, heads))
         return codes
 
-    def stacked(self, names: tuple[str, ...]) -> BlockCodes | None:
-        """Tensors `names` stacked row-wise (a fused linear's parts); None when any is stored as floats."""
-        parts = [self.codes(name) for name in names]
+    def stacked(self, names: tuple[Part, ...]) -> BlockCodes | None:
+        """Tensors (or expert slices) `names` stacked row-wise (a fused linear's parts); None when any is stored
+        as floats."""
+        parts = [self.codes(name, expert) for name, expert in names]
         if any(part is None for part in parts):
             return None
         return concat_rows(parts)  # type: ignore[arg-type]
@@ -87,10 +108,17 @@ def packed_linears(path: str | Path, num_layers: int, tied_head: bool) -> dict[s
     tensors the file stores as floats is left out (it runs its float weights). Each shape's weights share the
     packed form of fewest bytes that holds all of them exactly (the kernel plan runs one form per shape)."""
     blocks = GgufBlocks(path)
-    names = {f"model.layers.{i}.{ours}": tuple(f"blk.{i}.{part}.weight" for part in parts)
-             for i in range(num_layers) for ours, parts in blocks.spec.gguf_linears.items()}
-    names["lm_head"] = ("token_embd.weight" if tied_head else "output.weight",)
-    codes = {ours: blocks.stacked(parts) for ours, parts in names.items()}
+    names: dict[str, tuple[Part, ...]] = {}
+    for i in range(num_layers):
+        for ours, parts in [*blocks.spec.gguf_linears.items(), *GGUF_SHARED_EXPERT.items()]:
+            names[f"model.layers.{i}.{ours}"] = tuple((f"blk.{i}.{part}.weight", None) for part in parts)
+        for e in range(blocks.num_experts(f"blk.{i}.ffn_gate_exps.weight")):
+            for ours, parts in GGUF_EXPERTS.items():
+                names[f"model.layers.{i}.mlp.experts.{e}.{ours}"] = tuple((f"blk.{i}.{p}.weight", e) for p in parts)
+    names["lm_head"] = (("token_embd.weight" if tied_head else "output.weight", None),)
+    # a MoE layer has no dense MLP tensors, a dense one no experts: only what the file holds
+    codes = {ours: blocks.stacked(parts) for ours, parts in names.items()
+             if all(blocks.has(name) for name, _ in parts)}
     return pack_by_shape({ours: c for ours, c in codes.items() if c is not None})
 
 
