@@ -94,3 +94,21 @@ def test_every_expert_takes_its_slice_of_the_stacked_blocks(family: str, tmp_pat
         assert "model.layers.0.mlp.gate_up_proj" in packed and "model.layers.1.mlp.shared_expert.down_proj" in packed
     for name, weight in want.items():
         torch.testing.assert_close(dequantize(packed[name]), weight, rtol=0, atol=0, msg=name)
+
+
+def test_a_mixtral_gguf_written_as_llama_is_refused_by_name(tmp_path: Path) -> None:
+    """llama.cpp writes Mixtral with `general.architecture` "llama" and `llama.expert_count`: the dense Llama
+    family has no place for its experts, so the file is refused saying so, not served wrong."""
+    from ringserve.actors.common.model_source import UnservableModel, check_gguf_architecture
+
+    path = tmp_path / "mixtral.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_expert_count(8)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(UnservableModel, match="mixture-of-experts model written as 'llama' \\(8 experts"):
+        check_gguf_architecture(path)

