@@ -197,3 +197,51 @@ def test_a_constrained_request_speculates_within_its_grammar() -> None:
             items = json.loads(engine.tokenizer.decode(tokens_of(rows), skip_special_tokens=True))
             assert len(items) == 4 and all(set(item) == {"name", "colour"} for item in items)
     assert got["ngram"] == got["none"]
+
+
+def draft_engine_pair(hf: Any, draft_hf: Any, **config: Any) -> Any:
+    """An engine of `hf` drafting with `draft_hf` (`--speculative-algorithm draft`), both in this process."""
+    from ringserve.actors.engine.config import EngineConfig
+    from ringserve.actors.engine.models.weights import model_from_hf
+    from ringserve.actors.engine.scheduling.engine import Engine
+
+    settings = dict(device="cpu", torch_threads=1, max_total_tokens=4096, **config)
+    return Engine(model_from_hf(hf.config, hf.state_dict()), EngineConfig(
+        **settings, speculative_algorithm="draft", speculative_draft_model_path="(in process)"),
+        draft=engine_for(draft_hf, **settings))
+
+
+@pytest.mark.parametrize("draft", ["the model itself", "another model"])
+def test_drafts_from_a_draft_model_keep_the_tokens(hf: Any, draft: str) -> None:
+    """The model drafting for itself has every draft accepted; another model (other weights, one layer) some or
+    none; the tokens are those of decoding without speculation either way, sampled ones included."""
+    from tests.engine_helpers import tiny_hf_llama as other
+
+    draft_hf = hf if draft == "the model itself" else other(seed=7, num_hidden_layers=1)
+    seqs = phrase_prompts(seed=8)
+    requests = requests_for(seqs) + [TokenizedRequest("sampled", seqs[2], SamplingParams(
+        max_new_tokens=30, temperature=0.7, seed=5, ignore_eos=True))]
+    off, _ = run(hf, requests)
+    engine = draft_engine_pair(hf, draft_hf)
+    rows = run_to_completion(engine, requests)
+    on = {rid: (tokens_of(r), r[-1].finish.type if r[-1].finish else None) for rid, r in rows.items()}
+    assert on == off
+    stats = engine.stats()
+    assert stats.spec_verify_rows > 0
+    if draft == "the model itself":
+        assert stats.spec_accepted_tokens > 0.9 * stats.spec_drafted_tokens, stats
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused() -> None:
+    from ringserve.actors.engine.speculative.draft_model import check_same_tokenizer
+
+    class Vocab:
+        def __init__(self, vocab: dict[str, int]) -> None:
+            self.vocab = vocab
+
+        def get_vocab(self) -> dict[str, int]:
+            return self.vocab
+
+    check_same_tokenizer(Vocab({"a": 0, "b": 1}), Vocab({"a": 0, "b": 1}), "same")
+    with pytest.raises(ValueError, match="its tokenizer is not the served model's"):
+        check_same_tokenizer(Vocab({"a": 0, "b": 1}), Vocab({"a": 1, "b": 0}), "other")

@@ -22,7 +22,7 @@ QUANTIZATION_CHOICES = ("none", "int8", "int4", "gguf", "auto")
 FLOAT_KERNEL_CHOICES = ("auto", "float32")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 OVERLAP_CHOICES = ("auto", "on", "off")
-SPECULATIVE_ALGORITHMS = ("none", "ngram")
+SPECULATIVE_ALGORITHMS = ("none", "ngram", "draft")
 CPU_MEM_FRACTION = 0.1  # of total host memory (or the cgroup limit), when the KV pool lives on the CPU
 GPU_MEM_FRACTION = 0.85  # of free GPU memory after the weights are loaded
 # An automatic pool size is rounded down to a multiple of this: the pool's shape is part of a compiled decode
@@ -101,7 +101,11 @@ class EngineConfig:
     speculative_algorithm: str = field(default="none", metadata=_flag(
         "speculative decoding: ngram drafts each greedy request's next tokens from where its last tokens occurred "
         "before (its own prompt and output, then earlier requests) and verifies them in one forward, keeping the "
-        "output token for token; none decodes one token per step", choices=SPECULATIVE_ALGORITHMS))
+        "output token for token; draft takes the drafts from a smaller model with the same tokenizer "
+        "(--speculative-draft-model-path); none decodes one token per step", choices=SPECULATIVE_ALGORITHMS))
+    speculative_draft_model_path: str = field(default="", metadata=_flag(
+        "with --speculative-algorithm draft: the draft model (a .gguf, a directory or a hub id, as --model), run "
+        "beside the served one in the scheduler's process"))
     speculative_num_draft_tokens: int = field(default=3, metadata=_flag(
         "with --speculative-algorithm: draft tokens per verify step at most (each request adapts its own "
         "length to what it gets accepted); a request verifying k drafts is k + 1 decode rows of one step"))
@@ -114,6 +118,8 @@ class EngineConfig:
         for name in ("max_total_tokens", "torch_threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if (self.speculative_algorithm == "draft") != bool(self.speculative_draft_model_path):
+            raise ValueError("--speculative-algorithm draft and --speculative-draft-model-path go together")
         if not self.grammar_compile_timeout > 0:
             raise ValueError(f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}")
         if not 0 <= self.mem_fraction_static < 1:

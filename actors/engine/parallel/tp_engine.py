@@ -44,6 +44,9 @@ def prepare_rank(model: CausalLM, config: EngineConfig, group: TPGroup, expert_p
     group runs: CUDA graphs off (a forward's collectives run eagerly on every rank) and the KV pool size all
     ranks agree on (the smallest any of them would allocate). A collective with every rank (startup timeout)."""
     check_tp_quantization(group.size, config.quantization)
+    if config.speculative_algorithm == "draft":
+        raise ValueError("--speculative-algorithm draft runs its draft model beside a single rank; with --tp use "
+                         "--speculative-algorithm ngram")
     shard_model(model, group, expert_parallel)
     apply_quantization(model, config)
     if config.graph_max_bs():

@@ -24,6 +24,7 @@ the two kinds of launch.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from contextlib import nullcontext
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ringserve.actors.engine.speculative.draft_model import DraftModel, check_same_tokenizer
 from ringserve.actors.engine.speculative.speculator import Speculator
 from ringserve.actors.engine.scheduling.batch import Batch, ForwardOutput
 from ringserve.actors.engine.scheduling.request_checks import request_error
@@ -66,9 +68,10 @@ class Engine:
     """Continuous batching with chunked prefill and a prefix cache over our Llama and a paged KV pool."""
 
     def __init__(self, model: CausalLM, config: EngineConfig, tokenizer: Any | None = None,
-                 model_name: str = "") -> None:
+                 model_name: str = "", draft: Engine | None = None) -> None:
         """`model` already on `config`'s device; `tokenizer` is needed only by requests with stop strings;
-        `model_name` is what `stats()` reports."""
+        `model_name` is what `stats()` reports; `draft`: the draft model's engine (`--speculative-algorithm
+        draft`)."""
         self.config = config
         self.model_name = model_name
         self.device = torch.device(config.resolved_device())
@@ -100,8 +103,11 @@ class Engine:
         self.jumper = (JumpForward(self.grammars, self.stop_checker, self.decode, self.cache, self.prefill,
                                    self.context_length, self.device)
                        if not config.disable_jump_forward and prefix_cache.caches else None)
-        self.speculator = (Speculator(config.speculative_num_draft_tokens)
-                           if config.speculative_algorithm == "ngram" else None)
+        if (config.speculative_algorithm == "draft") != (draft is not None):
+            raise ValueError("--speculative-algorithm draft needs its draft model's engine, and only it takes one")
+        self.speculator = (Speculator(config.speculative_num_draft_tokens,
+                                      draft_model=DraftModel(draft) if draft is not None else None)
+                           if config.speculative_algorithm != "none" else None)
         self.live: dict[str, Req] = {}
         self.num_retractions = 0
         self._last_batch: Batch | None = None
@@ -123,8 +129,26 @@ class Engine:
 
         model = load_model(source, DTYPES[config.resolved_dtype()], config.resolved_device())
         apply_quantization(model, config, source)  # each quantized layer keeps its kernel plan (reported by stats())
-        return cls(model, config, tokenizer if tokenizer is not None else load_text_model(source).tokenizer,
-                   source.name)
+        tokenizer = tokenizer if tokenizer is not None else load_text_model(source).tokenizer
+        return cls(model, config, tokenizer, source.name, draft=cls._draft_engine(config, tokenizer))
+
+    @classmethod
+    def _draft_engine(cls, config: EngineConfig, tokenizer: Any) -> Engine | None:
+        """The draft model's engine for `--speculative-algorithm draft` (its own pool and prefix cache, the
+        served model's device and threads, its own GGUF blocks where the served model runs a GGUF's), or None."""
+        if config.speculative_algorithm != "draft":
+            return None
+        from ringserve.actors.common.model_source import resolve_model
+
+        draft_source = resolve_model(config.speculative_draft_model_path)
+        quantization = config.quantization
+        if quantization == "gguf" and draft_source.gguf_file is None:
+            quantization = "none"
+        draft_config = dataclasses.replace(config, quantization=quantization, speculative_algorithm="none",
+                                           speculative_draft_model_path="", overlap_schedule="off")
+        draft = cls.from_source(draft_source, draft_config)
+        check_same_tokenizer(tokenizer, draft.tokenizer, config.speculative_draft_model_path)
+        return draft
 
     def start_decode_graphs(self) -> None:
         """On a CPU, start compiling decode graphs in the background (decode_graph.py); the server calls this

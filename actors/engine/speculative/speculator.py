@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ringserve.actors.engine.scheduling.request import Req
+from ringserve.actors.engine.speculative.draft_model import DraftModel
 from ringserve.actors.engine.speculative.ngram import NgramIndex, SharedNgramPool
 
 MIN_N, MAX_N = 2, 4  # n-gram sizes matched in the request's own tokens, longest first
@@ -52,9 +53,11 @@ class _RequestState:
 class Speculator:
     """Drafts for the decode rows of one step, and the greedy verification of their outputs."""
 
-    def __init__(self, num_draft_tokens: int, max_batch: int = 8) -> None:
+    def __init__(self, num_draft_tokens: int, max_batch: int = 8, draft_model: DraftModel | None = None) -> None:
+        """`draft_model`: drafts from a smaller model (`--speculative-algorithm draft`); None: n-grams."""
         self.num_draft_tokens = num_draft_tokens
         self.max_batch = max_batch
+        self.draft_model = draft_model
         self.pool = SharedNgramPool(POOL_N, num_draft_tokens, POOL_CAPACITY)
         self.stats = SpeculationStats()
         self._states: dict[str, _RequestState] = {}
@@ -69,7 +72,7 @@ class Speculator:
         """Drafts for the decode rows `reqs` (each with every token applied), spending at most `room` KV slots."""
         if len(reqs) > self.max_batch:
             return {}
-        drafts: dict[Req, list[int]] = {}
+        wanted: dict[Req, int] = {}
         for req in reqs:
             if not self.eligible(req) or req.device_len != req.seq_len:
                 continue
@@ -84,11 +87,13 @@ class Speculator:
                          context_length - req.seq_len - 1, room)
             if budget <= 0:
                 continue
-            found = state.index.draft(req.ids, budget) or self.pool.draft(req.ids, budget)
-            if found:
-                drafts[req] = found
-                room -= len(found)
-        return drafts
+            wanted[req] = budget
+            room -= budget
+        if self.draft_model is not None:
+            return self.draft_model.draft(wanted)
+        drafts = {req: self._states[req.rid].index.draft(req.ids, k) or self.pool.draft(req.ids, k)
+                  for req, k in wanted.items()}
+        return {req: found for req, found in drafts.items() if found}
 
     def verify(self, req: Req, drafts: list[int], predicted: list[int]) -> list[int]:
         """The tokens a verify row emits: its drafts while each equals `predicted` (the target's argmax at each of

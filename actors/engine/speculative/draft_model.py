@@ -1,0 +1,52 @@
+"""Drafts from a smaller model with the target's tokenizer (`--speculative-algorithm draft
+--speculative-draft-model-path PATH`), run as an engine of its own in the scheduler's process.
+
+Each verify step asks the draft engine for every speculating request's next `k` tokens: one greedy request per
+target request, its prompt the target's tokens so far. The draft engine's prefix cache still holds the request's
+earlier tokens (its previous draft request's prompt and drafts), so only what was accepted since is prefilled,
+then `k - 1` decode steps run, all the step's requests batched together. Rejected drafts stay in the draft's
+cache as any finished request's tokens do, and age out with them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ringserve.actors.engine.scheduling.request import Req
+from ringserve.bus.messages import TokenizedRequest
+from ringserve.bus.params import SamplingParams
+
+
+class DraftModel:
+    """Greedy drafts from `engine` (an `Engine` of the draft model, without speculation of its own)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._requests = 0
+
+    def draft(self, wanted: dict[Req, int]) -> dict[Req, list[int]]:
+        """Up to `wanted[req]` greedy draft tokens after each request's tokens."""
+        asked: dict[str, Req] = {}
+        for req, k in wanted.items():
+            self._requests += 1
+            rid = f"{req.rid}#draft{self._requests}"
+            request = TokenizedRequest(rid, list(req.ids), SamplingParams(max_new_tokens=k, temperature=0.0,
+                                                                           ignore_eos=True))
+            if self.engine.add_request(request) is None:  # refused (longer than the draft's context): no draft
+                asked[rid] = req
+        out: dict[Req, list[int]] = {req: [] for req in asked.values()}
+        while self.engine.has_work():
+            for row in self.engine.step():
+                if row.rid in asked:
+                    out[asked[row.rid]] += row.token_ids
+        return {req: tokens for req, tokens in out.items() if tokens}
+
+
+def check_same_tokenizer(target: Any, draft: Any, draft_path: str) -> None:
+    """ValueError unless the draft model's tokenizer maps every token as the target's does."""
+    if target is None or draft is None:
+        return
+    if target.get_vocab() != draft.get_vocab():
+        raise ValueError(f"--speculative-draft-model-path {draft_path}: its tokenizer is not the served model's "
+                         f"({len(draft.get_vocab())} tokens against {len(target.get_vocab())}, or other ids); a "
+                         "draft model must share the tokenizer")
