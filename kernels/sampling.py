@@ -65,6 +65,16 @@ class PenaltyState:
         self.counts.index_put_((token,), self._one, accumulate=True)
         self.seen.index_fill_(0, token, True)
 
+    def fork(self, tokens: Sequence[int]) -> PenaltyState:
+        """A copy that has also counted `tokens` (a speculative row's drafts before it); this one is unchanged."""
+        copy = object.__new__(PenaltyState)
+        copy.counts, copy.seen, copy._one = self.counts.clone(), self.seen.clone(), self._one
+        if tokens:
+            ids = to_device(list(tokens), self.counts.device)
+            copy.counts.index_put_((ids,), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
+            copy.seen[ids] = True
+        return copy
+
 
 @dataclass
 class SampleOutput:

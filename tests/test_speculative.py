@@ -96,10 +96,13 @@ def test_rejected_drafts_free_their_kv_at_once(hf: Any) -> None:
 
 @pytest.mark.parametrize("params", [
     {"temperature": 0.3, "seed": 3}, {"temperature": 0.5, "top_p": 0.9, "top_k": 20, "seed": 4},
-    {"temperature": 0.0, "logit_bias": {5: 1.0}}])
-def test_sampled_and_biased_requests_speculate_with_the_same_tokens(hf: Any, params: dict[str, Any]) -> None:
+    {"temperature": 0.0, "logit_bias": {5: 1.0}}, {"temperature": 0.0, "repetition_penalty": 1.05},
+    {"temperature": 0.0, "frequency_penalty": 0.05, "presence_penalty": 0.05}])
+def test_sampled_biased_and_penalised_requests_speculate_with_the_same_tokens(hf: Any,
+                                                                              params: dict[str, Any]) -> None:
     """A seeded draw is a pure function of seed, position and logits: each verify row draws the token decoding
-    one token a step draws at its position, so sampled output is token for token the same, not only alike."""
+    one token a step draws at its position, so sampled output is token for token the same, not only alike;
+    penalties count the drafts before each row."""
     seqs = phrase_prompts(seed=4)
     requests = [TokenizedRequest(f"r{i}", s, SamplingParams(max_new_tokens=40, ignore_eos=True, **params))
                 for i, s in enumerate(seqs)]
@@ -126,11 +129,9 @@ def test_every_emitted_token_carries_its_own_logprobs(hf: Any) -> None:
         torch.testing.assert_close(torch.tensor(on_logprobs), torch.tensor(logprobs), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("params", [{"speculative": False}, {"repetition_penalty": 1.2},
-                                    {"min_new_tokens": 25, "stop_token_ids": [7]}])
-def test_requests_that_opt_out_or_count_their_tokens_do_not_speculate(hf: Any, params: dict[str, Any]) -> None:
-    """Opted out, or drawing with penalties over the tokens so far; a min_new_tokens ban holds it off until the
-    ban ends."""
+@pytest.mark.parametrize("params", [{"speculative": False}, {"min_new_tokens": 25, "stop_token_ids": [7]}])
+def test_requests_that_opt_out_or_are_under_a_ban_do_not_speculate(hf: Any, params: dict[str, Any]) -> None:
+    """Opted out; a min_new_tokens ban holds it off until the ban ends (here: past the end)."""
     seqs = phrase_prompts(seed=4)[:2]
     requests = [TokenizedRequest(f"r{i}", s, SamplingParams(max_new_tokens=20, **{"temperature": 0.0, **params}))
                 for i, s in enumerate(seqs)]

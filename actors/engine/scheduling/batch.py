@@ -65,11 +65,14 @@ class Batch:
     def sampling_rows(self) -> list[SamplingRow]:
         """Each sampling row's settings; a verifying request's rows draw the output tokens after its next one
         (draws are a pure function of seed, position and logits, so a row draws what decoding one token a step
-        would draw there)."""
+        would draw there), penalties counting the drafts before the row in a copy of the request's counts (its
+        own record only the first row's token; the engine records the others it keeps)."""
         rows = [req.sampling_row() for req in self.sampling_reqs]
         for b, drafts in self.drafts.items():  # decode rows come first and all sample: row b is sampling row b
             for i in range(1, len(drafts) + 1):
-                rows[b + i] = dataclasses.replace(rows[b + i], position=rows[b + i].position + i)
+                row = rows[b + i]
+                penalties = row.penalties.fork(drafts[:i]) if row.penalties is not None else None
+                rows[b + i] = dataclasses.replace(row, position=row.position + i, penalties=penalties)
         return rows
 
     def prompt_logit_spans(self) -> list[tuple[int, int, int]]:

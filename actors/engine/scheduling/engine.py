@@ -390,6 +390,9 @@ class Engine:
             finish = self.stop_checker.verdict(req)
             if finish is not None:
                 break
+        if req.penalties is not None and len(applied) > 1:  # the first row recorded the first token itself
+            for token in applied[1:]:
+                req.penalties.record(torch.tensor([token], device=self.device))
         # KV stays for the last real token and the accepted drafts that were applied; the newest token has none
         self.cache.truncate(req, known + min(len(new) - 1, len(applied) - 1))
         req.device_len = req.seq_len

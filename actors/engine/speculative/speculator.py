@@ -1,9 +1,9 @@
 """Which requests speculate, their drafts, and what a verify step keeps.
 
-A request speculates unless it opted out (`speculative: false`) or its draws depend on state a draft would change
-(penalties counting the tokens so far, a `min_new_tokens` ban in force). A constrained request's drafts stop at
-the first token its grammar refuses, and each verify row is masked by the grammar's state after the drafts
-before it (actors/engine/scheduling/grammar.py). It then verifies `k`
+A request speculates unless it opted out (`speculative: false`) or a `min_new_tokens` ban is still in force. A
+constrained request's drafts stop at the first token its grammar refuses, and each verify row is masked by the
+grammar's state after the drafts before it (actors/engine/scheduling/grammar.py); penalties count the drafts
+before each row in a copy of the request's counts (actors/engine/scheduling/batch.py). It then verifies `k`
 drafted tokens in one step: `k + 1` decode rows, its last real token's and one per draft, each drawing the token
 after its position as decoding one token a step would (greedy: the argmax; sampled: our draws are a pure function
 of seed, position and logits, kernels/sampling.py). Verification keeps the drafts while each equals the token
@@ -63,10 +63,10 @@ class Speculator:
         self._states: dict[str, _RequestState] = {}
 
     def eligible(self, req: Req) -> bool:
-        """Whether `req` may speculate: its draws depend on nothing a draft changes (no penalties counting the
-        tokens so far, no grammar state, no min_new_tokens ban in force) and it did not opt out."""
+        """Whether `req` may speculate: it did not opt out, and no min_new_tokens ban is in force (a ban ending
+        inside a verify step would need each row's own)."""
         p = req.params
-        return p.speculative and req.penalties is None and req.output_len >= p.min_new_tokens
+        return p.speculative and req.output_len >= p.min_new_tokens
 
     def propose(self, reqs: list[Req], context_length: int, room: int) -> dict[Req, list[int]]:
         """Drafts for the decode rows `reqs` (each with every token applied), spending at most `room` KV slots."""
