@@ -40,6 +40,25 @@ class Batch:
         """The rows that compute a draft token (each verifying request's rows but its first)."""
         return {b + 1 + i for b, drafts in self.drafts.items() for i in range(len(drafts))}
 
+    @classmethod
+    def plan(cls, decodes: list[Req], drafts: dict[Req, list[int]], prefills: list[tuple[Req, int]]) -> Batch:
+        """The step of decode requests `decodes` (each with its slot allocated; `drafts`: those verifying drafts,
+        their slots allocated too) and prefill chunks `prefills` (request, tokens)."""
+        rows: list[Req] = []
+        starts: list[int] = []
+        first_rows: dict[int, list[int]] = {}
+        for req in decodes:  # a verifying request: one decode row per position, from its last real token's on
+            k = len(drafts.get(req, ()))
+            if k:
+                first_rows[len(rows)] = drafts[req]
+            rows += [req] * (k + 1)
+            starts += range(req.cached_len - k - 1, req.cached_len)
+        reqs = rows + [req for req, _ in prefills]
+        extend_lens = [1] * len(rows) + [n for _, n in prefills]
+        starts += [req.cached_len - n for req, n in prefills]
+        samples = [True] * len(rows) + [req.cached_len == req.device_len for req, _ in prefills]
+        return cls(reqs, starts, extend_lens, samples, num_decode=len(rows), drafts=first_rows)
+
     @property
     def num_tokens(self) -> int:
         """Tokens computed, all rows together."""

@@ -24,7 +24,6 @@ the two kinds of launch.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 from contextlib import nullcontext
@@ -32,8 +31,9 @@ from typing import Any
 
 import torch
 
-from ringserve.actors.engine.speculative.draft_model import DraftModel, check_same_tokenizer
+from ringserve.actors.engine.speculative.draft_model import DraftModel, load_draft_engine
 from ringserve.actors.engine.speculative.speculator import Speculator
+from ringserve.actors.engine.speculative.verify_step import SpeculativeSteps
 from ringserve.actors.engine.scheduling.batch import Batch, ForwardOutput
 from ringserve.actors.engine.scheduling.request_checks import request_error
 from ringserve.actors.engine.scheduling.cache_manager import CacheManager
@@ -105,9 +105,9 @@ class Engine:
                        if not config.disable_jump_forward and prefix_cache.caches else None)
         if (config.speculative_algorithm == "draft") != (draft is not None):
             raise ValueError("--speculative-algorithm draft needs its draft model's engine, and only it takes one")
-        self.speculator = (Speculator(config.speculative_num_draft_tokens,
-                                      draft_model=DraftModel(draft) if draft is not None else None)
-                           if config.speculative_algorithm != "none" else None)
+        self.speculation = None if config.speculative_algorithm == "none" else SpeculativeSteps(
+            Speculator(config.speculative_num_draft_tokens, draft_model=DraftModel(draft) if draft else None),
+            config.speculative_algorithm, self.cache, self.table, self.grammars, self.stop_checker)
         self.live: dict[str, Req] = {}
         self.num_retractions = 0
         self._last_batch: Batch | None = None
@@ -130,25 +130,8 @@ class Engine:
         model = load_model(source, DTYPES[config.resolved_dtype()], config.resolved_device())
         apply_quantization(model, config, source)  # each quantized layer keeps its kernel plan (reported by stats())
         tokenizer = tokenizer if tokenizer is not None else load_text_model(source).tokenizer
-        return cls(model, config, tokenizer, source.name, draft=cls._draft_engine(config, tokenizer))
-
-    @classmethod
-    def _draft_engine(cls, config: EngineConfig, tokenizer: Any) -> Engine | None:
-        """The draft model's engine for `--speculative-algorithm draft` (its own pool and prefix cache, the
-        served model's device and threads, its own GGUF blocks where the served model runs a GGUF's), or None."""
-        if config.speculative_algorithm != "draft":
-            return None
-        from ringserve.actors.common.model_source import resolve_model
-
-        draft_source = resolve_model(config.speculative_draft_model_path)
-        quantization = config.quantization
-        if quantization == "gguf" and draft_source.gguf_file is None:
-            quantization = "none"
-        draft_config = dataclasses.replace(config, quantization=quantization, speculative_algorithm="none",
-                                           speculative_draft_model_path="", overlap_schedule="off")
-        draft = cls.from_source(draft_source, draft_config)
-        check_same_tokenizer(tokenizer, draft.tokenizer, config.speculative_draft_model_path)
-        return draft
+        draft = load_draft_engine(cls, config, tokenizer) if config.speculative_algorithm == "draft" else None
+        return cls(model, config, tokenizer, source.name, draft=draft)
 
     def start_decode_graphs(self) -> None:
         """On a CPU, start compiling decode graphs in the background (decode_graph.py); the server calls this
@@ -279,38 +262,17 @@ class Engine:
         prefills = self.prefill.schedule(len(decodes))
         if not decodes and not prefills:
             return None
-        rows: list[Req] = []
-        starts: list[int] = []
-        first_rows: dict[int, list[int]] = {}
-        for req in decodes:  # a verifying request: one decode row per position, from its last real token's on
-            k = len(drafts.get(req, ()))
-            if k:
-                first_rows[len(rows)] = drafts[req]
-            rows += [req] * (k + 1)
-            starts += range(req.cached_len - k - 1, req.cached_len)
-        reqs = rows + [req for req, _ in prefills]
-        extend_lens = [1] * len(rows) + [n for _, n in prefills]
-        starts += [req.cached_len - n for req, n in prefills]
-        samples = [True] * len(rows) + [req.cached_len == req.device_len for req, _ in prefills]
-        return Batch(reqs, starts, extend_lens, samples, num_decode=len(rows), drafts=first_rows)
+        return Batch.plan(decodes, drafts, prefills)
 
     def _speculates(self, reqs: list[Req]) -> bool:
-        return self.speculator is not None and any(self.speculator.eligible(r) for r in reqs)
+        return self.speculation is not None and any(self.speculation.speculator.eligible(r) for r in reqs)
 
     def _draft(self, decodes: list[Req]) -> dict[Req, list[int]]:
-        """Speculative decoding: draft tokens for the decode rows that speculate, written after each one's last
-        token (ids and KV slots), leaving a slot per running request for the next step."""
-        if self.speculator is None or not decodes:
+        """Speculative decoding: drafts for the decode rows that speculate, leaving a slot per running request
+        for the next step."""
+        if self.speculation is None or not decodes:
             return {}
-        drafts = self.speculator.propose(decodes, self.context_length, self.cache.available - len(self.decode))
-        for req in [r for r in drafts if r.matcher is not None]:  # drafts the grammar refuses go no further
-            drafts[req] = self.grammars.valid_prefix(req, drafts[req])
-            if not drafts[req]:
-                del drafts[req]
-        for req, tokens in drafts.items():
-            self.table.write_ids_at(req.row, req.device_len, tokens)  # type: ignore[arg-type]
-            self.cache.extend(req, len(tokens))
-        return drafts
+        return self.speculation.draft(decodes, self.context_length, self.cache.available - len(self.decode))
 
     def launch(self, batch: Batch) -> ForwardOutput:
         """Queue the batch's forward and sampling on the device, then account for them as if done: each
@@ -370,32 +332,12 @@ class Engine:
             rows.append(row)
         return rows
 
-    def _apply_verified(self, req: Req, drafts: list[int], predicted: list[int]) -> TokenRow:
-        """Apply a verifying request's step: its accepted drafts and the target's next token, each through the
-        stop checks; the KV of the positions not kept is freed (it never reaches the prefix cache). Each row wrote
-        its greedy token after its position in `TokenTable.ids`, so the accepted drafts and the next token are
-        there already."""
-        assert self.speculator is not None
-        known = req.seq_len  # the rows computed positions known - 1 ... known - 1 + len(drafts)
-        new = self.speculator.verify(req, drafts, predicted)
-        req.spec_drafted += len(drafts)
-        req.spec_accepted += len(new) - 1
-        applied: list[int] = []
-        finish = None
-        for token in new:
-            if not self.grammars.accept(req, token):  # masked by the grammar's state at its row: never expected
-                return self._fail(req, f"the output constraint rejected the sampled token {token}")
-            req.ids.append(token)
-            applied.append(token)
-            finish = self.stop_checker.verdict(req)
-            if finish is not None:
-                break
-        if req.penalties is not None and len(applied) > 1:  # the first row recorded the first token itself
-            for token in applied[1:]:
-                req.penalties.record(torch.tensor([token], device=self.device))
-        # KV stays for the last real token and the accepted drafts that were applied; the newest token has none
-        self.cache.truncate(req, known + min(len(new) - 1, len(applied) - 1))
-        req.device_len = req.seq_len
+    def _apply_verified(self, req: Req, drafts: list[int], drawn: list[int]) -> TokenRow:
+        """A verifying request's row: the tokens its step keeps (`SpeculativeSteps.apply`)."""
+        assert self.speculation is not None
+        applied, finish, error = self.speculation.apply(req, drafts, drawn)
+        if error is not None:
+            return self._fail(req, error)
         if finish is not None:
             self._release(req)
         return self._output(req, applied, finish)
@@ -438,15 +380,8 @@ class Engine:
             chunked_prefill_size=config.chunked_prefill_size if config.chunking else 0,
             overlap_schedule=self.overlap, torch_threads=dict(self._thread_choices),
             quantization=dict(self._quantization), kv_pool=dict(self._kv_pool_report),
-            decode_graphs=self.decode_graph_report(), **self._speculation_stats())
-
-    def _speculation_stats(self) -> dict[str, Any]:
-        if self.speculator is None:
-            return {}
-        s = self.speculator.stats
-        return {"speculative": self.config.speculative_algorithm, "spec_drafted_tokens": s.drafted,
-                "spec_accepted_tokens": s.accepted, "spec_emitted_tokens": s.emitted,
-                "spec_verify_rows": s.verify_rows}
+            decode_graphs=self.decode_graph_report(),
+            **(self.speculation.report() if self.speculation is not None else {}))
 
     def pause(self) -> None:
         """Start no more steps (a step in flight is still applied); requests keep their KV, new ones queue."""
@@ -473,8 +408,8 @@ class Engine:
 
     def _release(self, req: Req, keep_kv: bool = True) -> None:
         """Take `req` out of every queue; cache its KV (unless it may be garbage) and free the rest."""
-        if self.speculator is not None:
-            self.speculator.forget(req)
+        if self.speculation is not None:
+            self.speculation.speculator.forget(req)
         if not self.decode.remove(req) and not self.prefill.remove(req):
             self.grammars.remove(req)
         if req.row is not None:

@@ -10,6 +10,7 @@ cache as any finished request's tokens do, and age out with them.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ringserve.actors.engine.scheduling.request import Req
@@ -40,6 +41,21 @@ class DraftModel:
                 if row.rid in asked:
                     out[asked[row.rid]] += row.token_ids
         return {req: tokens for req, tokens in out.items() if tokens}
+
+
+def load_draft_engine(engine_class: Any, config: Any, tokenizer: Any) -> Any:
+    """The draft model's engine for `config` (`--speculative-draft-model-path`): its own pool and prefix cache,
+    the served model's device and threads, its own GGUF blocks where the served model runs a GGUF's; ValueError
+    when its tokenizer is not the served model's (`tokenizer`)."""
+    from ringserve.actors.common.model_source import resolve_model
+
+    source = resolve_model(config.speculative_draft_model_path)
+    quantization = "none" if config.quantization == "gguf" and source.gguf_file is None else config.quantization
+    draft = engine_class.from_source(source, dataclasses.replace(
+        config, quantization=quantization, speculative_algorithm="none", speculative_draft_model_path="",
+        overlap_schedule="off"))
+    check_same_tokenizer(tokenizer, draft.tokenizer, config.speculative_draft_model_path)
+    return draft
 
 
 def check_same_tokenizer(target: Any, draft: Any, draft_path: str) -> None:
