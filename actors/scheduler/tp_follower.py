@@ -82,7 +82,7 @@ def _load_rank(model: str, config: Any, args: argparse.Namespace) -> tuple[Any, 
     source = resolve_model(model)
     group = init_group(args.rank, args.tp, args.dist_init_addr, config.resolved_device(), args.tp_timeout)
     loaded = load_model(source, DTYPES[config.resolved_dtype()], config.resolved_device())
-    return group, loaded, prepare_rank(loaded, config, group, expert_parallel=args.ep > 1), source
+    return group, loaded, prepare_rank(loaded, config, group, expert_parallel=args.ep > 1, source=source), source
 
 
 async def leader_main(ctx: Any, model: str, config: Any, admission: Any, args: argparse.Namespace) -> dict[str, Any]:

@@ -144,7 +144,6 @@ class SparseMoE(nn.Module):
             out.index_add_(0, rows, y)
         return out
 
-
     def _grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         from ringserve.kernels.triton.moe_gemm import fused_experts
 

@@ -39,16 +39,18 @@ log = logging.getLogger("engine")
 KEEPALIVE_S = 1.0  # rank 0 idle: a plan at least this often, well inside the followers' collective timeout
 
 
-def prepare_rank(model: CausalLM, config: EngineConfig, group: TPGroup, expert_parallel: bool = False) -> EngineConfig:
+def prepare_rank(model: CausalLM, config: EngineConfig, group: TPGroup, expert_parallel: bool = False,
+                 source: Any = None) -> EngineConfig:
     """Shard `model` for `group.rank` and quantize the shard as `config` says; the config every rank of the
     group runs: CUDA graphs off (a forward's collectives run eagerly on every rank) and the KV pool size all
-    ranks agree on (the smallest any of them would allocate). A collective with every rank (startup timeout)."""
+    ranks agree on (the smallest any of them would allocate). A collective with every rank (startup timeout).
+    `source`: where `model` was loaded from (a bfloat16 checkpoint's shards may run the bf16 kernel)."""
     check_tp_quantization(group.size, config.quantization)
     if config.speculative_algorithm == "draft":
         raise ValueError("--speculative-algorithm draft runs its draft model beside a single rank; with --tp use "
                          "--speculative-algorithm ngram")
     shard_model(model, group, expert_parallel)
-    apply_quantization(model, config)
+    apply_quantization(model, config, source)  # `source`: a bfloat16 checkpoint may run the bf16 kernel
     if config.graph_max_bs():
         log_event(log, logging.INFO, "tensor parallelism runs every step eagerly: decode graphs are off", tp=group.size)
     config = dataclasses.replace(config, disable_cuda_graph=True)
