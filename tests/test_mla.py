@@ -1,15 +1,20 @@
 """Latent attention (actors/engine/models/mla.py) beyond the per-family comparisons with transformers in
 tests/test_model_families.py: the KV pool holds one latent per token (its bytes what the config implies, its V its
 K), the compiled decode graph writes the latent in place and gives transformers' tokens, a yarn-scaled DeepSeek
-(its mscale folded into the softmax scale) matches transformers past its original context, and two
-tensor-parallel ranks give the unsharded engine's tokens and logprobs."""
+(its mscale folded into the softmax scale) matches transformers past its original context, the Triton backend
+(under its interpreter on a CPU) runs the latent pool, and two tensor-parallel ranks give the unsharded engine's
+tokens and logprobs."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
 from ringserve.actors.engine.runner.kv_pool import KVPool
 from ringserve.bus.messages import TokenizedRequest
@@ -18,6 +23,7 @@ from tests.engine_helpers import (assert_greedy_matches, compiled_engine, engine
 from tests.model_families import CONFIGS, VOCAB, tiny_hf_model
 from tests.test_engine_model import assert_steps_match
 from tests.test_tensor_parallel import _check_close, _run_waves, _spawn_group
+
 
 def prompts(count: int, length: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
@@ -57,7 +63,8 @@ def test_a_yarn_scaled_deepseek_matches_transformers_past_its_original_context()
 
     def yarn() -> Any:
         config = base()
-        config.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 0.707,
+        # mscale apart from mscale_all_dim: the rotary factor is their mscales' ratio, not 1
+        config.rope_parameters = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
                                   "mscale_all_dim": 0.707, "original_max_position_embeddings": 16,
                                   "beta_fast": 32, "beta_slow": 1}
         return config
@@ -70,6 +77,39 @@ def test_a_yarn_scaled_deepseek_matches_transformers_past_its_original_context()
     model = model_from_hf(hf.config, hf.state_dict())
     assert model.layer_attention()[0].scale != (hf.config.qk_nope_head_dim + hf.config.qk_rope_head_dim) ** -0.5
     assert_steps_match(model, hf, prompts(2, 20, seed=3), tol=2e-4, name="deepseek_v2 yarn")
+
+
+def test_a_deepseek_v3_checkpoint_loads_without_its_multi_token_prediction_layer() -> None:
+    """DeepSeek-V3's checkpoints hold `num_nextn_predict_layers` layers past `num_hidden_layers` (an MTP
+    module: a decoder layer plus its projections), which transformers leaves out and so do we."""
+    from ringserve.actors.engine.models.weights import model_from_hf
+
+    hf = tiny_hf_model("deepseek_v3")
+    last, extra = hf.config.num_hidden_layers - 1, hf.config.num_hidden_layers
+    state = dict(hf.state_dict())
+    state.update({name.replace(f"model.layers.{last}.", f"model.layers.{extra}."): t
+                  for name, t in hf.state_dict().items() if name.startswith(f"model.layers.{last}.")})
+    hidden = hf.config.hidden_size
+    state[f"model.layers.{extra}.eh_proj.weight"] = torch.zeros(hidden, 2 * hidden)
+    state[f"model.layers.{extra}.enorm.weight"] = torch.ones(hidden)
+    assert_steps_match(model_from_hf(hf.config, state), hf, prompts(1, 6, seed=7), tol=2e-4, name="deepseek_v3")
+
+
+def test_the_triton_backend_runs_the_latent_pool() -> None:
+    """Store (written once), decode and extend kernels over the one-head latent pool (40 dims, not a power of
+    two), chunked prefill's second chunks extending over what the pool holds."""
+    pytest.importorskip("triton")
+    from ringserve.kernels.triton import interpreter_enabled
+
+    if not torch.cuda.is_available() and not interpreter_enabled():
+        pytest.skip("triton was imported before TRITON_INTERPRET was set in this process")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hf = tiny_hf_model("deepseek_v2")
+    engine = engine_for(hf, attention_backend="triton", device=device, chunked_prefill_size=8, max_total_tokens=256)
+    seqs = prompts(2, 11, seed=5)
+    rows = run_to_completion(engine, [TokenizedRequest(f"t{i}", seq, greedy(6)) for i, seq in enumerate(seqs)])
+    for i, seq in enumerate(seqs):
+        assert_greedy_matches(hf, seq, hf_greedy(hf, seq, 6, None), tokens_of(rows[f"t{i}"]))
 
 
 @pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
