@@ -120,3 +120,14 @@ def test_two_ranks_split_the_heads_over_the_whole_latent(family: str) -> None:
     results, _ = _spawn_group(2, [("mla", {"model": family, "chunked_prefill_size": 4}, waves)])
     assert isinstance(results[0], dict), results
     _check_close(want, results[0]["mla"])
+
+
+def test_an_fp8_checkpoint_is_refused_by_name() -> None:
+    """DeepSeek-V3's official checkpoints store FP8 weights with `weight_scale_inv` scales: refused saying so."""
+    from ringserve.actors.engine.models.weights import model_from_hf
+
+    hf = tiny_hf_model("deepseek_v3")
+    tensors = dict(hf.state_dict())
+    tensors["model.layers.1.self_attn.o_proj.weight_scale_inv"] = torch.ones(1, 1)
+    with pytest.raises(ValueError, match="block-scaled FP8 weights .*weight_scale_inv"):
+        model_from_hf(hf.config, tensors)

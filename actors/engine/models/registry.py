@@ -22,7 +22,7 @@ FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = 
     "mixtral": (("MixtralForCausalLM",), ("mixtral",), ()),  # llama.cpp writes Mixtral GGUFs as "llama"
     "qwen2_moe": (("Qwen2MoeForCausalLM",), ("qwen2_moe",), ("qwen2moe",)),
     "qwen3_moe": (("Qwen3MoeForCausalLM",), ("qwen3_moe",), ("qwen3moe",)),
-    "deepseek_v2": (("DeepseekV2ForCausalLM",), ("deepseek_v2",), ("deepseek2",)),
+    "deepseek_v2": (("DeepseekV2ForCausalLM",), ("deepseek_v2",), ()),  # transformers reads no DeepSeek GGUF
     "deepseek_v3": (("DeepseekV3ForCausalLM",), ("deepseek_v3",), ()),
 }
 

@@ -39,6 +39,7 @@ from ringserve.actors.engine.models.spec import head_dim_of
 WEIGHTS_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
 IGNORED_TENSORS = (".rotary_emb.inv_freq",)  # kept by some older checkpoints; computed, not loaded
+FP8_SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")  # block-scaled FP8 checkpoints' scales
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: str | torch.device) -> CausalLM:
@@ -128,6 +129,10 @@ def model_from_hf(
     when already on `device`). The state dict may already have fused projections (as our own saved weights do)."""
     with torch.device("meta"):
         model = build_model(config)
+    scaled = next((name for name in state_dict if name.endswith(FP8_SCALE_SUFFIXES)), None)
+    if scaled is not None:
+        raise ValueError(f"the checkpoint stores block-scaled FP8 weights ({scaled}), as DeepSeek-V3/R1's official "
+                         "ones do: not served; use a bfloat16 conversion of it")
     tensors = fuse_hf_state_dict(dict(state_dict), model.spec.hf_fusions, model.spec.hf_renames)
     if model.spec.prepare_weights is not None:
         tensors = model.spec.prepare_weights(tensors, config)
