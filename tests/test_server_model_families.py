@@ -50,9 +50,9 @@ GROUPS: list[dict[str, tuple[str, list[str]]]] = [
     # auto measures int8's plan as int8 does: never side by side with it, or the two would race to cache it
     {"qwen3-auto": ("qwen3", ["--quantization", "auto"]), "qwen3-tp2": ("qwen3", ["--tp", "2"]),
      "gemma3-tp2": ("gemma3", ["--tp", "2"])},
-    {"mixtral": ("mixtral", []), "qwen2_moe": ("qwen2_moe", []), "qwen3_moe": ("qwen3_moe", [])},
-    {"qwen3_moe-tp2": ("qwen3_moe", ["--tp", "2"]), "qwen2_moe-ep2": ("qwen2_moe", ["--tp", "2", "--ep", "2"])},
-    {"deepseek_v2": ("deepseek_v2", []), "deepseek_v3": ("deepseek_v3", []),
+    {"mixtral": ("mixtral", []), "qwen2_moe": ("qwen2_moe", []), "qwen3_moe": ("qwen3_moe", []),
+     "deepseek_v2": ("deepseek_v2", []), "deepseek_v3": ("deepseek_v3", [])},
+    {"qwen3_moe-tp2": ("qwen3_moe", ["--tp", "2"]), "qwen2_moe-ep2": ("qwen2_moe", ["--tp", "2", "--ep", "2"]),
      "deepseek_v2-tp2": ("deepseek_v2", ["--tp", "2"])},
 ]
 SERVED = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM",

@@ -15,7 +15,10 @@ import pytest
 from tests.server_helpers import ServerHandle, server_info, servers_side_by_side
 
 MODEL = "SmolLM2-135M-Instruct"
-FLAGS = ["--torch-threads", "1"]
+# three servers side by side (one with two engines): no background graph compiles and small pools, so they fit
+# a loaded 2-core host beside the other test files (verify steps through compiled graphs: bench/bench_speculative.py
+# and tests/test_speculative.py)
+FLAGS = ["--torch-threads", "1", "--disable-cuda-graph", "--max-total-tokens", "4096"]
 QUOTE = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"
          "    return a * b\n")
 
