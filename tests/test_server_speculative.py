@@ -1,7 +1,6 @@
-"""Speculative decoding through the whole ring on the real SmolLM2 model: servers started with
-`--speculative-algorithm ngram`, and with `draft` (SmolLM2 drafting for itself), answer greedy requests with the
-tokens of a server without it (a prompt the answer copies from, stop strings inside its accepted runs, an output
-constraint, an opted-out request), and
+"""Speculative decoding through the whole ring on the real SmolLM2 model: a server started with
+`--speculative-algorithm ngram` answers greedy requests with the tokens of a server without it (a prompt the
+answer copies from, stop strings inside its accepted runs, an output constraint, an opted-out request), and
 `/get_server_info` and `/metrics` (ours and vLLM's names) show the drafts accepted."""
 
 from __future__ import annotations
@@ -15,9 +14,9 @@ import pytest
 from tests.server_helpers import ServerHandle, server_info, servers_side_by_side
 
 MODEL = "SmolLM2-135M-Instruct"
-# three servers side by side (one with two engines): no background graph compiles and small pools, so they fit
-# a loaded 2-core host beside the other test files (verify steps through compiled graphs: bench/bench_speculative.py
-# and tests/test_speculative.py)
+# two rings side by side, without background graph compiles and with small pools, so they fit a loaded 2-core
+# host beside the other test files (a third ring starved it: lost heartbeats). Verify steps through compiled
+# graphs: bench/bench_speculative.py; a draft model: tests/test_speculative.py.
 FLAGS = ["--torch-threads", "1", "--disable-cuda-graph", "--max-total-tokens", "4096"]
 QUOTE = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"
          "    return a * b\n")
@@ -26,9 +25,7 @@ QUOTE = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b
 @pytest.fixture(scope="module")
 def servers() -> Iterator[dict[str, ServerHandle]]:
     with servers_side_by_side({"off": (MODEL, FLAGS),
-                               "ngram": (MODEL, [*FLAGS, "--speculative-algorithm", "ngram"]),
-                               "draft": (MODEL, [*FLAGS, "--speculative-algorithm", "draft",
-                                                 "--speculative-draft-model-path", MODEL])}) as handles:
+                               "ngram": (MODEL, [*FLAGS, "--speculative-algorithm", "ngram"])}) as handles:
         yield handles
 
 
@@ -58,15 +55,13 @@ def test_greedy_answers_equal_the_server_without_speculation(servers: dict[str, 
         return {name: (r["choices"][0]["message"]["content"], r["choices"][0]["finish_reason"])
                 for name, r in replies.items()}
 
-    off, on, drafted = answers(servers["off"]), answers(servers["ngram"]), answers(servers["draft"])
-    assert on == off and drafted == off
+    off, on = answers(servers["off"]), answers(servers["ngram"])
+    assert on == off
     assert "return a + b" in on["copy"][0] and on["stop"][1] == "stop" and "mul" not in on["stop"][0]
     info = server_info(servers["ngram"].base_url)
     assert info["speculative"] == "ngram" and info["spec_accepted_tokens"] > 20, info
     assert info["spec_emitted_tokens"] == info["spec_accepted_tokens"] + info["spec_verify_rows"]
     assert server_info(servers["off"].base_url)["spec_verify_rows"] == 0
-    draft_info = server_info(servers["draft"].base_url)  # the model drafting for itself: nearly all accepted
-    assert draft_info["spec_accepted_tokens"] > 0.8 * draft_info["spec_drafted_tokens"] > 0, draft_info
 
 
 def test_usage_metrics_and_server_info_show_the_drafts(servers: dict[str, ServerHandle]) -> None:
