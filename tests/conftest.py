@@ -5,6 +5,10 @@ torch on one thread in this process."""
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -12,16 +16,51 @@ import pytest
 import torch
 
 from ringserve.bus.embedded_server import EmbeddedNatsServer
+from tests.host_lock import LOCKS_ENV, host_share
 from tests.otlp_receiver import OtlpReceiver
 from tests.server_helpers import ServerHandle, save_tiny_model, start_server
 from tests.shared_rings import logged, start_clients_ring, start_small_ring
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+# A hog ends itself after 5 minutes should this process die before it kills the hog.
+CPU_HOG = "import time\nend = time.monotonic() + 300\nwhile time.monotonic() < end:\n    pass\n"
 # Servers the tests start serve eagerly on a CPU: compiling decode graphs in the background would cost each of
 # them a minute of CPU (tests/test_decode_graph_compile.py compiles in-process instead).
 os.environ.setdefault("RINGSERVE_CPU_GRAPHS", "0")
 # Where a test does compile, a size whose graph fails is an error, never a silent eager fallback.
 os.environ.setdefault("RINGSERVE_GRAPH_FALLBACK", "error")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The controller makes the host lock's directory (tests/host_lock.py); xdist workers inherit it."""
+    if "PYTEST_XDIST_WORKER" not in os.environ and LOCKS_ENV not in os.environ:
+        os.environ[LOCKS_ENV] = tempfile.mkdtemp(prefix="ringserve-test-locks-")
+        config.add_cleanup(lambda: shutil.rmtree(os.environ.pop(LOCKS_ENV), ignore_errors=True))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Each test (its setup and teardown too) holds the host: alone when marked `host_load`."""
+    if "PYTEST_XDIST_WORKER" not in os.environ or LOCKS_ENV not in os.environ:
+        yield  # one process runs the tests: nothing runs beside them
+        return
+    with host_share(os.environ[LOCKS_ENV], exclusive=item.get_closest_marker("host_load") is not None):
+        yield
+
+
+@pytest.fixture
+def cpu_hogs(request: pytest.FixtureRequest) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Two processes spinning on the CPU (this machine's two cores and then some: a load average of 4+), for a
+    test marked `host_load` (so that no other test runs beside them)."""
+    if request.node.get_closest_marker("host_load") is None:
+        raise pytest.UsageError(f"{request.node.nodeid} uses cpu_hogs: mark it host_load")
+    hogs = [subprocess.Popen([sys.executable, "-c", CPU_HOG]) for _ in range(2)]
+    try:
+        yield hogs
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
 
 
 @pytest.fixture

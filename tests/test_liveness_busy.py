@@ -8,7 +8,6 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import subprocess
-import sys
 import time
 from typing import Any, Iterator
 
@@ -21,8 +20,7 @@ from tests.server_helpers import ServerHandle, start_server
 
 STREAMS = 32
 LONG_PROMPT_TOKENS = 3000
-HOG_SECONDS = 170  # each hog ends itself by then, and is killed when the test ends
-HOG = f"import time\nend = time.monotonic() + {HOG_SECONDS}\nwhile time.monotonic() < end:\n    pass\n"
+pytestmark = pytest.mark.host_load  # its CPU hogs would starve any test beside it
 DEADLINE = 150.0  # a guard against a hang, not a measured threshold
 
 
@@ -31,18 +29,6 @@ def server() -> Iterator[ServerHandle]:
     handle = start_server(DEFAULT_MODEL, extra=["--max-total-tokens", "16384"])
     yield handle
     handle.stop()
-
-
-@pytest.fixture
-def cpu_hogs() -> Iterator[list[subprocess.Popen[bytes]]]:
-    """Two processes spinning on the CPU (this machine's two cores and then some: a load average of 4+)."""
-    hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(2)]
-    try:
-        yield hogs
-    finally:
-        for hog in hogs:
-            hog.kill()
-            hog.wait()
 
 
 def _chat_stream(base: str, i: int) -> tuple[int, list[str]]:

@@ -94,8 +94,8 @@ class EngineConfig:
         "sends every token as it is made; k > 1 sends a stream's tokens k at a time, saving the ring's work "
         "per message, which on a small CPU host takes the cores a decode step needs"))
     grammar_compile_timeout: float = field(default=30.0, metadata=_flag(
-        "seconds an output constraint (json_schema, regex, ebnf) may take to compile before its request fails; "
-        "compiling never delays other requests"))
+        "CPU seconds an output constraint (json_schema, regex, ebnf) may take to compile before its request fails "
+        "(on a busy host its wall time may reach 10 times that); compiling never delays other requests"))
     disable_jump_forward: bool = field(default=False, metadata=_flag(
         "decode the tokens an output constraint forces one step each, instead of appending them at once"))
     speculative_algorithm: str = field(default="none", metadata=_flag(

@@ -1,10 +1,14 @@
 """The parent's side of the grammar compile workers (`ringserve.kernels.grammar.compile_worker`): up to `size` child
-processes, each capped in memory, each request bounded in wall time.
+processes, each capped in memory, each request bounded in CPU time.
 
 A worker is started lazily (and the first one eagerly by the compiler) and kept for the next request. A request
-that overruns `time_limit` seconds gets its worker killed (SIGKILL: a native compile cannot be interrupted any
-other way) and a `WorkerFailure`; so does a worker that dies or hits its memory cap. The next request starts a
-fresh worker. Replies are plain JSON lines read from our own child's pipe, never unpickled.
+whose worker spends more than `time_limit` seconds of CPU on it gets the worker killed (SIGKILL: a native compile
+cannot be interrupted any other way) and a `WorkerFailure`; so does a worker that dies or hits its memory cap.
+CPU time, not wall time, is what a constraint costs: on a busy host a worker gets a fraction of a core, and a
+schema that compiles in 5 s alone must not fail there. Where the worker's CPU time cannot be read (no
+/proc), wall time counts instead; either way `WALL_GUARD` times the limit in wall time ends a request whatever
+its worker did. The next request starts a fresh worker. Replies are plain JSON lines read from our own child's
+pipe, never unpickled.
 """
 
 from __future__ import annotations
@@ -19,6 +23,19 @@ import time
 from typing import Any, Callable
 
 START_TIMEOUT = 120.0  # importing torch and xgrammar on a loaded host
+WALL_GUARD = 10.0  # a request's wall time may reach this many times its CPU limit (a starved or stuck worker)
+POLL_S = 0.1  # how often a compiling worker's CPU time is read
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User plus system CPU seconds process `pid` has used, from /proc; None where that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rpartition(b")")[2].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime, stime: fields 14 and 15 of proc(5)
 
 
 class WorkerFailure(Exception):
@@ -40,12 +57,13 @@ class CompileWorker:
         self.proc = subprocess.Popen([sys.executable, "-m", "ringserve.kernels.grammar.compile_worker"], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         try:
-            self.limit_bytes = int(self._exchange(setup_line, START_TIMEOUT).get("limit_bytes", 0))
+            self.limit_bytes = int(self._exchange(setup_line, START_TIMEOUT, cpu=False).get("limit_bytes", 0))
         except WorkerFailure as exc:  # not the grammar's fault: no request is failed as if it were
             raise WorkerFailure("unavailable", f"the grammar compiler process did not start: {exc}") from None
 
     def request(self, message: dict[str, Any], time_limit: float) -> dict[str, Any]:
-        """The worker's reply to `message`; WorkerFailure (and the worker killed) when it has none in time."""
+        """The worker's reply to `message`; WorkerFailure (and the worker killed) when it spent `time_limit` CPU
+        seconds on it (see the module's docstring) without one."""
         return self._exchange(json.dumps(message).encode() + b"\n", time_limit)
 
     def alive(self) -> bool:
@@ -61,7 +79,7 @@ class CompileWorker:
             if pipe is not None:
                 pipe.close()
 
-    def _exchange(self, line: bytes, time_limit: float) -> dict[str, Any]:
+    def _exchange(self, line: bytes, time_limit: float, *, cpu: bool = True) -> dict[str, Any]:
         assert self.proc.stdin is not None
         try:
             self.proc.stdin.write(line)
@@ -69,22 +87,30 @@ class CompileWorker:
         except (BrokenPipeError, OSError):
             self.kill()
             raise WorkerFailure("crashed", "the grammar compiler process is gone") from None
-        reply = json.loads(self._read_line(time.monotonic() + time_limit, time_limit))
+        reply = json.loads(self._read_line(time_limit, cpu))
         printed = reply.pop("stderr", None)
         if printed:
             self._on_stderr(printed)
         return reply
 
-    def _read_line(self, deadline: float, time_limit: float) -> bytes:
+    def _read_line(self, time_limit: float, cpu: bool) -> bytes:
+        """The worker's next line: `time_limit` bounds its CPU time when `cpu` (and /proc tells it), else wall."""
         assert self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
+        started_wall = time.monotonic()
+        started_cpu = process_cpu_seconds(self.proc.pid) if cpu else None
+        wall_limit = time_limit if started_cpu is None else time_limit * WALL_GUARD
         with selectors.DefaultSelector() as selector:
             selector.register(fd, selectors.EVENT_READ)
             while b"\n" not in self._buffer:
-                left = deadline - time.monotonic()
-                if left <= 0 or not selector.select(left):
+                wall_left = started_wall + wall_limit - time.monotonic()
+                cpu_now = None if started_cpu is None else process_cpu_seconds(self.proc.pid)
+                over_cpu = cpu_now is not None and started_cpu is not None and cpu_now - started_cpu > time_limit
+                if over_cpu or wall_left <= 0:
                     self.kill()
-                    raise WorkerFailure("timeout", f"it took longer than {time_limit:g} s to compile")
+                    raise WorkerFailure("timeout", f"it took more than {time_limit:g} CPU seconds to compile")
+                if not selector.select(min(wall_left, POLL_S)):
+                    continue
                 chunk = os.read(fd, 1 << 20)
                 if not chunk:
                     try:  # its own exit status says more than our SIGKILL would

@@ -205,7 +205,7 @@ class XGrammarCompiler(GrammarCompiler):
 
     @property
     def time_limit(self) -> float:
-        """Seconds a worker may spend on one request before it is killed."""
+        """CPU seconds a worker may spend on one request before it is killed (compile_pool's docstring)."""
         return self._workers.time_limit
 
     def _check(self, spec: GrammarSpec) -> None:
@@ -238,7 +238,7 @@ class XGrammarCompiler(GrammarCompiler):
             if exc.reason == "unavailable":  # a server fault, not the grammar's: not cached as the grammar's error
                 raise RuntimeError(str(exc)) from None
             if exc.reason == "timeout":
-                raise GrammarError(f"the {label} took longer than {self.time_limit:g} s to compile; simplify it",
+                raise GrammarError(f"the {label} took more than {self.time_limit:g} CPU seconds to compile; simplify it",
                                    spec.kind) from None
             if exc.reason == "unbounded":
                 raise _unbounded(spec, None) from None

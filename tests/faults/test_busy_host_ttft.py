@@ -12,7 +12,6 @@ flight when it arrives and the ring's hops. The long and medium prompts are abor
 from __future__ import annotations
 
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -31,6 +30,7 @@ STEP_BOUND = 2 + 2  # k + 1 with one prompt ahead, + the step in flight, + the s
 CHUNK_MULTIPLE = 6  # STEP_BOUND chunk-long steps, + the ring's hops (HTTP, tokenizer, detokenizer) on busy cores
 GUARD = 150.0  # against a hang, not a measured threshold
 RIDS: dict[str, str] = {}
+pytestmark = pytest.mark.host_load  # its CPU hogs would starve any test beside it
 
 
 @pytest.fixture(scope="module")
@@ -39,18 +39,6 @@ def server() -> Iterator[ServerHandle]:
                                                 str(CHUNK), "--max-total-tokens", "16384"])
     yield handle
     handle.stop()
-
-
-@pytest.fixture
-def busy_host() -> Iterator[None]:
-    """Two processes spinning on the CPU beside the ring (ended by their own pids)."""
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
-    try:
-        yield
-    finally:
-        for hog in hogs:
-            hog.kill()
-            hog.wait()
 
 
 def _stream(base: str, ids: list[int], first: dict[str, float], name: str, stop: threading.Event) -> None:
@@ -79,7 +67,7 @@ def _wait(base: str, condition: Any, what: str) -> dict[str, Any]:
 
 
 def test_a_short_prompt_beside_an_8k_prompt_gets_its_first_token_within_a_few_chunks(
-        server: ServerHandle, busy_host: None) -> None:
+        server: ServerHandle, cpu_hogs: list[subprocess.Popen[bytes]]) -> None:
     base = server.base_url
     wait_until_idle(base)
     first: dict[str, float] = {}
