@@ -39,15 +39,16 @@ def tiny_hf_llama(vocab_size: int = 512, seed: int = 0, **overrides: Any) -> Any
     return LlamaForCausalLM(LlamaConfig(**settings)).eval()
 
 
-def engine_for(hf_model: Any, tokenizer: Any | None = None, **config: Any) -> Engine:
-    """An Engine sharing `hf_model`'s weights, on the CPU unless `device` says otherwise."""
+def engine_for(hf_model: Any, tokenizer: Any | None = None, draft: Engine | None = None, **config: Any) -> Engine:
+    """An Engine sharing `hf_model`'s weights, on the CPU unless `device` says otherwise; `draft`: its draft
+    model's engine (with `speculative_algorithm="draft"`)."""
     config.setdefault("device", "cpu")
     config.setdefault("torch_threads", 1)  # no thread tuner: its per-step thread switches change float rounding
     # A pool sized for the tests' prompts: the automatic size (a fifth of memory, up to every request at full
     # context) is a gigabyte for the tiny model, zeroed at construction and scanned by every integrity check.
     config.setdefault("max_total_tokens", 16384)
     model = model_from_hf(hf_model.config, hf_model.state_dict(), config["device"])
-    return Engine(model, EngineConfig(**config), tokenizer)
+    return Engine(model, EngineConfig(**config), tokenizer, draft=draft)
 
 
 def greedy(max_new_tokens: int, **kwargs: Any) -> SamplingParams:

@@ -2,7 +2,8 @@
 processes) is one replica with `tp_size` 3 whose greedy tokens equal transformers'; a follower rank killed
 mid-stream ends the stream with an error within 5 s, and as the last replica the ring fail-stops leaving no
 process behind. With `--dp 2 --tp 2` (a tiny model), a stopped follower's replica fails its requests, is
-restarted as a whole, and serves again while the other replica serves on."""
+restarted as a whole, and serves again while the other replica serves on; its ranks 0 draft with a draft
+model (`--speculative-algorithm draft`) whose drafts the sharded ranks verify."""
 
 from __future__ import annotations
 
@@ -31,8 +32,10 @@ def rings(tiny_model_dir: Path) -> Iterator[dict[str, ServerHandle]]:
     `--dp 2 --tp 2`)."""
     with servers_side_by_side({
         "tp": (DEFAULT_MODEL, ["--tp", "3", "--torch-threads", "1", "--max-total-tokens", "8192"]),
+        # each replica's rank 0 also runs a draft model whole (the tiny model drafting for itself)
         "dp_tp": (str(tiny_model_dir), ["--dp", "2", "--tp", "2", "--torch-threads", "1", "--max-total-tokens",
-                                        "4096", "--watchdog-timeout", "5"]),
+                                        "4096", "--watchdog-timeout", "5", "--speculative-algorithm", "draft",
+                                        "--speculative-draft-model-path", str(tiny_model_dir)]),
     }) as handles:
         yield handles
 
@@ -165,6 +168,8 @@ def test_dp2_tp2_restarts_a_replica_whose_follower_stopped(dp_tp_server: ServerH
         body = {"prompt": f"After the restart {i}", "max_tokens": 4, "temperature": 0}
         response = httpx.post(dp_tp_server.base_url + "/v1/completions", json=body, timeout=60)
         assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"] == "length"
+    info = _info(dp_tp_server)
+    assert info["speculative"] == "draft" and info["spec_accepted_tokens"] > 100, info  # replica 0's streams
 
 
 def test_a_tp_that_does_not_divide_the_heads_is_refused_at_launch() -> None:

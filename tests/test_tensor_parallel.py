@@ -56,7 +56,19 @@ def _scenarios() -> list[tuple[str, dict[str, Any], list[Wave]]]:
         ("int8", {"quantization": "int8"}, [[(f"q{i}", p, 8) for i, p in enumerate(plain)]]),
         # verify steps: a request's draft rows on its table row, laid out for the followers as any decode rows
         ("speculative", {"speculative_algorithm": "ngram"}, [[(f"n{i}", p * 3, 24) for i, p in enumerate(plain)]]),
+        # a draft model runs whole on rank 0 and drafts for the group: the served model's own weights, so the
+        # sharded verify must accept nearly every draft
+        ("draft", {"speculative_algorithm": "draft", "speculative_draft_model_path": "(in process)"},
+         [[(f"d{i}", p * 3, 24) for i, p in enumerate(plain)]]),
     ]
+
+
+def _draft_for(config: dict[str, Any]) -> Any:
+    """The draft model's engine for a `speculative_algorithm="draft"` scenario's `config` (seeded: the same in
+    every process), whole: the one rank 0 runs beside its shard."""
+    if config.get("speculative_algorithm") != "draft":
+        return None
+    return engine_for(tiny_hf_llama(), max_total_tokens=4096)
 
 
 def _run_waves(engine: Any, waves: list[Wave]) -> dict[str, Any]:
@@ -110,7 +122,7 @@ def _rank_main(rank: int, size: int, addr: str, scenarios: list[Any], queue: Any
             elif kill:
                 results[name] = _kill_follower(TPEngine(model, config, group), waves, kill, peer_pid)
             else:
-                engine = TPEngine(model, config, group)
+                engine = TPEngine(model, config, group, draft=_draft_for(config_kwargs))
                 results[name] = _run_waves(engine, waves)
                 engine.close()
         queue.put((rank, results))
@@ -202,7 +214,7 @@ def tp1_results() -> dict[str, Any]:
     hf = tiny_hf_llama()
     out = {}
     for name, config, waves in _scenarios():
-        engine = engine_for(hf, **config)
+        engine = engine_for(hf, draft=_draft_for(config), **config)
         apply_quantization(engine.runner.model, engine.config)  # what Engine.from_source does after loading
         engine._quantization = quantization_report(engine.runner.model)
         out[name] = _run_waves(engine, waves)
@@ -227,6 +239,7 @@ def test_tp2_matches_tp1_through_prefill_chunking_prefix_cache_and_retraction(
     assert results[0]["plain"]["requests"]["s0"]["cached"] >= 24  # the prefix cache served the second wave
     assert results[0]["retract"]["retractions"] > 0
     assert results[0]["speculative"]["spec_accepted"] > 0
+    assert results[0]["draft"]["spec_accepted"] > 50  # the whole model's drafts, verified over both ranks
     assert all(p.exitcode == 0 for p in procs)
 
 

@@ -76,9 +76,6 @@ class Ring:
                 check_shardable(resolved_config(self.source), args.tp)
                 check_expert_parallel(resolved_config(self.source), args.tp, args.ep)
                 check_tp_quantization(args.tp, args.quantization)
-                if args.speculative_algorithm == "draft":
-                    raise ValueError("--speculative-algorithm draft runs its draft model beside a single rank; "
-                                     "with --tp use --speculative-algorithm ngram")
         except (FileNotFoundError, ValueError) as exc:
             raise RingError(str(exc)) from exc
         if args.quantization == "gguf" and self.source.gguf_file is None:

@@ -89,6 +89,8 @@ async def leader_main(ctx: Any, model: str, config: Any, admission: Any, args: a
     """Rank 0: the scheduler actor over a `TPEngine` of the whole replica."""
     from ringserve.actors.common.text_tokenizer import load_text_model
     from ringserve.actors.engine.parallel.tp_engine import TPEngine
+    from ringserve.actors.engine.scheduling.engine import Engine
+    from ringserve.actors.engine.speculative.draft_model import load_draft_engine
     from ringserve.actors.scheduler.actor import scheduler_main
     from ringserve.actors.scheduler.engine_thread import on_engine_thread
 
@@ -96,8 +98,12 @@ async def leader_main(ctx: Any, model: str, config: Any, admission: Any, args: a
 
     def build() -> TPEngine:  # on the thread that will run its steps (actors/scheduler/engine_thread.py)
         group, llama, rank_config, source = _load_rank(model, config, args)
-        return TPEngine(llama, rank_config, group, load_text_model(source).tokenizer, source.name,
-                        on_broken=lambda why: loop.call_soon_threadsafe(ctx.fail, why))
+        tokenizer = load_text_model(source).tokenizer
+        # the draft model runs whole on rank 0 alone (it drafts for the group), eagerly as the ranks do
+        draft = (load_draft_engine(Engine, rank_config, tokenizer) if rank_config.speculative_algorithm == "draft"
+                 else None)
+        return TPEngine(llama, rank_config, group, tokenizer, source.name,
+                        on_broken=lambda why: loop.call_soon_threadsafe(ctx.fail, why), draft=draft)
 
     engine = await on_engine_thread(build)
 

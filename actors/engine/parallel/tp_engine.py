@@ -3,7 +3,9 @@
 Rank 0 is an ordinary `Engine` over its shard of the model whose runner, before each forward, broadcasts the
 step plan (`tp_plan.py`) to the followers; every follower builds the same pool, token table and runner over
 its own shard (`TPFollower`) and runs the identical forward, so the two all-reduces of each layer
-(`tensor_parallel.py`) meet. Only rank 0 samples. Collectives are serialised by one lock: a keepalive plan,
+(`tensor_parallel.py`) meet. Only rank 0 samples, and only rank 0 drafts: with `--speculative-algorithm draft`
+its draft model runs whole (unsharded, no collective) beside its shard, and the followers see verify steps as
+decode rows of the plan. Collectives are serialised by one lock: a keepalive plan,
 sent while rank 0 idles, never slips between a forward's plan and its all-reduces.
 
 Failure: a collective that fails or times out breaks the group. Rank 0 then ends every live request with an
@@ -46,9 +48,6 @@ def prepare_rank(model: CausalLM, config: EngineConfig, group: TPGroup, expert_p
     ranks agree on (the smallest any of them would allocate). A collective with every rank (startup timeout).
     `source`: where `model` was loaded from (a bfloat16 checkpoint's shards may run the bf16 kernel)."""
     check_tp_quantization(group.size, config.quantization)
-    if config.speculative_algorithm == "draft":
-        raise ValueError("--speculative-algorithm draft runs its draft model beside a single rank; with --tp use "
-                         "--speculative-algorithm ngram")
     shard_model(model, group, expert_parallel)
     apply_quantization(model, config, source)  # `source`: a bfloat16 checkpoint may run the bf16 kernel
     if config.graph_max_bs():
@@ -71,10 +70,11 @@ class TPEngine(Engine):
     """Rank 0 of a tensor-parallel replica: schedules, samples and answers for the whole group."""
 
     def __init__(self, model: CausalLM, config: EngineConfig, group: TPGroup, tokenizer: Any | None = None,
-                 model_name: str = "", on_broken: Callable[[str], None] | None = None) -> None:
+                 model_name: str = "", on_broken: Callable[[str], None] | None = None,
+                 draft: Engine | None = None) -> None:
         """`model` already sharded and `config` from `prepare_rank`; `on_broken` is told (from the keepalive
-        thread) when the group breaks while idle."""
-        super().__init__(model, config, tokenizer, model_name)
+        thread) when the group breaks while idle; `draft`: the whole draft model's engine (`Engine`'s)."""
+        super().__init__(model, config, tokenizer, model_name, draft=draft)
         self.group = group
         self.on_broken = on_broken
         self.runner.tp_sender = self._send_forward
@@ -166,8 +166,10 @@ class TPFollower:
 
     def __init__(self, model: CausalLM, config: EngineConfig, group: TPGroup) -> None:
         """`model` already sharded and `config` from `prepare_rank`."""
-        # the same construction as rank 0's (pool size, table width); its scheduling parts stay unused
-        self.engine = Engine(model, config)
+        # the same construction as rank 0's (pool size, table width); its scheduling parts stay unused, and
+        # drafting is rank 0's alone
+        self.engine = Engine(model, dataclasses.replace(config, speculative_algorithm="none",
+                                                        speculative_draft_model_path=""))
         self.group = group
         self.steps = 0
         self.live = 0  # rank 0's live requests, as of its last plan
