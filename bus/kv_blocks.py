@@ -17,6 +17,14 @@ BLOCK = 64  # tokens per hashed block: prefixes are matched and reported in whol
 HASH_BYTES = 16
 
 
+def salt_seed(salt: str | None) -> bytes:
+    """What a request's first block chains to: b"" without a `cache_salt`, else a hash of the salt, so the
+    blocks of salted prompts never equal another salt's (or an unsalted prompt's)."""
+    if salt is None:
+        return b""
+    return hashlib.blake2b(b"cache_salt\0" + salt.encode("utf-8"), digest_size=HASH_BYTES).digest()
+
+
 def block_hash(prev: bytes, block_ids: Sequence[int]) -> bytes:
     """The hash of one block of token ids that follows the prefix whose last block hashed to `prev` (b"" first)."""
     return hashlib.blake2b(prev + array("I", block_ids).tobytes(), digest_size=HASH_BYTES).digest()

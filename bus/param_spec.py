@@ -34,8 +34,8 @@ def plain_number(value: float) -> int | float:
 
 @dataclass(frozen=True)
 class Spec:
-    """One parameter: `kind` ("integer", "number", "boolean", "string": `max_items` characters at most) or a
-    composite `shape`, bounds (`low_open`: `low`
+    """One parameter: `kind` ("integer", "number", "boolean", "string": `max_items` characters at most, or one of
+    `choices`) or a composite `shape`, bounds (`low_open`: `low`
     itself is excluded), a one-line `doc`, and `openai`, the names an OpenAI body uses for it (None: the same
     name; empty: not taken from OpenAI bodies directly). `name` and `kind` are filled from the declaring field."""
 
@@ -49,6 +49,7 @@ class Spec:
     kind: str = ""
     name: str = ""
     default_doc: str | None = None  # how the default reads in the docs, when it is not a constant
+    choices: tuple[str, ...] | None = None  # a string parameter that takes only these values
 
     @property
     def error_name(self) -> str:
@@ -61,6 +62,8 @@ class Spec:
 
     def range_text(self) -> str:
         """The accepted range, as the docs and error messages print it."""
+        if self.choices:
+            return " or ".join(self.choices)
         if self.kind == "string":
             return f"≤ {self.max_items} characters"
         if self.shape == STOP_STRINGS:
@@ -91,6 +94,10 @@ class Spec:
         return ApiError(f"{name} must be {what}, got {quote(value)}", param=name)
 
     def _scalar(self, value: Any, name: str) -> Any:
+        if self.choices:
+            if value not in self.choices:
+                raise self._bad(name, f"one of {', '.join(map(repr, self.choices))}", value)
+            return value
         if self.kind == "string":
             if not isinstance(value, str) or not 0 < len(value) <= (self.max_items or MAX_STRING_CHARS):
                 raise self._bad(name, f"a non-empty string of {self.range_text()}", value)
@@ -151,6 +158,8 @@ class Spec:
             schema = {"type": "object", "maxProperties": self.max_items, "propertyNames": {"pattern": "^[0-9]{1,19}$"},
                       "additionalProperties": {"type": "number", "minimum": -LOGIT_BIAS_LIMIT,
                                                "maximum": LOGIT_BIAS_LIMIT}}
+        elif self.choices:
+            schema = {"type": "string", "enum": list(self.choices)}
         elif self.kind == "string":
             schema = {"type": "string", "minLength": 1, "maxLength": self.max_items}
         else:
@@ -186,7 +195,8 @@ def param(default: Any = dataclasses.MISSING, doc: str = "", **spec: Any) -> Any
     return field(default=default, metadata=meta)
 
 
-_KINDS = {"int": "integer", "float": "number", "bool": "boolean", "int | None": "integer", "str | None": "string"}
+_KINDS = {"int": "integer", "float": "number", "bool": "boolean", "int | None": "integer", "str | None": "string",
+          "str": "string"}
 
 
 def specs_of(cls: type) -> dict[str, Spec]:

@@ -58,8 +58,14 @@ class SamplingParams:
     ignore_eos: bool = param(False, "do not stop at the model's EOS tokens (stop_token_ids still stop)")
     skip_special_tokens: bool = param(True, "leave special tokens out of the text")
     no_stop_trim: bool = param(False, "keep the matched stop string at the end of the text")
-    truncate_prompt_tokens: int | None = param(None, "keep only the last this many prompt tokens (vLLM's option)",
-                                               low=1, default_doc="none (the whole prompt)")
+    truncate_prompt_tokens: int | None = param(None, "keep only this many prompt tokens (vLLM's option): the last "
+                                               "ones, or the first with truncation_side right", low=1,
+                                               default_doc="none (the whole prompt)")
+    truncation_side: str = param("left", "with truncate_prompt_tokens: left drops the prompt's first tokens, right "
+                                 "its last", choices=("left", "right"))
+    cache_salt: str | None = param(None, "a prefix-cache namespace (vLLM's): a request reuses cached prompt tokens "
+                                   "only of requests with the same salt, so tenants cannot probe each other's "
+                                   "prompts by timing", max_items=256, default_doc="none (one shared cache)")
     return_logprob: bool = param(False, "return the logprob of every generated token", openai=(),
                                  default_doc="false (true when top_logprobs_num > 0)")
     top_logprobs_num: int = param(0, "return this many most likely alternatives with every token", low=0,

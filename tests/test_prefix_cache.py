@@ -158,6 +158,34 @@ def test_integrity_check_catches_corruption() -> None:
         cache.check_integrity()
 
 
+def test_a_cache_salt_keeps_its_prefixes_apart() -> None:
+    """Prefixes inserted under a salt match only under that salt; their block hashes chain to the salt's seed
+    (the router's); an evicted salt's empty tree is forgotten and handles into it go stale."""
+    from ringserve.bus.kv_blocks import block_hashes, salt_seed
+
+    cache = RadixPrefixCache("cpu", block=4)
+    ids = list(range(1, 11))
+    assert cache.insert_prefix(ids, torch.arange(10)) == 0
+    assert cache.match_prefix(ids, "tenant-a")[0].cached_len == 0  # the shared tree's prefix is not a's
+    assert cache.insert_prefix(ids, torch.arange(10, 20), "tenant-a") == 0
+    handle, got = cache.match_prefix(ids, "tenant-a")
+    assert handle.cached_len == 10 and got.tolist() == list(range(10, 20))
+    assert cache.match_prefix(ids)[1].tolist() == list(range(10))
+    stale = cache.match_prefix(ids, "tenant-b")[0]
+    assert stale.cached_len == 0
+    stored, _ = cache.take_block_events()
+    assert set(stored) == set(block_hashes(ids, 4)) | set(block_hashes(ids, 4, salt_seed("tenant-a")))
+    checked(cache)
+    cache.lock(handle)
+    assert held(cache) == list(range(20)) and sorted(cache.evict(100).tolist()) == list(range(10))
+    checked(cache)
+    cache.unlock(handle)
+    assert sorted(cache.evict(100).tolist()) == list(range(10, 20)) and held(cache) == []
+    checked(cache)
+    with pytest.raises(RuntimeError, match="stale"):
+        cache.lock(stale)
+
+
 def test_naive_cache_holds_nothing() -> None:
     cache = create_prefix_cache(False, "cpu")
     assert isinstance(cache, NaivePrefixCache) and not cache.caches

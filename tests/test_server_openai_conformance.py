@@ -115,13 +115,17 @@ def test_echo_puts_the_prompt_before_each_choice(smollm_server: ServerHandle, st
     assert echoed["usage"] == plain["usage"]
 
 
-def test_echo_with_the_openai_client_and_its_limits(client: openai.OpenAI, smollm_server: ServerHandle,
-                                                    token_prompts: list[list[int]]) -> None:
+def test_echo_with_the_openai_client_and_token_id_prompts(client: openai.OpenAI, smollm_server: ServerHandle,
+                                                         token_prompts: list[list[int]]) -> None:
+    """A token-id prompt echoes as its decoded text (a tokenizer decodes it); one outside the vocabulary is a
+    400 naming the prompt."""
     reply = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=3, temperature=0, echo=True)
     alone = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=3, temperature=0, echo=False)
     assert reply.choices[0].text == PROMPTS[0] + alone.choices[0].text
-    error = assert_400(post(smollm_server, COMPLETIONS, {"prompt": token_prompts[0], "echo": True}), "echo")
-    assert "token ids" in error["message"]
+    by_ids = client.completions.create(model=MODEL, prompt=[token_prompts[1], PROMPTS[0]], max_tokens=3,
+                                       temperature=0, echo=True)
+    assert by_ids.choices[0].text.startswith(PROMPTS[1]) and by_ids.choices[1].text == reply.choices[0].text
+    assert_400(post(smollm_server, COMPLETIONS, {"prompt": [10**7], "echo": True, "max_tokens": 1}), "prompt")
 
 
 def test_best_of_must_be_1_or_n(smollm_server: ServerHandle) -> None:

@@ -91,7 +91,7 @@ def test_detokenize_round_trips(smollm_server: ServerHandle, tokenizer: Any) -> 
     ("/v1/tokenize", {"messages": []}, "messages"),
     ("/v1/tokenize", {"messages": "hi"}, "messages"),
     ("/v1/tokenize", {"messages": [{"content": "no role"}]}, "messages"),
-    ("/v1/tokenize", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+    ("/v1/tokenize", {"messages": [{"role": "<|im_start|>wizard", "content": "hi"}]}, "messages"),
     ("/v1/tokenize", {"messages": MESSAGES, "add_generation_prompt": 1}, "add_generation_prompt"),
     ("/v1/tokenize", {"messages": MESSAGES, "continue_final_message": True}, "continue_final_message"),
     ("/v1/tokenize", {"messages": MESSAGES, "add_special_tokens": True}, "add_special_tokens"),

@@ -74,7 +74,7 @@ def test_chat_template_and_prompt_forms() -> None:
     assert encoder.encode(GenerateRequest(rid="r", input_ids=[5, 6])) == [5, 6]
     assert encoder.encode(GenerateRequest(rid="r", text="Hello")) == tokenizer.encode("Hello")
     for bad in (GenerateRequest(rid="r"), GenerateRequest(rid="r", text="a", input_ids=[1]),
-                GenerateRequest(rid="r", messages=[]), GenerateRequest(rid="r", messages=[ChatMessage("robot", "x")]),
+                GenerateRequest(rid="r", messages=[]), GenerateRequest(rid="r", messages=[ChatMessage("robot\n", "x")]),
                 GenerateRequest(rid="r", input_ids=[encoder.vocab_size]), GenerateRequest(rid="r", text="")):
         with pytest.raises(ApiError):
             encoder.encode(bad)

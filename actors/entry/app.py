@@ -5,7 +5,6 @@ origins are configured, CORS."""
 
 from __future__ import annotations
 
-import importlib.metadata
 from dataclasses import asdict
 
 from starlette.applications import Starlette
@@ -20,7 +19,7 @@ from ringserve.actors.entry.errors import error_response
 from ringserve.bus.errors import ApiError
 from ringserve.actors.entry.guard import EntryGuard
 from ringserve.actors.entry.generate_route import generate_route
-from ringserve.actors.entry.http_common import handles_errors
+from ringserve.actors.entry.http_common import handles_errors, package_version
 from ringserve.actors.entry.metrics_scrape import metrics_route
 from ringserve.actors.entry.openapi_doc import openapi_document
 from ringserve.actors.entry.openai_routes import openai_routes
@@ -29,12 +28,6 @@ from ringserve.bus.replica_replies import combined_info, replica_entry
 from ringserve.actors.entry.settings import EntrySettings
 from ringserve.actors.entry.tokenize_routes import tokenize_routes
 
-def _package_version() -> str:
-    """ringserve's installed version (SGLang's `version` in /get_server_info); 0.0.0 when not installed."""
-    try:
-        return importlib.metadata.version("ringserve")
-    except importlib.metadata.PackageNotFoundError:
-        return "0.0.0"
 
 
 def build_app(service: EntryService, settings: EntrySettings | None = None) -> Starlette:
@@ -64,7 +57,7 @@ def build_app(service: EntryService, settings: EntrySettings | None = None) -> S
                              "actors": service.liveness.actors(), "heartbeat_timeout": service.liveness.silence_s,
                              "max_total_num_tokens": info.kv_total_tokens,
                              "tool_call_parser": settings.tool_call_parser,
-                             "version": _package_version(), "model_path": info.model or service.served_model})
+                             "version": package_version(), "model_path": info.model or service.served_model})
 
     @handles_errors
     async def model_info(request: Request) -> Response:

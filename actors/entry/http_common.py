@@ -1,7 +1,9 @@
-"""Helpers every route shares: SSE lines, JSON bodies, and turning errors into HTTP responses."""
+"""Helpers every route shares: SSE lines, JSON bodies, turning errors into HTTP responses, our version."""
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import json
 import logging
 from typing import Any, Awaitable, Callable
@@ -17,6 +19,15 @@ from ringserve.observability.logging import log_event
 
 CLIENT_CLOSED_REQUEST = 499
 log = logging.getLogger("entry")
+
+
+@functools.cache
+def package_version() -> str:
+    """ringserve's installed version (SGLang's `version` in /get_server_info); 0.0.0 when not installed."""
+    try:
+        return importlib.metadata.version("ringserve")
+    except importlib.metadata.PackageNotFoundError:
+        return "0.0.0"
 
 
 def sse(data: Any) -> str:

@@ -30,38 +30,48 @@ def token_bytes(token: str, raw: list[int] | None = None) -> list[int]:
     return list(raw) if raw is not None else list(token.encode("utf-8", errors="replace"))
 
 
-def _chat_entry(entry: TokenLogprob | TopLogprob) -> dict[str, Any]:
-    return {"token": entry.token, "logprob": finite(entry.logprob), "bytes": token_bytes(entry.token, entry.bytes)}
+def _chat_entry(entry: TokenLogprob | TopLogprob, as_ids: bool) -> dict[str, Any]:
+    return {"token": _name(entry, as_ids), "logprob": finite(entry.logprob),
+            "bytes": token_bytes(entry.token, entry.bytes)}
+
+
+def _name(entry: TokenLogprob | TopLogprob, as_ids: bool) -> str:
+    """How a token is named in logprobs: its text, or vLLM's `token_id:<id>` (`return_tokens_as_token_ids`,
+    for tokens whose text is not unique or not valid UTF-8 on its own)."""
+    return f"token_id:{entry.token_id}" if as_ids else entry.token
 
 
 class LogprobFormatter:
     """Formats one choice's logprob entries, delta by delta; keeps the completion text offset between deltas.
 
     `requested`: the client asked for logprobs (else `format` returns None, OpenAI's `logprobs: null`);
-    `top`: it asked for alternatives (completions' `top_logprobs` is null without them).
+    `top`: it asked for alternatives (completions' `top_logprobs` is null without them); `as_ids`: tokens are
+    named `token_id:<id>` (text offsets still count the tokens' text).
     """
 
-    def __init__(self, kind: str, requested: bool, top: bool) -> None:
+    def __init__(self, kind: str, requested: bool, top: bool, as_ids: bool = False) -> None:
         self.kind = kind
         self.requested = requested
         self.top = top
+        self.as_ids = as_ids
         self.text_offset = 0
 
     def format(self, entries: list[TokenLogprob]) -> dict[str, Any] | None:
         """The `logprobs` object of a choice (or of a stream chunk) holding `entries`."""
         if not self.requested:
             return None
+        ids = self.as_ids
         if self.kind == "chat":
-            return {"content": [{**_chat_entry(e), "top_logprobs": [_chat_entry(t) for t in e.top]}
+            return {"content": [{**_chat_entry(e, ids), "top_logprobs": [_chat_entry(t, ids) for t in e.top]}
                                 for e in entries]}
         offsets = []
         for entry in entries:
             offsets.append(self.text_offset)
             self.text_offset += len(entry.token)
         return {
-            "tokens": [e.token for e in entries],
+            "tokens": [_name(e, ids) for e in entries],
             "token_logprobs": [finite(e.logprob) for e in entries],
-            "top_logprobs": [{t.token: finite(t.logprob) for t in e.top} if e.logprob is not None else None
+            "top_logprobs": [{_name(t, ids): finite(t.logprob) for t in e.top} if e.logprob is not None else None
                              for e in entries] if self.top else None,
             "text_offset": offsets,
         }

@@ -14,11 +14,13 @@ put into responses by `tool_response`.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from ringserve.bus.errors import ApiError, clip, quote
+from ringserve.actors.entry.http_common import package_version
 from ringserve.actors.entry.openai_logprobs import LogprobFormatter, vllm_prompt_logprobs
 from ringserve.actors.entry.tool_parsers import DEFAULT_PARSER
 from ringserve.actors.entry.tool_request import GUIDED_FIELDS, ToolPlan, output_constraint, parse_messages, parse_tools
@@ -41,8 +43,12 @@ TOP_LOGPROBS = Spec("this many most likely alternatives with every token (needs 
                     high=MAX_TOP_LOGPROBS, kind="integer", name="top_logprobs")
 COMPLETION_LOGPROBS = Spec("return logprobs, with this many most likely alternatives per token", low=0,
                            high=MAX_TOP_LOGPROBS, kind="integer", name="logprobs")
-ECHO = Spec("put the prompt before each choice's text (string prompts); with logprobs, the prompt's tokens and "
-            "their logprobs come first (the first token's null)", kind="boolean", name="echo")
+ECHO = Spec("put the prompt before each choice's text (a token-id prompt's decoded text); with logprobs, the "
+            "prompt's tokens and their logprobs come first (the first token's null)", kind="boolean", name="echo")
+TOKENS_AS_IDS = Spec("vLLM's: name every token in logprobs `token_id:<id>` instead of its text", kind="boolean",
+                     name="return_tokens_as_token_ids")
+CONTINUOUS_USAGE = Spec("vLLM's: with include_usage, every chunk also carries the usage so far",
+                        kind="boolean", name="continuous_usage_stats")
 PROMPT_LOGPROBS = Spec("vLLM's: each prompt token's logprob with this many alternatives, as prompt_logprobs (the "
                        "first token's null); not with stream", low=0, high=MAX_TOP_LOGPROBS, kind="integer",
                        name="prompt_logprobs")
@@ -86,7 +92,8 @@ REFUSED: dict[str, Refused] = {
     "suffix": Refused("text after the completion (insertion) is not supported", ("",)),
 }
 STREAM_OPTIONS_NO_EFFECT = {"include_obfuscation": "random padding against length side channels"}
-_COMMON_FIELDS = {"model", "n", "stream", "stream_options", "response_format", *GUIDED_FIELDS, *_SAMPLING_FIELDS}
+_COMMON_FIELDS = {"model", "n", "stream", "stream_options", "response_format", "return_tokens_as_token_ids",
+                  *GUIDED_FIELDS, *_SAMPLING_FIELDS}
 ROUTE_FIELDS: dict[str, set[str]] = {
     "chat": _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "add_generation_prompt",
                               "continue_final_message", "prompt_logprobs", "tools", "tool_choice",
@@ -120,12 +127,21 @@ class ApiOptions:
     n: int = 1  # choices per prompt; choice index = prompt index * n + i
     logprobs: bool = False  # the client asked for logprobs
     top_logprobs: int = 0  # and this many alternatives per token
-    echo: list[str] = field(default_factory=list)  # with echo: each prompt's text, put before its choices' text
+    # with echo: each prompt, put before its choices' text (token ids until the route decodes them: `echo_ids`)
+    echo: list[str | list[int]] = field(default_factory=list)
     echo_logprobs: bool = False  # echo with logprobs: the prompt tokens' logprobs come before the choice's
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs: the prompt tokens' logprobs in their own field
     token_ids: bool = False  # vLLM's return_token_ids: the prompt's and each choice's token ids
     tools: ToolPlan | None = None  # chat with tools the model may call: the calls are read out of the text
     constraint_param: str | None = None  # the body field the output constraint came from, named in its errors
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens `token_id:<id>`
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
+    fingerprint: str = ""  # system_fingerprint: what served the response (ringserve's version and the model)
+
+    @property
+    def echo_ids(self) -> list[int]:
+        """The indices of the echoed prompts still given as token ids (the route decodes them)."""
+        return [i for i, p in enumerate(self.echo) if not isinstance(p, str)]
 
     @property
     def object_name(self) -> str:
@@ -133,7 +149,11 @@ class ApiOptions:
 
     def echo_text(self, index: int) -> str:
         """The text choice `index` starts with: its prompt with echo, else nothing."""
-        return self.echo[index // self.n] if self.echo else ""
+        if not self.echo:
+            return ""
+        text = self.echo[index // self.n]
+        assert isinstance(text, str), "token-id prompts are decoded before any output is shaped"
+        return text
 
     def entries(self, out: RequestOutput) -> list[TokenLogprob]:
         """The logprob entries of one output of a choice: with echo, the prompt's (first output only) first."""
@@ -141,7 +161,7 @@ class ApiOptions:
 
     def logprob_formatter(self) -> LogprobFormatter:
         """A fresh formatter for one choice's logprobs."""
-        return LogprobFormatter(self.kind, self.logprobs, self.top_logprobs > 0)
+        return LogprobFormatter(self.kind, self.logprobs, self.top_logprobs > 0, self.tokens_as_ids)
 
 
 def _sampling(body: dict[str, Any]) -> dict[str, Any]:
@@ -199,13 +219,27 @@ def _options(body: dict[str, Any], kind: str, served_model: str) -> ApiOptions:
     if not isinstance(stream_options, dict):
         raise ApiError("stream_options must be an object", param="stream_options")
     for name in stream_options:
-        if name != "include_usage" and name not in STREAM_OPTIONS_NO_EFFECT:
+        if name not in ("include_usage", "continuous_usage_stats") and name not in STREAM_OPTIONS_NO_EFFECT:
             raise ApiError(f"Unrecognized request argument supplied: stream_options.{clip(str(name))}",
                            param="stream_options")
     include_usage = stream_options.get("include_usage")
     if include_usage is not None and not isinstance(include_usage, bool):
         raise ApiError("stream_options.include_usage must be a boolean", param="stream_options")
-    return ApiOptions(kind, stream, bool(include_usage), served_model, int(time.time()), n=N.read(body, 1))
+    try:
+        continuous = CONTINUOUS_USAGE.read(stream_options, False)
+    except ApiError as exc:
+        raise ApiError(f"stream_options.{exc}", param="stream_options") from None
+    if continuous and not include_usage:
+        raise ApiError("stream_options.continuous_usage_stats needs include_usage: true", param="stream_options")
+    return ApiOptions(kind, stream, bool(include_usage), served_model, int(time.time()), n=N.read(body, 1),
+                      continuous_usage=continuous, tokens_as_ids=TOKENS_AS_IDS.read(body, False),
+                      fingerprint=system_fingerprint(served_model))
+
+
+def system_fingerprint(served_model: str) -> str:
+    """OpenAI's `system_fingerprint`: names what served a response (ringserve's version and the served
+    model), so a client sees when either changed."""
+    return "fp_" + hashlib.blake2b(f"{package_version()}\0{served_model}".encode(), digest_size=6).hexdigest()
 
 
 def model_not_found(model: Any, served_model: str) -> ApiError:
@@ -279,9 +313,7 @@ def parse_completion(body: dict[str, Any], rid: str,
     options.logprobs, options.top_logprobs = _completion_logprobs(body, sampling)
     _prompt_logprobs(body, sampling, options)
     if ECHO.read(body, False):
-        if not all(isinstance(p, str) for p in prompts):
-            raise ApiError("echo needs text prompts: the entry does not know the text of token ids", param="echo")
-        options.echo = [p for p in prompts if isinstance(p, str)]
+        options.echo = list(prompts)  # token ids are decoded by the route (`echo_ids`)
         if options.logprobs:
             sampling["logprob_start_len"] = 0
             options.echo_logprobs = True
@@ -316,6 +348,15 @@ def choices_usage(lasts: list[RequestOutput], n: int = 1) -> dict[str, Any]:
                  sum(out.spec_drafted_tokens for out in lasts), sum(out.spec_accepted_tokens for out in lasts))
 
 
+def running_usage(latest: dict[int, RequestOutput], n: int) -> dict[str, Any]:
+    """The usage so far of a streamed response, given the newest output of each choice that has started
+    (`continuous_usage_stats`): each started prompt's tokens once, the choices' completion tokens so far."""
+    prompts = {index // n: out for index, out in sorted(latest.items())}
+    return usage(sum(out.prompt_tokens for out in prompts.values()),
+                 sum(out.completion_tokens for out in latest.values()),
+                 sum(out.cached_tokens for out in prompts.values()))
+
+
 def full_response(rid: str, options: ApiOptions, choices: list[list[RequestOutput]]) -> dict[str, Any]:
     """The non-streamed response body; `choices[i]` holds every output of choice i, in order."""
     body_choices = []
@@ -340,7 +381,7 @@ def full_response(rid: str, options: ApiOptions, choices: list[list[RequestOutpu
             choice["token_ids"] = [t for out in outputs for t in out.token_ids]
         body_choices.append(choice)
     body = {"id": response_id(rid, options), "object": options.object_name, "created": options.created,
-            "model": options.model, "choices": body_choices,
+            "model": options.model, "system_fingerprint": options.fingerprint, "choices": body_choices,
             "usage": choices_usage([c[-1] for c in choices], options.n)}
     if options.kind == "chat" and options.prompt_logprobs:  # vLLM: one prompt, so on the response
         body["prompt_logprobs"] = vllm_prompt_logprobs(choices[0][0].prompt_logprobs)
@@ -373,7 +414,8 @@ def stream_chunk(rid: str, options: ApiOptions, text: str | None, finish: Finish
         choice["matched_stop"] = finish.matched
     chunk: dict[str, Any] = {"id": response_id(rid, options), "object": f"{options.object_name}.chunk"
                              if options.kind == "chat" else options.object_name,
-                             "created": options.created, "model": options.model, "choices": [choice]}
+                             "created": options.created, "model": options.model,
+                             "system_fingerprint": options.fingerprint, "choices": [choice]}
     if options.include_usage:
         chunk["usage"] = None
     return chunk

@@ -14,11 +14,13 @@ from ringserve.actors.entry import openai_protocol as oai
 from ringserve.actors.entry.choices import ChoiceGroup
 from ringserve.actors.entry.http_common import handles_errors, read_json, sse
 from ringserve.actors.entry.request_flow import EntryService
+from ringserve.actors.entry.tokenize_routes import ask_tokenizer
 from ringserve.actors.entry.tool_parsers import DEFAULT_PARSER
 from ringserve.actors.entry.tool_response import ToolCallStream
 from ringserve.bus.errors import ApiError
 from ringserve.bus.messages import GenerateRequest, RequestOutput
 from ringserve.bus.subjects import new_rid
+from ringserve.bus.tokenize_messages import TokenizeQuery
 
 Parser = Callable[[dict[str, Any], str, str], tuple[list[GenerateRequest], oai.ApiOptions]]
 CONSTRAINT_PARAMS = {"response_format", "json_schema", "regex", "ebnf"}  # how the ring names a bad constraint
@@ -51,13 +53,21 @@ async def stream_events(group: ChoiceGroup, options: oai.ApiOptions) -> AsyncIte
     """The SSE stream of a response: every choice's chunks merged, usage (if asked) once all finished, [DONE].
 
     A chat choice starts with a chunk that carries only the role, as OpenAI's does; its content follows.
-    An error in any choice is sent as an error event and ends the stream (aborting the other choices).
+    An error in any choice is sent as an error event and ends the stream (aborting the other choices). With
+    vLLM's `continuous_usage_stats`, every chunk carries the usage so far.
     """
     rid = group.rid
     formatters = [options.logprob_formatter() for _ in group.choices]
     tool_streams = {c.index: ToolCallStream(options.tools) for c in group.choices} if options.tools else {}
     started: set[int] = set()
     lasts: dict[int, RequestOutput] = {}
+    latest: dict[int, RequestOutput] = {}  # each choice's newest output: its counts so far
+
+    def event(chunk: dict[str, Any]) -> str:
+        if options.continuous_usage:
+            chunk["usage"] = oai.running_usage(latest, options.n)
+        return sse(chunk)
+
     failed = False
     async with contextlib.aclosing(group.merged()) as outputs:
         async for index, out in outputs:
@@ -67,17 +77,18 @@ async def stream_events(group: ChoiceGroup, options: oai.ApiOptions) -> AsyncIte
                 break
             first = index not in started
             started.add(index)
+            latest[index] = out
             if first and options.kind == "chat":
-                yield sse(oai.role_chunk(rid, options, index))
+                yield event(oai.role_chunk(rid, options, index))
             entries = options.entries(out)
             has_logprobs = options.logprobs and bool(entries)
             if index in tool_streams:
                 for chunk in tool_chunks(rid, options, tool_streams[index], out, index,
                                          formatters[index].format(entries) if has_logprobs else None):
-                    yield sse(chunk)
+                    yield event(chunk)
             elif (first and options.kind != "chat") or out.text or out.finish is not None or has_logprobs:
-                yield sse(oai.stream_chunk(rid, options, out.text, out.finish, first=first, index=index,
-                                           logprobs=formatters[index].format(entries), out=out))
+                yield event(oai.stream_chunk(rid, options, out.text, out.finish, first=first, index=index,
+                                             logprobs=formatters[index].format(entries), out=out))
             if out.is_last:
                 lasts[index] = out
     if not failed and options.include_usage:
@@ -90,6 +101,15 @@ def openai_routes(service: EntryService, tool_parser: str = DEFAULT_PARSER) -> l
 
     async def openai_endpoint(request: Request, parse: Parser) -> Response:
         prompts, options = parse(await read_json(request), new_rid(), service.served_model)
+        for i in options.echo_ids:  # echo of a token-id prompt: its text, decoded by a tokenizer
+            ids = options.echo[i]
+            assert isinstance(ids, list)
+            try:
+                options.echo[i] = (await ask_tokenizer(service, TokenizeQuery(token_ids=ids))).text or ""
+            except ApiError as exc:
+                if exc.code == 400:  # the client's ids: its prompt is what is wrong
+                    exc.param = "prompt"
+                raise
         try:
             group = await ChoiceGroup.start(service, request, prompts, options.n)
         except ApiError as exc:  # the tokenizer names the native constraint; the client sent another field

@@ -9,8 +9,9 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from ringserve.actors.entry.openai_protocol import (BEST_OF, CHAT_LOGPROBS, COMPLETION_LOGPROBS, ECHO, MAX_CHOICES, N,
-                                         NO_EFFECT, PROMPT_LOGPROBS, STREAM, STREAM_OPTIONS_NO_EFFECT, TOP_LOGPROBS)
+from ringserve.actors.entry.openai_protocol import (BEST_OF, CHAT_LOGPROBS, COMPLETION_LOGPROBS, CONTINUOUS_USAGE, ECHO,
+                                         MAX_CHOICES, N, NO_EFFECT, PROMPT_LOGPROBS, STREAM, STREAM_OPTIONS_NO_EFFECT,
+                                         TOKENS_AS_IDS, TOP_LOGPROBS)
 from ringserve.bus.params import SPECS
 
 JSON = "application/json"
@@ -28,6 +29,7 @@ _OPENAI_COMMON: dict[str, Any] = {
     "stream": STREAM.json_schema(),
     "stream_options": {"type": "object", "description": "only with stream: true", "properties": {
         "include_usage": _BOOL,
+        "continuous_usage_stats": CONTINUOUS_USAGE.json_schema(),
         **{name: {"description": f"accepted, no effect ({what})"} for name, what in STREAM_OPTIONS_NO_EFFECT.items()}},
         "additionalProperties": False},
     **_OPENAI_SAMPLING,
@@ -44,6 +46,10 @@ _OPENAI_COMMON: dict[str, Any] = {
     "guided_grammar": {"type": "string", "minLength": 1, "description": "vLLM's: an EBNF grammar for the output"},
     "guided_choice": {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1},
                       "description": "vLLM's: the output is one of these strings"},
+    "regex": {"type": "string", "minLength": 1, "description": "SGLang's: a regex the output must match"},
+    "grammar": {"type": "string", "minLength": 1,
+                "description": "llama.cpp's: a GBNF grammar for the output (xgrammar's dialect, start rule root)"},
+    "return_tokens_as_token_ids": TOKENS_AS_IDS.json_schema(),
     "prompt_logprobs": PROMPT_LOGPROBS.json_schema(),
     # accepted and ignored; the refused fields (openai_protocol.REFUSED) and unknown ones are a 400
     **{name: {"description": f"accepted, no effect ({what})"} for name, what in NO_EFFECT.items()},
@@ -56,7 +62,8 @@ _TOOL_CALL = {"type": "object", "required": ["id", "type", "function"], "propert
     "function": {"type": "object", "required": ["name", "arguments"],
                  "properties": {"name": _FUNCTION_NAME, "arguments": {"type": "string"}}}}}
 _MESSAGE = {"type": "object", "required": ["role"], "properties": {
-    "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
+    "role": {"type": "string", "pattern": "^[A-Za-z][A-Za-z0-9_-]{0,31}$",
+             "description": "system, developer, user, assistant, tool, or a custom role the chat template knows"},
     "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}, {"type": "null"}]},
     "name": {"type": "string"},
     "tool_calls": {"type": "array", "items": _TOOL_CALL, "description": "an assistant turn's calls"},

@@ -24,8 +24,9 @@ NAME_PATTERN = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for functio
 TOOL_CHOICES = ("none", "auto", "required")
 FUNCTION_FIELDS = {"name", "description", "parameters", "strict"}
 EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
-GUIDED_FIELDS = {  # vLLM's extra fields -> the native constraint they set
+GUIDED_FIELDS = {  # vLLM's extra fields, SGLang's `regex` and llama.cpp's `grammar` -> the native constraint
     "guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "ebnf", "guided_choice": "ebnf",
+    "regex": "regex", "grammar": "ebnf",
 }
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 

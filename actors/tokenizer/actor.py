@@ -202,8 +202,9 @@ class TokenizerActor:
             try:
                 input_ids = self._encoder.encode(req)
                 keep = SPECS["truncate_prompt_tokens"].read(req.sampling, None)
-                if keep is not None:
-                    input_ids = input_ids[-keep:]
+                if keep is not None:  # the side is checked again with the rest of the sampling parameters
+                    right = SPECS["truncation_side"].read(req.sampling, "left") == "right"
+                    input_ids = input_ids[:keep] if right else input_ids[-keep:]
                 sampling = validate_sampling(
                     req.sampling, len(input_ids), self._context_length, self._encoder.vocab_size, self._eos_ids,
                     req.openai_names)
@@ -220,7 +221,7 @@ class TokenizerActor:
         detokenizer = self._detokenizers.choose(req.rid, time.monotonic())
         tokenized = TokenizedRequest(rid=req.rid, input_ids=input_ids, sampling=sampling, detokenizer=detokenizer,
                                      stream=req.stream)
-        replica = self._router.route(input_ids, time.monotonic())
+        replica = self._router.route(input_ids, time.monotonic(), sampling.cache_salt)
         subject = self._ctx.subjects.tokenized if replica is None else self._ctx.subjects.tokenized_for(replica)
         try:
             try:

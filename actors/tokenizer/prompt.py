@@ -12,12 +12,17 @@ inside `<tool_response></tool_response>`.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
-from ringserve.bus.errors import ApiError
+from ringserve.bus.errors import ApiError, quote
 from ringserve.bus.messages import ChatMessage, GenerateRequest
 
 CHAT_ROLES = {"system", "user", "assistant", "tool", "developer"}
+# Other roles go to the chat template as given, for templates that know them (e.g. `ipython`, `observation`,
+# `function`); a template that does not accepts or refuses them itself (its error is a 400). Only names that
+# cannot spell a template's control tokens are taken.
+CUSTOM_ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,31}")
 DEFAULT_TOOL_PROMPT = """# Tools
 
 You may call one or more functions to assist with the user query.
@@ -141,8 +146,10 @@ class PromptEncoder:
         if not req.messages:
             raise ApiError("messages must be a non-empty list", param="messages")
         for i, message in enumerate(req.messages):
-            if message.role not in CHAT_ROLES:
-                raise ApiError(f"messages[{i}].role {message.role!r} is not one of {sorted(CHAT_ROLES)}", param="messages")
+            if message.role not in CHAT_ROLES and not CUSTOM_ROLE.fullmatch(message.role):
+                raise ApiError(f"messages[{i}].role {quote(message.role)} must be one of {sorted(CHAT_ROLES)} or a "
+                               "custom role the chat template knows (a letter, then up to 31 letters, digits, _ "
+                               "or -)", param="messages")
             if not all(isinstance(call.get("function"), dict) for call in message.tool_calls):
                 raise ApiError(f"messages[{i}].tool_calls: each needs a function object", param="messages")
         for name in ("add_generation_prompt", "continue_final_message"):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ringserve.actors.tokenizer.kv_index import ReplicaIndex
-from ringserve.bus.kv_blocks import BLOCK, block_hashes
+from ringserve.bus.kv_blocks import BLOCK, block_hashes, salt_seed
 from ringserve.bus.messages import MISSED_BEATS, KvEvents, KvSnapshot, ReplicaLoad
 from ringserve.bus.subjects import rendezvous
 
@@ -90,12 +90,13 @@ class Router:
         index = self._indexes.get(replica_id)
         return set(index.blocks) if index is not None else set()
 
-    def route(self, ids: Sequence[int], now: float) -> int | None:
-        """The replica for a request with prompt `ids` (counted against it), or None when none is live."""
+    def route(self, ids: Sequence[int], now: float, salt: str | None = None) -> int | None:
+        """The replica for a request with prompt `ids` and `cache_salt` `salt` (counted against it), or None when
+        none is live."""
         live = self.live(now)
         if not live:
             return None
-        hashes = block_hashes(ids, self.block)
+        hashes = block_hashes(ids, self.block, salt_seed(salt))
         chosen = self._longest_prefix(live, hashes)
         if chosen is None:
             chosen = rendezvous(hashes[0] if hashes else bytes(str(list(ids[:self.block])), "ascii"), live)

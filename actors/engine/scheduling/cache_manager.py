@@ -61,7 +61,7 @@ class CacheManager:
         every token whose logits score a prompt logprob still to come, `Req.prefix_limit`).
         """
         assert req.device_len == req.seq_len, "a request is admitted with all its tokens applied"
-        handle, slots = self.prefix_cache.match_prefix(req.ids[: req.prefix_limit])
+        handle, slots = self.prefix_cache.match_prefix(req.ids[: req.prefix_limit], req.params.cache_salt)
         self.prefix_cache.lock(handle)
         req.row = self.table.assign()
         self.table.write(req.row, 0, slots)
@@ -100,7 +100,7 @@ class CacheManager:
         assert req.row is not None
         ids = req.ids[: req.cached_len]
         slots = self.table.slots(req.row, req.cached_len)
-        kept = self.prefix_cache.insert_prefix(ids, slots)
+        kept = self.prefix_cache.insert_prefix(ids, slots, req.params.cache_salt)
         self.free(slots[req.prefix_len : kept].clone())
         old = req.prefix_handle
         if finished:
@@ -108,7 +108,7 @@ class CacheManager:
             self.table.release(req.row)
             req.row, req.prefix_handle, req.prefix_len, req.cached_len = None, None, 0, 0
             return
-        handle, cached = self.prefix_cache.match_prefix(ids)
+        handle, cached = self.prefix_cache.match_prefix(ids, req.params.cache_salt)
         assert handle.cached_len == len(ids), "a just-inserted prefix must match in full"
         self.table.write(req.row, 0, cached)
         self.prefix_cache.lock(handle)

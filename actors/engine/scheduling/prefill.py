@@ -166,7 +166,8 @@ class PrefillManager:
 
     def _ordered(self) -> list[Req]:
         if self.policy == "lpm" and 1 < len(self.waiting) <= LPM_MAX_QUEUE:
-            match = {id(r): self.cache.prefix_cache.match_prefix(r.ids[: r.prefix_limit])[0].cached_len
+            cache = self.cache.prefix_cache
+            match = {id(r): cache.match_prefix(r.ids[: r.prefix_limit], r.params.cache_salt)[0].cached_len
                      for r in self.waiting}
             return sorted(self.waiting, key=lambda r: -match[id(r)])
         return list(self.waiting)

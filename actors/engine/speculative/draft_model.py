@@ -31,8 +31,8 @@ class DraftModel:
         for req, k in wanted.items():
             self._requests += 1
             rid = f"{req.rid}#draft{self._requests}"
-            request = TokenizedRequest(rid, list(req.ids), SamplingParams(max_new_tokens=k, temperature=0.0,
-                                                                           ignore_eos=True))
+            request = TokenizedRequest(rid, list(req.ids), SamplingParams(
+                max_new_tokens=k, temperature=0.0, ignore_eos=True, cache_salt=req.params.cache_salt))
             if self.engine.add_request(request) is None:  # refused (longer than the draft's context): no draft
                 asked[rid] = req
         out: dict[Req, list[int]] = {req: [] for req in asked.values()}

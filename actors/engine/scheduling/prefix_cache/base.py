@@ -32,8 +32,10 @@ class BasePrefixCache(ABC):
     """False when the cache never holds anything (the naive cache), so callers can skip the bookkeeping."""
 
     @abstractmethod
-    def match_prefix(self, ids: Sequence[int]) -> tuple[PrefixHandle, torch.Tensor]:
-        """The longest cached prefix of `ids`: a handle and its slots `[handle.cached_len]` int64.
+    def match_prefix(self, ids: Sequence[int], salt: str | None = None) -> tuple[PrefixHandle, torch.Tensor]:
+        """The longest cached prefix of `ids` among those inserted with the same `salt` (a request's
+        `cache_salt`: salted and unsalted prompts never share a prefix): a handle and its slots
+        `[handle.cached_len]` int64.
 
         Counts as a use of the matched prefix for LRU eviction. May split a radix node.
         """
@@ -47,8 +49,9 @@ class BasePrefixCache(ABC):
         """Undo one `lock`. Raises RuntimeError if the handle is not locked."""
 
     @abstractmethod
-    def insert_prefix(self, ids: Sequence[int], slots: torch.Tensor) -> int:
-        """Offer `ids` with their slots (`slots[i]` holds token `ids[i]`; extra trailing slots are ignored).
+    def insert_prefix(self, ids: Sequence[int], slots: torch.Tensor, salt: str | None = None) -> int:
+        """Offer `ids` with their slots (`slots[i]` holds token `ids[i]`; extra trailing slots are ignored),
+        under `salt` (see `match_prefix`).
 
         Returns how many leading tokens of `ids` the cache did not take from `slots`: the length already
         cached before the call, whose slots the cache already holds (the caller frees its own duplicates

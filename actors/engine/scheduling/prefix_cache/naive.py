@@ -26,7 +26,7 @@ class NaivePrefixCache(BasePrefixCache):
         self.device = torch.device(device)
         self._empty = torch.empty(0, dtype=torch.int64, device=self.device)
 
-    def match_prefix(self, ids: Sequence[int]) -> tuple[PrefixHandle, torch.Tensor]:
+    def match_prefix(self, ids: Sequence[int], salt: str | None = None) -> tuple[PrefixHandle, torch.Tensor]:
         return NaiveHandle(cached_len=0), self._empty
 
     def lock(self, handle: PrefixHandle) -> None:
@@ -38,7 +38,7 @@ class NaivePrefixCache(BasePrefixCache):
             raise RuntimeError("unlock of a prefix handle that is not locked")
         handle.locks -= 1
 
-    def insert_prefix(self, ids: Sequence[int], slots: torch.Tensor) -> int:
+    def insert_prefix(self, ids: Sequence[int], slots: torch.Tensor, salt: str | None = None) -> int:
         return len(ids)
 
     def evict(self, num_tokens: int) -> torch.Tensor:

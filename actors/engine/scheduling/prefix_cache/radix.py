@@ -5,6 +5,11 @@ node spells a cached prefix. Handles point at node boundaries (a match that ends
 and locking a handle pins every node on its path. Eviction frees least-recently-used unlocked leaves, which
 may turn their parents into evictable leaves.
 
+Requests with a `cache_salt` get a tree of their own per salt (a root of its own, evicted from like the
+others): a salted prompt matches only prompts inserted with the same salt, so one tenant cannot learn from
+its time to first token whether another sent a prompt. A salted tree's block hashes chain to the salt's seed
+(`ringserve.bus.kv_blocks.salt_seed`), as the router computes them.
+
 The cache also keeps the identity of every whole `BLOCK`-token block it holds (`ringserve.bus.kv_blocks`, the chained
 hashes the tokenizers' router matches prompts by): each node owns the blocks whose last token lies on its
 edge. It records which blocks were stored and evicted since the last `take_block_events`, netted (a block
@@ -21,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from ringserve.actors.engine.scheduling.prefix_cache.base import BasePrefixCache, PrefixHandle
-from ringserve.bus.kv_blocks import BLOCK, block_hashes
+from ringserve.bus.kv_blocks import BLOCK, block_hashes, salt_seed
 
 
 class RadixNode:
@@ -64,21 +69,23 @@ class RadixPrefixCache(BasePrefixCache):
         self._uids = itertools.count()
         self._clock = 0
         self.root = RadixNode([], self._empty, None, next(self._uids))
+        self._salted: dict[str, RadixNode] = {}  # cache_salt -> the root of its own tree
+        self._seeds: dict[int, bytes] = {}  # a salted root's uid -> what its first block hash chains to
         self._evictable = 0
         self._protected = 0
 
     # --- matching and inserting -------------------------------------------------------------------------
 
-    def match_prefix(self, ids: Sequence[int]) -> tuple[PrefixHandle, torch.Tensor]:
-        node, length, values = self._walk(_as_list(ids))
+    def match_prefix(self, ids: Sequence[int], salt: str | None = None) -> tuple[PrefixHandle, torch.Tensor]:
+        node, length, values = self._walk(_as_list(ids), self._root_for(salt))
         slots = torch.cat(values) if values else self._empty
         return RadixHandle(cached_len=length, node=node), slots
 
-    def insert_prefix(self, ids: Sequence[int], slots: torch.Tensor) -> int:
+    def insert_prefix(self, ids: Sequence[int], slots: torch.Tensor, salt: str | None = None) -> int:
         ids = _as_list(ids)
         if slots.dim() != 1 or slots.numel() < len(ids):
             raise ValueError(f"need a 1-D slot tensor of at least {len(ids)} entries, got shape {tuple(slots.shape)}")
-        node, present, _ = self._walk(ids)
+        node, present, _ = self._walk(ids, self._root_for(salt))
         if present < len(ids):
             # Copy: the caller's tensor is often a view of its page-table row, which it will overwrite.
             value = slots[present : len(ids)].to(device=self.device, dtype=torch.int64, copy=True)
@@ -95,10 +102,11 @@ class RadixPrefixCache(BasePrefixCache):
         first, end = leaf.depth // b, (leaf.depth + len(leaf.key)) // b
         if end <= first:
             return
-        above: RadixNode | None = leaf.parent
-        while above is not None and not above.blocks:
+        above = leaf.parent
+        assert above is not None
+        while above.parent is not None and not above.blocks:
             above = above.parent
-        prev = above.blocks[-1] if above is not None else b""
+        prev = above.blocks[-1] if above.blocks else self._seeds.get(above.uid, b"")  # a root: its seed
         leaf.blocks = block_hashes(ids[: end * b], b, prev, first * b)
         changes = self._block_changes
         for h in leaf.blocks:
@@ -122,14 +130,27 @@ class RadixPrefixCache(BasePrefixCache):
     def held_blocks(self) -> list[bytes]:
         return [h for node in self._nodes() for h in node.blocks]
 
-    def _walk(self, ids: list[int]) -> tuple[RadixNode, int, list[torch.Tensor]]:
-        """Follow `ids` down from the root, touching each node passed and splitting the edge a match ends in.
+    def _root_for(self, salt: str | None) -> RadixNode:
+        """The root of `salt`'s tree (made on first use); the shared root without one."""
+        if salt is None:
+            return self.root
+        root = self._salted.get(salt)
+        if root is None:
+            root = self._salted[salt] = RadixNode([], self._empty, None, next(self._uids))
+            self._seeds[root.uid] = salt_seed(salt)
+        return root
+
+    def _is_root(self, node: RadixNode) -> bool:
+        return node is self.root or node.uid in self._seeds
+
+    def _walk(self, ids: list[int], root: RadixNode) -> tuple[RadixNode, int, list[torch.Tensor]]:
+        """Follow `ids` down from `root`, touching each node passed and splitting the edge a match ends in.
 
         Returns the deepest node whose path is a prefix of `ids`, that path's length, and its slot runs.
         """
         self._clock += 1
         now = self._clock
-        node = self.root
+        node = root
         node.last_access = now
         pos = 0
         values: list[torch.Tensor] = []
@@ -168,7 +189,7 @@ class RadixPrefixCache(BasePrefixCache):
 
     def lock(self, handle: PrefixHandle) -> None:
         node: RadixNode | None = self._node_of(handle)
-        if node is not self.root and node.parent is None:
+        if node.parent is None and not self._is_root(node):  # evicted, or a salted root since dropped
             raise RuntimeError("lock of a stale prefix handle: its node was evicted")
         while node is not None:
             if node.lock_ref == 0:
@@ -201,7 +222,7 @@ class RadixPrefixCache(BasePrefixCache):
         heap = [
             (n.last_access, n.uid, n)
             for n in self._nodes()
-            if not n.children and n.lock_ref == 0 and n is not self.root
+            if not n.children and n.lock_ref == 0 and not self._is_root(n)
         ]
         heapq.heapify(heap)
         freed: list[torch.Tensor] = []
@@ -216,9 +237,16 @@ class RadixPrefixCache(BasePrefixCache):
             freed.append(node.value)
             count += len(node.key)
             self._evictable -= len(node.key)
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            if not self._is_root(parent) and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent.uid, parent))
+        self._drop_empty_salts()
         return torch.cat(freed) if freed else self._empty
+
+    def _drop_empty_salts(self) -> None:
+        """Forget the salted trees left empty and unpinned (a salt per request must not grow the cache)."""
+        for salt, root in list(self._salted.items()):
+            if not root.children and root.lock_ref == 0:
+                del self._salted[salt], self._seeds[root.uid]
 
     # --- accounting -----------------------------------------------------------------------------------------
 
@@ -235,15 +263,16 @@ class RadixPrefixCache(BasePrefixCache):
         return torch.cat(values) if values else self._empty
 
     def _nodes(self) -> Iterator[RadixNode]:
-        stack = [self.root]
+        stack = [self.root, *self._salted.values()]
         while stack:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
 
     def check_integrity(self) -> None:
-        root = self.root
-        assert root.parent is None and root.key == [] and root.value.numel() == 0, "root must be empty and parentless"
+        for root in (self.root, *self._salted.values()):
+            assert root.parent is None and root.key == [] and root.value.numel() == 0, "roots must be empty and parentless"
+        assert {r.uid for r in self._salted.values()} == set(self._seeds), "every salted root has its seed"
         evictable = protected = 0
         values: list[torch.Tensor] = []
         for node in self._nodes():
@@ -263,7 +292,7 @@ class RadixPrefixCache(BasePrefixCache):
                 assert child.lock_ref <= node.lock_ref, (
                     f"{where}: lock count {node.lock_ref} below child {child.uid}'s {child.lock_ref}"
                 )
-            if node is root:
+            if self._is_root(node):
                 continue
             if node.lock_ref:
                 protected += len(node.key)
