@@ -1,7 +1,7 @@
-"""The Starlette app: OpenAI-compatible `/v1/*`, native `/generate` (actors/entry/generate_route.py),
-`/health`, `/metrics`, `/get_server_info`, `/get_model_info`, `/openapi.json`, and the operator routes
-(`/flush_cache`, `/abort_request`, `/pause_generation`, ...), behind the guard (API key, body limit) and, when
-origins are configured, CORS."""
+"""The Starlette app: OpenAI-compatible `/v1/*`, Anthropic's `/v1/messages`, native `/generate`
+(actors/entry/generate_route.py), `/health`, `/metrics`, `/get_server_info`, `/get_model_info`, `/openapi.json`,
+and the operator routes (`/flush_cache`, `/abort_request`, `/pause_generation`, ...), behind the guard (API key,
+body limit) and, when origins are configured, CORS."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from ringserve.actors.entry import anthropic_protocol
+from ringserve.actors.entry.anthropic_routes import anthropic_routes
 from ringserve.actors.entry.control_routes import control_routes
 from ringserve.actors.entry.errors import error_response
 from ringserve.bus.errors import ApiError
@@ -72,9 +74,11 @@ def build_app(service: EntryService, settings: EntrySettings | None = None) -> S
     if settings.cors_allow_origins:  # outermost, so preflight requests are answered without the API key
         middleware.insert(0, Middleware(CORSMiddleware, allow_origins=settings.cors_allow_origins,
                                         allow_methods=["GET", "POST", "OPTIONS"],
-                                        allow_headers=["Authorization", "Content-Type"]))
+                                        allow_headers=["Authorization", "Content-Type", "X-Api-Key",
+                                                       "Anthropic-Version", "Anthropic-Beta"]))
     return Starlette(routes=[
         *openai_routes(service, settings.tool_call_parser),
+        *anthropic_routes(service, settings.tool_call_parser),
         generate_route(service),
         Route("/health", health, methods=["GET"]),
         metrics_route(service),
@@ -87,7 +91,11 @@ def build_app(service: EntryService, settings: EntrySettings | None = None) -> S
 
 
 async def _route_error(request: Request, exc: Exception) -> Response:
-    """Unknown routes and methods answer in OpenAI's error shape too, not Starlette's plain text."""
+    """Unknown routes and methods answer in OpenAI's error shape too (Anthropic's under /v1/messages), not
+    Starlette's plain text."""
     status = getattr(exc, "status_code", 404)
     what = "no such route" if status == 404 else f"{request.method} is not allowed here"
-    return error_response(ApiError(f"{what}: {request.method} {request.url.path}"[:300], status))
+    error = ApiError(f"{what}: {request.method} {request.url.path}"[:300], status)
+    if request.url.path.startswith(anthropic_protocol.MESSAGES_PATH):
+        return anthropic_protocol.error_response(error)
+    return error_response(error)

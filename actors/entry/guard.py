@@ -4,9 +4,10 @@
   to this machine cannot reach the API from the operator's browser (`--allowed-hosts`; by default the
   loopback names when the entry listens on loopback, any host otherwise).
 - API key: with a key configured (env `RINGSERVE_API_KEY`, never a flag), every route except `PUBLIC_PATHS`
-  needs `Authorization: Bearer <key>`, compared in constant time; otherwise 401 with the OpenAI error body
-  (`type: "authentication_error"`). With `RINGSERVE_ADMIN_API_KEY` set, the operator routes (`ADMIN_PATHS`)
-  need that key instead. Keys are never logged or echoed.
+  needs `Authorization: Bearer <key>` or Anthropic's `x-api-key: <key>`, compared in constant time; otherwise
+  401 with the OpenAI error body (`type: "authentication_error"`; Anthropic's under `/v1/messages`). With
+  `RINGSERVE_ADMIN_API_KEY` set, the operator routes (`ADMIN_PATHS`) need that key instead. Keys are never
+  logged or echoed.
 - Body size: a declared `Content-Length` above the limit is refused with 413 before anything is read; a body
   without one (chunked) is counted while it is read and refused with 413 as soon as it passes the limit.
 - Read time: a body still incomplete `body_read_timeout` seconds after the request began gets 408.
@@ -21,6 +22,7 @@ import time
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ringserve.actors.entry import anthropic_protocol
 from ringserve.actors.entry.errors import error_response
 from ringserve.actors.entry.settings import EntrySettings
 from ringserve.bus.errors import ApiError
@@ -42,7 +44,10 @@ class BodyTooLarge(ApiError):
 def _key_matches(headers: Headers, key: bytes) -> bool:
     scheme, _, token = headers.get("authorization", "").partition(" ")
     # Starlette decodes header bytes as latin-1: encoding back gives the bytes the client sent
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), key)
+    if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"), key):
+        return True
+    x_api_key = headers.get("x-api-key")  # Anthropic's clients send the key so
+    return x_api_key is not None and hmac.compare_digest(x_api_key.strip().encode("latin-1"), key)
 
 
 def host_name(host_header: str) -> str:
@@ -75,8 +80,8 @@ class EntryGuard:
         key = self._admin_key if path in ADMIN_PATHS and self._admin_key is not None else self._key
         if key is not None and not _key_matches(headers, key):
             which = "admin API key" if key is self._admin_key else "API key"
-            return ApiError(f"missing or invalid {which}: send the header 'Authorization: Bearer <key>'", 401,
-                            type="authentication_error")
+            return ApiError(f"missing or invalid {which}: send the header 'Authorization: Bearer <key>' (or "
+                            "'x-api-key: <key>')", 401, type="authentication_error")
         declared = headers.get("content-length")
         if declared is not None and declared.strip().isdigit() and int(declared) > self.max_request_bytes:
             return BodyTooLarge(self.max_request_bytes)
@@ -88,7 +93,9 @@ class EntryGuard:
             return
         refusal = self._refusal(scope, Headers(scope=scope))
         if refusal is not None:
-            await error_response(refusal)(scope, receive, send)
+            answer = (anthropic_protocol.error_response if scope["path"].startswith(anthropic_protocol.MESSAGES_PATH)
+                      else error_response)
+            await answer(refusal)(scope, receive, send)
             return
         received = 0
         deadline = time.monotonic() + self.body_read_timeout

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from ringserve.actors.entry import anthropic_protocol as anthropic
 from ringserve.actors.entry.openai_protocol import (BEST_OF, CHAT_LOGPROBS, COMPLETION_LOGPROBS, CONTINUOUS_USAGE, ECHO,
                                          MAX_CHOICES, N, NO_EFFECT, PROMPT_LOGPROBS, STREAM, STREAM_OPTIONS_NO_EFFECT,
                                          TOKENS_AS_IDS, TOP_LOGPROBS)
@@ -68,6 +69,34 @@ _MESSAGE = {"type": "object", "required": ["role"], "properties": {
     "name": {"type": "string"},
     "tool_calls": {"type": "array", "items": _TOOL_CALL, "description": "an assistant turn's calls"},
     "tool_call_id": {"type": "string", "description": "a tool turn: the call it answers"}}}
+_CACHE_HINT = {"type": "object", "description": "accepted, no effect (the prefix cache is automatic)"}
+_TEXT_BLOCK = {"type": "object", "required": ["type", "text"], "properties": {
+    "type": {"enum": ["text"]}, "text": {"type": "string"}, "cache_control": _CACHE_HINT}}
+_BLOCK = {"oneOf": [_TEXT_BLOCK, {
+    "type": "object", "required": ["type", "id", "name", "input"], "description": "assistant turns only",
+    "properties": {"type": {"enum": ["tool_use"]}, "id": {"type": "string"}, "name": _FUNCTION_NAME,
+                   "input": {"type": "object"}, "cache_control": _CACHE_HINT}}, {
+    "type": "object", "required": ["type", "tool_use_id"], "description": "user turns only",
+    "properties": {"type": {"enum": ["tool_result"]}, "tool_use_id": {"type": "string"},
+                   "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": _TEXT_BLOCK}]},
+                   "is_error": _BOOL, "cache_control": _CACHE_HINT}}]}
+_ANTHROPIC_MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
+    "role": {"enum": ["user", "assistant"]},
+    "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": _BLOCK}]}}}
+_MESSAGES_REQUEST = {"type": "object", "required": ["model", "messages", "max_tokens"], "properties": {
+    "model": {"type": "string", "description": "the served model's id"},
+    "messages": {"type": "array", "minItems": 1, "items": _ANTHROPIC_MESSAGE},
+    "system": {"oneOf": [{"type": "string"}, {"type": "array", "items": _TEXT_BLOCK}]},
+    **{name: spec.json_schema() for name, (_, spec) in anthropic.SAMPLING.items()},
+    "stream": STREAM.json_schema(),
+    "tools": {"type": "array", "items": {"type": "object", "required": ["name", "input_schema"], "properties": {
+        "type": {"enum": ["custom"]}, "name": _FUNCTION_NAME, "description": {"type": "string"},
+        "input_schema": {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["object"]}}},
+        "cache_control": _CACHE_HINT}}},
+    "tool_choice": {"type": "object", "required": ["type"], "properties": {
+        "type": {"enum": [*anthropic.TOOL_CHOICES, "tool"]}, "name": _FUNCTION_NAME,
+        "disable_parallel_tool_use": _BOOL}},
+    **{name: {"description": f"accepted, no effect ({what})"} for name, what in anthropic.NO_EFFECT.items()}}}
 _TOOL = {"type": "object", "required": ["type", "function"], "properties": {
     "type": {"enum": ["function"]},
     "function": {"type": "object", "required": ["name"], "properties": {
@@ -79,6 +108,10 @@ SCHEMAS: dict[str, Any] = {
         "type": "object", "required": ["message", "type", "code"],
         "properties": {"message": {"type": "string"}, "type": {"type": "string"},
                        "param": {"type": ["string", "null"]}, "code": {"type": "integer"}}}}},
+    "AnthropicError": {"type": "object", "required": ["type", "error"], "properties": {
+        "type": {"enum": ["error"]}, "error": {"type": "object", "required": ["type", "message"], "properties": {
+            "type": {"type": "string"}, "message": {"type": "string"}}}}},
+    "MessagesRequest": _MESSAGES_REQUEST,
     "ChatCompletionRequest": {"type": "object", "required": ["messages"], "properties": {
         "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
         "add_generation_prompt": {"type": "boolean", "description": "open the assistant's turn (default true)"},
@@ -135,13 +168,13 @@ def _ref(name: str) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{name}"}
 
 
-def _answers(ok: str, *errors: int, stream: bool = False) -> dict[str, Any]:
+def _answers(ok: str, *errors: int, stream: bool = False, error: str = "Error") -> dict[str, Any]:
     content: dict[str, Any] = {JSON: {"schema": _ref(ok)}}
     if stream:
         content["text/event-stream"] = {"schema": {"type": "string"}}
     out: dict[str, Any] = {"200": {"description": "success", "content": content}}
     for status in errors:
-        out[str(status)] = {"description": _ERROR_TEXT[status], "content": {JSON: {"schema": _ref("Error")}}}
+        out[str(status)] = {"description": _ERROR_TEXT[status], "content": {JSON: {"schema": _ref(error)}}}
     return out
 
 
@@ -154,9 +187,9 @@ _ERROR_TEXT = {400: "invalid request", 401: "missing or wrong API key", 404: "un
 _BODY_ERRORS = (400, 401, 408, 413, 415, 421, 503)
 
 
-def _post(summary: str, body: str, ok: str, *errors: int, stream: bool = False, required: bool = True
-          ) -> dict[str, Any]:
-    op: dict[str, Any] = {"summary": summary, "responses": _answers(ok, *errors, stream=stream)}
+def _post(summary: str, body: str, ok: str, *errors: int, stream: bool = False, required: bool = True,
+          error: str = "Error") -> dict[str, Any]:
+    op: dict[str, Any] = {"summary": summary, "responses": _answers(ok, *errors, stream=stream, error=error)}
     op["requestBody"] = {"required": required, "content": {JSON: {"schema": _ref(body)}}}
     return {"post": op}
 
@@ -175,6 +208,8 @@ def openapi_document(served_model: str | None = None) -> dict[str, Any]:
                                       404, stream=True),
         "/v1/completions": _post("OpenAI completion", "CompletionRequest", "Object", *_BODY_ERRORS, 404,
                                  stream=True),
+        anthropic.MESSAGES_PATH: _post("Anthropic Messages", "MessagesRequest", "Object", *_BODY_ERRORS, 404,
+                                       stream=True, error="AnthropicError"),
         "/v1/models": _get("the served model", "Object", 401, 503),
         "/v1/models/{model}": _get("the served model's card; 404 for any other id", "Object", 401, 404, 503),
         "/generate": _post("native generation", "GenerateRequest", "Object", *_BODY_ERRORS, stream=True),
@@ -203,12 +238,15 @@ def openapi_document(served_model: str | None = None) -> dict[str, Any]:
         "paths": paths,
         "components": {"schemas": SCHEMAS,
                        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
-                                                      "description": "the key in RINGSERVE_API_KEY, if set"}}},
-        "security": [{"bearer": []}],
+                                                      "description": "the key in RINGSERVE_API_KEY, if set"},
+                                           "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key",
+                                                         "description": "the same key, as Anthropic's clients "
+                                                                        "send it"}}},
+        "security": [{"bearer": []}, {"x-api-key": []}],
     })
     doc["paths"]["/v1/models/{model}"]["get"]["parameters"] = [
         {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
     if served_model:
-        for name in ("ChatCompletionRequest", "CompletionRequest"):
+        for name in ("ChatCompletionRequest", "CompletionRequest", "MessagesRequest"):
             doc["components"]["schemas"][name]["properties"]["model"]["enum"] = [served_model]
     return doc

@@ -1,0 +1,145 @@
+"""Anthropic's Messages API, `POST /v1/messages`, on the chat path (actors/entry/anthropic_protocol.py shapes the
+bodies): one request on the ring, answered whole or streamed as Anthropic's events, every failure in Anthropic's
+error shape (a failure after the stream began as an `error` event).
+
+Streamed, the text settles into content blocks as it comes: text as `text_delta`s, each tool call (read out of
+the text by the chat path's `ToolCallStream`) as a `tool_use` block whose input arrives as `input_json_delta`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ringserve.actors.entry import anthropic_protocol as ap
+from ringserve.actors.entry.choices import ChoiceGroup
+from ringserve.actors.entry.http_common import handles_errors, read_json
+from ringserve.actors.entry.request_flow import ClientDisconnected, EntryService
+from ringserve.actors.entry.tool_parsers import DEFAULT_PARSER
+from ringserve.actors.entry.tool_response import ToolCallStream
+from ringserve.bus.errors import ApiError, server_error
+from ringserve.bus.messages import RequestOutput
+from ringserve.bus.subjects import new_rid
+
+log = logging.getLogger("entry")
+Endpoint = Callable[[Request], Awaitable[Response]]
+
+
+class MessageEvents:
+    """One streamed message as Anthropic's events, fed the request's outputs in order: a content block is opened
+    when its first piece settles, and closed when the next one opens or the message ends."""
+
+    def __init__(self, options: ap.MessagesOptions) -> None:
+        self.options = options
+        self.tool_stream = ToolCallStream(options.tools) if options.tools is not None else None
+        self.index = -1  # the open block's index
+        self.open: str | None = None  # the open block's type
+        self.called = False
+
+    def start(self, first: RequestOutput) -> str:
+        """`message_start`: the message without content, and the input's usage."""
+        message = {**ap.message_head(self.options, []), "stop_reason": None, "stop_sequence": None,
+                   "usage": {**ap.usage(first), "output_tokens": 0}}
+        return ap.event("message_start", {"message": message})
+
+    def feed(self, out: RequestOutput) -> str:
+        """The events one output settles; with its finish, the message's end. ApiError for an aborted request."""
+        if self.tool_stream is None:
+            deltas = [{"content": out.text}] if out.text else []
+        else:
+            deltas = self.tool_stream.feed(out.text)
+            if out.finish is not None:
+                deltas += self.tool_stream.finish(out.finish.type)[0]
+        events = [e for delta in deltas for e in self._delta(delta)]
+        if out.finish is not None:
+            reason, sequence = ap.stop_reason(self.options, out.finish, self.called)
+            events += self._close()
+            events.append(ap.event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                                     "usage": ap.usage(out)}))
+            events.append(ap.event("message_stop", {}))
+        return "".join(events)
+
+    def _delta(self, delta: dict[str, Any]) -> list[str]:
+        """The events of one chat delta (`ToolCallStream`'s: content, or a call's head, then its arguments)."""
+        if "content" in delta:
+            events = [] if self.open == "text" else self._start_block({"type": "text", "text": ""})
+            return events + [self._piece({"type": "text_delta", "text": delta["content"]})]
+        call = delta["tool_calls"][0]
+        if "id" in call:
+            self.called = True
+            return self._start_block({"type": "tool_use", "id": ap.new_tool_use_id(),
+                                      "name": call["function"]["name"], "input": {}})
+        return [self._piece({"type": "input_json_delta", "partial_json": call["function"]["arguments"]})]
+
+    def _start_block(self, block: dict[str, Any]) -> list[str]:
+        events = self._close()
+        self.index += 1
+        self.open = block["type"]
+        return events + [ap.event("content_block_start", {"index": self.index, "content_block": block})]
+
+    def _piece(self, delta: dict[str, Any]) -> str:
+        return ap.event("content_block_delta", {"index": self.index, "delta": delta})
+
+    def _close(self) -> list[str]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [ap.event("content_block_stop", {"index": self.index})]
+
+
+async def stream_events(group: ChoiceGroup, options: ap.MessagesOptions) -> AsyncIterator[str]:
+    """The SSE stream of a message; an error (the ring's, or an abort) ends it as an `error` event."""
+    events = MessageEvents(options)
+    started = False
+    async with contextlib.aclosing(group.merged()) as outputs:
+        async for _, out in outputs:
+            if not started:  # the first output never holds an error: ChoiceGroup.start raised it
+                started = True
+                yield events.start(out)
+            if out.error is not None:
+                yield ap.error_event(out.error)
+                return
+            try:
+                yield events.feed(out)
+            except ApiError as exc:
+                yield ap.error_event(exc)
+                return
+
+
+def anthropic_errors(endpoint: Endpoint) -> Endpoint:
+    """`handles_errors`, answering in Anthropic's error shape (a client gone is still a 499)."""
+    async def answered(request: Request) -> Response:
+        try:
+            return await endpoint(request)
+        except ApiError as exc:
+            return ap.error_response(exc)
+        except (ClientDisconnected, ClientDisconnect):
+            raise
+        except Exception:
+            log.exception("unhandled error in %s %s", request.method, request.url.path)
+            return ap.error_response(server_error("internal server error"))
+
+    return handles_errors(answered)
+
+
+def anthropic_routes(service: EntryService, tool_parser: str = DEFAULT_PARSER) -> list[Route]:
+    """The Messages route over `service`; `tool_parser` reads the calls of `tool_choice` auto out of the text."""
+
+    @anthropic_errors
+    async def messages(request: Request) -> Response:
+        gen_req, options = ap.parse_body(await read_json(request), new_rid(), service.served_model, tool_parser)
+        try:
+            group = await ChoiceGroup.start(service, request, [gen_req], 1)
+        except ApiError as exc:
+            raise ap.ring_error(exc) from None
+        if options.stream:
+            return StreamingResponse(stream_events(group, options), media_type="text/event-stream")
+        [outputs] = await group.collect(request)
+        return JSONResponse(ap.message_body(options, outputs))
+
+    return [Route(ap.MESSAGES_PATH, messages, methods=["POST"])]
