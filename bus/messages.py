@@ -249,6 +249,15 @@ class SchedulerInfo:
     spec_accepted_tokens: int = 0
     spec_emitted_tokens: int = 0
     spec_verify_rows: int = 0
+    # the KV tier (--kv-tier-bytes): blocks and bytes it holds; since start, blocks saved to it, blocks loaded
+    # from it (and their bytes and seconds), blocks dropped for a bad checksum
+    kv_tier_blocks: int = 0
+    kv_tier_bytes: int = 0
+    kv_tier_saved_blocks: int = 0
+    kv_tier_loaded_blocks: int = 0
+    kv_tier_loaded_bytes: int = 0
+    kv_tier_load_seconds: float = 0.0
+    kv_tier_corrupt_blocks: int = 0
 
 
 @dataclass

@@ -21,7 +21,8 @@ REPLICA_FIELDS = ("requests_routed", "num_running_reqs", "num_waiting_reqs", "kv
 
 SUMMED_INFO = ("num_running_reqs", "num_waiting_reqs", "kv_used_tokens", "kv_total_tokens", "kv_running_tokens",
                "kv_cached_tokens", "num_retractions", "requests_routed", "spec_drafted_tokens", "spec_accepted_tokens",
-               "spec_emitted_tokens", "spec_verify_rows")
+               "spec_emitted_tokens", "spec_verify_rows", "kv_tier_blocks", "kv_tier_bytes", "kv_tier_saved_blocks",
+               "kv_tier_loaded_blocks", "kv_tier_loaded_bytes", "kv_tier_load_seconds", "kv_tier_corrupt_blocks")
 
 
 def left(load: ReplicaLoad, live_rids: int) -> bool:

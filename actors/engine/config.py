@@ -73,6 +73,13 @@ class EngineConfig:
     max_running_requests: int = field(default=256, metadata=_flag("requests decoding at once at most"))
     disable_radix_cache: bool = field(default=False, metadata=_flag(
         "do not keep finished requests' KV for reuse by later requests with the same prefix"))
+    kv_tier_bytes: int = field(default=0, metadata=_flag(
+        "a second KV tier of this many bytes: prefix blocks (64 tokens) the pool evicts are kept there, and a "
+        "later prompt that continues its cached prefix with them loads them instead of computing them; in host "
+        "memory, or in files under --kv-tier-dir (0 = off)"))
+    kv_tier_dir: str = field(default="", metadata=_flag(
+        "with --kv-tier-bytes: keep the tier's blocks as files in this directory (a restarted replica loads "
+        "what an earlier one kept, for the same weights); default: host memory"))
     schedule_policy: str = field(default="fcfs", metadata=_flag(
         "order of admission: fcfs (arrival) or lpm (longest cached prefix first)", choices=SCHEDULE_POLICIES))
     torch_threads: int = field(default=0, metadata=_flag(
@@ -115,11 +122,15 @@ class EngineConfig:
                      "speculative_num_draft_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("max_total_tokens", "torch_threads"):
+        for name in ("max_total_tokens", "torch_threads", "kv_tier_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if (self.speculative_algorithm == "draft") != bool(self.speculative_draft_model_path):
             raise ValueError("--speculative-algorithm draft and --speculative-draft-model-path go together")
+        if self.kv_tier_dir and not self.kv_tier_bytes:
+            raise ValueError("--kv-tier-dir needs --kv-tier-bytes (the tier's bound)")
+        if self.kv_tier_bytes and self.disable_radix_cache:
+            raise ValueError("--kv-tier-bytes keeps the prefix cache's evicted blocks: not with --disable-radix-cache")
         if not self.grammar_compile_timeout > 0:
             raise ValueError(f"grammar_compile_timeout must be > 0, got {self.grammar_compile_timeout}")
         if not 0 <= self.mem_fraction_static < 1:

@@ -67,6 +67,17 @@ def scheduler_families(info: SchedulerInfo | None, served_model: str) -> list[Me
               info.spec_verify_rows),
         gauge("spec_accept_length", "Tokens a verify row emitted on average since start (1 + accepted drafts).",
               info.spec_emitted_tokens / info.spec_verify_rows if info.spec_verify_rows else 0.0),
+        gauge("kv_tier_blocks", "KV blocks the second tier (--kv-tier-bytes) holds.", info.kv_tier_blocks),
+        gauge("kv_tier_bytes", "Bytes the KV tier holds.", info.kv_tier_bytes),
+        gauge("kv_tier_saved_blocks", "KV blocks saved to the tier since start (evicted from the pool).",
+              info.kv_tier_saved_blocks),
+        gauge("kv_tier_loaded_blocks", "KV blocks loaded from the tier since start instead of computed.",
+              info.kv_tier_loaded_blocks),
+        gauge("kv_tier_loaded_bytes", "Bytes loaded from the KV tier since start.", info.kv_tier_loaded_bytes),
+        gauge("kv_tier_load_seconds", "Seconds spent loading from the KV tier since start.",
+              info.kv_tier_load_seconds),
+        gauge("kv_tier_corrupt_blocks", "KV tier blocks dropped for a bad checksum since start (computed instead).",
+              info.kv_tier_corrupt_blocks),
     ]
 
 

@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 from ringserve.actors.engine.scheduling.request import PromptLogprobs
+from ringserve.actors.engine.kv_tier.tier import namespace_of
 from ringserve.actors.engine.models.weights import swap_weights
 from ringserve.observability.logging import log_event
 
@@ -38,6 +39,8 @@ def swap_engine_weights(engine: Any, checkpoint: Any, model_name: str, check_onl
     if engine.runner.graphs is not None:  # compiled CPU graphs are built again, in the background
         engine.runner.graphs.weights_changed()
     engine.model_name = model_name
+    if engine.cache.tier is not None:  # blocks of the old weights are never loaded for the new ones
+        engine.cache.tier.namespace = namespace_of(engine.pool, engine.runner.model)
     if holding:
         log_event(log, logging.INFO, "requests recompute their KV with the new weights", requests=len(holding))
     return engine.cache.flush()

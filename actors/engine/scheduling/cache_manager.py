@@ -3,6 +3,10 @@
 Every pool slot is in exactly one place: free, held by the prefix cache (evictable, or protected while a
 running request uses it), or held privately by one request (its table-row slots past its cached prefix).
 `check_integrity` asserts that partition; the engine runs it in tests and when idle.
+
+With a KV tier (`tier`, actors/engine/kv_tier/), blocks the prefix cache evicts are saved there, and admitting a
+request loads the tier's blocks that continue its cached prefix into free slots, which join the prefix cache
+as if computed.
 """
 
 from __future__ import annotations
@@ -11,9 +15,11 @@ from collections.abc import Iterable
 
 import torch
 
+from ringserve.actors.engine.kv_tier.tier import KVTier
 from ringserve.actors.engine.scheduling.prefix_cache import BasePrefixCache
 from ringserve.actors.engine.scheduling.request import Req
 from ringserve.actors.engine.runner.token_table import TokenTable
+from ringserve.bus.kv_blocks import block_hashes, salt_seed
 from ringserve.kernels.host_copy import to_device
 
 
@@ -25,6 +31,12 @@ class CacheManager:
         self.prefix_cache = prefix_cache
         self.table = table
         self._free = torch.arange(num_slots, dtype=torch.int64, device=device)
+        self.tier: KVTier | None = None
+
+    def use_tier(self, tier: KVTier) -> None:
+        """Save evicted blocks to `tier` and load from it on admission (needs the radix prefix cache)."""
+        self.tier = tier
+        self.prefix_cache.on_evict = tier.save  # type: ignore[attr-defined]  # the radix cache's hook
 
     @property
     def num_free(self) -> int:
@@ -66,6 +78,27 @@ class CacheManager:
         req.row = self.table.assign()
         self.table.write(req.row, 0, slots)
         req.prefix_handle, req.prefix_len, req.cached_len = handle, handle.cached_len, handle.cached_len
+        if self.tier is not None:
+            self._load_from_tier(req, self.tier)
+
+    def _load_from_tier(self, req: Req, tier: KVTier) -> None:
+        """Extend `req`'s cached prefix with the tier's blocks that continue it (whole blocks up to its
+        `prefix_limit`), handed to the prefix cache. Their slots may evict other cached prefixes, as computing
+        those tokens would, but leave one slot per request holding a row (its next token)."""
+        b, salt = tier.block, req.params.cache_salt
+        first = req.cached_len // b
+        hashes = block_hashes(req.ids[: req.prefix_limit // b * b], b, salt_seed(salt))[first:]
+        rows_held = self.table.table.shape[0] - self.table.num_free_rows
+        count = min(tier.present(hashes), (self.available - rows_held + req.cached_len - first * b) // b)
+        payloads = tier.read(hashes[:count]) if count > 0 else []
+        if not payloads:
+            return
+        end, skip = (first + len(payloads)) * b, req.cached_len - first * b
+        slots = self.allocate(end - req.cached_len)
+        tier.load(payloads, skip, slots)
+        self.table.write(req.row, req.cached_len, slots)
+        req.cached_len = end
+        self.cache_req(req, finished=False)  # the loaded tokens join the prefix cache, locked for `req`
 
     def extend(self, req: Req, n: int) -> None:
         """Allocate slots for the next `n` tokens of `req` and advance its `cached_len` past them."""
@@ -124,8 +157,16 @@ class CacheManager:
         req.row, req.prefix_handle, req.prefix_len, req.cached_len = None, None, 0, 0
 
     def flush(self) -> int:
-        """Evict every cached prefix that no running request uses; returns the number of slots freed."""
-        freed = self.prefix_cache.evict(self.prefix_cache.evictable_size)
+        """Evict every cached prefix that no running request uses; returns the number of slots freed. Nothing
+        flushed goes to the KV tier (a flush is asked for to drop the cache, or before new weights)."""
+        hook = getattr(self.prefix_cache, "on_evict", None)
+        if hook is not None:
+            self.prefix_cache.on_evict = None  # type: ignore[attr-defined]
+        try:
+            freed = self.prefix_cache.evict(self.prefix_cache.evictable_size)
+        finally:
+            if hook is not None:
+                self.prefix_cache.on_evict = hook  # type: ignore[attr-defined]
         self.free(freed)
         return freed.numel()
 

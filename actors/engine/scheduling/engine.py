@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from contextlib import nullcontext
 from typing import Any
 
@@ -48,6 +49,7 @@ from ringserve.actors.engine.scheduling.output_rows import StepLogprobs, output_
 from ringserve.actors.engine.scheduling.prefill import PrefillManager
 from ringserve.actors.engine.quantization.quantize import apply_quantization, quantization_report
 from ringserve.actors.engine.scheduling.prefix_cache import create_prefix_cache
+from ringserve.actors.engine.kv_tier.tier import make_tier
 from ringserve.actors.engine.scheduling.request import Req
 from ringserve.actors.engine.scheduling.stop_checker import StopChecker
 from ringserve.actors.engine.runner.graphs.thread_tuner import tuner_for
@@ -87,6 +89,8 @@ class Engine:
                                 self.pool.scratch_slot)
         prefix_cache = create_prefix_cache(not config.disable_radix_cache, self.device)
         self.cache = CacheManager(num_slots, prefix_cache, self.table, self.device)
+        if config.kv_tier_bytes:
+            self.cache.use_tier(make_tier(self.pool, model, config))
         chunk = config.chunked_prefill_size if config.chunking else 0
         self.prefill = PrefillManager(self.cache, config.max_prefill_tokens, chunk, config.schedule_policy,
                                       config.max_running_requests)
@@ -188,11 +192,14 @@ class Engine:
             else:
                 batch = self._last_batch = self.schedule()
                 if batch is not None:
+                    started = time.perf_counter()
                     try:
                         out = self.launch(batch)
                     except Exception as exc:
                         return rows + self._fail_batch(batch, exc)
                     rows += self.finish(batch, out)
+                    if self.cache.tier is not None and batch.num_decode == 0:  # what a tier load competes with
+                        self.cache.tier.note_prefill(time.perf_counter() - started, batch.num_tokens)
         if self._last_batch is None and self._inflight is None:  # idle but for grammars still compiling
             self.grammars.wait(IDLE_COMPILE_WAIT)
         return rows
@@ -381,7 +388,8 @@ class Engine:
             overlap_schedule=self.overlap, torch_threads=dict(self._thread_choices),
             quantization=dict(self._quantization), kv_pool=dict(self._kv_pool_report),
             decode_graphs=self.decode_graph_report(),
-            **(self.speculation.report() if self.speculation is not None else {}))
+            **(self.speculation.report() if self.speculation is not None else {}),
+            **(self.cache.tier.report() if self.cache.tier is not None else {}))
 
     def pause(self) -> None:
         """Start no more steps (a step in flight is still applied); requests keep their KV, new ones queue."""

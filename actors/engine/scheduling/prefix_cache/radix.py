@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +73,8 @@ class RadixPrefixCache(BasePrefixCache):
         self._seeds: dict[int, bytes] = {}  # a salted root's uid -> what its first block hash chains to
         self._evictable = 0
         self._protected = 0
+        # told each evicted node's whole blocks, `(hash, slots)`, before their slots are freed (the KV tier)
+        self.on_evict: Callable[[list[tuple[bytes, torch.Tensor]]], None] | None = None
 
     # --- matching and inserting -------------------------------------------------------------------------
 
@@ -231,6 +233,8 @@ class RadixPrefixCache(BasePrefixCache):
             _, _, node = heapq.heappop(heap)
             parent = node.parent
             assert parent is not None
+            if self.on_evict is not None and node.blocks:
+                self.on_evict(self._block_slots(node))
             del parent.children[node.key[0]]
             node.parent = None  # marks handles to it stale
             self._evict_blocks(node)
@@ -241,6 +245,17 @@ class RadixPrefixCache(BasePrefixCache):
                 heapq.heappush(heap, (parent.last_access, parent.uid, parent))
         self._drop_empty_salts()
         return torch.cat(freed) if freed else self._empty
+
+    def _block_slots(self, node: RadixNode) -> list[tuple[bytes, torch.Tensor]]:
+        """`node`'s whole blocks with the slots of their tokens (a block's head may lie on edges above)."""
+        path: list[torch.Tensor] = []
+        above: RadixNode | None = node
+        while above is not None:
+            path.append(above.value)
+            above = above.parent
+        slots = torch.cat(path[::-1])
+        first, b = node.depth // self.block, self.block
+        return [(h, slots[(first + i) * b:(first + i + 1) * b]) for i, h in enumerate(node.blocks)]
 
     def _drop_empty_salts(self) -> None:
         """Forget the salted trees left empty and unpinned (a salt per request must not grow the cache)."""
