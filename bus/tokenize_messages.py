@@ -9,6 +9,7 @@ The entry serves `POST /v1/tokenize` and `POST /v1/detokenize` without a tokeniz
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ringserve.bus.errors import ApiError
 from ringserve.bus.messages import ChatMessage
@@ -29,6 +30,7 @@ class TokenizeQuery:
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None  # messages only: function tools the template renders (as generation's)
 
 
 @dataclass

@@ -128,6 +128,20 @@ def test_a_forced_tool_call_and_its_result(client: anthropic.Anthropic) -> None:
         answer.usage.input_tokens + answer.usage.cache_read_input_tokens)
 
 
+def test_count_tokens_counts_the_prompt_the_message_would_send(client: anthropic.Anthropic) -> None:
+    """`messages.count_tokens` gives the input tokens the same body's message reports (system, turns and the
+    tools the template renders); bad input is a 400 in Anthropic's shape."""
+    for fields in ({"messages": ASK}, {"messages": WEATHER_ASK, "tools": [WEATHER], "system": "Be brief."}):
+        counted = client.messages.count_tokens(model=MODEL, **fields)
+        sent = greedy(client, max_tokens=1, **fields).usage
+        assert counted.input_tokens == sent.input_tokens + sent.cache_read_input_tokens
+    with_tools = client.messages.count_tokens(model=MODEL, messages=WEATHER_ASK, tools=[WEATHER])
+    assert with_tools.input_tokens > client.messages.count_tokens(model=MODEL, messages=WEATHER_ASK).input_tokens
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        client.messages.count_tokens(model=MODEL, messages=ASK, extra_body={"max_tokens": 5})
+    assert caught.value.body["error"]["type"] == "invalid_request_error" and "max_tokens" in str(caught.value)
+
+
 def test_tool_use_streams_as_input_json(client: anthropic.Anthropic) -> None:
     fields = {"max_tokens": 40, "messages": WEATHER_ASK, "tools": [WEATHER], "tool_choice": FORCED}
     whole = greedy(client, **fields)
@@ -175,7 +189,7 @@ def test_ring_errors_and_unknown_models_in_anthropic_shape(client: anthropic.Ant
     with pytest.raises(anthropic.NotFoundError) as missing:
         client.messages.create(model="claude-opus", max_tokens=4, messages=ASK)
     assert missing.value.body["error"]["type"] == "not_found_error"
-    unknown = httpx.post(smollm_server.base_url + "/v1/messages/count_tokens", json={}, timeout=10)
+    unknown = httpx.post(smollm_server.base_url + "/v1/messages/batches", json={}, timeout=10)
     assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error"
 
 

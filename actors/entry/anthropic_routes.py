@@ -19,12 +19,17 @@ from starlette.routing import Route
 from ringserve.actors.entry import anthropic_protocol as ap
 from ringserve.actors.entry.choices import ChoiceGroup
 from ringserve.actors.entry.http_common import handles_errors, read_json
+from ringserve.actors.entry.openai_protocol import model_not_found
 from ringserve.actors.entry.request_flow import ClientDisconnected, EntryService
+from ringserve.actors.entry.tokenize_routes import ask_tokenizer
 from ringserve.actors.entry.tool_parsers import DEFAULT_PARSER
 from ringserve.actors.entry.tool_response import ToolCallStream
 from ringserve.bus.errors import ApiError, server_error
 from ringserve.bus.messages import RequestOutput
 from ringserve.bus.subjects import new_rid
+from ringserve.bus.tokenize_messages import TokenizeQuery
+
+COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice"}  # /v1/messages/count_tokens' body
 
 log = logging.getLogger("entry")
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -111,6 +116,25 @@ async def stream_events(group: ChoiceGroup, options: ap.MessagesOptions) -> Asyn
                 return
 
 
+def count_query(body: dict[str, Any], served_model: str, tool_parser: str) -> TokenizeQuery:
+    """A `/v1/messages/count_tokens` body as the tokenizer's query: the prompt the same Messages body would
+    send (system, turns, tools rendered by the chat template)."""
+    for name, value in body.items():
+        if name in COUNT_FIELDS or name in ap.NO_EFFECT or value is None:
+            continue
+        refused = ap.REFUSED.get(name)
+        raise ApiError(f"{name}: {refused.reason}", param=name) if refused is not None else ap.extra_field(name)
+    model = body.get("model")
+    if model is None:
+        raise ApiError("model: Field required", param="model")
+    if model != served_model:
+        raise model_not_found(model, served_model)
+    turns, prefill = ap.parse_turns(body.get("system"), body.get("messages"))
+    tools = ap.parse_tool_plan(body, tool_parser)
+    return TokenizeQuery(messages=turns, tools=tools.tools if tools else None, add_generation_prompt=not prefill,
+                         continue_final_message=prefill)
+
+
 def anthropic_errors(endpoint: Endpoint) -> Endpoint:
     """`handles_errors`, answering in Anthropic's error shape (a client gone is still a 499)."""
     async def answered(request: Request) -> Response:
@@ -142,4 +166,10 @@ def anthropic_routes(service: EntryService, tool_parser: str = DEFAULT_PARSER) -
         [outputs] = await group.collect(request)
         return JSONResponse(ap.message_body(options, outputs))
 
-    return [Route(ap.MESSAGES_PATH, messages, methods=["POST"])]
+    @anthropic_errors
+    async def count_tokens(request: Request) -> Response:
+        query = count_query(await read_json(request), service.served_model, tool_parser)
+        return JSONResponse({"input_tokens": len((await ask_tokenizer(service, query)).tokens)})
+
+    return [Route(ap.MESSAGES_PATH, messages, methods=["POST"]),
+            Route(ap.MESSAGES_PATH + "/count_tokens", count_tokens, methods=["POST"])]

@@ -112,6 +112,9 @@ SCHEMAS: dict[str, Any] = {
         "type": {"enum": ["error"]}, "error": {"type": "object", "required": ["type", "message"], "properties": {
             "type": {"type": "string"}, "message": {"type": "string"}}}}},
     "MessagesRequest": _MESSAGES_REQUEST,
+    "CountTokensRequest": {"type": "object", "required": ["model", "messages"], "properties": {
+        name: _MESSAGES_REQUEST["properties"][name] for name in ("model", "messages", "system", "tools",
+                                                                 "tool_choice")}},
     "ChatCompletionRequest": {"type": "object", "required": ["messages"], "properties": {
         "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
         "add_generation_prompt": {"type": "boolean", "description": "open the assistant's turn (default true)"},
@@ -210,6 +213,9 @@ def openapi_document(served_model: str | None = None) -> dict[str, Any]:
                                  stream=True),
         anthropic.MESSAGES_PATH: _post("Anthropic Messages", "MessagesRequest", "Object", *_BODY_ERRORS, 404,
                                        stream=True, error="AnthropicError"),
+        anthropic.MESSAGES_PATH + "/count_tokens": _post(
+            "Anthropic token count: the input tokens the same Messages body would send", "CountTokensRequest",
+            "Object", *_BODY_ERRORS, 404, error="AnthropicError"),
         "/v1/models": _get("the served model", "Object", 401, 503),
         "/v1/models/{model}": _get("the served model's card; 404 for any other id", "Object", 401, 404, 503),
         "/generate": _post("native generation", "GenerateRequest", "Object", *_BODY_ERRORS, stream=True),

@@ -169,7 +169,7 @@ class TokenizerActor:
             if query.add_special_tokens:  # the chat template holds the special tokens; generation adds none
                 raise ApiError("add_special_tokens is not supported with messages: the chat template adds them",
                                param="add_special_tokens")
-            req = GenerateRequest(rid="tokenize", messages=query.messages,
+            req = GenerateRequest(rid="tokenize", messages=query.messages, tools=query.tools,
                                   add_generation_prompt=query.add_generation_prompt,
                                   continue_final_message=query.continue_final_message)
             return TokenizeReply(tokens=self._encoder.encode(req))
