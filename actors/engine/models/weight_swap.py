@@ -8,6 +8,7 @@ kept), and the prefix cache is flushed.
 from __future__ import annotations
 
 import logging
+import secrets
 from typing import Any
 
 from ringserve.actors.engine.scheduling.request import PromptLogprobs
@@ -40,7 +41,8 @@ def swap_engine_weights(engine: Any, checkpoint: Any, model_name: str, check_onl
         engine.runner.graphs.weights_changed()
     engine.model_name = model_name
     if engine.cache.tier is not None:  # blocks of the old weights are never loaded for the new ones
-        engine.cache.tier.namespace = namespace_of(engine.pool, engine.runner.model)
+        # a fresh token too: a quantized layer may hold its weights where the fingerprint does not look
+        engine.cache.tier.namespace = f"{namespace_of(engine.pool, engine.runner.model)}:{secrets.token_hex(8)}"
     if holding:
         log_event(log, logging.INFO, "requests recompute their KV with the new weights", requests=len(holding))
     return engine.cache.flush()
