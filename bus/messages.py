@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ringserve.bus.errors import ApiError
-from ringserve.bus.params import DecodeParams, SamplingParams
+from ringserve.bus.params import DecodeParams, EmbedParams, SamplingParams
 
 
 @dataclass
@@ -56,6 +56,8 @@ class GenerateRequest:
     openai_names: bool = False  # errors name parameters as OpenAI bodies do (max_tokens), not natively
     tools: list[dict[str, Any]] | None = None  # messages only: function tools to render in the prompt
     stream: bool = True  # False: the sender reads only the whole output (fewer, larger outputs)
+    # an embedding request: prefill only (sampling's max_new_tokens must be 0), its pooled vector in the output
+    embed: EmbedParams | None = None
 
 
 @dataclass
@@ -68,6 +70,7 @@ class TokenizedRequest:
     sampling: SamplingParams
     detokenizer: int = 0
     stream: bool = True  # the sender's GenerateRequest.stream
+    embed: EmbedParams | None = None  # the sender's GenerateRequest.embed
 
 
 @dataclass
@@ -112,6 +115,7 @@ class TokenRow:
     prompt_top_logprobs: list[list[float]] = field(default_factory=list)
     # first row only, with tracing on: the request's trace context, so the detokenizer's span joins its trace
     traceparent: str | None = None
+    embedding: bytes = b""  # an embedding request's last row: its vector, little-endian float32
 
 
 @dataclass
@@ -181,6 +185,7 @@ class RequestOutput:
     # return_prompt_ids (or logprob_start_len), the prompt's token ids
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_token_ids: list[int] = field(default_factory=list)
+    embedding: bytes = b""  # an embedding request's last output: its vector, little-endian float32
 
     @property
     def is_last(self) -> bool:

@@ -119,6 +119,22 @@ class DecodeParams:
 
 SPECS: dict[str, Spec] = specs_of(SamplingParams)  # native name -> Spec, in declaration order
 
+POOLINGS = ("last", "mean")
+
+
+@dataclass
+class EmbedParams:
+    """What makes a request an embedding request (`GenerateRequest.embed`): prefilled, nothing generated, and
+    answered with the pooled final-norm hidden state of its prompt (`RequestOutput.embedding`)."""
+
+    pooling: str | None = param(None, "last: the final hidden state (after the model's final norm) of the last "
+                                "prompt token; mean: the mean over every prompt token (no prefix-cache reuse)",
+                                choices=POOLINGS, default_doc="the server's --embedding-pooling (last)")
+    normalize: bool = param(True, "scale the vector to unit length (as OpenAI's are); false: the raw pooled state")
+
+
+EMBED_SPECS: dict[str, Spec] = specs_of(EmbedParams)
+
 
 def default_of(name: str) -> Any:
     """A parameter's default value (None for max_new_tokens: the rest of the context)."""

@@ -90,6 +90,23 @@ class Client(RingSession):
         request, _ = chat_request(messages, rid, model, sampling_params, openai_fields)
         return self.stream_requests([request])
 
+    async def embed(self, input: str | Sequence[str] | list[int] | list[list[int]], *, pooling: str | None = None,
+                    normalize: bool = True, dimensions: int | None = None,
+                    timeout: float | None = None) -> list[float] | list[list[float]]:
+        """The served model's embedding of one input (a string or token ids: one vector) or of a list of them
+        (vectors in order), as `/v1/embeddings` computes it (`pooling` last or mean, default the server's;
+        `normalize`: unit length; `dimensions`: the first d components). Raises ApiError as the route would."""
+        from ringserve.actors.entry.embeddings_route import parse_embeddings, shaped
+        from ringserve.bus.subjects import new_rid
+
+        body = {"input": input, "pooling": pooling, "normalize": normalize, "dimensions": dimensions}
+        requests, _, dimensions = parse_embeddings(body, new_rid(), "")
+        outputs = await self._with_timeout(self._gather([self._collect_outputs(r) for r in requests]), timeout,
+                                           [r.rid for r in requests])
+        vectors = [shaped(out[-1].embedding, dimensions, normalize).tolist() for out in outputs]
+        single = isinstance(input, str) or all(isinstance(t, int) for t in input)
+        return vectors[0] if single else vectors
+
     async def run_all(self, requests: list[GenerateRequest], timeout: float | None = None,
                       on_result: Callable[[int, GenerateResult], None] | None = None) -> list[GenerateResult]:
         """Run `requests` (`max_in_flight` at a time) and return their results in order."""

@@ -184,6 +184,15 @@ class Engine:
         return run_on(self._thread, client.chat(messages, sampling_params, rid=rid, timeout=timeout,
                                                 **openai_fields))
 
+    def embed(self, input: str | Sequence[str] | list[int] | list[list[int]], *, pooling: str | None = None,
+              normalize: bool = True, dimensions: int | None = None,
+              timeout: float | None = None) -> list[float] | list[list[float]]:
+        """The served model's embedding of one input (text or token ids: a vector) or of a list (vectors in
+        order), as `/v1/embeddings` computes it: `pooling` last or mean (default: the server's
+        --embedding-pooling), `normalize` to unit length, `dimensions` the first d components."""
+        return self._thread.run(self._live_client().embed(input, pooling=pooling, normalize=normalize,
+                                                          dimensions=dimensions, timeout=timeout))
+
     # --- control ------------------------------------------------------------------------------------------
 
     def abort(self, rid: str) -> None:

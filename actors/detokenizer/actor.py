@@ -185,7 +185,7 @@ class DetokenizerActor:
                              logprobs=self._logprobs(row.token_ids, row.logprobs, row.top_ids, row.top_logprobs),
                              prompt_logprobs=self._logprobs(scored_ids, row.prompt_logprobs, row.prompt_top_ids,
                                                             row.prompt_top_logprobs, row.prompt_ranks),
-                             prompt_token_ids=row.prompt_ids)
+                             prompt_token_ids=row.prompt_ids, embedding=row.embedding)
 
     def _logprobs(self, token_ids: list[int], logprobs: list[float | None], top_ids: list[list[int]],
                   top_logprobs: list[list[float]], ranks: list[int] | None = None) -> list[TokenLogprob]:

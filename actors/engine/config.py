@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ringserve.actors.common.memory_limits import CGROUP_ROOT, MemoryBudget, available_memory
+from ringserve.bus.params import POOLINGS
 from ringserve.kernels.attention import backend_names
 from ringserve.observability.logging import log_event
 
@@ -73,6 +74,9 @@ class EngineConfig:
     max_running_requests: int = field(default=256, metadata=_flag("requests decoding at once at most"))
     disable_radix_cache: bool = field(default=False, metadata=_flag(
         "do not keep finished requests' KV for reuse by later requests with the same prefix"))
+    embedding_pooling: str = field(default="last", metadata=_flag(
+        "how /v1/embeddings pools a prompt's final-norm hidden states unless the request says: last (the last "
+        "token's) or mean (over every prompt token)", choices=POOLINGS))
     kv_tier_bytes: int = field(default=0, metadata=_flag(
         "a second KV tier of this many bytes: prefix blocks (64 tokens) the pool evicts are kept there, and a "
         "later prompt that continues its cached prefix with them loads them instead of computing them; in host "

@@ -17,6 +17,7 @@ from starlette.routing import Route
 from ringserve.actors.entry import anthropic_protocol
 from ringserve.actors.entry.anthropic_routes import anthropic_routes
 from ringserve.actors.entry.control_routes import control_routes
+from ringserve.actors.entry.embeddings_route import embeddings_route
 from ringserve.actors.entry.errors import error_response
 from ringserve.bus.errors import ApiError
 from ringserve.actors.entry.guard import EntryGuard
@@ -80,6 +81,7 @@ def build_app(service: EntryService, settings: EntrySettings | None = None) -> S
         *openai_routes(service, settings.tool_call_parser),
         *anthropic_routes(service, settings.tool_call_parser),
         generate_route(service),
+        embeddings_route(service),
         Route("/health", health, methods=["GET"]),
         metrics_route(service),
         Route("/get_server_info", server_info, methods=["GET"]),

@@ -13,7 +13,8 @@ from ringserve.actors.entry import anthropic_protocol as anthropic
 from ringserve.actors.entry.openai_protocol import (BEST_OF, CHAT_LOGPROBS, COMPLETION_LOGPROBS, CONTINUOUS_USAGE, ECHO,
                                          MAX_CHOICES, N, NO_EFFECT, PROMPT_LOGPROBS, STREAM, STREAM_OPTIONS_NO_EFFECT,
                                          TOKENS_AS_IDS, TOP_LOGPROBS)
-from ringserve.bus.params import SPECS
+from ringserve.actors.entry.embeddings_route import DIMENSIONS, EMBEDDINGS_PATH, ENCODING_FORMAT, USER
+from ringserve.bus.params import EMBED_SPECS, SPECS
 
 JSON = "application/json"
 RID = {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}
@@ -152,6 +153,13 @@ SCHEMAS: dict[str, Any] = {
         "logprob_start_len": _NATIVE_SAMPLING["logprob_start_len"],
         "sampling_params": {"type": "object", "properties": {**_NATIVE_SAMPLING, "n": N.json_schema()}}},
         "oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}]},
+    "EmbeddingRequest": {"type": "object", "required": ["input"], "properties": {
+        "input": {"oneOf": [{"type": "string", "minLength": 1}, {**_TOKEN_IDS, "minItems": 1},
+                            {"type": "array", "minItems": 1, "items": {"oneOf": [{"type": "string", "minLength": 1},
+                                                                                {**_TOKEN_IDS, "minItems": 1}]}}],
+                  "description": "a text, token ids, or a list of either (one embedding each, in order)"},
+        "model": {"type": "string", "description": "must be the served model's id if given"},
+        **{spec.name: spec.json_schema() for spec in (ENCODING_FORMAT, DIMENSIONS, USER, *EMBED_SPECS.values())}}},
     "UpdateWeightsRequest": {"type": "object", "required": ["model_path"], "properties": {
         "model_path": {"type": "string", "minLength": 1, "description": "a .gguf file or safetensors directory of "
                                                                          "the same architecture"},
@@ -218,6 +226,8 @@ def openapi_document(served_model: str | None = None) -> dict[str, Any]:
             "Object", *_BODY_ERRORS, 404, error="AnthropicError"),
         "/v1/models": _get("the served model", "Object", 401, 503),
         "/v1/models/{model}": _get("the served model's card; 404 for any other id", "Object", 401, 404, 503),
+        EMBEDDINGS_PATH: _post("OpenAI embeddings: the served model's pooled final-norm hidden states",
+                               "EmbeddingRequest", "Object", *_BODY_ERRORS, 404),
         "/generate": _post("native generation", "GenerateRequest", "Object", *_BODY_ERRORS, stream=True),
         "/health": _get("200 while every role heartbeats", "Object", 503, public=True),
         "/health_generate": _get("one token through the whole ring", "Object", 401, 503),
@@ -253,6 +263,6 @@ def openapi_document(served_model: str | None = None) -> dict[str, Any]:
     doc["paths"]["/v1/models/{model}"]["get"]["parameters"] = [
         {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
     if served_model:
-        for name in ("ChatCompletionRequest", "CompletionRequest", "MessagesRequest"):
+        for name in ("ChatCompletionRequest", "CompletionRequest", "MessagesRequest", "EmbeddingRequest"):
             doc["components"]["schemas"][name]["properties"]["model"]["enum"] = [served_model]
     return doc

@@ -201,6 +201,9 @@ class TokenizerActor:
         with tracing.span("tokenize", attributes={"ringserve.rid": req.rid}) as span:
             try:
                 input_ids = self._encoder.encode(req)
+                if req.embed is not None and len(input_ids) > self._context_length:
+                    raise ApiError(f"the input is {len(input_ids)} tokens; this model embeds at most "
+                                   f"{self._context_length}", param="input")
                 keep = SPECS["truncate_prompt_tokens"].read(req.sampling, None)
                 if keep is not None:  # the side is checked again with the rest of the sampling parameters
                     right = SPECS["truncation_side"].read(req.sampling, "left") == "right"
@@ -220,7 +223,7 @@ class TokenizerActor:
                 span.set_attribute("gen_ai.usage.input_tokens", len(input_ids))
         detokenizer = self._detokenizers.choose(req.rid, time.monotonic())
         tokenized = TokenizedRequest(rid=req.rid, input_ids=input_ids, sampling=sampling, detokenizer=detokenizer,
-                                     stream=req.stream)
+                                     stream=req.stream, embed=req.embed)
         replica = self._router.route(input_ids, time.monotonic(), sampling.cache_salt)
         subject = self._ctx.subjects.tokenized if replica is None else self._ctx.subjects.tokenized_for(replica)
         try:

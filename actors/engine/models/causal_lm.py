@@ -121,8 +121,11 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
-                meta: AttentionMetadata, logits_index: torch.Tensor) -> torch.Tensor:
-        """`input_ids`, `positions` `[T]` -> logits `[S, V]` at the `S` token indices in `logits_index`."""
+                meta: AttentionMetadata, logits_index: torch.Tensor,
+                hidden_index: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`input_ids`, `positions` `[T]` -> logits `[S, V]` at the `S` token indices in `logits_index`; with
+        `hidden_index`, also the final-norm hidden states `[H, C]` at those `H` indices (embeddings: the state
+        the LM head reads, before any logit soft-cap)."""
         x = self.model.embed_tokens(input_ids)  # [T, C]
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
@@ -130,8 +133,9 @@ class CausalLM(nn.Module):
         for layer in self.model.layers:
             cos, sin = tables[layer.rope]
             x = layer(x, cos, sin, backend, meta)
+        hidden = None if hidden_index is None else self.model.norm(x[hidden_index])  # [H, C]
         x = self.model.norm(x[logits_index])  # [S, C]; the norm is per row, so select first
         logits = self.lm_head(x)  # [S, V]
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
-        return logits
+        return logits if hidden is None else (logits, hidden)

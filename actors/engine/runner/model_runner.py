@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from ringserve.actors.engine.scheduling.batch import Batch, ForwardOutput, PromptScores
+from ringserve.actors.engine.scheduling.embedding import hidden_positions, pool_chunk
 from ringserve.actors.engine.runner.graphs.decode_graph import DecodeGraphRunner, default_mode
 from ringserve.actors.engine.runner.kv_pool import KVPool
 from ringserve.actors.engine.models.blocks import Attention, RMSNorm
@@ -79,7 +80,11 @@ class ModelRunner:
         spans = batch.prompt_logit_spans()
         # One new token per request, each sampling (a 1-token chunk that does not sample runs eagerly); a
         # 1-token chunk never scores a prompt token (it is the prompt's last, which predicts the output).
-        if self.graphs is not None and all(batch.samples) and self.graphs.can_run(batch.extend_lens):
+        embeds = [req.embed for req in batch.reqs]
+        hidden_plan = hidden_positions(embeds, batch.starts, batch.extend_lens, batch.samples) if any(embeds) else []
+        if hidden_plan:
+            logits = self._forward_eager(batch, spans, hidden_plan)
+        elif self.graphs is not None and all(batch.samples) and self.graphs.can_run(batch.extend_lens):
             logits = self.graphs.replay(batch.rows, batch.starts)
         else:
             logits = self._forward_eager(batch, spans)
@@ -94,9 +99,12 @@ class ModelRunner:
             tuner.record(batch.num_tokens, threads, time.perf_counter() - started)
         return out
 
-    def _forward_eager(self, batch: Batch, spans: list[tuple[int, int, int]] | None = None) -> torch.Tensor:
+    def _forward_eager(self, batch: Batch, spans: list[tuple[int, int, int]] | None = None,
+                       hidden_plan: list[tuple[int, int, int]] | None = None) -> torch.Tensor:
         """Logits `[S + E, V]`: of the batch's sampling rows, then of the `E` positions in `spans` (prompt
-        tokens to score, `Batch.prompt_logit_spans`), through `backend.prepare` and the model."""
+        tokens to score, `Batch.prompt_logit_spans`), through `backend.prepare` and the model. `hidden_plan`:
+        the embedding rows' positions (`embedding.hidden_positions`), whose final-norm hidden states are pooled
+        into their requests."""
         device = self.device
         positions_t, rows_t, info = self._layout(batch.rows, batch.starts, batch.extend_lens)
         input_ids = self.table.ids[rows_t, positions_t]
@@ -109,7 +117,17 @@ class ModelRunner:
         if self.tp_sender is not None:
             self.tp_sender(batch.rows, batch.starts, batch.extend_lens, input_ids, info)
         meta = self.backend.prepare(info)
-        return self.model(input_ids, positions_t, self.backend, meta, logits_index)
+        if not hidden_plan:
+            return self.model(input_ids, positions_t, self.backend, meta, logits_index)
+        hidden_index = to_device([at + i for _, at, count in hidden_plan for i in range(count)], device)
+        logits, hidden = self.model(input_ids, positions_t, self.backend, meta, logits_index, hidden_index)
+        taken = 0
+        for b, _, count in hidden_plan:
+            state = batch.reqs[b].embed
+            assert state is not None
+            pool_chunk(state, batch.starts[b], hidden[taken:taken + count])
+            taken += count
+        return logits
 
     def _layout(self, table_rows: list[int], starts: list[int],
                 extend_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, ForwardInfo]:

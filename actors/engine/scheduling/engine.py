@@ -37,6 +37,7 @@ from ringserve.actors.engine.speculative.speculator import Speculator
 from ringserve.actors.engine.speculative.verify_step import SpeculativeSteps
 from ringserve.actors.engine.scheduling.batch import Batch, ForwardOutput
 from ringserve.actors.engine.scheduling.request_checks import request_error
+from ringserve.actors.engine.scheduling.embedding import embed_state
 from ringserve.actors.engine.scheduling.cache_manager import CacheManager
 from ringserve.actors.engine.config import EngineConfig
 from ringserve.actors.engine.scheduling.decode import DecodeManager
@@ -161,6 +162,11 @@ class Engine:
         params = request.sampling
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         req = Req(request.rid, len(request.input_ids), list(request.input_ids), params, seed)
+        if request.embed is not None:
+            state = embed_state(request.embed, self.config.embedding_pooling, params.max_new_tokens)
+            if isinstance(state, ApiError):
+                return state
+            req.embed = state
         if params.uses_penalties:
             req.penalties = PenaltyState(request.input_ids, self.vocab_size, self.device)
         if params.grammar is not None:  # waits outside the queues until its grammar is compiled
@@ -317,6 +323,8 @@ class Engine:
             if req.params.max_new_tokens == 0:  # the prompt is scored: nothing to generate
                 self._release(req)
                 rows.append(self._output(req, [], FinishReason("length")))
+                if req.embed is not None:
+                    rows[-1].embedding = req.embed.vector()
                 continue
             token = tokens[k]
             if k in batch.drafts:  # the target's token at each of the request's rows

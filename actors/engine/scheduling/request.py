@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ringserve.actors.engine.scheduling.embedding import EmbedState
 from ringserve.bus.params import SamplingParams
 from ringserve.kernels.sampling import PenaltyState, SamplingRow
 
@@ -44,6 +45,7 @@ class Req:
     prompt_logprobs: PromptLogprobs | None = None
     spec_drafted: int = 0  # speculative decoding: draft tokens verified for this request, and accepted
     spec_accepted: int = 0
+    embed: EmbedState | None = None  # an embedding request's pooling (actors/engine/scheduling/embedding.py)
 
     def __post_init__(self) -> None:
         self.device_len = len(self.ids)
@@ -53,7 +55,10 @@ class Req:
     @property
     def prefix_limit(self) -> int:
         """How many of its tokens admission may take from the prefix cache: all but the last, or, while its
-        prompt logprobs are still to come, none past the first position whose logits they need."""
+        prompt logprobs are still to come, none past the first position whose logits they need; none at all
+        for a mean-pooled embedding, which needs every position's hidden state."""
+        if self.embed is not None and self.embed.pooling == "mean":
+            return 0
         if self.prompt_logprobs is not None and not self.first_row_sent:
             return min(self.prompt_logprobs.first_logit, self.seq_len - 1)
         return self.seq_len - 1
