@@ -103,7 +103,7 @@ class Client(RingSession):
         requests, _, dimensions = parse_embeddings(body, new_rid(), "")
         outputs = await self._with_timeout(self._gather([self._collect_outputs(r) for r in requests]), timeout,
                                            [r.rid for r in requests])
-        vectors = [shaped(out[-1].embedding, dimensions, normalize).tolist() for out in outputs]
+        vectors = [shaped(out[-1], dimensions, normalize).tolist() for out in outputs]
         single = isinstance(input, str) or all(isinstance(t, int) for t in input)
         return vectors[0] if single else vectors
 

@@ -4,6 +4,7 @@ order, usage, ringserve's pooling and normalize, and 400s naming the field."""
 
 from __future__ import annotations
 
+import concurrent.futures
 from typing import Any
 
 import httpx
@@ -16,7 +17,7 @@ import ringserve
 from ringserve.actors.common.model_source import load_tokenizer, resolve_model
 from ringserve.bus.errors import ApiError
 from tests.conftest import DEFAULT_MODEL
-from tests.server_helpers import ServerHandle, wait_until_idle
+from tests.server_helpers import ServerHandle, server_info, wait_for, wait_until_idle
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Embeddings from the same server.", "ok"]
 
@@ -118,3 +119,17 @@ def test_prompt_tokens_are_counted_in_the_metrics(smollm_server: ServerHandle, c
     reply = client.embeddings.create(model=DEFAULT_MODEL, input=TEXTS)
     wait_until_idle(smollm_server.base_url)
     assert prompt_tokens_total() - before == reply.usage.prompt_tokens
+
+
+def test_an_aborted_embedding_is_a_503_not_an_empty_vector(smollm_server: ServerHandle) -> None:
+    base = smollm_server.base_url
+    assert httpx.post(base + "/pause_generation", json={}, timeout=30).json()["success"] is True
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            reply = pool.submit(httpx.post, base + "/v1/embeddings", json={"input": TEXTS[0]}, timeout=60)
+            assert wait_for(lambda: server_info(base)["num_waiting_reqs"] == 1)
+            assert httpx.post(base + "/abort_request", json={"abort_all": True}, timeout=30).status_code == 200
+            answer = reply.result()
+    finally:
+        httpx.post(base + "/continue_generation", json={}, timeout=30)
+    assert answer.status_code == 503 and "without its vector (abort)" in answer.json()["error"]["message"]

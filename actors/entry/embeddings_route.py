@@ -65,9 +65,15 @@ def parse_embeddings(body: dict[str, Any], rid: str, served_model: str) -> tuple
     return gen_reqs, ENCODING_FORMAT.read(body, "float"), DIMENSIONS.read(body, None)
 
 
-def shaped(raw: bytes, dimensions: int | None, normalize: bool) -> np.ndarray:
-    """The vector of an output, cut to `dimensions` (and re-normalised when `normalize`)."""
-    v = np.frombuffer(raw, dtype="<f4")
+def shaped(out: RequestOutput, dimensions: int | None, normalize: bool) -> np.ndarray:
+    """The vector of a request's last output, cut to `dimensions` (and re-normalised when `normalize`); a 503
+    when the request ended without one (aborted by an operator or a shutdown)."""
+    if out.error is not None:
+        raise out.error
+    if not out.embedding:
+        why = out.finish.type if out.finish is not None else "no finish"
+        raise ApiError(f"the embedding request ended without its vector ({why})", 503, type="server_error")
+    v = np.frombuffer(out.embedding, dtype="<f4")
     if dimensions is None:
         return v
     if dimensions > v.size:
@@ -99,13 +105,11 @@ def embeddings_route(service: EntryService) -> Route:
             for stream, out in started:
                 while not out.is_last:
                     out = await stream.next()
-                if out.error is not None:
-                    raise out.error
                 lasts.append(out)
         finally:
             await service.release_all([stream for stream, _ in started])
         normalize = gen_reqs[0].embed is not None and gen_reqs[0].embed.normalize
-        data = [embedding_item(i, shaped(out.embedding, dimensions, normalize), encoding)
+        data = [embedding_item(i, shaped(out, dimensions, normalize), encoding)
                 for i, out in enumerate(lasts)]
         prompt_tokens = sum(out.prompt_tokens for out in lasts)
         return JSONResponse({"object": "list", "data": data, "model": service.served_model,
