@@ -46,11 +46,7 @@ def parse_embeddings(body: dict[str, Any], rid: str, served_model: str) -> tuple
         raise oai.model_not_found(model, served_model)
     if body.get("input") is None:
         raise ApiError("input is required", param="input")
-    try:
-        inputs = oai._prompts(body["input"])
-    except ApiError:
-        raise ApiError("input must be a string, a non-empty list of token ids, or a non-empty list of those",
-                       param="input") from None
+    inputs = oai.prompt_forms(body["input"], "input")
     if any(p == "" for p in inputs):
         raise ApiError("input must not contain an empty string", param="input")
     if len(inputs) > oai.MAX_CHOICES:

@@ -285,22 +285,23 @@ def _is_token_ids(value: Any) -> bool:
                                                            for t in value)
 
 
-def _prompts(prompt: Any) -> list[str | list[int]]:
+def prompt_forms(prompt: Any, field: str = "prompt") -> list[str | list[int]]:
     """OpenAI's four prompt forms (a string, token ids, a list of strings, a list of token-id lists) as a list
-    of prompts; a list may mix strings and token-id lists."""
+    of prompts; a list may mix strings and token-id lists. `field`: the body field they came in (completions'
+    `prompt`, embeddings' `input`), named in the 400."""
     if isinstance(prompt, str) or _is_token_ids(prompt):
         return [prompt]
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_ids(p) for p in prompt):
         return list(prompt)
-    raise ApiError("prompt must be a string, a non-empty list of token ids, or a non-empty list of those",
-                   param="prompt")
+    raise ApiError(f"{field} must be a string, a non-empty list of token ids, or a non-empty list of those",
+                   param=field)
 
 
 def parse_completion(body: dict[str, Any], rid: str,
                      served_model: str) -> tuple[list[GenerateRequest], ApiOptions]:
     """A /v1/completions body as one GenerateRequest per prompt (each with `rid`) plus response options."""
     options = _options(body, "completion", served_model)
-    prompts = _prompts(body.get("prompt"))
+    prompts = prompt_forms(body.get("prompt"))
     if len(prompts) * options.n > MAX_CHOICES:
         raise ApiError(f"{len(prompts)} prompts × n={options.n} is more than {MAX_CHOICES} choices",
                        param="prompt")
