@@ -5,7 +5,7 @@ One deployment (namespace `ns`) has six internal roles and any number of outside
 | role        | may publish                                          | may subscribe                               |
 |-------------|------------------------------------------------------|---------------------------------------------|
 | launcher    | gone                                                 | ready, heartbeat                            |
-| entry       | submit, `abort.*`, info, command, tokenize, ANN      | `out.*`, heartbeat, gone                    |
+| entry       | submit, `abort.*`, info, command, tokenize, ANN, STORE | `out.*`, heartbeat, gone                    |
 | tokenizer   | tokenized (`.*`), OUT, ANN, entry's and clients' inboxes, `kv.snapshot.*` | submit, `client.*.submit`, tokenize, heartbeat, `kv.events.*` |
 | scheduler   | `tokens.*`, OUT, ANN, entry's and tokenizer's inboxes, `kv.events.*`, CLAIM | tokenized (`.*`), `abort.*`, `client.*.abort.*`, info, command, `kv.snapshot.*`, heartbeat |
 | detokenizer | OUT, ANN                                             | `tokens.*`, `abort.*`, `client.*.abort.*`   |
@@ -23,7 +23,8 @@ JetStream span stream `{ns}-spans` when `--trace-buffer jetstream` is on); JS = 
 consumers, fetching and acking its messages (`$JS.API.*.{ns}-spans...`, `$JS.ACK.{ns}-spans.>`), which
 `ringserve trace` also uses with the trace_exporter's credentials. CLAIM = the scheduler's replica-id bucket
 `{ns}-replicas` (bus/replica_claim.py): create it, read its keys, write `$KV.{ns}-replicas.>`, nothing of any
-other stream or bucket. Every role
+other stream or bucket. STORE = the entry's stored-responses bucket `{ns}-responses` (bus/response_store.py):
+create and inspect its stream, get, write and delete its keys. Every role
 also subscribes its own reply inbox, `inbox_prefix(ns, role)` + `.>`, and must connect with that inbox prefix
 (nats-py's `inbox_prefix`), so no role can read another's replies. A client sees only subjects with its own
 name in them: it cannot read, abort or submit as another client, nor touch an HTTP request's stream.
@@ -34,6 +35,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from ringserve.bus.response_store import store_api
 from ringserve.bus.subjects import Subjects, validate_rid
 
 ROLES = ("launcher", "entry", "tokenizer", "scheduler", "detokenizer", "trace_exporter")
@@ -74,7 +76,7 @@ def role_permissions(namespace: str, role: str) -> Permissions:
     announce = (*announce, s.spans(role)) if role in ROLES else announce  # traced actors store their spans
     if role == "entry":
         return Permissions(publish=(s.submit, s.abort_any, s.scheduler_info, s.scheduler_command, s.tokenize,
-                                    *announce),
+                                    *announce, *store_api(ns)),
                            subscribe=(f"{ns}.out.*", s.heartbeat, s.gone, inbox))
     if role == "tokenizer":
         replies = (inbox_prefix(ns, "entry") + ".>", f"_INBOX.{ns}.client.*.>")

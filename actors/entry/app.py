@@ -27,6 +27,7 @@ from ringserve.actors.entry.metrics_scrape import metrics_route
 from ringserve.actors.entry.openapi_doc import openapi_document
 from ringserve.actors.entry.openai_routes import openai_routes
 from ringserve.actors.entry.request_flow import EntryService
+from ringserve.actors.entry.responses_routes import responses_routes
 from ringserve.bus.replica_replies import combined_info, replica_entry
 from ringserve.actors.entry.settings import EntrySettings
 from ringserve.actors.entry.tokenize_routes import tokenize_routes
@@ -74,12 +75,13 @@ def build_app(service: EntryService, settings: EntrySettings | None = None) -> S
     middleware = [Middleware(EntryGuard, settings=settings)]
     if settings.cors_allow_origins:  # outermost, so preflight requests are answered without the API key
         middleware.insert(0, Middleware(CORSMiddleware, allow_origins=settings.cors_allow_origins,
-                                        allow_methods=["GET", "POST", "OPTIONS"],
+                                        allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
                                         allow_headers=["Authorization", "Content-Type", "X-Api-Key",
                                                        "Anthropic-Version", "Anthropic-Beta"]))
     return Starlette(routes=[
         *openai_routes(service, settings.tool_call_parser),
         *anthropic_routes(service, settings.tool_call_parser),
+        *responses_routes(service, settings),
         generate_route(service),
         embeddings_route(service),
         Route("/health", health, methods=["GET"]),

@@ -10,6 +10,7 @@ import copy
 from typing import Any
 
 from ringserve.actors.entry import anthropic_protocol as anthropic
+from ringserve.actors.entry import responses_protocol as responses
 from ringserve.actors.entry.openai_protocol import (BEST_OF, CHAT_LOGPROBS, COMPLETION_LOGPROBS, CONTINUOUS_USAGE, ECHO,
                                          MAX_CHOICES, N, NO_EFFECT, PROMPT_LOGPROBS, STREAM, STREAM_OPTIONS_NO_EFFECT,
                                          TOKENS_AS_IDS, TOP_LOGPROBS)
@@ -103,6 +104,39 @@ _TOOL = {"type": "object", "required": ["type", "function"], "properties": {
     "function": {"type": "object", "required": ["name"], "properties": {
         "name": _FUNCTION_NAME, "description": {"type": "string"}, "parameters": {"type": "object"},
         "strict": {"type": ["boolean", "null"]}}}}}
+_TEXT_CONTENT = {"oneOf": [{"type": "string"}, {"type": "array", "items": {
+    "type": "object", "required": ["type", "text"], "properties": {
+        "type": {"enum": ["input_text", "output_text"]}, "text": {"type": "string"}}}}]}
+_RESPONSES_ITEM = {"oneOf": [
+    {"type": "object", "required": ["role", "content"], "properties": {
+        "type": {"enum": ["message"]}, "role": {"enum": list(responses.ROLES)}, "content": _TEXT_CONTENT}},
+    {"type": "object", "required": ["type", "call_id", "name", "arguments"], "properties": {
+        "type": {"enum": ["function_call"]}, "call_id": {"type": "string"}, "name": _FUNCTION_NAME,
+        "arguments": {"type": "string"}}},
+    {"type": "object", "required": ["type", "call_id", "output"], "properties": {
+        "type": {"enum": ["function_call_output"]}, "call_id": {"type": "string"}, "output": _TEXT_CONTENT}}]}
+_RESPONSES_REQUEST = {"type": "object", "required": ["input"], "properties": {
+    "model": {"type": "string", "description": "the served model's id, if given"},
+    "input": {"oneOf": [{"type": "string"}, {"type": "array", "items": _RESPONSES_ITEM}]},
+    "instructions": {"type": "string", "description": "the system turn (not carried to the next response)"},
+    "previous_response_id": {"type": "string", "description": "continue this stored response's conversation"},
+    **{name: spec.json_schema() for name, (_, spec) in responses.SAMPLING.items()},
+    "stream": STREAM.json_schema(), "store": responses.STORE.json_schema(),
+    "background": responses.BACKGROUND.json_schema(),
+    "tools": {"type": "array", "items": {"type": "object", "required": ["type", "name"], "properties": {
+        "type": {"enum": ["function"]}, "name": _FUNCTION_NAME, "description": {"type": "string"},
+        "parameters": {"type": "object"}, "strict": {"type": ["boolean", "null"]}}}},
+    "tool_choice": {"oneOf": [{"enum": ["none", "auto", "required"]}, {
+        "type": "object", "required": ["type", "name"], "properties": {
+            "type": {"enum": ["function"]}, "name": _FUNCTION_NAME}}]},
+    "parallel_tool_calls": {"type": "boolean", "description": "more than one call per turn (default true)"},
+    "text": {"type": "object", "properties": {"format": {"type": "object", "required": ["type"], "properties": {
+        "type": {"enum": ["text", "json_object", "json_schema"]}, "name": _FUNCTION_NAME,
+        "schema": {"type": "object"}, "strict": {"type": "boolean"}}}}},
+    "metadata": {"type": "object", "maxProperties": responses.MAX_METADATA,
+                 "additionalProperties": {"type": "string", "maxLength": 512}},
+    "truncation": {"enum": ["disabled"]},
+    **{name: {"description": f"accepted, no effect ({what})"} for name, what in responses.NO_EFFECT.items()}}}
 
 SCHEMAS: dict[str, Any] = {
     "Error": {"type": "object", "required": ["error"], "properties": {"error": {
@@ -113,6 +147,7 @@ SCHEMAS: dict[str, Any] = {
         "type": {"enum": ["error"]}, "error": {"type": "object", "required": ["type", "message"], "properties": {
             "type": {"type": "string"}, "message": {"type": "string"}}}}},
     "MessagesRequest": _MESSAGES_REQUEST,
+    "ResponsesRequest": _RESPONSES_REQUEST,
     "CountTokensRequest": {"type": "object", "required": ["model", "messages"], "properties": {
         name: _MESSAGES_REQUEST["properties"][name] for name in ("model", "messages", "system", "tools",
                                                                  "tool_choice")}},
@@ -196,6 +231,7 @@ _ERROR_TEXT = {400: "invalid request", 401: "missing or wrong API key", 404: "un
                409: "another weight update is in progress",
                500: "the scheduler refused the command", 503: "busy (Retry-After) or the ring is not serving"}
 _BODY_ERRORS = (400, 401, 408, 413, 415, 421, 503)
+_ONE_RESPONSE = responses.RESPONSES_PATH + "/{response_id}"
 
 
 def _post(summary: str, body: str, ok: str, *errors: int, stream: bool = False, required: bool = True,
@@ -224,6 +260,14 @@ def openapi_document(served_model: str | None = None) -> dict[str, Any]:
         anthropic.MESSAGES_PATH + "/count_tokens": _post(
             "Anthropic token count: the input tokens the same Messages body would send", "CountTokensRequest",
             "Object", *_BODY_ERRORS, 404, error="AnthropicError"),
+        responses.RESPONSES_PATH: _post("OpenAI Responses: create (whole, streamed, or in the background)",
+                                        "ResponsesRequest", "Object", *_BODY_ERRORS, 404, stream=True),
+        _ONE_RESPONSE: {**_get("a stored response", "Object", 401, 404, 503),
+                        "delete": {"summary": "delete a stored response", "responses": _answers("Object", 401, 404,
+                                                                                                 503)}},
+        _ONE_RESPONSE + "/cancel": _post("cancel a running (background or streamed) response", "Object", "Object",
+                                         400, 401, 404, 503, required=False),
+        _ONE_RESPONSE + "/input_items": _get("the input items of a stored response", "Object", 400, 401, 404, 503),
         "/v1/models": _get("the served model", "Object", 401, 503),
         "/v1/models/{model}": _get("the served model's card; 404 for any other id", "Object", 401, 404, 503),
         EMBEDDINGS_PATH: _post("OpenAI embeddings: the served model's pooled final-norm hidden states",
@@ -262,7 +306,11 @@ def openapi_document(served_model: str | None = None) -> dict[str, Any]:
     })
     doc["paths"]["/v1/models/{model}"]["get"]["parameters"] = [
         {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
+    for path in (_ONE_RESPONSE, _ONE_RESPONSE + "/cancel", _ONE_RESPONSE + "/input_items"):
+        doc["paths"][path]["parameters"] = [
+            {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}]
     if served_model:
-        for name in ("ChatCompletionRequest", "CompletionRequest", "MessagesRequest", "EmbeddingRequest"):
+        for name in ("ChatCompletionRequest", "CompletionRequest", "MessagesRequest", "EmbeddingRequest",
+                     "ResponsesRequest"):
             doc["components"]["schemas"][name]["properties"]["model"]["enum"] = [served_model]
     return doc

@@ -11,6 +11,7 @@ import os
 from dataclasses import dataclass, field
 
 from ringserve.actors.entry.tool_parsers import AUTO, DEFAULT_PARSER, PARSERS
+from ringserve.bus.response_store import DEFAULT_MAX_BYTES, DEFAULT_TTL_SECONDS
 
 API_KEY_ENV = "RINGSERVE_API_KEY"
 ADMIN_API_KEY_ENV = "RINGSERVE_ADMIN_API_KEY"  # guards the operator routes (flush, pause, abort) on its own
@@ -39,6 +40,8 @@ class EntrySettings:
     allowed_hosts: list[str] = field(default_factory=list)  # empty: derived from `host`, see resolved_allowed_hosts
     body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT
     tool_call_parser: str = DEFAULT_PARSER  # reads tool calls out of chat output (tool_choice auto)
+    responses_ttl: float = DEFAULT_TTL_SECONDS  # stored Responses-API responses (bus/response_store.py)
+    responses_max_bytes: int = DEFAULT_MAX_BYTES
     api_key: str | None = field(default=None, repr=False)  # never printed
     admin_api_key: str | None = field(default=None, repr=False)
 
@@ -62,7 +65,8 @@ class EntrySettings:
                        stall_timeout=args.stall_timeout, heartbeat_timeout=args.heartbeat_timeout,
                        cors_allow_origins=parse_origins(args.cors_allow_origins),
                        allowed_hosts=parse_origins(args.allowed_hosts), body_read_timeout=args.body_read_timeout,
-                       tool_call_parser=args.tool_call_parser,
+                       tool_call_parser=args.tool_call_parser, responses_ttl=args.responses_ttl,
+                       responses_max_bytes=args.responses_max_bytes,
                        api_key=env.get(API_KEY_ENV) or None, admin_api_key=env.get(ADMIN_API_KEY_ENV) or None)
         settings.validate()
         return settings
@@ -79,6 +83,10 @@ class EntrySettings:
             raise ValueError("--heartbeat-timeout must be at least 1 (seconds; actors beat every 0.5 s)")
         if not self.body_read_timeout > 0:
             raise ValueError("--body-read-timeout must be > 0")
+        if not self.responses_ttl > 0:
+            raise ValueError("--responses-ttl must be > 0")
+        if self.responses_max_bytes < 1024 * 1024:
+            raise ValueError("--responses-max-bytes must be at least 1048576")
         if self.tool_call_parser == AUTO:  # the launcher resolves auto; an entry started on its own reads Hermes
             self.tool_call_parser = DEFAULT_PARSER
         if self.tool_call_parser not in PARSERS:
@@ -116,6 +124,11 @@ def add_entry_arguments(parser: argparse.ArgumentParser) -> None:
                              "(<tool_call>{...}</tool_call>, Qwen's too), llama3_json (bare JSON objects), mistral "
                              "([TOOL_CALLS]...), pythonic ([f(x=1)]), or auto: the one the model's chat template "
                              "asks for (hermes when it says nothing)")
+    parser.add_argument("--responses-ttl", type=float, default=DEFAULT_TTL_SECONDS, metavar="SECONDS",
+                        help="how long a stored /v1/responses response (and the conversation it continues) is kept "
+                             "in the bus's JetStream bucket {namespace}-responses")
+    parser.add_argument("--responses-max-bytes", type=int, default=DEFAULT_MAX_BYTES, metavar="BYTES",
+                        help="size cap of the stored responses' bucket; when it is full the oldest go first")
 
 
 def entry_argv(args: argparse.Namespace) -> list[str]:
@@ -125,7 +138,8 @@ def entry_argv(args: argparse.Namespace) -> list[str]:
             "--stall-timeout", repr(float(args.stall_timeout)),
             "--heartbeat-timeout", repr(float(args.heartbeat_timeout)),
             "--body-read-timeout", repr(float(args.body_read_timeout)),
-            "--tool-call-parser", args.tool_call_parser]
+            "--tool-call-parser", args.tool_call_parser,
+            "--responses-ttl", repr(float(args.responses_ttl)), "--responses-max-bytes", str(args.responses_max_bytes)]
     if args.cors_allow_origins:
         argv += ["--cors-allow-origins", args.cors_allow_origins]
     if args.allowed_hosts:
