@@ -142,6 +142,19 @@ def test_cancel_a_background_response(client: openai.OpenAI) -> None:
         client.responses.cancel(queued.id)
 
 
+def test_cancel_a_streaming_response_from_another_entry(client: openai.OpenAI, entries: Entries) -> None:
+    many = {"type": "array", "minItems": 400, "items": {"type": "integer"}}
+    _, other = entries.start(KEY_B)  # the stream was made without a key: any entry may cancel it
+    events = greedy(client, input="List numbers.", stream=True, max_output_tokens=1500,
+                    text={"format": {"type": "json_schema", "name": "numbers", "schema": many}})
+    created = next(iter(events))
+    assert created.type == "response.created"
+    assert other.responses.cancel(created.response.id).status == "cancelled"
+    last = list(events)[-1]
+    assert last.type == "response.failed" and last.response.status == "cancelled"
+    assert client.responses.retrieve(created.response.id).status == "cancelled"
+
+
 def test_stored_response_survives_its_entry_and_is_its_keys_alone(client: openai.OpenAI, entries: Entries) -> None:
     worker, keyed = entries.start(KEY_B)
     made = greedy(keyed, input="Say yes.")
@@ -164,10 +177,13 @@ def test_stored_response_survives_its_entry_and_is_its_keys_alone(client: openai
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"background": True, "store": False}, "background"),
+    ({"text": {"format": {"type": "xml"}}}, "text"),
+    ({"previous_response_id": "resp_nothing"}, "previous_response_id"),
 ])
 def test_bad_input_is_a_400_naming_the_field(client: openai.OpenAI, fields: dict[str, Any], param: str) -> None:
-    with pytest.raises(openai.BadRequestError) as caught:
+    with pytest.raises(openai.APIStatusError) as caught:
         greedy(client, **{"input": "hi", **fields})
+    assert caught.value.status_code == (404 if param == "previous_response_id" else 400)
     assert caught.value.param == param and param in caught.value.message
 
 

@@ -236,8 +236,10 @@ def parse_body(body: dict[str, Any], rid: str, served_model: str, parser: str,
         sampling["skip_special_tokens"] = False  # the parser must see its tags
     try:
         constraint = output_constraint({"response_format": _text_format(body.get("text"))}, tools)
-    except ApiError as exc:
+    except ApiError as exc:  # chat's words for the constraint, as this body names it
         exc.param = "tool_choice" if exc.param == "tool_choice" else "text"
+        exc.message = exc.message.replace("response_format.json_schema", "text.format").replace(
+            "response_format", "text.format")
         raise
     if constraint is not None:
         sampling[constraint[0]] = constraint[1]

@@ -51,7 +51,8 @@ def presented_key(request: Request) -> str | None:
 
 
 def _not_found(response_id: str, param: str | None = None) -> ApiError:
-    return ApiError(f"Response with id '{response_id[:100]}' not found.", 404, param=param)
+    where = f"{param}: " if param else ""
+    return ApiError(f"{where}Response with id '{response_id[:100]}' not found.", 404, param=param)
 
 
 async def _noop_receive() -> dict[str, Any]:
