@@ -161,7 +161,7 @@ class Spec:
         elif self.choices:
             schema = {"type": "string", "enum": list(self.choices)}
         elif self.kind == "string":
-            schema = {"type": "string", "minLength": 1, "maxLength": self.max_items}
+            schema = {"type": "string", "minLength": 1, "maxLength": self.max_items or MAX_STRING_CHARS}
         else:
             schema = {"type": self.kind}
             if self.low is not None:

@@ -15,6 +15,7 @@ exit code 2.
 from __future__ import annotations
 
 import argparse
+import base64
 import asyncio
 import contextlib
 import json
@@ -119,6 +120,13 @@ async def _submit(args: argparse.Namespace) -> int:
         await client.close()
 
 
+def _json_bytes(value: Any) -> str:
+    """JSON for the bytes of an output (an embedding's float32 vector): base64, as OpenAI's encoding_format."""
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode("ascii")
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
 async def _print_outputs(client: RingSession, request: GenerateRequest, args: argparse.Namespace) -> int:
     text: list[str] = []
     streamed = args.stream and not args.json
@@ -126,8 +134,8 @@ async def _print_outputs(client: RingSession, request: GenerateRequest, args: ar
         async with contextlib.aclosing(client.outputs(request)) as outputs:
             async for out in outputs:
                 if args.json:
-                    print(json.dumps({"type": "RequestOutput", "body": to_wire(out)}, ensure_ascii=False),
-                          flush=True)
+                    print(json.dumps({"type": "RequestOutput", "body": to_wire(out)}, ensure_ascii=False,
+                                     default=_json_bytes), flush=True)
                 elif args.stream:
                     print(out.text, end="", flush=True)
                 text.append(out.text)
