@@ -66,6 +66,9 @@ class SamplingParams:
     cache_salt: str | None = param(None, "a prefix-cache namespace (vLLM's): a request reuses cached prompt tokens "
                                    "only of requests with the same salt, so tenants cannot probe each other's "
                                    "prompts by timing", max_items=256, default_doc="none (one shared cache)")
+    lora_name: str | None = param(None, "the LoRA adapter to run the request with (a name the server loaded); "
+                                  "OpenAI routes choose it with the model field", max_items=256, openai=(),
+                                  default_doc="none (the base model)")
     return_logprob: bool = param(False, "return the logprob of every generated token", openai=(),
                                  default_doc="false (true when top_logprobs_num > 0)")
     top_logprobs_num: int = param(0, "return this many most likely alternatives with every token", low=0,

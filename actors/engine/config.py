@@ -121,12 +121,27 @@ class EngineConfig:
         "with --speculative-algorithm: draft tokens per verify step at most (each request adapts its own "
         "length to what it gets accepted); a request verifying k drafts is k + 1 decode rows of one step"))
 
+    enable_lora: bool = field(default=False, metadata=_flag(
+        "serve LoRA adapters (on by itself with --lora-modules or --lora-dir): loaded at start or at run time "
+        "(/v1/load_lora_adapter), chosen per request by OpenAI's model field or lora_name"))
+    lora_modules: str = field(default="", metadata=_flag(
+        "LoRA adapters (PEFT directories) to load at start, as name=path, several separated by commas or spaces"))
+    max_loras_per_batch: int = field(default=8, metadata=_flag(
+        "distinct LoRA adapters in one step at most (requests of other adapters wait)"))
+    max_loaded_loras: int = field(default=0, metadata=_flag(
+        "LoRA adapters kept loaded in host memory at most, least recently used first out and read again from "
+        "disk when next used (0 = all registered)"))
+    max_lora_rank: int = field(default=64, metadata=_flag(
+        "highest LoRA rank served (every slot holds this rank; smaller ranks are zero-padded)"))
+    lora_dir: str = field(default="", metadata=_flag(
+        "with LoRA: /v1/load_lora_adapter loads only adapters under this directory (empty = any path)"))
+
     def __post_init__(self) -> None:
         for name in ("max_prefill_tokens", "max_running_requests", "cuda_graph_max_bs", "stream_interval",
-                     "speculative_num_draft_tokens"):
+                     "speculative_num_draft_tokens", "max_loras_per_batch", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        for name in ("max_total_tokens", "torch_threads", "kv_tier_bytes"):
+        for name in ("max_total_tokens", "torch_threads", "kv_tier_bytes", "max_loaded_loras"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if (self.speculative_algorithm == "draft") != bool(self.speculative_draft_model_path):
@@ -143,6 +158,20 @@ class EngineConfig:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
+
+    def lora_enabled(self) -> bool:
+        """Whether the engine serves LoRA adapters."""
+        return self.enable_lora or bool(self.lora_modules) or bool(self.lora_dir)
+
+    def lora_module_map(self) -> dict[str, str]:
+        """`--lora-modules` as name -> path; ValueError on an entry that is not name=path."""
+        out = {}
+        for entry in self.lora_modules.replace(",", " ").split():
+            name, sep, path = entry.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules takes name=path entries, got {entry!r}")
+            out[name] = path
+        return out
 
     @property
     def chunking(self) -> bool:

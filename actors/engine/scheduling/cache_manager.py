@@ -73,7 +73,7 @@ class CacheManager:
         every token whose logits score a prompt logprob still to come, `Req.prefix_limit`).
         """
         assert req.device_len == req.seq_len, "a request is admitted with all its tokens applied"
-        handle, slots = self.prefix_cache.match_prefix(req.ids[: req.prefix_limit], req.params.cache_salt)
+        handle, slots = self.prefix_cache.match_prefix(req.ids[: req.prefix_limit], req.cache_key)
         self.prefix_cache.lock(handle)
         req.row = self.table.assign()
         self.table.write(req.row, 0, slots)
@@ -85,7 +85,7 @@ class CacheManager:
         """Extend `req`'s cached prefix with the tier's blocks that continue it (whole blocks up to its
         `prefix_limit`), handed to the prefix cache. Their slots may evict other cached prefixes, as computing
         those tokens would, but leave one slot per request holding a row (its next token)."""
-        b, salt = tier.block, req.params.cache_salt
+        b, salt = tier.block, req.cache_key
         first = req.cached_len // b
         hashes = block_hashes(req.ids[: req.prefix_limit // b * b], b, salt_seed(salt))[first:]
         rows_held = self.table.table.shape[0] - self.table.num_free_rows
@@ -133,7 +133,7 @@ class CacheManager:
         assert req.row is not None
         ids = req.ids[: req.cached_len]
         slots = self.table.slots(req.row, req.cached_len)
-        kept = self.prefix_cache.insert_prefix(ids, slots, req.params.cache_salt)
+        kept = self.prefix_cache.insert_prefix(ids, slots, req.cache_key)
         self.free(slots[req.prefix_len : kept].clone())
         old = req.prefix_handle
         if finished:
@@ -141,7 +141,7 @@ class CacheManager:
             self.table.release(req.row)
             req.row, req.prefix_handle, req.prefix_len, req.cached_len = None, None, 0, 0
             return
-        handle, cached = self.prefix_cache.match_prefix(ids, req.params.cache_salt)
+        handle, cached = self.prefix_cache.match_prefix(ids, req.cache_key)
         assert handle.cached_len == len(ids), "a just-inserted prefix must match in full"
         self.table.write(req.row, 0, cached)
         self.prefix_cache.lock(handle)

@@ -52,6 +52,8 @@ from ringserve.actors.engine.quantization.quantize import apply_quantization, qu
 from ringserve.actors.engine.scheduling.prefix_cache import create_prefix_cache
 from ringserve.actors.engine.kv_tier.tier import make_tier
 from ringserve.actors.engine.scheduling.request import Req
+from ringserve.actors.engine.lora.adapter import AdapterError
+from ringserve.actors.engine.lora.pool import LoraPool, lora_not_found
 from ringserve.actors.engine.scheduling.stop_checker import StopChecker
 from ringserve.actors.engine.runner.graphs.thread_tuner import tuner_for
 from ringserve.actors.engine.runner.token_table import TokenTable
@@ -96,8 +98,14 @@ class Engine:
         self.prefill = PrefillManager(self.cache, config.max_prefill_tokens, chunk, config.schedule_policy,
                                       config.max_running_requests)
         self.decode = DecodeManager(self.cache, self.context_length)
+        # LoRA wraps the linears after quantization (from_source) and before the runner captures the model
+        self.lora = LoraPool(model, config.max_loras_per_batch, config.max_lora_rank, config.max_loaded_loras,
+                             config.max_prefill_tokens + config.max_running_requests
+                             * (config.speculative_num_draft_tokens + 1)) if config.lora_enabled() else None
         self.runner = ModelRunner(model, self.pool, self.table, config.resolved_attention_backend(),
                                   config.graph_max_bs())
+        if self.lora is not None:
+            self._start_lora(model)
         self.runner.thread_tuner = tuner_for(config)
         self._quantization = quantization_report(model)
         self._thread_choices: dict[str, int] = {}
@@ -125,6 +133,44 @@ class Engine:
         self.drained_steps = 0
         self._prompt_tokens = 0
         self._cached_tokens = 0
+
+    def _start_lora(self, model: CausalLM) -> None:
+        """Bound the running adapters, keep decode layers off the fused CPU op (it knows no adapters) and load
+        `--lora-modules`."""
+        assert self.lora is not None
+        for layer in model.decoder_layers():
+            layer.fused_decode = False
+        self.prefill.adapter_limit = self.config.max_loras_per_batch
+        self.prefill.running_adapters = lambda: {r.params.lora_name for r in self.decode.running}
+        for name, path in self.config.lora_module_map().items():
+            self.lora.register(name, path)
+
+    def load_lora(self, name: str, path: str) -> ApiError | None:
+        """Register the adapter at `path` as `name` (replacing one of that name), or say why not."""
+        if self.lora is None:
+            return ApiError("this server serves no LoRA adapters (start it with --enable-lora)", param="lora_name")
+        if not name:
+            return ApiError("lora_name must not be empty", param="lora_name")
+        try:
+            self.lora.register(name, path)
+        except AdapterError as e:
+            return ApiError(str(e), param="lora_path")
+        return None
+
+    def unload_lora(self, name: str) -> ApiError | None:
+        """Forget the adapter `name`, or say why not (unknown, or requests still use it)."""
+        if self.lora is None or name not in self.lora.paths:
+            return lora_not_found(name, self.lora_names())
+        users = sum(r.params.lora_name == name for r in self.live.values())
+        if users:
+            return ApiError(f"LoRA adapter {name!r} is in use by {users} request(s); unload it when they finish",
+                            409, "lora_name")
+        self.lora.unregister(name)
+        return None
+
+    def lora_names(self) -> list[str]:
+        """The registered adapters' names."""
+        return sorted(self.lora.paths) if self.lora is not None else []
 
     @classmethod
     def from_source(cls, source: Any, config: EngineConfig, tokenizer: Any | None = None) -> Engine:
@@ -160,6 +206,13 @@ class Engine:
         if rejection is not None:
             return rejection
         params = request.sampling
+        if params.lora_name is not None:
+            if self.lora is None or params.lora_name not in self.lora.paths:
+                return lora_not_found(params.lora_name, self.lora_names())
+            try:
+                self.lora.adapter(params.lora_name)
+            except AdapterError as e:
+                return ApiError(str(e), param="lora_name")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         req = Req(request.rid, len(request.input_ids), list(request.input_ids), params, seed)
         if request.embed is not None:
@@ -293,6 +346,8 @@ class Engine:
         (their token ids are known here; the device computes the KV before any later step reads it), and
         requests whose prefill completes start running, so the next step can decode them."""
         drafted = batch.drafted_before() if batch.drafts else ()
+        if self.lora is not None:
+            self.lora.prepare([r.params.lora_name for r in batch.reqs], batch.extend_lens)
         out = self.runner.forward(batch, self.grammars.bitmask(batch.sampling_reqs, drafted))
         draft_rows = batch.draft_rows
         for i, (req, samples) in enumerate(zip(batch.reqs, batch.samples)):

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 from ringserve.actors.engine.scheduling.cache_manager import CacheManager
 from ringserve.actors.engine.scheduling.request import Req
@@ -49,6 +50,9 @@ class PrefillManager:
         self.max_running = max_running
         self.waiting: deque[Req] = deque()
         self.chunking: list[Req] = []  # oldest first
+        # LoRA: distinct adapters among the running requests at most (0: no bound), and theirs
+        self.adapter_limit = 0
+        self.running_adapters: Callable[[], set[str | None]] = set
 
     @property
     def chunked(self) -> Req | None:
@@ -101,6 +105,8 @@ class PrefillManager:
             running_after = num_running + len(held) + 1
             if running_after > self.max_running or budget <= 0 or self.cache.table.num_free_rows == 0:
                 break
+            if self.adapter_limit and not self._adapter_fits(req, planned):
+                continue  # another adapter's requests run: this one waits for a step with room for its own
             self.cache.admit(req)
             need = req.uncached_len
             n = min(need, budget, self._chunk_cap()) if self.chunk_size > 0 else need
@@ -146,6 +152,16 @@ class PrefillManager:
                 index[id(req)] = len(planned)
                 planned.append((req, extra))
 
+    def _adapter_fits(self, req: Req, planned: list[tuple[Req, int]]) -> bool:
+        """Whether `req`'s LoRA adapter (if any) runs already or leaves the running adapters within the bound."""
+        name = req.params.lora_name
+        if name is None:
+            return True
+        active = self.running_adapters() | {r.params.lora_name for r in self.chunking}
+        active |= {r.params.lora_name for r, _ in planned}
+        active.discard(None)
+        return name in active or len(active) < self.adapter_limit
+
     def _shares_a_chunk(self, req: Req, cap: int) -> bool:
         """Whether a chunked request's prompt has half a chunk or more of `req`'s prompt beyond what is cached:
         then `req` waits for that prefix to be computed and cached, instead of computing it a second time (a
@@ -167,7 +183,7 @@ class PrefillManager:
     def _ordered(self) -> list[Req]:
         if self.policy == "lpm" and 1 < len(self.waiting) <= LPM_MAX_QUEUE:
             cache = self.cache.prefix_cache
-            match = {id(r): cache.match_prefix(r.ids[: r.prefix_limit], r.params.cache_salt)[0].cached_len
+            match = {id(r): cache.match_prefix(r.ids[: r.prefix_limit], r.cache_key)[0].cached_len
                      for r in self.waiting}
             return sorted(self.waiting, key=lambda r: -match[id(r)])
         return list(self.waiting)

@@ -53,6 +53,13 @@ class Req:
             self.prompt_logprobs = PromptLogprobs(self.params.logprob_start_len)
 
     @property
+    def cache_key(self) -> str | None:
+        """The prefix-cache tree this request's KV belongs to: its `cache_salt`, apart per LoRA adapter (KV
+        computed under one adapter is never another's)."""
+        lora, salt = self.params.lora_name, self.params.cache_salt
+        return salt if lora is None else f"lora\0{lora}\0{salt or ''}"
+
+    @property
     def prefix_limit(self) -> int:
         """How many of its tokens admission may take from the prefix cache: all but the last, or, while its
         prompt logprobs are still to come, none past the first position whose logits they need; none at all

@@ -1,0 +1,63 @@
+"""A base linear plus the low-rank updates of every adapter slot, batched with static shapes.
+
+`y = base(x) + ((x @ A.T) * mask) @ B.T` where `A [P*S*R, in]` and `B [out, P*S*R]` stack `S` slots of rank up
+to `R` for each of the linear's `P` fused parts (q/k/v, gate/up: an adapter on q fills q's rows of B only),
+smaller ranks zero-padded, the adapter's scale folded into B. `mask [T, S*R]` (shared by every wrapped linear,
+`LoraState`) is 1 where a token's adapter owns a slot's R columns and all zero for base-model tokens; the runner
+fills it in place before each forward, so compiled and CUDA graphs that captured it see each step's rows. The
+base is whatever module ran before (float, int8/int4/gguf kernels): the adapter runs in float on top.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class LoraState:
+    """What all wrapped linears share: the per-token slot mask `[max_tokens, S*R]`, filled per step."""
+
+    def __init__(self, slots: int, rank: int, max_tokens: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.slots, self.rank = slots, rank
+        self.mask = torch.zeros(max_tokens, slots * rank, dtype=dtype, device=device)
+
+
+class LoraLinear(nn.Module):
+    """`base` with `parts` fused parts (their output rows `part_rows`), plus the slots' adapters."""
+
+    def __init__(self, base: nn.Module, part_rows: list[int], state: LoraState) -> None:
+        super().__init__()
+        self.base = base
+        self.state = state
+        self.part_rows = part_rows
+        self.in_features, self.out_features = base.in_features, base.out_features
+        width = len(part_rows) * state.slots * state.rank
+        dtype, device = state.mask.dtype, state.mask.device
+        # not in the state dict: adapters are loaded into slots, never saved with the model
+        self.register_buffer("lora_a", torch.zeros(width, self.in_features, dtype=dtype, device=device),
+                             persistent=False)
+        self.register_buffer("lora_b", torch.zeros(self.out_features, width, dtype=dtype, device=device),
+                             persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        t = x.shape[0]
+        low = (x.to(self.lora_a.dtype) @ self.lora_a.T).view(t, len(self.part_rows), -1)
+        low = low * self.state.mask[:t, None, :]
+        return y + (low.reshape(t, -1) @ self.lora_b.T).to(y.dtype)
+
+    @torch.no_grad()
+    def set_slot(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Put an adapter into `slot`: `parts` maps a fused part to its `(A [r, in], B [rows, r])` (B already
+        scaled); parts it does not adapt, and the columns past its rank, are zeroed."""
+        rank, slots = self.state.rank, self.state.slots
+        offsets = [sum(self.part_rows[:p]) for p in range(len(self.part_rows))]
+        for p, rows in enumerate(self.part_rows):
+            cols = slice((p * slots + slot) * rank, (p * slots + slot + 1) * rank)
+            self.lora_a[cols].zero_()
+            self.lora_b[:, cols].zero_()
+            if p in parts:
+                a, b = parts[p]
+                r = a.shape[0]
+                self.lora_a[cols.start:cols.start + r].copy_(a)
+                self.lora_b[offsets[p]:offsets[p] + rows, cols.start:cols.start + r].copy_(b)

@@ -1,0 +1,112 @@
+"""The engine's adapters: registered names, an LRU of loaded adapters in host memory, and the per-step slots.
+
+`LoraPool` wraps the model's adaptable linears (after quantization, so the base keeps its kernels) in
+`LoraLinear`s sharing one `LoraState`. Registered adapters (name -> directory) are checked at registration and
+kept loaded, up to `max_loaded` (0: no bound), least recently used first out (read again from disk when next
+needed). Before each forward `prepare` gives every adapter of the step a slot (copying one in where it is not
+there yet, into a slot no row of this step uses) and fills the token mask. The scheduler admits at most
+`slots` distinct adapters among the running requests, so a step's adapters always fit.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from ringserve.actors.engine.lora.adapter import Adapter, load_adapter
+from ringserve.actors.engine.lora.lora_linear import LoraLinear, LoraState
+from ringserve.actors.engine.models.adapter_names import ADAPTABLE, fused_rows
+from ringserve.actors.engine.models.causal_lm import CausalLM
+from ringserve.bus.errors import ApiError
+from ringserve.kernels.host_copy import to_device
+
+
+class LoraPool:
+    """Adapters by name, `slots` of rank up to `rank` per step, at most `max_loaded` held in host memory."""
+
+    def __init__(self, model: CausalLM, slots: int, rank: int, max_loaded: int, max_tokens: int) -> None:
+        self.model, self.max_rank, self.max_loaded = model, rank, max_loaded
+        self.device = model.model.embed_tokens.weight.device
+        self.state = LoraState(slots, rank, max_tokens, model.dtype, self.device)
+        self.linears: dict[tuple[int, str], LoraLinear] = {}
+        for i, layer in enumerate(model.decoder_layers()):
+            for path in ADAPTABLE:
+                owner_name, _, leaf = path.partition(".")
+                owner = getattr(layer, owner_name)
+                base = getattr(owner, leaf)
+                rows = fused_rows(owner, path) if leaf in ("qkv_proj", "gate_up_proj") else [base.out_features]
+                wrapped = LoraLinear(base, rows, self.state)
+                setattr(owner, leaf, wrapped)
+                self.linears[(i, path)] = wrapped
+        self.paths: dict[str, str] = {}
+        self.loaded: OrderedDict[str, Adapter] = OrderedDict()
+        self.slot_names: list[str | None] = [None] * slots
+        self.slot_used: list[int] = [0] * slots  # the step that last used each slot
+        self.steps = 0
+        # row s: the mask row of a token of the adapter in slot s; the last row (all zero): base-model tokens
+        self.slot_masks = torch.zeros(slots + 1, slots * rank, dtype=model.dtype, device=self.device)
+        for s in range(slots):
+            self.slot_masks[s, s * rank:(s + 1) * rank] = 1
+
+    def register(self, name: str, path: str) -> Adapter:
+        """Load and check the adapter at `path` under `name` (replacing one of that name); AdapterError when it
+        cannot be served, leaving what was registered as it was."""
+        adapter = load_adapter(name, path, self.model, self.max_rank)
+        self.unregister(name)
+        self.paths[name] = path
+        self._keep(adapter)
+        return adapter
+
+    def unregister(self, name: str) -> bool:
+        """Forget `name` (its slot freed); False if it was not registered."""
+        self.loaded.pop(name, None)
+        if name in self.slot_names:
+            self.slot_names[self.slot_names.index(name)] = None
+        return self.paths.pop(name, None) is not None
+
+    def adapter(self, name: str) -> Adapter:
+        """The registered adapter `name`, read again from disk when the LRU let it go."""
+        adapter = self.loaded.get(name)
+        if adapter is None:
+            adapter = load_adapter(name, self.paths[name], self.model, self.max_rank)
+        self._keep(adapter)
+        return adapter
+
+    def _keep(self, adapter: Adapter) -> None:
+        self.loaded[adapter.name] = adapter
+        self.loaded.move_to_end(adapter.name)
+        while self.max_loaded and len(self.loaded) > self.max_loaded:
+            self.loaded.popitem(last=False)
+
+    def prepare(self, names: list[str | None], tokens: list[int]) -> None:
+        """Slots for the adapters of a step whose rows name `names` (None: the base model) and compute
+        `tokens` tokens each, and the mask of its tokens, written in place."""
+        self.steps += 1
+        needed = list(dict.fromkeys(n for n in names if n is not None))
+        assert len(needed) <= len(self.slot_names), "the scheduler admits at most --max-loras-per-batch adapters"
+        for name in needed:
+            if name not in self.slot_names:
+                free = [s for s, n in enumerate(self.slot_names) if n not in needed]
+                slot = min(free, key=lambda s: (self.slot_names[s] is not None, self.slot_used[s]))
+                self._copy_in(slot, self.adapter(name))
+            self.slot_used[self.slot_names.index(name)] = self.steps
+        base = len(self.slot_names)
+        slot_of = [base if n is None else self.slot_names.index(n) for n in names]
+        per_token = [s for s, n in zip(slot_of, tokens) for _ in range(n)]
+        t = len(per_token)
+        if t > self.state.mask.shape[0]:  # an eager step larger than planned for: grow (graphs never are)
+            self.state.mask = torch.zeros(t, self.state.mask.shape[1], dtype=self.state.mask.dtype,
+                                          device=self.device)
+        self.state.mask[:t] = self.slot_masks[to_device(per_token, self.device)]
+
+    def _copy_in(self, slot: int, adapter: Adapter) -> None:
+        for key, linear in self.linears.items():
+            linear.set_slot(slot, adapter.weights.get(key, {}))
+        self.slot_names[slot] = adapter.name
+
+
+def lora_not_found(name: str, known: list[str]) -> ApiError:
+    """OpenAI's 404 for an adapter this engine does not hold (the shape /v1/models uses for a model)."""
+    return ApiError(f"the LoRA adapter {name!r} is not loaded; loaded are {known}", 404, "lora_name",
+                    "model_not_found")

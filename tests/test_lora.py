@@ -1,0 +1,155 @@
+"""LoRA adapters in the engine: PEFT's own random adapters on tiny models give PEFT's greedy tokens, alone and
+batched with other adapters and the base model; the prefix cache keeps adapters apart; the host LRU evicts and
+reloads; malformed adapters are clear errors while the engine serves on; int8 base weights take adapters."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ringserve.actors.engine.config import EngineConfig
+from ringserve.actors.engine.models.weights import model_from_hf
+from ringserve.actors.engine.quantization.quantize import apply_quantization
+from ringserve.actors.engine.scheduling.engine import Engine
+from ringserve.bus.messages import TokenizedRequest
+from tests.engine_helpers import (assert_greedy_matches, engine_for, greedy, hf_greedy, run_to_completion,
+                                  tiny_hf_llama, tokens_of)
+from tests.model_families import tiny_hf_model
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PROMPTS = [[5, 17, 99, 3, 42, 7, 250, 11], [9, 8, 7, 6, 5, 4, 3, 2, 100]]
+N = 8
+
+
+def make_adapter(hf_model: Any, path: Path, seed: int, r: int = 8, targets: list[str] = ALL,
+                 rslora: bool = False) -> Any:
+    """A PEFT LoRA adapter with random non-zero A and B on a copy of `hf_model`, saved to `path`; the PEFT model."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=r, lora_alpha=2 * r if not rslora else 4, target_modules=targets, lora_dropout=0.0,
+                        use_rslora=rslora)
+    model = get_peft_model(copy.deepcopy(hf_model), config)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                torch.nn.init.normal_(p, std=0.2)
+    model.save_pretrained(str(path))
+    return model.eval()
+
+
+def request(rid: str, ids: list[int], lora: str | None = None) -> TokenizedRequest:
+    return TokenizedRequest(rid, list(ids), greedy(N, ignore_eos=True, lora_name=lora))
+
+
+@pytest.fixture(scope="module")
+def llama_adapters(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[str, tuple[str, Any]]]:
+    """The tiny Llama and four adapters on it: name -> (directory, PEFT model)."""
+    hf = tiny_hf_llama()
+    root = tmp_path_factory.mktemp("loras")
+    specs = {"a8": dict(r=8), "b16": dict(r=16), "rs": dict(r=8, rslora=True), "qonly": dict(r=4, targets=["q_proj"])}
+    return hf, {name: (str(root / name), make_adapter(hf, root / name, seed, **kw))
+                for seed, (name, kw) in enumerate(specs.items(), start=1)}
+
+
+@pytest.fixture(scope="module")
+def engine(llama_adapters: Any) -> Engine:
+    hf, adapters = llama_adapters
+    modules = ",".join(f"{n}={path}" for n, (path, _) in adapters.items())
+    return engine_for(hf, lora_modules=modules, max_loras_per_batch=2)
+
+
+def peft_tokens(peft_model: Any, ids: list[int]) -> list[int]:
+    return hf_greedy(peft_model, ids, N, None)
+
+
+def test_each_adapter_gives_pefts_tokens(engine: Engine, llama_adapters: Any) -> None:
+    hf, adapters = llama_adapters
+    base = hf_greedy(hf, PROMPTS[0], N, None)
+    for name, (_, peft_model) in adapters.items():
+        rows = run_to_completion(engine, [request(f"solo-{name}", PROMPTS[0], name)])
+        expected = peft_tokens(peft_model, PROMPTS[0])
+        assert expected != base, f"adapter {name} must change the output for the test to mean anything"
+        assert tokens_of(rows[f"solo-{name}"]) == expected, name
+
+
+def test_a_batch_mixing_adapters_and_the_base_gives_each_row_its_own(engine: Engine, llama_adapters: Any) -> None:
+    hf, adapters = llama_adapters
+    names = [None, "a8", "b16", "rs", "qonly"]  # 4 adapters, 2 per step: the others wait
+    reqs = [request(f"mix-{i}", PROMPTS[1], n) for i, n in enumerate(names)]
+    rows = run_to_completion(engine, reqs)
+    for i, name in enumerate(names):
+        expected = hf_greedy(hf, PROMPTS[1], N, None) if name is None else peft_tokens(adapters[name][1], PROMPTS[1])
+        assert tokens_of(rows[f"mix-{i}"]) == expected, name
+    assert engine.lora is not None and len(set(engine.lora.slot_names)) <= 2
+
+
+def test_the_prefix_cache_never_crosses_adapters(engine: Engine) -> None:
+    ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]
+    first = run_to_completion(engine, [request("pc-a", ids, "a8")])["pc-a"]
+    other = run_to_completion(engine, [request("pc-b", ids, "b16")])["pc-b"]
+    again = run_to_completion(engine, [request("pc-a2", ids, "a8")])["pc-a2"]
+    base = run_to_completion(engine, [request("pc-base", ids)])["pc-base"]
+    assert first[0].cached_tokens == 0 and other[0].cached_tokens == 0 and base[0].cached_tokens == 0
+    assert again[0].cached_tokens > 0
+    assert tokens_of(again) == tokens_of(first)
+
+
+def test_unknown_and_malformed_adapters_are_clear_errors(engine: Engine, llama_adapters: Any,
+                                                         tmp_path: Path) -> None:
+    error = engine.add_request(request("nope", PROMPTS[0], "nope"))
+    assert error is not None and error.code == 404 and error.type == "model_not_found" and "nope" in error.message
+    other = tiny_hf_llama(hidden_size=32, intermediate_size=64)
+    make_adapter(other, tmp_path / "wrong", seed=9)
+    error = engine.load_lora("wrong", str(tmp_path / "wrong"))
+    assert error is not None and error.code == 400 and "lora_A" in error.message, error
+    error = engine.load_lora("missing", str(tmp_path / "absent"))
+    assert error is not None and error.code == 400 and "does not exist" in error.message
+    dora = tmp_path / "dora"
+    make_adapter(llama_adapters[0], dora, seed=3)
+    cfg = (dora / "adapter_config.json").read_text().replace('"use_dora": false', '"use_dora": true')
+    (dora / "adapter_config.json").write_text(cfg)
+    error = engine.load_lora("dora", str(dora))
+    assert error is not None and "DoRA" in error.message
+    assert engine.lora_names() == ["a8", "b16", "qonly", "rs"]
+    _, peft_model = llama_adapters[1]["a8"]
+    rows = run_to_completion(engine, [request("after", PROMPTS[0], "a8")])
+    assert tokens_of(rows["after"]) == peft_tokens(peft_model, PROMPTS[0])
+
+
+def test_lru_keeps_one_adapter_loaded_and_reloads(llama_adapters: Any) -> None:
+    hf, adapters = llama_adapters
+    modules = ",".join(f"{n}={adapters[n][0]}" for n in ("a8", "b16"))
+    lru = engine_for(hf, lora_modules=modules, max_loaded_loras=1, max_loras_per_batch=1)
+    assert lru.lora is not None
+    for i, name in enumerate(["a8", "b16", "a8"]):
+        rows = run_to_completion(lru, [request(f"lru-{i}", PROMPTS[0], name)])
+        assert tokens_of(rows[f"lru-{i}"]) == peft_tokens(adapters[name][1], PROMPTS[0]), name
+        assert list(lru.lora.loaded) == [name]
+
+
+def test_another_family_qwen3(tmp_path: Path) -> None:
+    hf = tiny_hf_model("qwen3")
+    peft_model = make_adapter(hf, tmp_path / "q3", seed=5)
+    qwen = engine_for(hf, lora_modules=f"q3={tmp_path / 'q3'}")
+    ids = [1, 2, 3, 4, 5, 6]
+    rows = run_to_completion(qwen, [request("q3", ids, "q3"), request("q3-base", ids)])
+    assert_greedy_matches(peft_model, ids, peft_tokens(peft_model, ids), tokens_of(rows["q3"]))
+    assert_greedy_matches(hf, ids, hf_greedy(hf, ids, N, None), tokens_of(rows["q3-base"]))
+
+
+def test_int8_base_weights_with_an_adapter_on_top(llama_adapters: Any) -> None:
+    hf, adapters = llama_adapters
+    path, peft_model = adapters["a8"]
+    config = EngineConfig(device="cpu", torch_threads=1, max_total_tokens=4096, quantization="int8",
+                          lora_modules=f"a8={path}")
+    model = model_from_hf(hf.config, {k: v.clone() for k, v in hf.state_dict().items()}, "cpu")
+    assert apply_quantization(model, config)[0] == "int8"
+    quantized = Engine(model, config)
+    rows = run_to_completion(quantized, [request("int8", PROMPTS[0], "a8")])
+    assert_greedy_matches(peft_model, PROMPTS[0], peft_tokens(peft_model, PROMPTS[0]), tokens_of(rows["int8"]),
+                          tol=0.5)
