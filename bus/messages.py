@@ -237,6 +237,7 @@ class SchedulerInfo:
     # --quantization int8/int4: the method, the ISA, and per linear shape and row count the kernel measured
     # fastest at start-up (empty: float32)
     quantization: dict[str, str] = field(default_factory=dict)
+    lora_adapters: list[str] = field(default_factory=list)  # LoRA adapters served (--lora-modules, loaded at run time)
     # how the KV pool size was chosen: "tokens", "sized_from" ("--max-total-tokens", "0.1 of host MemTotal", ...)
     kv_pool: dict[str, str] = field(default_factory=dict)
     # decode graphs: "mode" (cuda_graph, compile, eager or off), "max_bs", and in compile mode what runs each
@@ -281,6 +282,8 @@ class ControlCommand:
     model_path: str | None = None
     mode: str = "wait"
     weight_version: str | None = None
+    lora_name: str | None = None  # "load_lora_adapter" (from `lora_path`) and "unload_lora_adapter"
+    lora_path: str | None = None
 
 
 @dataclass

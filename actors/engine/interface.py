@@ -73,6 +73,12 @@ class EngineInterface(Protocol):
     def on_idle(self) -> None:
         """Called when the engine has fallen idle: a moment for self-checks and for settling measurements."""
 
+    def load_lora(self, name: str, path: str) -> ApiError | None:
+        """Serve the PEFT adapter at `path` as `name` (replacing one of that name), or say why not."""
+
+    def unload_lora(self, name: str) -> ApiError | None:
+        """Stop serving the adapter `name`, or say why not (unknown: 404; in use: 409)."""
+
     def update_weights(self, checkpoint: Any, model_name: str, check_only: bool = False) -> int:
         """Swap in a checkpoint of the same architecture (`ringserve.actors.engine.models.weights.Checkpoint`, loaded by the caller
         off the engine's thread) in place, recompute the KV of requests that hold some and flush the prefix cache;

@@ -5,7 +5,9 @@
 an `AbortRequest` on `{ns}.abort.{rid}`; `/health_generate` generates one token through the whole ring.
 `/update_weights_from_disk` sends the `update_weights_from_disk` command (`model_path`, `mode` "wait", "pause" or
 "abort"; SGLang's `abort_all_requests: true` is mode "abort") and waits until the new weights serve; a
-checkpoint that does not fit is a 400 and the old weights keep serving. Replies are `{"success", "message", **detail}`; a scheduler that does not answer gives 503. The routes that
+checkpoint that does not fit is a 400 and the old weights keep serving. `/v1/load_lora_adapter` (`lora_name`,
+`lora_path`: a PEFT directory, under `--lora-dir` when set) and `/v1/unload_lora_adapter` (`lora_name`) serve
+and drop LoRA adapters on every replica; a malformed adapter is a 400, an unknown one a 404. Replies are `{"success", "message", **detail}`; a scheduler that does not answer gives 503. The routes that
 change state take only `POST` with `Content-Type: application/json` (a body is optional), so a web page the
 operator visits cannot trigger them (a cross-origin JSON POST needs a CORS preflight).
 """
@@ -24,6 +26,7 @@ from ringserve.actors.entry.http_common import handles_errors, read_command
 from ringserve.actors.entry.request_flow import EntryService
 from ringserve.bus.messages import ControlCommand, ControlReply
 
+LORA_TIMEOUT = 120.0  # seconds to read and check an adapter from disk
 UPDATE_WEIGHTS_TIMEOUT = 600.0  # seconds to load a checkpoint and wait for the requests on the old weights
 
 
@@ -92,6 +95,28 @@ def control_routes(service: EntryService) -> list[Route]:
             raise reply.error
         return answer(reply)
 
+    async def lora_command(request: Request, action: str, fields: tuple[str, ...]) -> Response:
+        body = await read_command(request)
+        for name in fields:
+            if not isinstance(body.get(name), str) or not body[name]:
+                raise ApiError(f"{name} must be a non-empty string", param=name)
+        extra = sorted(set(body) - set(fields))
+        if extra:
+            raise ApiError(f"unknown field {extra[0]!r}; this route takes {list(fields)}", param=extra[0])
+        reply = await service.command(ControlCommand(action=action, lora_name=body["lora_name"],
+                                                     lora_path=body.get("lora_path")), LORA_TIMEOUT)
+        if reply.error is not None:
+            raise reply.error
+        return answer(reply)
+
+    @handles_errors
+    async def load_lora_adapter(request: Request) -> Response:
+        return await lora_command(request, "load_lora_adapter", ("lora_name", "lora_path"))
+
+    @handles_errors
+    async def unload_lora_adapter(request: Request) -> Response:
+        return await lora_command(request, "unload_lora_adapter", ("lora_name",))
+
     @handles_errors
     async def health_generate(request: Request) -> Response:
         await service.health_generate()
@@ -104,4 +129,6 @@ def control_routes(service: EntryService) -> list[Route]:
         Route("/abort_request", abort_request, methods=["POST"]),
         Route("/update_weights_from_disk", update_weights_from_disk, methods=["POST"]),
         Route("/health_generate", health_generate, methods=["GET"]),
+        Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
     ]

@@ -31,7 +31,7 @@ from ringserve.bus.errors import ApiError
 PUBLIC_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})
 # Routes that change the server's state for everyone: guarded by the admin key when one is set.
 ADMIN_PATHS = frozenset({"/flush_cache", "/pause_generation", "/continue_generation", "/abort_request",
-                         "/update_weights_from_disk"})
+                         "/update_weights_from_disk", "/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 
 
 class BodyTooLarge(ApiError):

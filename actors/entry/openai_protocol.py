@@ -137,6 +137,7 @@ class ApiOptions:
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name tokens `token_id:<id>`
     continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
     fingerprint: str = ""  # system_fingerprint: what served the response (ringserve's version and the model)
+    lora_name: str | None = None  # the LoRA adapter `model` names ("name" or "<served>:name"); the route checks it
 
     @property
     def echo_ids(self) -> list[int]:
@@ -209,8 +210,11 @@ def _prompt_logprobs(body: dict[str, Any], sampling: dict[str, Any], options: Ap
 def _options(body: dict[str, Any], kind: str, served_model: str) -> ApiOptions:
     check_fields(body, kind)
     model = body.get("model")
+    lora_name = None
     if model is not None and model != served_model:
-        raise model_not_found(model, served_model)
+        if not isinstance(model, str) or not model.removeprefix(served_model + ":"):
+            raise model_not_found(model, served_model)
+        lora_name = model.removeprefix(served_model + ":")
     stream = STREAM.read(body, False)
     stream_options = body.get("stream_options")
     if stream_options is not None and not stream:
@@ -231,9 +235,9 @@ def _options(body: dict[str, Any], kind: str, served_model: str) -> ApiOptions:
         raise ApiError(f"stream_options.{exc}", param="stream_options") from None
     if continuous and not include_usage:
         raise ApiError("stream_options.continuous_usage_stats needs include_usage: true", param="stream_options")
-    return ApiOptions(kind, stream, bool(include_usage), served_model, int(time.time()), n=N.read(body, 1),
-                      continuous_usage=continuous, tokens_as_ids=TOKENS_AS_IDS.read(body, False),
-                      fingerprint=system_fingerprint(served_model))
+    return ApiOptions(kind, stream, bool(include_usage), model if lora_name else served_model, int(time.time()),
+                      n=N.read(body, 1), continuous_usage=continuous, tokens_as_ids=TOKENS_AS_IDS.read(body, False),
+                      fingerprint=system_fingerprint(served_model), lora_name=lora_name)
 
 
 def system_fingerprint(served_model: str) -> str:
@@ -264,6 +268,8 @@ def parse_chat(body: dict[str, Any], rid: str, served_model: str,
     options = _options(body, "chat", served_model)
     options.tools = parse_tools(body, tool_parser)
     sampling = _sampling(body)
+    if options.lora_name:
+        sampling["lora_name"] = options.lora_name
     tools = options.tools
     if tools is not None and tools.choice == "auto" and tools.parser.keeps_special_tokens \
             and "skip_special_tokens" not in body:  # the parser must see its tags (vLLM does the same)
@@ -309,6 +315,8 @@ def parse_completion(body: dict[str, Any], rid: str,
     if best_of not in (1, options.n):
         raise ApiError(f"best_of={best_of!r} is not supported: it must be 1 or n", param="best_of")
     sampling = _sampling(body)
+    if options.lora_name:
+        sampling["lora_name"] = options.lora_name
     _constrain(body, sampling, options)
     options.token_ids = sampling.get("return_prompt_ids") is True
     options.logprobs, options.top_logprobs = _completion_logprobs(body, sampling)

@@ -101,6 +101,8 @@ def openai_routes(service: EntryService, tool_parser: str = DEFAULT_PARSER) -> l
 
     async def openai_endpoint(request: Request, parse: Parser) -> Response:
         prompts, options = parse(await read_json(request), new_rid(), service.served_model)
+        if options.lora_name is not None and options.lora_name not in (await service.scheduler_info()).lora_adapters:
+            raise oai.model_not_found(options.model, service.served_model)
         for i in options.echo_ids:  # echo of a token-id prompt: its text, decoded by a tokenizer
             ids = options.echo[i]
             assert isinstance(ids, list)
@@ -139,15 +141,25 @@ def openai_routes(service: EntryService, tool_parser: str = DEFAULT_PARSER) -> l
                 "max_model_len": info.context_length, "root": info.model or service.served_model,
                 "weight_version": info.weight_version}
 
+    async def adapter_cards() -> list[dict[str, Any]]:
+        """The LoRA adapters served, each a model whose `parent` is the served model (vLLM's cards)."""
+        adapters = (await service.scheduler_info()).lora_adapters
+        return [{"id": name, "object": "model", "created": 0, "owned_by": "ringserve", "root": name,
+                 "parent": service.served_model} for name in adapters]
+
     @handles_errors
     async def models(request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [await card()]})
+        return JSONResponse({"object": "list", "data": [await card(), *await adapter_cards()]})
 
     @handles_errors
     async def model(request: Request) -> Response:
         model_id = request.path_params["model"]
         if model_id != service.served_model:
-            raise oai.model_not_found(model_id, service.served_model)
+            name = model_id.removeprefix(service.served_model + ":")
+            found = [c for c in await adapter_cards() if c["id"] == name]
+            if not found:
+                raise oai.model_not_found(model_id, service.served_model)
+            return JSONResponse(found[0])
         return JSONResponse(await card())
 
     # The id may hold slashes (`org/name`; clients send them as %2F, which arrives decoded): matched as a path,

@@ -51,7 +51,8 @@ from ringserve.observability.logging import log_event
 
 log = logging.getLogger("scheduler")
 ABORT_MEMORY_SECONDS = 60.0
-CONTROL_ACTIONS = ("flush_cache", "abort_all", "pause", "continue", UPDATE_WEIGHTS)
+CONTROL_ACTIONS = ("flush_cache", "abort_all", "pause", "continue", UPDATE_WEIGHTS, "load_lora_adapter",
+                   "unload_lora_adapter")
 REFUSAL_LOG_SECONDS = 1.0  # admission refusals are logged at most this often (a flood would flood the log)
 
 
@@ -142,7 +143,7 @@ class SchedulerActor:
         if command.action == UPDATE_WEIGHTS:
             return await self._updates.load(command, self._submit_update)
         done: asyncio.Future[ControlReply] = asyncio.get_running_loop().create_future()
-        self._inbox.append(("control", (command.action, done)))
+        self._inbox.append(("control", (command, done)))
         self._wake.set()
         return await done
 
@@ -219,8 +220,8 @@ class SchedulerActor:
                 elif may_precede:  # the entry's own abort overtook its request: end the request when it comes
                     self._early_aborts[rid] = now
             elif kind == "control":
-                action, done = item
-                reply = self._control(action, rows)
+                command, done = item
+                reply = self._control(command, rows)
                 if not done.done():
                     done.set_result(reply)
             elif kind == "update":
@@ -290,7 +291,16 @@ class SchedulerActor:
             self._refusals_unlogged = 0
             self._refusal_logged_at = now
 
-    def _control(self, action: str, rows: list[TokenRow]) -> ControlReply:
+    def _control(self, command: ControlCommand, rows: list[TokenRow]) -> ControlReply:
+        action = command.action
+        if action in ("load_lora_adapter", "unload_lora_adapter"):
+            name = command.lora_name or ""
+            error = (self._engine.load_lora(name, command.lora_path or "") if action == "load_lora_adapter"
+                     else self._engine.unload_lora(name))
+            self._info = self._snapshot()  # /v1/models lists the adapters from it
+            if error is not None:
+                return ControlReply(ok=False, message=error.message, error=error)
+            return ControlReply(ok=True, message=f"{action.split('_')[0]}ed LoRA adapter {name!r}")
         if action == "flush_cache":
             return ControlReply(ok=True, message="flushed the prefix cache",
                                 detail={"freed_tokens": self._engine.flush_cache()})

@@ -16,7 +16,7 @@ import torch
 
 from ringserve.actors.engine.lora.adapter import Adapter, load_adapter
 from ringserve.actors.engine.lora.lora_linear import LoraLinear, LoraState
-from ringserve.actors.engine.models.adapter_names import ADAPTABLE, fused_rows
+from ringserve.actors.engine.models.adapter_names import ADAPTABLE, check_adaptable, fused_rows
 from ringserve.actors.engine.models.causal_lm import CausalLM
 from ringserve.bus.errors import ApiError
 from ringserve.kernels.host_copy import to_device
@@ -26,6 +26,9 @@ class LoraPool:
     """Adapters by name, `slots` of rank up to `rank` per step, at most `max_loaded` held in host memory."""
 
     def __init__(self, model: CausalLM, slots: int, rank: int, max_loaded: int, max_tokens: int) -> None:
+        check_adaptable(model)
+        if model.num_heads != model.config.num_attention_heads:
+            raise ValueError("LoRA adapters are not served with tensor parallelism (--tp > 1) yet")
         self.model, self.max_rank, self.max_loaded = model, rank, max_loaded
         self.device = model.model.embed_tokens.weight.device
         self.state = LoraState(slots, rank, max_tokens, model.dtype, self.device)

@@ -29,11 +29,16 @@ class AdapterTarget:
     parts: int
 
 
-def adapter_target(model: CausalLM, hf_module: str) -> AdapterTarget:
-    """Our linear for the HF module path `hf_module`; ValueError naming it when it is not one we adapt."""
+def check_adaptable(model: CausalLM) -> None:
+    """ValueError unless `model` is a dense family whose layers all have the `ADAPTABLE` linears."""
     if model.spec.moe is not None or model.spec.mla:
         raise ValueError(f"LoRA adapters are served for dense families only, not {model.spec.name!r} "
                          "(mixture-of-experts or latent attention)")
+
+
+def adapter_target(model: CausalLM, hf_module: str) -> AdapterTarget:
+    """Our linear for the HF module path `hf_module`; ValueError naming it when it is not one we adapt."""
+    check_adaptable(model)
     name = hf_module + ".weight"
     for pattern, replacement in model.spec.hf_renames:
         name = re.sub(pattern, replacement, name)

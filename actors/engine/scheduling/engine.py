@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from pathlib import Path
 from contextlib import nullcontext
 from typing import Any
 
@@ -151,6 +152,9 @@ class Engine:
             return ApiError("this server serves no LoRA adapters (start it with --enable-lora)", param="lora_name")
         if not name:
             return ApiError("lora_name must not be empty", param="lora_name")
+        root = self.config.lora_dir
+        if root and not Path(path).resolve().is_relative_to(Path(root).resolve()):
+            return ApiError(f"lora_path {path!r} is outside --lora-dir {root!r}", param="lora_path")
         try:
             self.lora.register(name, path)
         except AdapterError as e:
@@ -445,6 +449,7 @@ class Engine:
             rank=0, num_running_reqs=len(self.decode), num_waiting_reqs=len(self.prefill), kv_used_tokens=used,
             kv_total_tokens=self.num_slots, context_length=self.context_length, step=self.steps,
             model=self.model_name, kv_running_tokens=used - cached, kv_cached_tokens=cached,
+            lora_adapters=self.lora_names(),
             cache_hit_rate=self._cached_tokens / self._prompt_tokens if self._prompt_tokens else 0.0,
             num_retractions=self.num_retractions, paused=self.paused, radix_cache=not config.disable_radix_cache,
             chunked_prefill_size=config.chunked_prefill_size if config.chunking else 0,
