@@ -511,4 +511,7 @@ class Engine:
         holding KV recompute it with them (actors/engine/models/weight_swap.py). `model_name` is what `stats()` reports
         from then on. Raises `WeightMismatch` and changes nothing when it does not fit; `check_only` only checks.
         Call between steps, with none in flight. Returns the KV slots the prefix-cache flush freed."""
+        if self.lora is not None:  # the wrapped linears hold the base under other names; not yet swapped
+            raise ValueError("swapping weights while LoRA adapters are served is not supported yet; restart with the "
+                             "new weights instead")
         return swap_engine_weights(self, checkpoint, model_name, check_only)
