@@ -17,6 +17,12 @@ BLOCK = 64  # tokens per hashed block: prefixes are matched and reported in whol
 HASH_BYTES = 16
 
 
+def cache_namespace(salt: str | None, lora_name: str | None) -> str | None:
+    """The prefix-cache namespace of a request (what `salt_seed` and the prefix cache's trees are keyed by): its
+    `cache_salt`, apart per LoRA adapter, since KV computed under one adapter is never another's."""
+    return salt if lora_name is None else f"lora\0{lora_name}\0{salt or ''}"
+
+
 def salt_seed(salt: str | None) -> bytes:
     """What a request's first block chains to: b"" without a `cache_salt`, else a hash of the salt, so the
     blocks of salted prompts never equal another salt's (or an unsalted prompt's)."""

@@ -15,6 +15,7 @@ from ringserve.actors.engine.config import EngineConfig
 from ringserve.actors.engine.models.weights import model_from_hf
 from ringserve.actors.engine.quantization.quantize import apply_quantization
 from ringserve.actors.engine.scheduling.engine import Engine
+from ringserve.bus.kv_blocks import BLOCK, block_hashes, cache_namespace, salt_seed
 from ringserve.bus.messages import TokenizedRequest
 from tests.engine_helpers import (assert_greedy_matches, engine_for, greedy, hf_greedy, run_to_completion,
                                   tiny_hf_llama, tokens_of)
@@ -97,6 +98,18 @@ def test_the_prefix_cache_never_crosses_adapters(engine: Engine) -> None:
     assert first[0].cached_tokens == 0 and other[0].cached_tokens == 0 and base[0].cached_tokens == 0
     assert again[0].cached_tokens > 0
     assert tokens_of(again) == tokens_of(first)
+
+
+def test_the_router_hashes_an_adapters_blocks_as_the_engine_stores_them(engine: Engine) -> None:
+    """Cache-aware routing over --dp replicas keys by adapter: the tokenizers' router seeds a prompt's block
+    hashes with `cache_namespace`, as the engine's prefix cache reports the blocks it stores."""
+    ids = [(7 * i) % 500 + 3 for i in range(2 * BLOCK + 5)]
+    engine.kv_events()
+    run_to_completion(engine, [request("route", ids, "b16")])
+    stored, _ = engine.kv_events()
+    ours = block_hashes(ids, BLOCK, salt_seed(cache_namespace(None, "b16")))
+    assert ours[0] in stored and ours[1] in stored
+    assert block_hashes(ids, BLOCK)[0] not in stored
 
 
 def test_unknown_and_malformed_adapters_are_clear_errors(engine: Engine, llama_adapters: Any,

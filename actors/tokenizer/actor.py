@@ -30,6 +30,7 @@ from ringserve.bus.params import SPECS
 from ringserve.bus.codec import DecodeError, encode, peek_field
 from ringserve.bus.connection import Delivery
 from ringserve.bus.errors import ApiError, server_error
+from ringserve.bus.kv_blocks import cache_namespace
 from ringserve.bus.messages import (
     Accepted, GenerateRequest, Heartbeat, InfoQuery, KvEvents, KvSnapshot, RequestOutput, TokenizedRequest,
 )
@@ -224,7 +225,8 @@ class TokenizerActor:
         detokenizer = self._detokenizers.choose(req.rid, time.monotonic())
         tokenized = TokenizedRequest(rid=req.rid, input_ids=input_ids, sampling=sampling, detokenizer=detokenizer,
                                      stream=req.stream, embed=req.embed)
-        replica = self._router.route(input_ids, time.monotonic(), sampling.cache_salt)
+        replica = self._router.route(input_ids, time.monotonic(), cache_namespace(sampling.cache_salt,
+                                                                                  sampling.lora_name))
         subject = self._ctx.subjects.tokenized if replica is None else self._ctx.subjects.tokenized_for(replica)
         try:
             try:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ringserve.actors.engine.scheduling.embedding import EmbedState
+from ringserve.bus.kv_blocks import cache_namespace
 from ringserve.bus.params import SamplingParams
 from ringserve.kernels.sampling import PenaltyState, SamplingRow
 
@@ -56,8 +57,7 @@ class Req:
     def cache_key(self) -> str | None:
         """The prefix-cache tree this request's KV belongs to: its `cache_salt`, apart per LoRA adapter (KV
         computed under one adapter is never another's)."""
-        lora, salt = self.params.lora_name, self.params.cache_salt
-        return salt if lora is None else f"lora\0{lora}\0{salt or ''}"
+        return cache_namespace(self.params.cache_salt, self.params.lora_name)
 
     @property
     def prefix_limit(self) -> int:
