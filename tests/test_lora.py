@@ -89,6 +89,21 @@ def test_a_batch_mixing_adapters_and_the_base_gives_each_row_its_own(engine: Eng
     assert engine.lora is not None and len(set(engine.lora.slot_names)) <= 2
 
 
+def test_eager_steps_compute_only_the_slots_in_use(llama_adapters: Any) -> None:
+    """Without decode graphs a step computes slots up to the highest one it uses: the same tokens."""
+    hf, adapters = llama_adapters
+    modules = ",".join(f"{n}={path}" for n, (path, _) in adapters.items())
+    eager = engine_for(hf, lora_modules=modules, max_loras_per_batch=4, disable_cuda_graph=True)
+    assert eager.lora is not None and not eager.lora.state.fixed
+    names = [None, "qonly", "a8", None, "rs"]
+    rows = run_to_completion(eager, [request(f"eager-{i}", PROMPTS[1], n) for i, n in enumerate(names)])
+    for i, name in enumerate(names):
+        expected = hf_greedy(hf, PROMPTS[1], N, None) if name is None else peft_tokens(adapters[name][1], PROMPTS[1])
+        assert tokens_of(rows[f"eager-{i}"]) == expected, name
+    rows = run_to_completion(eager, [request("eager-base", PROMPTS[0])])
+    assert eager.lora.state.active == 0 and tokens_of(rows["eager-base"]) == hf_greedy(hf, PROMPTS[0], N, None)
+
+
 def test_the_prefix_cache_never_crosses_adapters(engine: Engine) -> None:
     ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]
     first = run_to_completion(engine, [request("pc-a", ids, "a8")])["pc-a"]

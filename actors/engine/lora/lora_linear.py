@@ -20,6 +20,10 @@ class LoraState:
     def __init__(self, slots: int, rank: int, max_tokens: int, dtype: torch.dtype, device: torch.device) -> None:
         self.slots, self.rank = slots, rank
         self.mask = torch.zeros(max_tokens, slots * rank, dtype=dtype, device=device)
+        # slots [0, active) computed this step: all of them where graphs captured the shapes (`fixed`), else
+        # only up to the highest slot the step uses (eager steps: a step of one adapter pays for one slot)
+        self.active = slots
+        self.fixed = True
 
 
 class LoraLinear(nn.Module):
@@ -41,10 +45,18 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        t = x.shape[0]
-        low = (x.to(self.lora_a.dtype) @ self.lora_a.T).view(t, len(self.part_rows), -1)
-        low = low * self.state.mask[:t, None, :]
-        return y + (low.reshape(t, -1) @ self.lora_b.T).to(y.dtype)
+        state = self.state
+        if state.active == 0:  # an eager step of base-model rows only
+            return y
+        t, parts, width = x.shape[0], len(self.part_rows), state.slots * state.rank
+        a, b = self.lora_a, self.lora_b
+        if state.active < state.slots:  # the leading slots of each part only
+            used = state.active * state.rank
+            a = a.view(parts, width, -1)[:, :used].reshape(parts * used, -1)
+            b = b.view(-1, parts, width)[:, :, :used].reshape(b.shape[0], parts * used)
+            width = used
+        low = (x.to(a.dtype) @ a.T).view(t, parts, width) * state.mask[:t, None, :width]
+        return y + (low.reshape(t, -1) @ b.T).to(y.dtype)
 
     @torch.no_grad()
     def set_slot(self, slot: int, parts: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:

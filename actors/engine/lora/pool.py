@@ -91,7 +91,7 @@ class LoraPool:
         for name in needed:
             if name not in self.slot_names:
                 free = [s for s, n in enumerate(self.slot_names) if n not in needed]
-                slot = min(free, key=lambda s: (self.slot_names[s] is not None, self.slot_used[s]))
+                slot = min(free, key=lambda s: (self.slot_names[s] is not None, self.slot_used[s], s))
                 self._copy_in(slot, self.adapter(name))
             self.slot_used[self.slot_names.index(name)] = self.steps
         base = len(self.slot_names)
@@ -102,6 +102,8 @@ class LoraPool:
             self.state.mask = torch.zeros(t, self.state.mask.shape[1], dtype=self.state.mask.dtype,
                                           device=self.device)
         self.state.mask[:t] = self.slot_masks[to_device(per_token, self.device)]
+        if not self.state.fixed:
+            self.state.active = max((s + 1 for s in slot_of if s < base), default=0)
 
     def _copy_in(self, slot: int, adapter: Adapter) -> None:
         for key, linear in self.linears.items():

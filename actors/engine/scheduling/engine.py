@@ -139,6 +139,7 @@ class Engine:
         """Bound the running adapters, keep decode layers off the fused CPU op (it knows no adapters) and load
         `--lora-modules`."""
         assert self.lora is not None
+        self.lora.state.fixed = self.runner.graphs is not None  # graphs keep every slot's shapes
         for layer in model.decoder_layers():
             layer.fused_decode = False
         self.prefill.adapter_limit = self.config.max_loras_per_batch
