@@ -70,6 +70,8 @@ def test_the_model_field_picks_an_adapter(setup: Any) -> None:
     assert unknown.status_code == 404 and "'zz'" in unknown.json()["error"]["message"], unknown.text
     cards = httpx.get(server.base_url + "/v1/models").json()["data"]
     assert [(c["id"], c.get("parent")) for c in cards] == [(served(server), None), ("a", served(server))]
+    assert httpx.get(server.base_url + "/v1/models/a").json()["parent"] == served(server)
+    assert httpx.get(server.base_url + "/v1/models/zz").status_code == 404
 
 
 def test_load_use_unload_reload(setup: Any) -> None:

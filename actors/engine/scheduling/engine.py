@@ -156,6 +156,9 @@ class Engine:
         root = self.config.lora_dir
         if root and not Path(path).resolve().is_relative_to(Path(root).resolve()):
             return ApiError(f"lora_path {path!r} is outside --lora-dir {root!r}", param="lora_path")
+        error = self._lora_in_use(name)
+        if error is not None:
+            return error
         try:
             self.lora.register(name, path)
         except AdapterError as e:
@@ -166,11 +169,18 @@ class Engine:
         """Forget the adapter `name`, or say why not (unknown, or requests still use it)."""
         if self.lora is None or name not in self.lora.paths:
             return lora_not_found(name, self.lora_names())
+        error = self._lora_in_use(name)
+        if error is not None:
+            return error
+        self.lora.unregister(name)
+        return None
+
+    def _lora_in_use(self, name: str) -> ApiError | None:
+        """A 409 while live requests run with the adapter `name` (replacing or dropping it would change them)."""
         users = sum(r.params.lora_name == name for r in self.live.values())
         if users:
-            return ApiError(f"LoRA adapter {name!r} is in use by {users} request(s); unload it when they finish",
+            return ApiError(f"LoRA adapter {name!r} is in use by {users} request(s); retry when they finish",
                             409, "lora_name")
-        self.lora.unregister(name)
         return None
 
     def lora_names(self) -> list[str]:
