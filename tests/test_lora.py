@@ -115,6 +115,20 @@ def test_the_prefix_cache_never_crosses_adapters(engine: Engine) -> None:
     assert tokens_of(again) == tokens_of(first)
 
 
+def test_an_adapter_replaced_under_its_name_never_reuses_the_old_ones_kv(llama_adapters: Any) -> None:
+    """Loading another adapter under a name keys its KV apart (`LoraPool.cache_name`): its answer is the new
+    adapter's, not one continued from the old adapter's cached prompt."""
+    hf, adapters = llama_adapters
+    fresh = engine_for(hf, lora_modules=f"x={adapters['a8'][0]}", max_loras_per_batch=2, disable_cuda_graph=True)
+    ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]
+    run_to_completion(fresh, [request("old", ids, "x")])
+    assert fresh.load_lora("x", adapters["b16"][0]) is None
+    rows = run_to_completion(fresh, [request("new", ids, "x")])["new"]
+    assert rows[0].cached_tokens == 0 and tokens_of(rows) == peft_tokens(adapters["b16"][1], ids)
+    again = run_to_completion(fresh, [request("new-again", ids, "x")])["new-again"]
+    assert again[0].cached_tokens > 0 and tokens_of(again) == tokens_of(rows)
+
+
 def test_the_router_hashes_an_adapters_blocks_as_the_engine_stores_them(engine: Engine) -> None:
     """Cache-aware routing over --dp replicas keys by adapter: the tokenizers' router seeds a prompt's block
     hashes with `cache_namespace`, as the engine's prefix cache reports the blocks it stores."""

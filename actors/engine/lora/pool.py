@@ -43,6 +43,7 @@ class LoraPool:
                 setattr(owner, leaf, wrapped)
                 self.linears[(i, path)] = wrapped
         self.paths: dict[str, str] = {}
+        self.registrations: dict[str, int] = {}  # name -> times registered (a replaced adapter keys its KV apart)
         self.loaded: OrderedDict[str, Adapter] = OrderedDict()
         self.slot_names: list[str | None] = [None] * slots
         self.slot_used: list[int] = [0] * slots  # the step that last used each slot
@@ -58,8 +59,16 @@ class LoraPool:
         adapter = load_adapter(name, path, self.model, self.max_rank)
         self.unregister(name)
         self.paths[name] = path
+        self.registrations[name] = self.registrations.get(name, 0) + 1
         self._keep(adapter)
         return adapter
+
+    def cache_name(self, name: str) -> str:
+        """The name `name`'s KV is cached under (prefix cache, KV tier): the name itself for its first
+        registration (what the router hashes by), then `name#n`, so KV computed under an adapter since replaced
+        or unloaded and loaded again is never reused for the new one."""
+        n = self.registrations.get(name, 1)
+        return name if n <= 1 else f"{name}#{n}"
 
     def unregister(self, name: str) -> bool:
         """Forget `name` (its slot freed); False if it was not registered."""

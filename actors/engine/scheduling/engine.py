@@ -230,6 +230,8 @@ class Engine:
                 return ApiError(str(e), param="lora_name")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         req = Req(request.rid, len(request.input_ids), list(request.input_ids), params, seed)
+        if params.lora_name is not None and self.lora is not None:
+            req.lora_cache_name = self.lora.cache_name(params.lora_name)
         if request.embed is not None:
             state = embed_state(request.embed, self.config.embedding_pooling, params.max_new_tokens)
             if isinstance(state, ApiError):

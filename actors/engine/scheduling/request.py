@@ -47,6 +47,7 @@ class Req:
     spec_drafted: int = 0  # speculative decoding: draft tokens verified for this request, and accepted
     spec_accepted: int = 0
     embed: EmbedState | None = None  # an embedding request's pooling (actors/engine/scheduling/embedding.py)
+    lora_cache_name: str | None = None  # its adapter's cache name (LoraPool.cache_name), set on admission
 
     def __post_init__(self) -> None:
         self.device_len = len(self.ids)
@@ -57,7 +58,7 @@ class Req:
     def cache_key(self) -> str | None:
         """The prefix-cache tree this request's KV belongs to: its `cache_salt`, apart per LoRA adapter (KV
         computed under one adapter is never another's)."""
-        return cache_namespace(self.params.cache_salt, self.params.lora_name)
+        return cache_namespace(self.params.cache_salt, self.lora_cache_name)
 
     @property
     def prefix_limit(self) -> int:
