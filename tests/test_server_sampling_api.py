@@ -163,6 +163,7 @@ def test_n_stream_disconnect_aborts_every_choice(smollm_server: ServerHandle) ->
     base = smollm_server.base_url
     body = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 2000, "n": 2,
             "temperature": 0.8, "seed": 1, "ignore_eos": True, "stream": True}
+    wait_until_idle(base, timeout=30)  # the session's ring: an earlier test's aborted request may still be ending
     with httpx.stream("POST", base + "/v1/chat/completions", json=body, timeout=60) as response:
         events = sse_events(response)
         for _ in range(6):

@@ -70,8 +70,10 @@ def test_every_field_and_parameter_ends_at_once(smollm_server: ServerHandle) -> 
     missing = sorted(set(submissions) - set(last))
     assert not missing, f"{len(missing)} requests never ended, e.g. {missing[:5]}"
     errors = {rid: out["error"] for rid, out in last.items() if out["error"]}
-    assert all(e["code"] == 400 and e["type"] == "invalid_request_error" for e in errors.values()), [
-        (rid, e) for rid, e in errors.items() if e["code"] != 400][:5]
+    # a bad value is a 400; an adapter name that is well formed but not loaded is OpenAI's 404 for a model
+    refused = {rid: e for rid, e in errors.items() if not (e["code"] == 400 and e["type"] == "invalid_request_error")
+               and not (e["code"] == 404 and e["param"] == "lora_name")}
+    assert not refused, list(refused.items())[:5]
     for rid, error in errors.items():  # a bad parameter's error names it, natively (a NATS client sent it so)
         if rid in target:
             spec = SPECS[target[rid]]
