@@ -53,7 +53,8 @@ def load_draft_engine(engine_class: Any, config: Any, tokenizer: Any) -> Any:
     quantization = "none" if config.quantization == "gguf" and source.gguf_file is None else config.quantization
     draft = engine_class.from_source(source, dataclasses.replace(
         config, quantization=quantization, speculative_algorithm="none", speculative_draft_model_path="",
-        overlap_schedule="off", enable_lora=False, lora_modules="", lora_dir=""))  # adapters fit the target only
+        overlap_schedule="off", enable_lora=False, lora_modules="", lora_dir="",  # adapters fit the target only
+        kv_tier_bytes=0, kv_tier_dir=""))  # the tier (one bound, one directory) is the served model's alone
     check_same_tokenizer(tokenizer, draft.tokenizer, config.speculative_draft_model_path)
     return draft
 
