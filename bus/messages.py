@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ringserve.bus.errors import ApiError
+from ringserve.bus.images import ImageRef
 from ringserve.bus.params import DecodeParams, EmbedParams, SamplingParams
 
 
@@ -71,6 +72,7 @@ class TokenizedRequest:
     detokenizer: int = 0
     stream: bool = True  # the sender's GenerateRequest.stream
     embed: EmbedParams | None = None  # the sender's GenerateRequest.embed
+    images: list[ImageRef] = field(default_factory=list)  # its images, in prompt order (bus/images.py)
 
 
 @dataclass
