@@ -242,7 +242,7 @@ def metrics() -> str:
         if labels:
             name += "{" + ",".join(labels) + "}"
         rows.append([code(name), family.type, cell(family.documentation)])
-    return ("Every series has the label `model_name`.\n\n"
+    return ("Every series has the label `model_name`: the served model, or the LoRA adapter a request named.\n\n"
             + table(["metric", "type", "what"], rows))
 
 

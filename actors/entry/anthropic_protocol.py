@@ -20,7 +20,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from ringserve.actors.entry.openai_protocol import STREAM, Refused, model_not_found
+from ringserve.actors.entry.openai_protocol import STREAM, Refused, adapter_of
 from ringserve.actors.entry.tool_parsers import DEFAULT_PARSER
 from ringserve.actors.entry.tool_request import NAME_PATTERN, ToolPlan, parse_tools
 from ringserve.actors.entry.tool_response import tool_message
@@ -253,6 +253,7 @@ class MessagesOptions:
     stream: bool
     tools: ToolPlan | None
     stop_sequences: list[str]
+    lora_name: str | None = None  # the LoRA adapter `model` named (`adapter_of`), checked by the route
 
     @property
     def message_id(self) -> str:
@@ -266,8 +267,7 @@ def parse_body(body: dict[str, Any], rid: str, served_model: str,
     model = body.get("model")
     if model is None:
         raise ApiError("model: Field required", param="model")
-    if model != served_model:
-        raise model_not_found(model, served_model)
+    lora_name = adapter_of(model, served_model)
     if body.get("max_tokens") is None:
         raise ApiError("max_tokens: Field required", param="max_tokens")
     metadata = body.get("metadata")
@@ -282,7 +282,9 @@ def parse_body(body: dict[str, Any], rid: str, served_model: str,
     forced = tools.constraint() if tools is not None else None
     if forced is not None:
         sampling["json_schema"] = forced
-    options = MessagesOptions(rid, served_model, STREAM.read(body, False), tools, sampling.get("stop", []))
+    if lora_name is not None:
+        sampling["lora_name"] = lora_name
+    options = MessagesOptions(rid, model, STREAM.read(body, False), tools, sampling.get("stop", []), lora_name)
     return GenerateRequest(rid=rid, messages=turns, sampling=sampling, openai_names=True, stream=options.stream,
                            tools=tools.tools if tools else None, add_generation_prompt=not prefill,
                            continue_final_message=prefill), options

@@ -19,7 +19,7 @@ from starlette.routing import Route
 from ringserve.actors.entry import anthropic_protocol as ap
 from ringserve.actors.entry.choices import ChoiceGroup
 from ringserve.actors.entry.http_common import handles_errors, read_json
-from ringserve.actors.entry.openai_protocol import model_not_found
+from ringserve.actors.entry.openai_protocol import adapter_of
 from ringserve.actors.entry.request_flow import ClientDisconnected, EntryService
 from ringserve.actors.entry.tokenize_routes import ask_tokenizer
 from ringserve.actors.entry.tool_parsers import DEFAULT_PARSER
@@ -127,8 +127,7 @@ def count_query(body: dict[str, Any], served_model: str, tool_parser: str) -> To
     model = body.get("model")
     if model is None:
         raise ApiError("model: Field required", param="model")
-    if model != served_model:
-        raise model_not_found(model, served_model)
+    adapter_of(model, served_model)  # an adapter tokenizes as its base model does
     turns, prefill = ap.parse_turns(body.get("system"), body.get("messages"))
     tools = ap.parse_tool_plan(body, tool_parser)
     return TokenizeQuery(messages=turns, tools=tools.tools if tools else None, add_generation_prompt=not prefill,
@@ -156,7 +155,9 @@ def anthropic_routes(service: EntryService, tool_parser: str = DEFAULT_PARSER) -
 
     @anthropic_errors
     async def messages(request: Request) -> Response:
-        gen_req, options = ap.parse_body(await read_json(request), new_rid(), service.served_model, tool_parser)
+        body = await read_json(request)
+        gen_req, options = ap.parse_body(body, new_rid(), service.served_model, tool_parser)
+        await service.require_adapter(options.lora_name, body.get("model"))
         try:
             group = await ChoiceGroup.start(service, request, [gen_req], 1)
         except ApiError as exc:
@@ -168,7 +169,9 @@ def anthropic_routes(service: EntryService, tool_parser: str = DEFAULT_PARSER) -
 
     @anthropic_errors
     async def count_tokens(request: Request) -> Response:
-        query = count_query(await read_json(request), service.served_model, tool_parser)
+        body = await read_json(request)
+        query = count_query(body, service.served_model, tool_parser)
+        await service.require_adapter(adapter_of(body.get("model"), service.served_model), body.get("model"))
         return JSONResponse({"input_tokens": len((await ask_tokenizer(service, query)).tokens)})
 
     return [Route(ap.MESSAGES_PATH, messages, methods=["POST"]),

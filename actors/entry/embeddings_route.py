@@ -37,13 +37,11 @@ FIELDS = {"input", "model", ENCODING_FORMAT.name, DIMENSIONS.name, USER.name, *E
 
 def parse_embeddings(body: dict[str, Any], rid: str, served_model: str) -> tuple[list[GenerateRequest], str, int | None]:
     """A /v1/embeddings body as one embedding request per input (rids `{rid}-{i}`), the encoding format and
-    `dimensions`; ApiError 400 naming the field that is wrong."""
+    `dimensions`; ApiError 400 naming the field that is wrong. A `model` naming a LoRA adapter embeds with it."""
     unknown = sorted(str(name) for name in set(body) - FIELDS)
     if unknown:
         raise ApiError(f"Unrecognized request argument supplied: {quote(unknown[0])}", param=unknown[0])
-    model = body.get("model")
-    if model is not None and model != served_model:
-        raise oai.model_not_found(model, served_model)
+    lora_name = oai.adapter_of(body.get("model"), served_model)
     if body.get("input") is None:
         raise ApiError("input is required", param="input")
     inputs = oai.prompt_forms(body["input"], "input")
@@ -55,7 +53,7 @@ def parse_embeddings(body: dict[str, Any], rid: str, served_model: str) -> tuple
     embed = EmbedParams(pooling=EMBED_SPECS["pooling"].read(body, None),
                         normalize=EMBED_SPECS["normalize"].read(body, True))
     gen_reqs = [GenerateRequest(rid=f"{rid}-{i}", text=p if isinstance(p, str) else None,
-                                input_ids=None if isinstance(p, str) else list(p), sampling={"max_new_tokens": 0},
+                                input_ids=None if isinstance(p, str) else list(p), sampling={"max_new_tokens": 0} | ({"lora_name": lora_name} if lora_name else {}),
                                 openai_names=True, stream=False, embed=embed)
                 for i, p in enumerate(inputs)]
     return gen_reqs, ENCODING_FORMAT.read(body, "float"), DIMENSIONS.read(body, None)
@@ -89,7 +87,10 @@ def embeddings_route(service: EntryService) -> Route:
     """`POST /v1/embeddings` over `service`."""
 
     async def answer(request: Request) -> Response:
-        gen_reqs, encoding, dimensions = parse_embeddings(await read_json(request), new_rid(), service.served_model)
+        body = await read_json(request)
+        gen_reqs, encoding, dimensions = parse_embeddings(body, new_rid(), service.served_model)
+        lora_name = gen_reqs[0].sampling.get("lora_name")
+        await service.require_adapter(lora_name, body.get("model"))
         try:
             started = await service.start_many(request, gen_reqs)
         except ApiError as exc:
@@ -108,7 +109,7 @@ def embeddings_route(service: EntryService) -> Route:
         data = [embedding_item(i, shaped(out, dimensions, normalize), encoding)
                 for i, out in enumerate(lasts)]
         prompt_tokens = sum(out.prompt_tokens for out in lasts)
-        return JSONResponse({"object": "list", "data": data, "model": service.served_model,
+        return JSONResponse({"object": "list", "data": data, "model": body.get("model") if lora_name else service.served_model,
                              "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}})
 
     return Route(EMBEDDINGS_PATH, handles_errors(answer), methods=["POST"])

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
-from ringserve.bus.errors import ApiError
+from typing import Any
+
+from ringserve.bus.errors import ApiError, quote
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -15,6 +17,12 @@ def error_response(error: ApiError) -> JSONResponse:
     if error.code == 401:
         headers["WWW-Authenticate"] = "Bearer"
     return JSONResponse(error.body(), status_code=error.code, headers=headers)
+
+
+def model_not_found(model: Any, served_model: str) -> ApiError:
+    """OpenAI's 404 for a model id this server does not serve."""
+    return ApiError(f"the model {quote(model)} does not exist; this server serves {served_model!r}", 404,
+                    "model", "model_not_found")
 
 
 def server_busy(message: str) -> ApiError:

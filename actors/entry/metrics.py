@@ -7,7 +7,8 @@ ranks, detokenizer shards) hold no request-level series; the scheduler's load fi
 bus when `/metrics` is scraped (`actors/entry/metrics_scrape.py`). Run several entries and Prometheus sums
 their series, as for any replicated service.
 
-Series (names as users of vLLM and SGLang expect, with a `model_name` label):
+Series (names as users of vLLM and SGLang expect, with a `model_name` label: the served model, or the LoRA adapter
+a request named):
 
 - `ringserve:prompt_tokens_total`, `ringserve:cached_tokens_total` (prompt tokens served from the prefix
   cache), counted when a request's first output reports them; `ringserve:generation_tokens_total`, counted
@@ -44,8 +45,23 @@ E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
                240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
+class ModelSeries:
+    """The request-level series of one `model_name` label: the served model, or one LoRA adapter by its name."""
+
+    def __init__(self, metrics: "RequestMetrics", model: str) -> None:
+        self.prompt_tokens = metrics.prompt_tokens.labels(model)
+        self.cached_tokens = metrics.cached_tokens.labels(model)
+        self.generation_tokens = metrics.generation_tokens.labels(model)
+        self.requests = {reason: metrics.requests.labels(model, reason) for reason in FINISH_REASONS}
+        self.ttft = metrics.ttft.labels(model)
+        self.itl = metrics.itl.labels(model)
+        self.queue_time = metrics.queue_time.labels(model)
+        self.e2e = metrics.e2e.labels(model)
+
+
 class RequestMetrics:
-    """The entry's request-level series, in a registry of their own (not prometheus-client's global one)."""
+    """The entry's request-level series, in a registry of their own (not prometheus-client's global one).
+    Requests for a LoRA adapter count under the adapter's name as `model_name`, as vLLM labels them."""
 
     def __init__(self, served_model: str, registry: CollectorRegistry | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -61,39 +77,47 @@ class RequestMetrics:
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(PREFIX + name, doc, labels, registry=self.registry, buckets=buckets)
 
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests served.").labels(served_model)
-        self.cached_tokens = counter("cached_tokens", "Prompt tokens served from the prefix cache.").labels(
-            served_model)
-        self.generation_tokens = counter("generation_tokens", "Generated tokens.").labels(served_model)
-        requests = counter("num_requests", "Requests ended, by finish reason (stop, length, abort, error).",
-                           ("finish_reason",))
-        self.requests = {reason: requests.labels(served_model, reason) for reason in FINISH_REASONS}
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests served.")
+        self.cached_tokens = counter("cached_tokens", "Prompt tokens served from the prefix cache.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self.requests = counter("num_requests", "Requests ended, by finish reason (stop, length, abort, error).",
+                                ("finish_reason",))
         self.ttft = histogram("time_to_first_token_seconds", "Time from admission to the first token.",
-                              TTFT_BUCKETS).labels(served_model)
-        self.itl = histogram("inter_token_latency_seconds", "Time between two generated tokens.",
-                             ITL_BUCKETS).labels(served_model)
+                              TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between two generated tokens.", ITL_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds",
                                     "Time a request waited in the scheduler's queue before it was admitted.",
-                                    E2E_BUCKETS).labels(served_model)
+                                    E2E_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Time from admission to the last output.",
-                             E2E_BUCKETS).labels(served_model)
+                             E2E_BUCKETS)
+        self._series: dict[str, ModelSeries] = {}
+        self.series()  # the served model's series exist (at zero) before its first request
 
-    def timer(self) -> "RequestTimer":
-        """The bookkeeping of one request admitted now."""
-        return RequestTimer(self)
+    def series(self, lora_name: str | None = None) -> ModelSeries:
+        """The series requests for `lora_name` (None: the served model itself) count in."""
+        model = lora_name or self.served_model
+        if model not in self._series:
+            self._series[model] = ModelSeries(self, model)
+        return self._series[model]
 
-    def stream(self, client: RingClient, rid: str, traceparent: str | None) -> "MeteredStream":
+    def timer(self, lora_name: str | None = None) -> "RequestTimer":
+        """The bookkeeping of one request admitted now, for the adapter `lora_name` (None: the served model)."""
+        return RequestTimer(self, lora_name)
+
+    def stream(self, client: RingClient, rid: str, traceparent: str | None,
+               lora_name: str | None = None) -> "MeteredStream":
         """`client.stream(rid, traceparent)`, measured: a stream that records its outputs here as they are read."""
         return MeteredStream(client.bus, client.subjects, validate_rid(rid), traceparent, client.stall_timeout,
-                             timer=self.timer())
+                             timer=self.timer(lora_name))
 
 
 class RequestTimer:
     """One request's measurements: fed every output in order, then ended once (by its last output or an abort)."""
 
-    def __init__(self, metrics: RequestMetrics) -> None:
-        self.metrics = metrics
-        self.admitted_at = metrics.clock()
+    def __init__(self, metrics: RequestMetrics, lora_name: str | None) -> None:
+        self.all, self.lora_name, self.clock = metrics, lora_name, metrics.clock
+        self.admitted_at = self.clock()
+        self._series: ModelSeries | None = None
         self.last_token_at: float | None = None
         self.completion_tokens = 0
         self.prompt_counted = False
@@ -104,8 +128,10 @@ class RequestTimer:
         """Record one output as it is handed to the reader; the last one ends the request."""
         if self.ended:
             return
-        m = self.metrics
-        now = m.clock()
+        if self._series is None:  # a request refused at once (an adapter not loaded) labels no series of its own
+            self._series = self.all.series(self.lora_name if out.error is None else None)
+        m = self._series
+        now = self.clock()
         if not self.prompt_counted and out.prompt_tokens > 0:
             self.prompt_counted = True
             m.prompt_tokens.inc(out.prompt_tokens)
@@ -134,7 +160,7 @@ class RequestTimer:
         """Count the request as ended with `reason` (only the first call counts)."""
         if not self.ended:
             self.ended = True
-            self.metrics.requests[reason].inc()
+            (self._series or self.all.series()).requests[reason].inc()
 
 
 class MeteredStream(RequestStream):

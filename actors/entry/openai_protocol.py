@@ -19,7 +19,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ringserve.bus.errors import ApiError, clip, quote
+from ringserve.bus.errors import ApiError, clip
+from ringserve.actors.entry.errors import model_not_found
 from ringserve.actors.entry.http_common import package_version
 from ringserve.actors.entry.openai_logprobs import LogprobFormatter, vllm_prompt_logprobs
 from ringserve.actors.entry.tool_parsers import DEFAULT_PARSER
@@ -210,11 +211,7 @@ def _prompt_logprobs(body: dict[str, Any], sampling: dict[str, Any], options: Ap
 def _options(body: dict[str, Any], kind: str, served_model: str) -> ApiOptions:
     check_fields(body, kind)
     model = body.get("model")
-    lora_name = None
-    if model is not None and model != served_model:
-        if not isinstance(model, str) or not model.removeprefix(served_model + ":"):
-            raise model_not_found(model, served_model)
-        lora_name = model.removeprefix(served_model + ":")
+    lora_name = adapter_of(model, served_model)
     stream = STREAM.read(body, False)
     stream_options = body.get("stream_options")
     if stream_options is not None and not stream:
@@ -246,10 +243,15 @@ def system_fingerprint(served_model: str) -> str:
     return "fp_" + hashlib.blake2b(f"{package_version()}\0{served_model}".encode(), digest_size=6).hexdigest()
 
 
-def model_not_found(model: Any, served_model: str) -> ApiError:
-    """OpenAI's 404 for a model id this server does not serve."""
-    return ApiError(f"the model {quote(model)} does not exist; this server serves {served_model!r}", 404,
-                    "model", "model_not_found")
+def adapter_of(model: Any, served_model: str) -> str | None:
+    """The LoRA adapter a body's `model` names (`"name"` or `"<served>:name"`, as vLLM and SGLang take it); None
+    for the served model itself or no model. Whether the adapter is loaded is the route's check
+    (`EntryService.require_adapter`)."""
+    if model is None or model == served_model:
+        return None
+    if not isinstance(model, str) or not model.removeprefix(served_model + ":"):
+        raise model_not_found(model, served_model)
+    return model.removeprefix(served_model + ":")
 
 
 def _constrain(body: dict[str, Any], sampling: dict[str, Any], options: ApiOptions) -> None:

@@ -101,8 +101,7 @@ def openai_routes(service: EntryService, tool_parser: str = DEFAULT_PARSER) -> l
 
     async def openai_endpoint(request: Request, parse: Parser) -> Response:
         prompts, options = parse(await read_json(request), new_rid(), service.served_model)
-        if options.lora_name is not None and options.lora_name not in (await service.scheduler_info()).lora_adapters:
-            raise oai.model_not_found(options.model, service.served_model)
+        await service.require_adapter(options.lora_name, options.model)
         for i in options.echo_ids:  # echo of a token-id prompt: its text, decoded by a tokenizer
             ids = options.echo[i]
             assert isinstance(ids, list)

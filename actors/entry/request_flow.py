@@ -12,7 +12,7 @@ from typing import Any, AsyncIterator
 import anyio
 from starlette.requests import Request
 
-from ringserve.actors.entry.errors import server_busy
+from ringserve.actors.entry.errors import model_not_found, server_busy
 from ringserve.bus.errors import ApiError
 from ringserve.actors.entry.liveness import LivenessMonitor
 from ringserve.actors.entry.metrics import RequestMetrics
@@ -141,8 +141,8 @@ class EntryService:
         taken = next((rid for rid in rids if rid in self.live), None)
         if taken is not None or len(set(rids)) != len(rids):
             raise ApiError(f"request id {taken or rids[0]!r} is already in use", param="rid")
-        streams = [self.metrics.stream(self.client, rid, tp) if metered else self.client.stream(rid, tp)
-                   for rid, tp in zip(rids, traceparents)]
+        streams = [self.metrics.stream(self.client, gen_req.rid, tp, gen_req.sampling.get("lora_name"))
+                   if metered else self.client.stream(gen_req.rid, tp) for gen_req, tp in zip(gen_reqs, traceparents)]
         for stream in streams:
             self.live[stream.rid] = stream
         self.admitted_total += len(streams)
@@ -273,6 +273,11 @@ class EntryService:
     async def scheduler_info(self) -> SchedulerInfo:
         """The scheduler's load report (with several replicas: the first one's settings, their load summed)."""
         return combined_info(await self.scheduler_infos())
+
+    async def require_adapter(self, lora_name: str | None, model: Any) -> None:
+        """OpenAI's 404 for a body whose `model` named (`adapter_of`) a LoRA adapter no replica serves."""
+        if lora_name is not None and lora_name not in (await self.scheduler_info()).lora_adapters:
+            raise model_not_found(model, self.served_model)
 
     async def command(self, command: str | ControlCommand, timeout: float | None = None) -> ControlReply:
         """Send an operator command ("flush_cache", "abort_all", "pause", "continue", or a whole ControlCommand)

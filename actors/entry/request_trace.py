@@ -113,6 +113,9 @@ def admitted(streams: list[RequestStream], gen_reqs: list[GenerateRequest]) -> N
         value = sampling.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             span.set_attribute(f"gen_ai.request.{name}", value)
+    lora_name = sampling.get("lora_name")
+    if isinstance(lora_name, str):
+        span.set_attribute("ringserve.lora_name", lora_name)  # the LoRA adapter that served it
     for stream in streams:
         _by_stream[stream] = root
 

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ringserve.actors.entry.openai_protocol import STREAM, Refused, model_not_found
+from ringserve.actors.entry.openai_protocol import STREAM, Refused, adapter_of
 from ringserve.actors.entry.tool_request import ToolPlan, output_constraint, parse_tools
 from ringserve.bus.errors import ApiError, clip
 from ringserve.bus.messages import ChatMessage, GenerateRequest
@@ -208,6 +208,7 @@ class ResponseOptions:
     history: list[dict[str, Any]]  # the conversation before them (previous_response_id's)
     echo: dict[str, Any] = field(default_factory=dict)  # the request fields the response object repeats
     created_at: int = field(default_factory=lambda: int(time.time()))
+    lora_name: str | None = None  # the LoRA adapter `model` named (`adapter_of`), checked by the route
 
 
 def parse_body(body: dict[str, Any], rid: str, served_model: str, parser: str,
@@ -215,8 +216,7 @@ def parse_body(body: dict[str, Any], rid: str, served_model: str, parser: str,
     """A Responses body (and the stored record `previous_response_id` named, if any) as a GenerateRequest."""
     _check_fields(body)
     model = body.get("model")
-    if model is not None and model != served_model:
-        raise model_not_found(model, served_model)
+    lora_name = adapter_of(model, served_model)
     if body.get("input") is None:
         raise ApiError("Missing required parameter: 'input'.", param="input")
     items = check_items(body["input"])
@@ -254,8 +254,10 @@ def parse_body(body: dict[str, Any], rid: str, served_model: str, parser: str,
             "tool_choice": body.get("tool_choice") or ("auto" if tools else "none"),
             "tools": body.get("tools") or [], "text": body.get("text") or {"format": {"type": "text"}},
             "truncation": "disabled", "user": body.get("user"), "store": store, "background": background}
-    options = ResponseOptions(f"resp_{rid}", rid, served_model, stream, store, background, tools, items, history,
-                              echo)
+    if lora_name is not None:
+        sampling["lora_name"] = lora_name
+    options = ResponseOptions(f"resp_{rid}", rid, model if lora_name else served_model, stream, store, background,
+                              tools, items, history, echo, lora_name=lora_name)
     gen_req = GenerateRequest(rid=rid, messages=chat_turns(instructions, history + items), sampling=sampling,
                               openai_names=True, stream=stream, tools=tools.tools if tools else None)
     return gen_req, options

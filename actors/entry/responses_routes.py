@@ -108,6 +108,7 @@ class Responses:
         previous = None if previous_id is None else await self.load(request, previous_id, "previous_response_id")
         gen_req, options = rp.parse_body(body, new_rid(), self.service.served_model,
                                          self.settings.tool_call_parser, previous)
+        await self.service.require_adapter(options.lora_name, body.get("model"))
         owner = self.owner(request)
         if options.background:
             queued = rp.response_object(options, "queued", [])
