@@ -1,16 +1,19 @@
 """Tensor parallelism at the engine level: a tiny random Llama (4 heads, 2 KV heads, float32) split over ranks
 that are real processes joined by gloo on loopback gives rank 0 the tp=1 engine's logprobs (close) and greedy
-tokens (equal), through prefill, chunked prefill, the prefix cache and retraction; a follower that dies or
+tokens (equal), through prefill, chunked prefill, the prefix cache, retraction, speculation and LoRA adapters; a follower that dies or
 stops ends rank 0's requests with errors within seconds, and followers exit when rank 0 is gone."""
 
 from __future__ import annotations
 
+import functools
 import os
 import queue as queue_module
 import signal
 import socket
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -33,12 +36,23 @@ EOS = 2
 TIMEOUT_S = 3.0  # every collective's timeout in these tests (the default)
 PROCESS_WAIT_S = 240  # spawning ranks imports torch and transformers per process on a loaded machine
 
-Wave = list[tuple[str, list[int], int]]  # (rid, prompt, max_new_tokens)
+Wave = list[tuple]  # (rid, prompt, max_new_tokens[, LoRA adapter: "name", or "name=path" to load it first])
 
 
 def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lengths]
+
+
+@functools.lru_cache(maxsize=1)
+def _lora_dir() -> str:
+    """Two PEFT adapters ("a", "b") on the tiny Llama, made once per test process in a temporary directory."""
+    from tests.test_lora import make_adapter
+
+    root = Path(tempfile.mkdtemp(prefix="tp-lora-"))
+    for seed, name in enumerate("ab", start=1):
+        make_adapter(tiny_hf_llama(), root / name, seed)
+    return str(root)
 
 
 def _scenarios() -> list[tuple[str, dict[str, Any], list[Wave]]]:
@@ -60,6 +74,11 @@ def _scenarios() -> list[tuple[str, dict[str, Any], list[Wave]]]:
         # sharded verify must accept nearly every draft
         ("draft", {"speculative_algorithm": "draft", "speculative_draft_model_path": "(in process)"},
          [[(f"d{i}", p * 3, 24) for i, p in enumerate(plain)]]),
+        # each rank keeps its slice of the adapters; "b", loaded on rank 0 at run time, reaches the follower
+        # with the first step that uses it
+        ("lora", {"lora_modules": f"a={_lora_dir()}/a", "max_loras_per_batch": 2},
+         [[("l0", plain[0], 8, "a"), ("l1", plain[1], 8, None), ("l2", chunked[0], 8, "a")],
+          [("l3", plain[0], 8, f"b={_lora_dir()}/b"), ("l4", plain[2], 8, "a"), ("l5", plain[3], 8)]]),
     ]
 
 
@@ -75,9 +94,13 @@ def _run_waves(engine: Any, waves: list[Wave]) -> dict[str, Any]:
     """Each request's tokens, logprobs, top-3 logprobs and cached tokens, and the engine's retraction count."""
     out: dict[str, Any] = {}
     for wave in waves:
-        for rid, prompt, n in wave:
+        for rid, prompt, n, *lora in wave:
+            name = lora[0] if lora else None
+            if name is not None and "=" in name:
+                name, path = name.split("=", 1)
+                assert engine.load_lora(name, path) is None
             params = SamplingParams(max_new_tokens=n, temperature=0.0, stop_token_ids=[EOS], return_logprob=True,
-                                    top_logprobs_num=3)
+                                    top_logprobs_num=3, lora_name=name)
             assert engine.add_request(TokenizedRequest(rid, prompt, params)) is None
         while engine.has_work():
             for row in engine.step():
@@ -240,6 +263,9 @@ def test_tp2_matches_tp1_through_prefill_chunking_prefix_cache_and_retraction(
     assert results[0]["retract"]["retractions"] > 0
     assert results[0]["speculative"]["spec_accepted"] > 0
     assert results[0]["draft"]["spec_accepted"] > 50  # the whole model's drafts, verified over both ranks
+    lora = results[0]["lora"]["requests"]
+    assert lora["l0"]["tokens"] != lora["l3"]["tokens"]  # the two adapters differ on one prompt (and the
+    # tp=1 engine, compared above, matches PEFT's tokens: tests/test_lora.py)
     assert all(p.exitcode == 0 for p in procs)
 
 

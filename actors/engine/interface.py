@@ -73,8 +73,13 @@ class EngineInterface(Protocol):
     def on_idle(self) -> None:
         """Called when the engine has fallen idle: a moment for self-checks and for settling measurements."""
 
-    def load_lora(self, name: str, path: str) -> ApiError | None:
-        """Serve the PEFT adapter at `path` as `name` (replacing one of that name), or say why not."""
+    def read_lora(self, name: str, path: str) -> Any:
+        """Read and check the PEFT adapter at `path` for `name` (or the ApiError saying why not) without serving
+        it; safe on another thread while steps run."""
+
+    def load_lora(self, name: str, path: str, adapter: Any = None) -> ApiError | None:
+        """Serve the PEFT adapter at `path` as `name` (replacing one of that name), or say why not; `adapter`:
+        what `read_lora` gave for them already (else it is read now)."""
 
     def unload_lora(self, name: str) -> ApiError | None:
         """Stop serving the adapter `name`, or say why not (unknown: 404; in use: 409)."""

@@ -33,7 +33,7 @@ from ringserve.actors.engine.config import EngineConfig
 from ringserve.actors.engine.interface import EngineInterface
 from ringserve.actors.scheduler import request_spans
 from ringserve.actors.scheduler.admission import Admission
-from ringserve.actors.scheduler.engine_thread import on_engine_thread, serial_torch_on_this_thread
+from ringserve.actors.scheduler.engine_thread import on_engine_thread, on_passing_thread, serial_torch_on_this_thread
 from ringserve.actors.scheduler.kv_events import KvEventPublisher
 from ringserve.actors.scheduler.step_messages import StepNumbering
 from ringserve.actors.scheduler.stream_interval import StreamCoalescer
@@ -142,8 +142,12 @@ class SchedulerActor:
             return ControlReply(ok=False, message=f"unknown action {command.action!r}; one of {list(CONTROL_ACTIONS)}")
         if command.action == UPDATE_WEIGHTS:
             return await self._updates.load(command, self._submit_update)
+        read = None  # an adapter to load is read and checked beside the steps, then served between two of them
+        if command.action == "load_lora_adapter":
+            read = await on_passing_thread(self._engine.read_lora, command.lora_name or "", command.lora_path or "",
+                                           name="lora-read")
         done: asyncio.Future[ControlReply] = asyncio.get_running_loop().create_future()
-        self._inbox.append(("control", (command, done)))
+        self._inbox.append(("control", (command, done, read)))
         self._wake.set()
         return await done
 
@@ -220,8 +224,8 @@ class SchedulerActor:
                 elif may_precede:  # the entry's own abort overtook its request: end the request when it comes
                     self._early_aborts[rid] = now
             elif kind == "control":
-                command, done = item
-                reply = self._control(command, rows)
+                command, done, read = item
+                reply = self._control(command, rows, read)
                 if not done.done():
                     done.set_result(reply)
             elif kind == "update":
@@ -291,11 +295,11 @@ class SchedulerActor:
             self._refusals_unlogged = 0
             self._refusal_logged_at = now
 
-    def _control(self, command: ControlCommand, rows: list[TokenRow]) -> ControlReply:
+    def _control(self, command: ControlCommand, rows: list[TokenRow], read: Any = None) -> ControlReply:
         action = command.action
         if action in ("load_lora_adapter", "unload_lora_adapter"):
             name = command.lora_name or ""
-            error = (self._engine.load_lora(name, command.lora_path or "") if action == "load_lora_adapter"
+            error = (self._engine.load_lora(name, command.lora_path or "", read) if action == "load_lora_adapter"
                      else self._engine.unload_lora(name))
             self._info = self._snapshot()  # /v1/models lists the adapters from it
             if error is not None:

@@ -5,6 +5,9 @@ Each of the adapter's `lora_A [r, in]` / `lora_B [out, r]` pairs is mapped to ou
 (`lora_alpha / sqrt(r)` with `use_rslora`). `fan_in_fan_out` only changes how PEFT merges into a Conv1D base:
 the A/B it saves are the same, so it is accepted. What we do not run is refused naming it: DoRA, LoRA biases,
 `modules_to_save`, embedding or LM-head LoRA, per-module rank or alpha patterns, ranks above `--max-lora-rank`.
+Under tensor parallelism each rank keeps its shard's slice (`tensor_parallel.ShardSlice`): B's rows of a
+column-parallel linear's parts, A's columns of a row-parallel one's input (whose all-reduce then sums the
+ranks' low-rank terms with their base outputs).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ringserve.actors.engine.lora.lora_linear import local_linear
 from ringserve.actors.engine.models.adapter_names import adapter_target, fused_rows
 from ringserve.actors.engine.models.causal_lm import CausalLM
 
@@ -72,12 +76,21 @@ def load_adapter(name: str, path: str, model: CausalLM, max_rank: int) -> Adapte
             raise AdapterError(f"LoRA adapter {name!r}: {e}") from None
         owner_name, _, leaf = target.module.partition(".")
         owner = getattr(layers[target.layer], owner_name)
-        rows = fused_rows(owner, target.module)[target.part] if target.parts > 1 else getattr(owner, leaf).out_features
+        linear = local_linear(owner, leaf)
+        rows = fused_rows(owner, target.module)[target.part] if target.parts > 1 else linear.out_features
+        inputs = linear.in_features
+        shard = getattr(owner, "tp_shard", {}).get(leaf)  # this rank's slice under tensor parallelism
+        if shard is not None and shard.kind == "rows":
+            rows = shard.slices[target.part][2]
+        elif shard is not None:
+            inputs = shard.slices[0][2]
         a, b = pair["A"], pair["B"]
-        inputs = getattr(owner, leaf).in_features
         if a.dim() != 2 or b.dim() != 2 or a.shape != (rank, inputs) or b.shape != (rows, rank):
             raise AdapterError(f"LoRA adapter {name!r}: {module} has lora_A {tuple(a.shape)} and lora_B "
                                f"{tuple(b.shape)}; this model needs ({rank}, {inputs}) and ({rows}, {rank})")
+        if shard is not None:  # B's rows of this rank's heads/inner slice, or A's columns of its input slice
+            start, end, _ = shard.slices[target.part if shard.kind == "rows" else 0]
+            a, b = (a, b[start:end]) if shard.kind == "rows" else (a[:, start:end], b)
         weights.setdefault((target.layer, target.module), {})[target.part] = (
             a.to(model.dtype).contiguous(), (b.float() * scale).to(model.dtype).contiguous())
     if not weights:

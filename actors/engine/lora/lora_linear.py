@@ -73,3 +73,12 @@ class LoraLinear(nn.Module):
                 r = a.shape[0]
                 self.lora_a[cols.start:cols.start + r].copy_(a)
                 self.lora_b[offsets[p]:offsets[p] + rows, cols.start:cols.start + r].copy_(b)
+
+
+def local_linear(owner: nn.Module, leaf: str) -> nn.Module:
+    """The module computing `owner.<leaf>`'s matmul on this rank: under tensor parallelism a row-parallel
+    linear's local shard (adapted before the all-reduce that sums the ranks' partial outputs), else the linear."""
+    from ringserve.actors.engine.parallel.tensor_parallel import RowParallelLinear
+
+    module = getattr(owner, leaf)
+    return module.linear if isinstance(module, RowParallelLinear) else module

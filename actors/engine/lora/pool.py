@@ -15,7 +15,7 @@ from collections import OrderedDict
 import torch
 
 from ringserve.actors.engine.lora.adapter import Adapter, load_adapter
-from ringserve.actors.engine.lora.lora_linear import LoraLinear, LoraState
+from ringserve.actors.engine.lora.lora_linear import LoraLinear, LoraState, local_linear
 from ringserve.actors.engine.models.adapter_names import ADAPTABLE, check_adaptable, fused_rows
 from ringserve.actors.engine.models.causal_lm import CausalLM
 from ringserve.bus.errors import ApiError
@@ -27,8 +27,6 @@ class LoraPool:
 
     def __init__(self, model: CausalLM, slots: int, rank: int, max_loaded: int, max_tokens: int) -> None:
         check_adaptable(model)
-        if model.num_heads != model.config.num_attention_heads:
-            raise ValueError("LoRA adapters are not served with tensor parallelism (--tp > 1) yet")
         self.model, self.max_rank, self.max_loaded = model, rank, max_loaded
         self.device = model.model.embed_tokens.weight.device
         self.state = LoraState(slots, rank, max_tokens, model.dtype, self.device)
@@ -37,10 +35,11 @@ class LoraPool:
             for path in ADAPTABLE:
                 owner_name, _, leaf = path.partition(".")
                 owner = getattr(layer, owner_name)
-                base = getattr(owner, leaf)
+                base = local_linear(owner, leaf)
+                holder, attr = (owner, leaf) if base is getattr(owner, leaf) else (getattr(owner, leaf), "linear")
                 rows = fused_rows(owner, path) if leaf in ("qkv_proj", "gate_up_proj") else [base.out_features]
                 wrapped = LoraLinear(base, rows, self.state)
-                setattr(owner, leaf, wrapped)
+                setattr(holder, attr, wrapped)
                 self.linears[(i, path)] = wrapped
         self.paths: dict[str, str] = {}
         self.registrations: dict[str, int] = {}  # name -> times registered (a replaced adapter keys its KV apart)
@@ -48,15 +47,21 @@ class LoraPool:
         self.slot_names: list[str | None] = [None] * slots
         self.slot_used: list[int] = [0] * slots  # the step that last used each slot
         self.steps = 0
+        self.step_names: list[str | None] = []  # the last step's adapter per row
         # row s: the mask row of a token of the adapter in slot s; the last row (all zero): base-model tokens
         self.slot_masks = torch.zeros(slots + 1, slots * rank, dtype=model.dtype, device=self.device)
         for s in range(slots):
             self.slot_masks[s, s * rank:(s + 1) * rank] = 1
 
-    def register(self, name: str, path: str) -> Adapter:
-        """Load and check the adapter at `path` under `name` (replacing one of that name); AdapterError when it
-        cannot be served, leaving what was registered as it was."""
-        adapter = load_adapter(name, path, self.model, self.max_rank)
+    def read(self, name: str, path: str) -> Adapter:
+        """The adapter at `path` for `name`, read and checked (AdapterError when it cannot be served); changes
+        nothing, so it may run beside the steps."""
+        return load_adapter(name, path, self.model, self.max_rank)
+
+    def register(self, name: str, path: str, adapter: Adapter | None = None) -> Adapter:
+        """Serve the adapter at `path` (read now unless `adapter` is what `read` gave) under `name`, replacing
+        one of that name; AdapterError when it cannot be served, leaving what was registered as it was."""
+        adapter = self.read(name, path) if adapter is None else adapter
         self.unregister(name)
         self.paths[name] = path
         self.registrations[name] = self.registrations.get(name, 0) + 1
@@ -69,6 +74,19 @@ class LoraPool:
         or unloaded and loaded again is never reused for the new one."""
         n = self.registrations.get(name, 1)
         return name if n <= 1 else f"{name}#{n}"
+
+    def versions(self, names: list[str | None]) -> dict[str, list]:
+        """`[path, times registered]` of each adapter `names` holds: what a tensor-parallel follower's pool
+        needs to serve a step of rank 0's (`sync`)."""
+        return {n: [self.paths[n], self.registrations[n]] for n in dict.fromkeys(names) if n is not None}
+
+    def sync(self, versions: dict[str, list]) -> None:
+        """Register what rank 0's `versions` names and this pool lacks or holds in another version (a
+        follower sees no load or unload command: only the steps that use adapters)."""
+        for name, (path, registered) in versions.items():
+            if self.paths.get(name) != path or self.registrations.get(name) != registered:
+                self.register(name, path)
+                self.registrations[name] = registered
 
     def unregister(self, name: str) -> bool:
         """Forget `name` (its slot freed); False if it was not registered."""
@@ -95,6 +113,7 @@ class LoraPool:
         """Slots for the adapters of a step whose rows name `names` (None: the base model) and compute
         `tokens` tokens each, and the mask of its tokens, written in place."""
         self.steps += 1
+        self.step_names = list(names)  # what a tensor-parallel rank 0 tells its followers
         needed = list(dict.fromkeys(n for n in names if n is not None))
         assert len(needed) <= len(self.slot_names), "the scheduler admits at most --max-loras-per-batch adapters"
         for name in needed:

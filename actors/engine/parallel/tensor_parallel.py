@@ -97,6 +97,16 @@ def close_group(group: TPGroup | None = None) -> None:
         pass
 
 
+@dataclass(frozen=True)
+class ShardSlice:
+    """What of a linear this rank keeps, recorded on its block (`tp_shard[leaf]`; the block outlives the
+    quantization that replaces the linear) for what adapts the linear from outside (LoRA): `rows`: per fused
+    part, `(start, end, part size)` of its output rows; `cols`: one `(start, end, input features)`."""
+
+    kind: str
+    slices: list[tuple[int, int, int]]
+
+
 class RowParallelLinear(nn.Module):
     """A linear over this rank's slice of the input features, its partial outputs summed over the ranks."""
 
@@ -176,6 +186,9 @@ def shard_attention(attn: Any, config: Any, group: TPGroup) -> None:
                                                      (q_size + kv0, q_size + kv0 + hkv * d),
                                                      (q_size + kv_size + kv0, q_size + kv_size + kv0 + hkv * d)])
     attn.o_proj = _row_parallel(attn.o_proj, q0, q0 + hq * d, group)
+    attn.tp_shard = {"qkv_proj": ShardSlice("rows", [(q0, q0 + hq * d, q_size), (kv0, kv0 + hkv * d, kv_size),
+                                                     (kv0, kv0 + hkv * d, kv_size)]),
+                     "o_proj": ShardSlice("cols", [(q0, q0 + hq * d, q_size)])}
     attn.num_heads, attn.num_kv_heads = hq, hkv
     attn.q_size, attn.kv_size = hq * d, hkv * d
 
@@ -186,6 +199,8 @@ def shard_mlp(mlp: Any, group: TPGroup, reduce: bool = True) -> None:
     inner, tp = mlp.inner, group.size
     i0, ni = group.rank * (inner // tp), inner // tp
     mlp.gate_up_proj = _column_parallel(mlp.gate_up_proj, [(i0, i0 + ni), (inner + i0, inner + i0 + ni)])
+    mlp.tp_shard = {"gate_up_proj": ShardSlice("rows", [(i0, i0 + ni, inner)] * 2),
+                    "down_proj": ShardSlice("cols", [(i0, i0 + ni, inner)])}
     if reduce:
         mlp.down_proj = _row_parallel(mlp.down_proj, i0, i0 + ni, group)
     else:

@@ -5,7 +5,8 @@ step plan (`tp_plan.py`) to the followers; every follower builds the same pool, 
 its own shard (`TPFollower`) and runs the identical forward, so the two all-reduces of each layer
 (`tensor_parallel.py`) meet. Only rank 0 samples, and only rank 0 drafts: with `--speculative-algorithm draft`
 its draft model runs whole (unsharded, no collective) beside its shard, and the followers see verify steps as
-decode rows of the plan. Collectives are serialised by one lock: a keepalive plan,
+decode rows of the plan. LoRA adapters: each rank keeps its shard's slice of them; the plan names each row's
+adapter and version, and a follower loads from disk the adapters it has not seen (or has in an older version). Collectives are serialised by one lock: a keepalive plan,
 sent while rank 0 idles, never slips between a forward's plan and its all-reduces.
 
 Failure: a collective that fails or times out breaks the group. Rank 0 then ends every live request with an
@@ -89,6 +90,9 @@ class TPEngine(Engine):
                       info: ForwardInfo) -> None:
         width = max(info.kv_lens_cpu)
         plan = ForwardPlan(FORWARD, list(rows), list(starts), list(extend_lens), width, live=len(self.live))
+        if self.lora is not None:
+            plan.lora_names = list(self.lora.step_names)
+            plan.lora_versions = self.lora.versions(plan.lora_names)
         table_rows = info.token_table[info.req_rows, :width]
         group = self.group
         group.collective(lambda: broadcast_plan(plan, group.plan_group), "step plan broadcast")
@@ -191,6 +195,9 @@ class TPFollower:
                 lambda: broadcast_step_tensors(plan, None, None, group.tensor_group, group.device),
                 "step tensor receive")
             table[torch.tensor(plan.rows, device=table.device), : plan.width] = table_rows
+            if engine.lora is not None:
+                engine.lora.sync(plan.lora_versions)
+                engine.lora.prepare(plan.lora_names, plan.extend_lens)
             engine.runner.forward_tokens(plan.rows, plan.starts, plan.extend_lens, ids)
             self.steps += 1
         return True

@@ -3,7 +3,7 @@
 Rank 0 alone schedules (requests, prefix cache, slot allocator); a follower only runs the same forward over
 its shard of the weights, with its own KV pool (its heads) addressed by the same slot indices. So all a
 follower needs per step is what `ModelRunner` lays out from a `Batch`: each row's token-table row, first
-position and token count (`ForwardPlan`), then one tensor: the step's input ids `[T]` and the slot-table
+position and token count and LoRA adapter (`ForwardPlan`), then one tensor: the step's input ids `[T]` and the slot-table
 rows of the batch `[B, W]` (`W`: the longest sequence the step attends over). Prefix-cache reuse, chunked
 prefill and retraction need nothing more: a reused prefix is slots already on the row, a freed slot is simply
 never addressed again until rank 0 hands it out anew (and the forward writing it overwrites its KV).
@@ -17,6 +17,7 @@ wait, bounded by the group's timeout, only expires when rank 0 is gone or stoppe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,6 +39,9 @@ class ForwardPlan:
     extend_lens: list[int] = field(default_factory=list)
     width: int = 0
     live: int = 0  # requests rank 0 holds: what a follower reports as its own (it drains while rank 0 does)
+    # LoRA: each row's adapter (None: the base model), and `[path, version]` of those adapters (LoraPool.sync)
+    lora_names: list[str | None] = field(default_factory=list)
+    lora_versions: dict[str, list[Any]] = field(default_factory=dict)
 
     def check(self) -> None:
         """Raise ValueError when the plan is not self-consistent (a follower must never guess)."""

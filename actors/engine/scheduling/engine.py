@@ -53,7 +53,7 @@ from ringserve.actors.engine.quantization.quantize import apply_quantization, qu
 from ringserve.actors.engine.scheduling.prefix_cache import create_prefix_cache
 from ringserve.actors.engine.kv_tier.tier import make_tier
 from ringserve.actors.engine.scheduling.request import Req
-from ringserve.actors.engine.lora.adapter import AdapterError
+from ringserve.actors.engine.lora.adapter import Adapter, AdapterError
 from ringserve.actors.engine.lora.pool import LoraPool, lora_not_found
 from ringserve.actors.engine.scheduling.stop_checker import StopChecker
 from ringserve.actors.engine.runner.graphs.thread_tuner import tuner_for
@@ -147,8 +147,10 @@ class Engine:
         for name, path in self.config.lora_module_map().items():
             self.lora.register(name, path)
 
-    def load_lora(self, name: str, path: str) -> ApiError | None:
-        """Register the adapter at `path` as `name` (replacing one of that name), or say why not."""
+    def read_lora(self, name: str, path: str) -> Adapter | ApiError:
+        """The adapter at `path` for `name`, read and checked, or why not; serves nothing yet and changes no
+        state, so it may run on another thread while steps run (the scheduler reads there: a load never holds
+        the steps for as long as the disk takes)."""
         if self.lora is None:
             return ApiError("this server serves no LoRA adapters (start it with --enable-lora)", param="lora_name")
         if not name:
@@ -156,13 +158,22 @@ class Engine:
         root = self.config.lora_dir
         if root and not Path(path).resolve().is_relative_to(Path(root).resolve()):
             return ApiError(f"lora_path {path!r} is outside --lora-dir {root!r}", param="lora_path")
+        try:
+            return self.lora.read(name, path)
+        except AdapterError as e:
+            return ApiError(str(e), param="lora_path")
+
+    def load_lora(self, name: str, path: str, adapter: Adapter | ApiError | None = None) -> ApiError | None:
+        """Register the adapter at `path` as `name` (replacing one of that name), or say why not; `adapter`:
+        what `read_lora` gave for them already."""
+        adapter = self.read_lora(name, path) if adapter is None else adapter
+        if isinstance(adapter, ApiError):
+            return adapter
         error = self._lora_in_use(name)
         if error is not None:
             return error
-        try:
-            self.lora.register(name, path)
-        except AdapterError as e:
-            return ApiError(str(e), param="lora_path")
+        assert self.lora is not None
+        self.lora.register(name, path, adapter)
         return None
 
     def unload_lora(self, name: str) -> ApiError | None:
