@@ -73,6 +73,9 @@ class TokenizedRequest:
     stream: bool = True  # the sender's GenerateRequest.stream
     embed: EmbedParams | None = None  # the sender's GenerateRequest.embed
     images: list[ImageRef] = field(default_factory=list)  # its images, in prompt order (bus/images.py)
+    # the router's hint: replica `kv_peer` holds the prompt's first `kv_peer_blocks` blocks (-1: none known)
+    kv_peer: int = -1
+    kv_peer_blocks: int = 0
 
 
 @dataclass
@@ -266,6 +269,11 @@ class SchedulerInfo:
     kv_tier_loaded_bytes: int = 0
     kv_tier_load_seconds: float = 0.0
     kv_tier_corrupt_blocks: int = 0
+    kv_fetched_blocks: int = 0  # --kv-share: blocks fetched from other replicas (and their bytes, seconds)
+    kv_fetched_bytes: int = 0
+    kv_fetch_seconds: float = 0.0
+    kv_fetch_failures: int = 0  # fetches that stopped short (deadline, holder gone, bad checksum)
+    kv_served_blocks: int = 0  # blocks this replica sent to others
 
 
 @dataclass

@@ -17,12 +17,14 @@ ASKED_BEATS = 20
 
 # per replica in /get_server_info's `replicas`, beside `id`, `tp_size` and `up`
 REPLICA_FIELDS = ("requests_routed", "num_running_reqs", "num_waiting_reqs", "kv_used_tokens", "kv_total_tokens",
-                  "cache_hit_rate", "decode_graphs")
+                  "cache_hit_rate", "decode_graphs", "kv_tier_loaded_blocks", "kv_fetched_blocks", "kv_fetch_failures",
+                  "kv_served_blocks")
 
 SUMMED_INFO = ("num_running_reqs", "num_waiting_reqs", "kv_used_tokens", "kv_total_tokens", "kv_running_tokens",
                "kv_cached_tokens", "num_retractions", "requests_routed", "spec_drafted_tokens", "spec_accepted_tokens",
                "spec_emitted_tokens", "spec_verify_rows", "kv_tier_blocks", "kv_tier_bytes", "kv_tier_saved_blocks",
-               "kv_tier_loaded_blocks", "kv_tier_loaded_bytes", "kv_tier_load_seconds", "kv_tier_corrupt_blocks")
+               "kv_tier_loaded_blocks", "kv_tier_loaded_bytes", "kv_tier_load_seconds", "kv_tier_corrupt_blocks",
+               "kv_fetched_blocks", "kv_fetched_bytes", "kv_fetch_seconds", "kv_fetch_failures", "kv_served_blocks")
 
 
 def left(load: ReplicaLoad, live_rids: int) -> bool:

@@ -15,6 +15,7 @@ Layout (namespace `ns`, default "ringserve"):
 | `{ns}.control.gone`          | ActorGone          | launcher -> entry (an actor's process ended)      |
 | `{ns}.kv.events.{r}`         | KvEvents           | scheduler replica `r` -> tokenizers (cache index) |
 | `{ns}.kv.snapshot.{r}`       | (request/reply)    | tokenizer -> replica `r`, replies KvSnapshot      |
+| `{ns}.kv.fetch.{r}`          | KvFetchRequest     | scheduler -> replica `r`, replies KvFetchReply (KV blocks) |
 | `{ns}.control.scheduler.info`| (request/reply)    | anyone -> scheduler rank 0, replies SchedulerInfo |
 | `{ns}.control.scheduler.command`| ControlCommand  | operator -> scheduler rank 0, replies ControlReply |
 | `{ns}.tokenizer.tokenize`    | TokenizeQuery      | entry -> tokenizers (queue group), replies TokenizeReply |
@@ -220,6 +221,15 @@ class Subjects:
     @property
     def kv_snapshot_any(self) -> str:
         return f"{self.namespace}.kv.snapshot.*"
+
+    def kv_fetch(self, replica: int) -> str:
+        """Request/reply: KV blocks of a prompt's prefix from replica `replica` (`KvFetchRequest` -> `KvFetchReply`,
+        bus/kv_transfer.py)."""
+        return f"{self.namespace}.kv.fetch.{int(replica)}"
+
+    @property
+    def kv_fetch_any(self) -> str:
+        return f"{self.namespace}.kv.fetch.*"
 
     @property
     def scheduler_info(self) -> str:

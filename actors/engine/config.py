@@ -84,6 +84,12 @@ class EngineConfig:
     kv_tier_dir: str = field(default="", metadata=_flag(
         "with --kv-tier-bytes: keep the tier's blocks as files in this directory (a restarted replica loads "
         "what an earlier one kept, for the same weights); default: host memory"))
+    kv_share: bool = field(default=False, metadata=_flag(
+        "with --kv-tier-bytes and --dp: a replica lacking a prompt's prefix that another replica holds fetches its "
+        "blocks over NATS (and serves its own to the others) instead of computing them"))
+    kv_fetch_timeout: float = field(default=5.0, metadata=_flag(
+        "with --kv-share: seconds a fetch of another replica's blocks may take; past it, what came is loaded and "
+        "the rest computed"))
     schedule_policy: str = field(default="fcfs", metadata=_flag(
         "order of admission: fcfs (arrival) or lpm (longest cached prefix first)", choices=SCHEDULE_POLICIES))
     torch_threads: int = field(default=0, metadata=_flag(
@@ -148,6 +154,10 @@ class EngineConfig:
             raise ValueError("--speculative-algorithm draft and --speculative-draft-model-path go together")
         if self.kv_tier_dir and not self.kv_tier_bytes:
             raise ValueError("--kv-tier-dir needs --kv-tier-bytes (the tier's bound)")
+        if self.kv_share and not self.kv_tier_bytes:
+            raise ValueError("--kv-share fetches blocks into the KV tier: it needs --kv-tier-bytes")
+        if not self.kv_fetch_timeout > 0:
+            raise ValueError(f"kv_fetch_timeout must be > 0, got {self.kv_fetch_timeout}")
         if self.kv_tier_bytes and self.disable_radix_cache:
             raise ValueError("--kv-tier-bytes keeps the prefix cache's evicted blocks: not with --disable-radix-cache")
         if not self.grammar_compile_timeout > 0:

@@ -58,6 +58,21 @@ class EngineInterface(Protocol):
         """`(stored, removed)`: hashes (`ringserve.bus.kv_blocks`) of the whole blocks the prefix cache stored and evicted
         since the last call, netted; the scheduler publishes them as `KvEvents`."""
 
+    def kv_share_namespace(self) -> str | None:
+        """The KV tier's namespace (blocks cross replicas between equal ones), None without a tier."""
+
+    def kv_cache_key(self, request: TokenizedRequest) -> str | None:
+        """The prefix-cache tree the request's KV belongs to (cache_salt, LoRA adapter)."""
+
+    def kv_held_blocks(self, ids: list[int], cache_key: str | None) -> int:
+        """Leading whole blocks of `ids` held in the pool or the tier (engine thread)."""
+
+    def kv_export(self, ids: list[int], cache_key: str | None, first: int, count: int, budget: int) -> list[bytes]:
+        """Blocks `[first, first + count)` of `ids` for another replica, at most `budget` bytes (engine thread)."""
+
+    def kv_import(self, ids: list[int], cache_key: str | None, first: int, payloads: list[bytes]) -> None:
+        """Keep blocks fetched from another replica in the tier, for admission to load (engine thread)."""
+
     def pause(self) -> None:
         """Stop starting steps; running requests keep their KV, new ones queue (a step in flight is applied)."""
 

@@ -78,6 +78,14 @@ def scheduler_families(info: SchedulerInfo | None, served_model: str) -> list[Me
               info.kv_tier_load_seconds),
         gauge("kv_tier_corrupt_blocks", "KV tier blocks dropped for a bad checksum since start (computed instead).",
               info.kv_tier_corrupt_blocks),
+        gauge("kv_fetched_blocks", "KV blocks fetched from other replicas since start (--kv-share).",
+              info.kv_fetched_blocks),
+        gauge("kv_fetched_bytes", "Bytes of KV fetched from other replicas since start.", info.kv_fetched_bytes),
+        gauge("kv_fetch_seconds", "Seconds spent fetching KV from other replicas since start.",
+              info.kv_fetch_seconds),
+        gauge("kv_fetch_failures", "KV fetches that stopped short since start (deadline, holder gone, bad "
+              "checksum): the rest was computed.", info.kv_fetch_failures),
+        gauge("kv_served_blocks", "KV blocks sent to other replicas since start.", info.kv_served_blocks),
     ]
 
 

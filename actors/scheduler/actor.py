@@ -33,6 +33,7 @@ from ringserve.actors.engine.config import EngineConfig
 from ringserve.actors.engine.interface import EngineInterface
 from ringserve.actors.scheduler import request_spans
 from ringserve.actors.scheduler.admission import Admission
+from ringserve.actors.scheduler.kv_share import KvSharing
 from ringserve.actors.scheduler.engine_thread import on_engine_thread, on_passing_thread, serial_torch_on_this_thread
 from ringserve.actors.scheduler.kv_events import KvEventPublisher
 from ringserve.actors.scheduler.step_messages import StepNumbering
@@ -60,9 +61,11 @@ class SchedulerActor:
     """Bridges the bus and the engine."""
 
     def __init__(self, ctx: ActorContext, engine: EngineInterface, admission: Admission | None = None,
-                 load_weights: WeightLoader | None = None, stream_interval: int = 1) -> None:
+                 load_weights: WeightLoader | None = None, stream_interval: int = 1,
+                 kv_fetch_timeout: float | None = None) -> None:
         """`load_weights`: reads a checkpoint for `update_weights_from_disk` (None: the command is refused);
-        `stream_interval`: tokens per published row of a request (`--stream-interval`, stream_interval.py)."""
+        `stream_interval`: tokens per published row of a request (`--stream-interval`, stream_interval.py);
+        `kv_fetch_timeout`: with `--kv-share`, share KV blocks with the other replicas (kv_share.py)."""
         self._ctx = ctx
         self._streams = StreamCoalescer(stream_interval)
         self._numbering = StepNumbering(ctx.rank)  # numbered step messages: the detokenizers' evidence of loss
@@ -78,8 +81,10 @@ class SchedulerActor:
         self._early_aborts: OrderedDict[str, float] = OrderedDict()
         self._checked_idle = True
         self._routed = 0  # requests handed to this replica since it started
-        self._info = self._snapshot()
         self._spans = request_spans.create()  # no-ops unless tracing is on
+        self._share = KvSharing(ctx, engine, self._spans, kv_fetch_timeout) if kv_fetch_timeout else None
+        self._fetching: set[asyncio.Task[None]] = set()  # requests waiting for their prefix from another replica
+        self._info = self._snapshot()
 
     async def start(self) -> dict[str, Any]:
         subjects, bus = self._ctx.subjects, self._ctx.bus
@@ -96,6 +101,8 @@ class SchedulerActor:
         await bus.subscribe(subjects.client_abort_any, AbortRequest, self._on_abort)  # a client's own rids only
         await bus.subscribe(subjects.scheduler_info, InfoQuery, self._on_info)
         await bus.subscribe(subjects.scheduler_command, ControlCommand, self._on_command)
+        if self._share is not None:
+            await self._share.start()
         self._loop_task = asyncio.get_running_loop().create_task(self._run())
         self._ctx.on_stop.append(self._close_spans)
         return {"kv_total_tokens": self._info.kv_total_tokens, "context_length": self._info.context_length}
@@ -108,9 +115,26 @@ class SchedulerActor:
             return None
         self._spans.arrived(req.rid, delivery.traceparent)
         self._routed += 1
-        self._inbox.append(("add", req))
-        self._wake.set()
+        if self._share is not None and self._share.wants_fetch(req):
+            task = asyncio.get_running_loop().create_task(self._fetch_then_add(req))
+            self._fetching.add(task)
+            task.add_done_callback(self._fetching.discard)
+        else:
+            self._inbox.append(("add", req))
+            self._wake.set()
         return Accepted(rid=req.rid, replica=self._ctx.rank, detokenizer=req.detokenizer)
+
+    async def _fetch_then_add(self, req: TokenizedRequest) -> None:
+        """Fetch `req`'s prefix from the replica holding it (kv_share.py), then queue it as any request; a
+        fetch that fails for any reason only means its prefix is computed."""
+        assert self._share is not None
+        try:
+            await self._share.prefetch(req)
+        except Exception:
+            log.exception("fetching the KV of %s failed; computing it", req.rid)
+        finally:
+            self._inbox.append(("add", req))
+            self._wake.set()
 
     async def _close_spans(self) -> None:
         self._spans.close_all("the scheduler stopped")
@@ -122,7 +146,7 @@ class SchedulerActor:
 
     def _live_rids(self) -> int:
         """Requests held: in the engine or admitted (until its final row is published), queued, or held."""
-        queued = sum(1 for kind, _ in self._inbox if kind == "add")
+        queued = sum(1 for kind, _ in self._inbox if kind == "add") + len(self._fetching)
         return max(self._engine.live_rids(), len(self._admission)) + queued + len(self._updates.held)
 
     async def _on_abort(self, msg: AbortRequest, delivery: Delivery) -> None:
@@ -135,7 +159,8 @@ class SchedulerActor:
 
     async def _on_info(self, query: InfoQuery, delivery: Delivery) -> SchedulerInfo:
         # the snapshot is taken between steps; the decode graphs compile in the background, even while idle
-        return dataclasses.replace(self._info, decode_graphs=self._engine.decode_graph_report())
+        return dataclasses.replace(self._info, decode_graphs=self._engine.decode_graph_report(),
+                                   **(self._share.counters() if self._share is not None else {}))  # served while idle
 
     async def _on_command(self, command: ControlCommand, delivery: Delivery) -> ControlReply:
         if command.action not in CONTROL_ACTIONS:
@@ -153,7 +178,8 @@ class SchedulerActor:
 
     def _snapshot(self) -> SchedulerInfo:
         return dataclasses.replace(self._engine.stats(), rank=self._ctx.rank, weight_version=self._updates.version,
-                                   requests_routed=self._routed, stream_interval=self._streams.interval)
+                                   requests_routed=self._routed, stream_interval=self._streams.interval,
+                                   **(self._share.counters() if self._share is not None else {}))
 
     def _load(self) -> ReplicaLoad:
         """This replica's load for its heartbeat (the tokenizers route by it); `rank` is the replica id."""
@@ -383,4 +409,5 @@ async def scheduler_main(ctx: ActorContext, model: str, config: EngineConfig,
         engine = await on_engine_thread(Engine.from_source, resolve_model(model), config)
         engine.start_decode_graphs()
     serial_torch_on_this_thread()
-    return await SchedulerActor(ctx, engine, admission, load_weights, config.stream_interval).start()
+    return await SchedulerActor(ctx, engine, admission, load_weights, config.stream_interval,
+                                config.kv_fetch_timeout if config.kv_share else None).start()

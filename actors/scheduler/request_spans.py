@@ -6,7 +6,8 @@ three children: `queue` (arrival to first admission), `prefill` (admission to th
 `prefill chunk` event per step that computed part of the prompt) and `decode` (first token to finish; the
 token count as an attribute, not a span per token). Its context travels to the detokenizer on the request's
 first TokenRow. A step serves many requests, so it is not a child of any; its links name them all. Aborts and
-errors mark the spans failed. With tracing off, `create()` returns `NoSpans`, whose methods do nothing.
+errors mark the spans failed. A prefix fetched from another replica before the request reached the engine is a
+`kv fetch` span beside `generate`. With tracing off, `create()` returns `NoSpans`, whose methods do nothing.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ class NoSpans:
 
     def queued(self, req: TokenizedRequest) -> None:
         """The request is being handed to the engine."""
+
+    def fetched(self, rid: str, start_ns: int, attributes: dict[str, Any], error: str = "") -> None:
+        """Before it was handed over, the request's prefix was fetched from another replica (`kv fetch`)."""
 
     def rejected(self, rid: str, message: str) -> None:
         """The engine refused the request."""
@@ -76,6 +80,13 @@ class RequestSpans(NoSpans):
             "gen_ai.request.top_p": sampling.top_p})
         tp = tracing.traceparent_of(generate) or ""
         self._live[req.rid] = _Request(generate, tp, queue=tracing.start_span("queue", tp, start_ns=start))
+
+    def fetched(self, rid: str, start_ns: int, attributes: dict[str, Any], error: str = "") -> None:
+        parent = self._arrived.get(rid, (None, 0))[0]
+        span = tracing.start_span("kv fetch", parent, start_ns=start_ns, attributes=attributes)
+        if error:
+            tracing.set_error(span, error)
+        tracing.end_span(span, tracing.now_ns())
 
     def rejected(self, rid: str, message: str) -> None:
         self._end(rid, tracing.now_ns(), f"rejected: {message}")

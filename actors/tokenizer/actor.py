@@ -225,8 +225,11 @@ class TokenizerActor:
         detokenizer = self._detokenizers.choose(req.rid, time.monotonic())
         tokenized = TokenizedRequest(rid=req.rid, input_ids=input_ids, sampling=sampling, detokenizer=detokenizer,
                                      stream=req.stream, embed=req.embed)
-        replica = self._router.route(input_ids, time.monotonic(), cache_namespace(sampling.cache_salt,
-                                                                                  sampling.lora_name))
+        salt = cache_namespace(sampling.cache_salt, sampling.lora_name)
+        replica = self._router.route(input_ids, time.monotonic(), salt)
+        if replica is not None:  # another replica holding more of the prompt: the chosen one may fetch it
+            tokenized.kv_peer, tokenized.kv_peer_blocks = self._router.holder(input_ids, replica, time.monotonic(),
+                                                                              salt)
         subject = self._ctx.subjects.tokenized if replica is None else self._ctx.subjects.tokenized_for(replica)
         try:
             try:

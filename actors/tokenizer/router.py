@@ -11,7 +11,9 @@ since its last heartbeat, imbalanced when it exceeds the least by more than `BAL
 replica the moment it is routed. A replica that misses heartbeats, or drains, gets nothing.
 
 Every tokenizer worker subscribes to every replica's events, so workers fed the same events and heartbeats
-route the same way without talking to each other.
+route the same way without talking to each other. When the chosen replica holds less of the prompt than another
+one, the request carries that other replica as a hint (`holder`): with `--kv-share` the chosen replica fetches
+the blocks from it instead of computing them.
 """
 
 from __future__ import annotations
@@ -109,6 +111,16 @@ class Router:
         replica.routed += 1
         return chosen
 
+    def holder(self, ids: Sequence[int], chosen: int, now: float, salt: str | None = None) -> tuple[int, int]:
+        """`(replica, blocks)`: the live replica other than `chosen` holding the most leading blocks of `ids`,
+        when it holds more than `chosen` does (`(-1, 0)` otherwise): where `chosen` may fetch them (--kv-share)."""
+        hashes = block_hashes(ids, self.block, salt_seed(salt))
+        held = {rid: self._held(rid, hashes) for rid in self.live(now)}
+        best = max((rid for rid in held if rid != chosen), key=lambda rid: (held[rid], -rid), default=None)
+        if best is None or held[best] <= held.get(chosen, 0):
+            return -1, 0
+        return best, held[best]
+
     def stats(self) -> dict[int, int]:
         """Requests routed to each known replica since it joined."""
         return {rid: r.routed for rid, r in self._replicas.items()}
@@ -119,15 +131,18 @@ class Router:
             index = self._indexes[replica_id] = ReplicaIndex()
         return index
 
+    def _held(self, replica_id: int, hashes: list[bytes]) -> int:
+        """How many of `hashes`, from the first, replica `replica_id` holds."""
+        index = self._indexes.get(replica_id)
+        n = 0
+        while index is not None and n < len(hashes) and hashes[n] in index.blocks:
+            n += 1
+        return n
+
     def _longest_prefix(self, live: list[int], hashes: list[bytes]) -> int | None:
         best, best_len = None, 0
         for rid in live:
-            index = self._indexes.get(rid)
-            if index is None:
-                continue
-            n = 0
-            while n < len(hashes) and hashes[n] in index.blocks:
-                n += 1
+            n = self._held(rid, hashes)
             if n > best_len:
                 best, best_len = rid, n
         return best

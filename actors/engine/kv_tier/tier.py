@@ -60,7 +60,7 @@ class KVTier:
     def save(self, blocks: list[tuple[bytes, torch.Tensor]]) -> None:
         """Keep each `(hash, slots)` block's K/V (`block` slots of the pool, in token order)."""
         for block_hash, slots in blocks:
-            self.store.put(self.key(block_hash), self._payload(slots))
+            self.store.put(self.key(block_hash), self.payload(slots))
             self.saved_blocks += 1
 
     def present(self, hashes: list[bytes]) -> int:
@@ -122,7 +122,15 @@ class KVTier:
                 "kv_tier_loaded_bytes": self.loaded_bytes, "kv_tier_load_seconds": self.load_seconds,
                 "kv_tier_corrupt_blocks": self.store.corrupt}
 
-    def _payload(self, slots: torch.Tensor) -> bytes:
+    @property
+    def block_bytes(self) -> int:
+        """The bytes of one block's payload: K (and V, unless the pool holds one latent) of every layer."""
+        k, v = self.pool.k, self.pool.v
+        layers, _, heads, dim = k.shape
+        return layers * self.block * heads * dim * k.element_size() * (1 if v is k else 2)
+
+    def payload(self, slots: torch.Tensor) -> bytes:
+        """The K/V bytes of one block's `block` slots, as the store keeps them."""
         k, v = self.pool.k, self.pool.v
         keys = k[:, slots].cpu().contiguous().view(torch.uint8).numpy().tobytes()
         return keys if v is k else keys + v[:, slots].cpu().contiguous().view(torch.uint8).numpy().tobytes()

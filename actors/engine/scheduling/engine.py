@@ -51,6 +51,7 @@ from ringserve.actors.engine.scheduling.output_rows import StepLogprobs, output_
 from ringserve.actors.engine.scheduling.prefill import PrefillManager
 from ringserve.actors.engine.quantization.quantize import apply_quantization, quantization_report
 from ringserve.actors.engine.scheduling.prefix_cache import create_prefix_cache
+from ringserve.actors.engine.kv_tier import share
 from ringserve.actors.engine.kv_tier.tier import make_tier
 from ringserve.actors.engine.scheduling.request import Req
 from ringserve.actors.engine.lora.adapter import Adapter, AdapterError
@@ -61,6 +62,7 @@ from ringserve.actors.engine.runner.token_table import TokenTable
 from ringserve.actors.engine.models.weight_swap import swap_engine_weights
 from ringserve.actors.engine.interface import StepPlan
 from ringserve.bus.errors import ApiError, server_error
+from ringserve.bus.kv_blocks import cache_namespace
 from ringserve.bus.messages import FinishReason, SchedulerInfo, TokenizedRequest, TokenRow
 from ringserve.kernels.sampling import PenaltyState
 from ringserve.observability.logging import log_event
@@ -459,6 +461,29 @@ class Engine:
     def kv_events(self) -> tuple[list[bytes], list[bytes]]:
         """Block hashes the prefix cache stored and evicted since the last call (`BasePrefixCache.take_block_events`)."""
         return self.cache.prefix_cache.take_block_events()
+
+    def kv_share_namespace(self) -> str | None:
+        """The KV tier's namespace (what this replica's KV depends on), None without a tier: blocks cross
+        replicas only between equal namespaces (actors/engine/kv_tier/share.py, run on the engine thread)."""
+        return self.cache.tier.namespace if self.cache.tier is not None else None
+
+    def kv_cache_key(self, request: TokenizedRequest) -> str | None:
+        """The prefix-cache tree `request`'s KV belongs to (`Req.cache_key`)."""
+        lora = request.sampling.lora_name
+        return cache_namespace(request.sampling.cache_salt,
+                               self.lora.cache_name(lora) if lora and self.lora is not None else None)
+
+    def kv_held_blocks(self, ids: list[int], cache_key: str | None) -> int:
+        """Leading whole blocks of `ids` this replica holds, in the pool or the tier (`share.held_blocks`)."""
+        return share.held_blocks(self.cache, ids, cache_key)
+
+    def kv_export(self, ids: list[int], cache_key: str | None, first: int, count: int, budget: int) -> list[bytes]:
+        """Blocks `[first, first + count)` of `ids` for another replica, at most `budget` bytes (`share.export_blocks`)."""
+        return share.export_blocks(self.cache, ids, cache_key, first, count, budget)
+
+    def kv_import(self, ids: list[int], cache_key: str | None, first: int, payloads: list[bytes]) -> None:
+        """Keep blocks fetched from another replica in the tier, for admission to load (`share.import_blocks`)."""
+        share.import_blocks(self.cache, ids, cache_key, first, payloads)
 
     def check_integrity(self) -> None:
         """Assert that the pool is partitioned exactly among free slots, the prefix cache and live requests."""
