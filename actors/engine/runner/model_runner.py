@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from ringserve.actors.engine.runner.graphs.fx_guard import no_fx_tracing
 from ringserve.actors.engine.scheduling.batch import Batch, ForwardOutput, PromptScores
 from ringserve.actors.engine.scheduling.embedding import hidden_positions, pool_chunk
 from ringserve.actors.engine.runner.graphs.decode_graph import DecodeGraphRunner, default_mode
@@ -82,12 +83,13 @@ class ModelRunner:
         # 1-token chunk never scores a prompt token (it is the prompt's last, which predicts the output).
         embeds = [req.embed for req in batch.reqs]
         hidden_plan = hidden_positions(embeds, batch.starts, batch.extend_lens, batch.samples) if any(embeds) else []
-        if hidden_plan:
-            logits = self._forward_eager(batch, spans, hidden_plan)
-        elif self.graphs is not None and all(batch.samples) and self.graphs.can_run(batch.extend_lens):
-            logits = self.graphs.replay(batch.rows, batch.starts)
-        else:
-            logits = self._forward_eager(batch, spans)
+        with no_fx_tracing():  # a graph compiling in the background must not trace meanwhile (fx_guard.py)
+            if hidden_plan:
+                logits = self._forward_eager(batch, spans, hidden_plan)
+            elif self.graphs is not None and all(batch.samples) and self.graphs.can_run(batch.extend_lens):
+                logits = self.graphs.replay(batch.rows, batch.starts)
+            else:
+                logits = self._forward_eager(batch, spans)
         num_sampling = sum(batch.samples)
         out = self._sample(batch, logits[:num_sampling], mask)
         if spans:
@@ -153,7 +155,8 @@ class ModelRunner:
         already hold rank 0's slots), writing this rank's KV and taking part in the all-reduces; no logits."""
         positions_t, _, info = self._layout(table_rows, starts, extend_lens)
         meta = self.backend.prepare(info)
-        self.model(input_ids, positions_t, self.backend, meta, torch.empty(0, dtype=torch.int64, device=self.device))
+        with no_fx_tracing():
+            self.model(input_ids, positions_t, self.backend, meta, torch.empty(0, dtype=torch.int64, device=self.device))
 
     def _sample(self, batch: Batch, logits: torch.Tensor,
                 mask: tuple[torch.Tensor, list[int]] | None = None) -> ForwardOutput:
