@@ -8,6 +8,9 @@ checksum of its bytes, exported from its prefix cache or its own tier. A holder 
 (other weights, another kernel plan) has nothing to give: its KV would not be the asker's to the bit. The asker
 asks again from the next block until it has what it wanted, a reply comes back short, or its deadline passes:
 what it got by then it loads (through its tier store), the rest it computes. No torch here: blocks are bytes.
+
+Prefill/decode disaggregation uses the same exchange: a decode replica first asks a prefill replica to compute a
+prompt's whole blocks (`KvPrefillRequest`, answered when they are in its cache), then fetches them.
 """
 
 from __future__ import annotations
@@ -47,6 +50,27 @@ class KvFetchReply:
 
     blocks: list[bytes] = field(default_factory=list)
     checksums: list[bytes] = field(default_factory=list)
+    error: str = ""
+
+
+@dataclass
+class KvPrefillRequest:
+    """Ask prefill replica `r` (`{ns}.kv.prefill.{r}`) to compute the KV of `input_ids` (whole blocks) under
+    the asker's cache salt and LoRA adapter, for a tier of `namespace`, and keep it until fetched."""
+
+    input_ids: list[int]
+    namespace: str
+    notify: str  # the asker's inbox subject, where the `KvPrefillReply` saying it is done goes
+    cache_salt: str | None = None
+    lora_name: str | None = None
+
+
+@dataclass
+class KvPrefillReply:
+    """The reply to a `KvPrefillRequest` says it was taken (`blocks` 0) or refused (`error`); the message to its
+    `notify` subject says the prompt's `blocks` are cached (to fetch), or why not (`error`)."""
+
+    blocks: int = 0
     error: str = ""
 
 

@@ -76,6 +76,7 @@ class TokenizedRequest:
     # the router's hint: replica `kv_peer` holds the prompt's first `kv_peer_blocks` blocks (-1: none known)
     kv_peer: int = -1
     kv_peer_blocks: int = 0
+    kv_prefill: int = -1  # prefill/decode split: the prefill replica to compute the prompt's KV (-1: none)
 
 
 @dataclass
@@ -386,6 +387,7 @@ class ReplicaLoad:
     draining: bool = False
     kv_epoch: str = ""
     kv_seq: int = 0
+    role: str = "both"  # prefill, decode or both (--replica-role): a prefill replica takes no routed requests
 
 
 @dataclass

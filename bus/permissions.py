@@ -7,7 +7,7 @@ One deployment (namespace `ns`) has six internal roles and any number of outside
 | launcher    | gone                                                 | ready, heartbeat                            |
 | entry       | submit, `abort.*`, info, command, tokenize, ANN, STORE | `out.*`, heartbeat, gone                    |
 | tokenizer   | tokenized (`.*`), OUT, ANN, entry's and clients' inboxes, `kv.snapshot.*` | submit, `client.*.submit`, tokenize, heartbeat, `kv.events.*` |
-| scheduler   | `tokens.*`, OUT, ANN, entry's, tokenizer's and scheduler's inboxes, `kv.events.*`, `kv.fetch.*`, CLAIM | tokenized (`.*`), `abort.*`, `client.*.abort.*`, info, command, `kv.snapshot.*`, `kv.fetch.*`, heartbeat |
+| scheduler   | `tokens.*`, OUT, ANN, entry's, tokenizer's and scheduler's inboxes, `kv.events.*`, `kv.fetch.*`, `kv.prefill.*`, CLAIM | tokenized (`.*`), `abort.*`, `client.*.abort.*`, info, command, `kv.snapshot.*`, `kv.fetch.*`, `kv.prefill.*`, heartbeat |
 | detokenizer | OUT, ANN                                             | `tokens.*`, `abort.*`, `client.*.abort.*`   |
 | trace_exporter | ANN, JS (the span stream's JetStream API)        | `spans.>`                                   |
 | client `c`  | `client.c.submit`, `client.c.abort.*`                | `client.c.out.*`                            |
@@ -87,10 +87,10 @@ def role_permissions(namespace: str, role: str) -> Permissions:
         replies = (inbox_prefix(ns, "entry") + ".>", inbox_prefix(ns, "tokenizer") + ".>")
         replies += (inbox_prefix(ns, "scheduler") + ".>",)  # a peer replica's KV fetch
         return Permissions(publish=(f"{ns}.tokens.*", *outputs, *announce, *replies, s.kv_events_any,
-                                    s.kv_fetch_any, *replica_claim_api(s)),
+                                    s.kv_fetch_any, s.kv_prefill_any, *replica_claim_api(s)),
                            subscribe=(s.tokenized, s.tokenized_any_replica, s.abort_any, s.client_abort_any,
-                                      s.scheduler_info, s.kv_snapshot_any, s.kv_fetch_any, s.heartbeat,
-                                      s.scheduler_command, inbox))
+                                      s.scheduler_info, s.kv_snapshot_any, s.kv_fetch_any, s.kv_prefill_any,
+                                      s.heartbeat, s.scheduler_command, inbox))
     if role == "detokenizer":
         return Permissions(publish=(*outputs, *announce),
                            subscribe=(f"{ns}.tokens.*", s.abort_any, s.client_abort_any, inbox))

@@ -16,6 +16,7 @@ Layout (namespace `ns`, default "ringserve"):
 | `{ns}.kv.events.{r}`         | KvEvents           | scheduler replica `r` -> tokenizers (cache index) |
 | `{ns}.kv.snapshot.{r}`       | (request/reply)    | tokenizer -> replica `r`, replies KvSnapshot      |
 | `{ns}.kv.fetch.{r}`          | KvFetchRequest     | scheduler -> replica `r`, replies KvFetchReply (KV blocks) |
+| `{ns}.kv.prefill.{r}`        | KvPrefillRequest   | decode replica -> prefill replica `r`, replies KvPrefillReply |
 | `{ns}.control.scheduler.info`| (request/reply)    | anyone -> scheduler rank 0, replies SchedulerInfo |
 | `{ns}.control.scheduler.command`| ControlCommand  | operator -> scheduler rank 0, replies ControlReply |
 | `{ns}.tokenizer.tokenize`    | TokenizeQuery      | entry -> tokenizers (queue group), replies TokenizeReply |
@@ -230,6 +231,15 @@ class Subjects:
     @property
     def kv_fetch_any(self) -> str:
         return f"{self.namespace}.kv.fetch.*"
+
+    def kv_prefill(self, replica: int) -> str:
+        """Request/reply: prefill replica `replica` computes a prompt's KV for a decode replica to fetch
+        (`KvPrefillRequest` -> `KvPrefillReply`, bus/kv_transfer.py)."""
+        return f"{self.namespace}.kv.prefill.{int(replica)}"
+
+    @property
+    def kv_prefill_any(self) -> str:
+        return f"{self.namespace}.kv.prefill.*"
 
     @property
     def scheduler_info(self) -> str:

@@ -131,3 +131,55 @@ def test_the_router_names_the_replica_holding_more_of_the_prompt() -> None:
     assert router.holder(PROMPT, 1, now=0.5) == (0, 4)
     assert router.holder(PROMPT, 0, now=0.5) == (-1, 0)  # the chosen replica holds the most already
     assert router.holder([9] * BLOCK, 1, now=0.5) == (-1, 0)
+
+
+@pytest.fixture(scope="module")
+def split(tiny_model_dir: Path, nats_server: EmbeddedNatsServer) -> Iterator[ServerHandle]:
+    """Replica 0 prefills, replica 1 decodes."""
+    handle = start_server(str(tiny_model_dir), nats_url=nats_server.url,
+                          extra=["--dp", "2", "--replica-role", "prefill,decode", "--kv-tier-bytes", str(64 << 20),
+                                 "--kv-share", "--prefill-timeout", "3"])
+    yield handle
+    assert handle.stop() == 0
+
+
+def generate(server: ServerHandle, ids: list[int]) -> dict[str, Any]:
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": N, "temperature": 0, "ignore_eos": True}}
+    reply = httpx.post(server.base_url + "/generate", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def test_a_prefill_replica_computes_the_prompt_and_the_decode_replica_streams(split: ServerHandle,
+                                                                              tiny_model_dir: Path) -> None:
+    from transformers import LlamaForCausalLM
+
+    from tests.engine_helpers import hf_greedy
+
+    hf = LlamaForCausalLM.from_pretrained(tiny_model_dir).eval()
+    before = replicas(split)
+    out = generate(split, PROMPT)
+    after = replicas(split)
+    assert out["output_ids"] == hf_greedy(hf, PROMPT, N, None)
+    assert [r["requests_routed"] - b["requests_routed"] for r, b in zip(after, before)] == [0, 1]
+    assert after[0]["kv_served_blocks"] - before[0]["kv_served_blocks"] == BLOCKS  # computed on the prefill side
+    assert after[1]["kv_fetched_blocks"] - before[1]["kv_fetched_blocks"] == BLOCKS
+    assert after[1]["kv_tier_loaded_blocks"] - before[1]["kv_tier_loaded_blocks"] == BLOCKS
+
+
+def test_a_stopped_prefill_replica_means_the_decode_replica_computes(split: ServerHandle,
+                                                                     tiny_model_dir: Path) -> None:
+    import os
+    import signal
+
+    ids = [(5 * i + 1) % 450 + 7 for i in range(2 * BLOCK + 3)]
+    pid = split.actor_pids()["scheduler0"]
+    failures = replicas(split)[1]["kv_fetch_failures"]
+    os.kill(pid, signal.SIGSTOP)  # alive but silent: takes the prefill request, never answers
+    try:
+        stopped = generate(split, ids)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert len(stopped["output_ids"]) == N
+    assert replicas(split)[1]["kv_fetch_failures"] == failures + 1
+    assert generate(split, ids)["output_ids"] == stopped["output_ids"]  # computed or fetched: the same tokens

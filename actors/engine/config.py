@@ -22,6 +22,7 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATION_CHOICES = ("none", "int8", "int4", "gguf", "auto")
 FLOAT_KERNEL_CHOICES = ("auto", "float32")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
+ROLES = ("prefill", "decode", "both")  # --replica-role: what a scheduler replica takes (actors/scheduler/kv_share.py)
 OVERLAP_CHOICES = ("auto", "on", "off")
 SPECULATIVE_ALGORITHMS = ("none", "ngram", "draft")
 CPU_MEM_FRACTION = 0.1  # of total host memory (or the cgroup limit), when the KV pool lives on the CPU
@@ -90,6 +91,12 @@ class EngineConfig:
     kv_fetch_timeout: float = field(default=5.0, metadata=_flag(
         "with --kv-share: seconds a fetch of another replica's blocks may take; past it, what came is loaded and "
         "the rest computed"))
+    replica_role: str = field(default="both", metadata=_flag(
+        "with --dp and --kv-share: prefill, decode or both, for every replica or per replica as a comma list "
+        "(replica r takes entry r, the last entry the rest): routing sends requests to decode (and both) "
+        "replicas, which have a prefill replica compute a prompt's whole blocks and fetch them"))
+    prefill_timeout: float = field(default=60.0, metadata=_flag(
+        "with --replica-role: seconds a decode replica waits for a prefill replica's blocks before computing them itself"))
     schedule_policy: str = field(default="fcfs", metadata=_flag(
         "order of admission: fcfs (arrival) or lpm (longest cached prefix first)", choices=SCHEDULE_POLICIES))
     torch_threads: int = field(default=0, metadata=_flag(
@@ -154,6 +161,13 @@ class EngineConfig:
             raise ValueError("--speculative-algorithm draft and --speculative-draft-model-path go together")
         if self.kv_tier_dir and not self.kv_tier_bytes:
             raise ValueError("--kv-tier-dir needs --kv-tier-bytes (the tier's bound)")
+        roles = self.replica_role.split(",")
+        if any(r not in ROLES for r in roles):
+            raise ValueError(f"--replica-role takes {', '.join(ROLES)} (or a comma list of them), got {self.replica_role!r}")
+        if set(roles) != {"both"} and not self.kv_share:
+            raise ValueError("--replica-role prefill/decode hands KV between replicas: it needs --kv-share")
+        if not self.prefill_timeout > 0:
+            raise ValueError(f"prefill_timeout must be > 0, got {self.prefill_timeout}")
         if self.kv_share and not self.kv_tier_bytes:
             raise ValueError("--kv-share fetches blocks into the KV tier: it needs --kv-tier-bytes")
         if not self.kv_fetch_timeout > 0:
@@ -168,6 +182,11 @@ class EngineConfig:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
+
+    def role_of(self, replica: int) -> str:
+        """Replica `replica`'s `--replica-role`: its entry of the list, the last one past its end."""
+        roles = self.replica_role.split(",")
+        return roles[min(replica, len(roles) - 1)]
 
     def lora_enabled(self) -> bool:
         """Whether the engine serves LoRA adapters."""

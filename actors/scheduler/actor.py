@@ -62,10 +62,11 @@ class SchedulerActor:
 
     def __init__(self, ctx: ActorContext, engine: EngineInterface, admission: Admission | None = None,
                  load_weights: WeightLoader | None = None, stream_interval: int = 1,
-                 kv_fetch_timeout: float | None = None) -> None:
+                 kv_fetch_timeout: float | None = None, role: str = "both", prefill_timeout: float = 60.0) -> None:
         """`load_weights`: reads a checkpoint for `update_weights_from_disk` (None: the command is refused);
         `stream_interval`: tokens per published row of a request (`--stream-interval`, stream_interval.py);
-        `kv_fetch_timeout`: with `--kv-share`, share KV blocks with the other replicas (kv_share.py)."""
+        `kv_fetch_timeout`: with `--kv-share`, share KV blocks with the other replicas (kv_share.py); `role`:
+        this replica's `--replica-role`, which its heartbeat tells the routers."""
         self._ctx = ctx
         self._streams = StreamCoalescer(stream_interval)
         self._numbering = StepNumbering(ctx.rank)  # numbered step messages: the detokenizers' evidence of loss
@@ -82,7 +83,9 @@ class SchedulerActor:
         self._checked_idle = True
         self._routed = 0  # requests handed to this replica since it started
         self._spans = request_spans.create()  # no-ops unless tracing is on
-        self._share = KvSharing(ctx, engine, self._spans, kv_fetch_timeout) if kv_fetch_timeout else None
+        self._role = role
+        self._share = KvSharing(ctx, engine, self._spans, kv_fetch_timeout, prefill_timeout,
+                                self._enqueue) if kv_fetch_timeout else None
         self._fetching: set[asyncio.Task[None]] = set()  # requests waiting for their prefix from another replica
         self._info = self._snapshot()
 
@@ -123,6 +126,11 @@ class SchedulerActor:
             self._inbox.append(("add", req))
             self._wake.set()
         return Accepted(rid=req.rid, replica=self._ctx.rank, detokenizer=req.detokenizer)
+
+    def _enqueue(self, req: TokenizedRequest) -> None:
+        """Queue a request of this replica's own (a prefill job for a decode replica, kv_share.py)."""
+        self._inbox.append(("add", req))
+        self._wake.set()
 
     async def _fetch_then_add(self, req: TokenizedRequest) -> None:
         """Fetch `req`'s prefix from the replica holding it (kv_share.py), then queue it as any request; a
@@ -188,7 +196,7 @@ class SchedulerActor:
                            num_waiting_reqs=info.num_waiting_reqs + len(self._inbox),
                            kv_used_tokens=info.kv_used_tokens, kv_total_tokens=info.kv_total_tokens,
                            cache_hit_rate=info.cache_hit_rate, kv_epoch=self._kv.epoch, kv_seq=self._kv.seq,
-                           tp_size=info.tp_size)
+                           tp_size=info.tp_size, role=self._role)
 
     def _submit_update(self, command: ControlCommand, checkpoint: Any, done: asyncio.Future[ControlReply]) -> None:
         self._inbox.append(("update", (command, checkpoint, done)))
@@ -358,6 +366,10 @@ class SchedulerActor:
             if out.decode is not None:  # a request's first row
                 out.traceparent = self._spans.traceparent(out.rid)
             self._spans.output(out, now)
+        if self._share is not None:  # prefill jobs' rows end here (kv_share.py): nobody reads them
+            outputs, ended = self._share.take_job_rows(outputs)
+            for rid in ended:
+                self._detokenizer_of.pop(rid, None)
         await self._send(self._streams.take(outputs, after_step), step_traceparent)
 
     async def _send(self, outputs: list[TokenRow], step_traceparent: str | None = None) -> None:
@@ -410,4 +422,5 @@ async def scheduler_main(ctx: ActorContext, model: str, config: EngineConfig,
         engine.start_decode_graphs()
     serial_torch_on_this_thread()
     return await SchedulerActor(ctx, engine, admission, load_weights, config.stream_interval,
-                                config.kv_fetch_timeout if config.kv_share else None).start()
+                                config.kv_fetch_timeout if config.kv_share else None, config.role_of(ctx.rank),
+                                config.prefill_timeout).start()

@@ -230,6 +230,8 @@ class TokenizerActor:
         if replica is not None:  # another replica holding more of the prompt: the chosen one may fetch it
             tokenized.kv_peer, tokenized.kv_peer_blocks = self._router.holder(input_ids, replica, time.monotonic(),
                                                                               salt)
+            if tokenized.kv_peer < 0:  # a decode replica (--replica-role): a prefill replica computes the prompt
+                tokenized.kv_prefill = self._router.prefill_for(replica, time.monotonic())
         subject = self._ctx.subjects.tokenized if replica is None else self._ctx.subjects.tokenized_for(replica)
         try:
             try:

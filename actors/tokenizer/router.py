@@ -13,7 +13,9 @@ replica the moment it is routed. A replica that misses heartbeats, or drains, ge
 Every tokenizer worker subscribes to every replica's events, so workers fed the same events and heartbeats
 route the same way without talking to each other. When the chosen replica holds less of the prompt than another
 one, the request carries that other replica as a hint (`holder`): with `--kv-share` the chosen replica fetches
-the blocks from it instead of computing them.
+the blocks from it instead of computing them. With `--replica-role`, prefill replicas get no routed requests while a
+decode (or both) replica is live; a request routed to a decode replica names the least loaded prefill replica
+(`prefill_for`), which computes its prompt for the decode replica to fetch.
 """
 
 from __future__ import annotations
@@ -96,6 +98,8 @@ class Router:
         """The replica for a request with prompt `ids` and `cache_salt` `salt` (counted against it), or None when
         none is live."""
         live = self.live(now)
+        serving = [r for r in live if self._replicas[r].load.role != "prefill"]
+        live = serving or live  # prefill replicas compute prompts for the others (--role); alone, they serve
         if not live:
             return None
         hashes = block_hashes(ids, self.block, salt_seed(salt))
@@ -120,6 +124,19 @@ class Router:
         if best is None or held[best] <= held.get(chosen, 0):
             return -1, 0
         return best, held[best]
+
+    def prefill_for(self, chosen: int, now: float) -> int:
+        """The least loaded live prefill replica (`--replica-role prefill`) to compute a prompt for decode replica
+        `chosen`, or -1 (`chosen` is not a decode replica, or no prefill replica is live)."""
+        replica = self._replicas.get(chosen)
+        if replica is None or replica.load.role != "decode":
+            return -1
+        prefill = [r for r in self.live(now) if self._replicas[r].load.role == "prefill"]
+        if not prefill:
+            return -1
+        best = min(prefill, key=lambda r: (self._replicas[r].score, r))
+        self._replicas[best].pending += 1
+        return best
 
     def stats(self) -> dict[int, int]:
         """Requests routed to each known replica since it joined."""
