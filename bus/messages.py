@@ -28,6 +28,9 @@ class ChatMessage:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     tool_call_id: str | None = None
     name: str | None = None  # the author's name (OpenAI's optional `name`)
+    # a turn with images: its content in order, {"type": "text", "text"} or {"type": "image", "handle"} (the image
+    # file's object store key, bus/image_store.py); `content` is then its text parts joined
+    parts: list[dict[str, str]] | None = None
 
 
 @dataclass
@@ -59,6 +62,8 @@ class GenerateRequest:
     stream: bool = True  # False: the sender reads only the whole output (fewer, larger outputs)
     # an embedding request: prefill only (sampling's max_new_tokens must be 0), its pooled vector in the output
     embed: EmbedParams | None = None
+    # `text`'s images, in the order of its image placeholders: their files' object store keys (bus/image_store.py)
+    image_data: list[str] | None = None
 
 
 @dataclass

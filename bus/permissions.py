@@ -5,9 +5,9 @@ One deployment (namespace `ns`) has six internal roles and any number of outside
 | role        | may publish                                          | may subscribe                               |
 |-------------|------------------------------------------------------|---------------------------------------------|
 | launcher    | gone                                                 | ready, heartbeat                            |
-| entry       | submit, `abort.*`, info, command, tokenize, ANN, STORE | `out.*`, heartbeat, gone                    |
-| tokenizer   | tokenized (`.*`), OUT, ANN, entry's and clients' inboxes, `kv.snapshot.*` | submit, `client.*.submit`, tokenize, heartbeat, `kv.events.*` |
-| scheduler   | `tokens.*`, OUT, ANN, entry's, tokenizer's and scheduler's inboxes, `kv.events.*`, `kv.fetch.*`, `kv.prefill.*`, CLAIM | tokenized (`.*`), `abort.*`, `client.*.abort.*`, info, command, `kv.snapshot.*`, `kv.fetch.*`, `kv.prefill.*`, heartbeat |
+| entry       | submit, `abort.*`, info, command, tokenize, ANN, STORE, IMG | `out.*`, heartbeat, gone                    |
+| tokenizer   | tokenized (`.*`), OUT, ANN, entry's and clients' inboxes, `kv.snapshot.*`, IMG | submit, `client.*.submit`, tokenize, heartbeat, `kv.events.*` |
+| scheduler   | `tokens.*`, OUT, ANN, entry's, tokenizer's and scheduler's inboxes, `kv.events.*`, `kv.fetch.*`, `kv.prefill.*`, CLAIM, IMG | tokenized (`.*`), `abort.*`, `client.*.abort.*`, info, command, `kv.snapshot.*`, `kv.fetch.*`, `kv.prefill.*`, heartbeat |
 | detokenizer | OUT, ANN                                             | `tokens.*`, `abort.*`, `client.*.abort.*`   |
 | trace_exporter | ANN, JS (the span stream's JetStream API)        | `spans.>`                                   |
 | client `c`  | `client.c.submit`, `client.c.abort.*`                | `client.c.out.*`                            |
@@ -24,7 +24,9 @@ consumers, fetching and acking its messages (`$JS.API.*.{ns}-spans...`, `$JS.ACK
 `ringserve trace` also uses with the trace_exporter's credentials. CLAIM = the scheduler's replica-id bucket
 `{ns}-replicas` (bus/replica_claim.py): create it, read its keys, write `$KV.{ns}-replicas.>`, nothing of any
 other stream or bucket. STORE = the entry's stored-responses bucket `{ns}-responses` (bus/response_store.py):
-create and inspect its stream, get, write and delete its keys. Every role
+create and inspect its stream, get, write and delete its keys. IMG = the image bucket `{ns}-images`
+(bus/image_store.py), whose objects the entry, the tokenizer and the scheduler put and read: its stream, the
+ordered consumers that read an object's chunks, its `$O.{ns}-images.>` subjects. Every role
 also subscribes its own reply inbox, `inbox_prefix(ns, role)` + `.>`, and must connect with that inbox prefix
 (nats-py's `inbox_prefix`), so no role can read another's replies. A client sees only subjects with its own
 name in them: it cannot read, abort or submit as another client, nor touch an HTTP request's stream.
@@ -35,6 +37,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from ringserve.bus.image_store import image_store_api
 from ringserve.bus.response_store import store_api
 from ringserve.bus.subjects import Subjects, validate_rid
 
@@ -76,18 +79,18 @@ def role_permissions(namespace: str, role: str) -> Permissions:
     announce = (*announce, s.spans(role)) if role in ROLES else announce  # traced actors store their spans
     if role == "entry":
         return Permissions(publish=(s.submit, s.abort_any, s.scheduler_info, s.scheduler_command, s.tokenize,
-                                    *announce, *store_api(ns)),
+                                    *announce, *store_api(ns), *image_store_api(ns)),
                            subscribe=(f"{ns}.out.*", s.heartbeat, s.gone, inbox))
     if role == "tokenizer":
         replies = (inbox_prefix(ns, "entry") + ".>", f"_INBOX.{ns}.client.*.>")
         return Permissions(publish=(s.tokenized, s.tokenized_any_replica, *outputs, *announce, *replies,
-                                    s.kv_snapshot_any),
+                                    s.kv_snapshot_any, *image_store_api(ns)),
                            subscribe=(s.submit, s.client_submit_any, s.tokenize, s.heartbeat, s.kv_events_any, inbox))
     if role == "scheduler":
         replies = (inbox_prefix(ns, "entry") + ".>", inbox_prefix(ns, "tokenizer") + ".>")
         replies += (inbox_prefix(ns, "scheduler") + ".>",)  # a peer replica's KV fetch
         return Permissions(publish=(f"{ns}.tokens.*", *outputs, *announce, *replies, s.kv_events_any,
-                                    s.kv_fetch_any, s.kv_prefill_any, *replica_claim_api(s)),
+                                    s.kv_fetch_any, s.kv_prefill_any, *replica_claim_api(s), *image_store_api(ns)),
                            subscribe=(s.tokenized, s.tokenized_any_replica, s.abort_any, s.client_abort_any,
                                       s.scheduler_info, s.kv_snapshot_any, s.kv_fetch_any, s.kv_prefill_any,
                                       s.heartbeat, s.scheduler_command, inbox))

@@ -18,9 +18,10 @@ import nats.errors
 import nats.js.errors
 from nats.js.api import DiscardPolicy, StorageType, StreamConfig
 
+from ringserve.bus.jetstream_bucket import JetStreamBucket
+
 DEFAULT_TTL_SECONDS = 30 * 24 * 3600.0  # OpenAI keeps stored responses 30 days
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
-API_SECONDS = 5.0
 
 
 class StoreUnavailable(Exception):
@@ -46,40 +47,24 @@ def key_hash(api_key: str | None) -> str | None:
     return None if api_key is None else hashlib.sha256(api_key.encode("utf-8")).hexdigest()
 
 
-class ResponseStore:
-    """The bucket over one NATS connection (`connection()` gives the nats-py client), opened (created if
-    missing) on first use."""
+class ResponseStore(JetStreamBucket):
+    """The bucket over one NATS connection (`connection()` gives the nats-py client), opened (created if missing)
+    on first use."""
+
+    unavailable = StoreUnavailable
+    what = "the response store"
 
     def __init__(self, connection: Callable[[], Any], namespace: str, ttl: float = DEFAULT_TTL_SECONDS,
                  max_bytes: int = DEFAULT_MAX_BYTES) -> None:
-        self._connection = connection
-        self.bucket = bucket_name(namespace)
-        self.ttl = ttl
-        self.max_bytes = max_bytes
-        self._kv: Any = None
-        self._lock = asyncio.Lock()
+        super().__init__(connection, bucket_name(namespace), ttl, max_bytes)
 
     async def _open(self) -> Any:
-        async with self._lock:
-            if self._kv is not None:
-                return self._kv
-            js = self._connection().jetstream(timeout=API_SECONDS)
-            # the KV layout nats-py makes (create_key_value), but a full bucket drops its oldest records
-            config = StreamConfig(name=f"KV_{self.bucket}", subjects=[f"$KV.{self.bucket}.>"], allow_direct=True,
-                                  allow_rollup_hdrs=True, deny_delete=True, discard=DiscardPolicy.OLD,
-                                  duplicate_window=min(120.0, self.ttl), max_age=self.ttl, max_bytes=self.max_bytes,
-                                  max_msgs_per_subject=1, max_msgs=-1, max_consumers=-1,
-                                  storage=StorageType.FILE)
-            try:
-                await js.add_stream(config)
-            except nats.js.errors.BadRequestError:
-                pass  # made by another replica with other settings: use it as it is
-            except (nats.js.errors.ServiceUnavailableError, nats.js.errors.NoStreamResponseError,
-                    nats.errors.TimeoutError, nats.errors.NoRespondersError) as exc:
-                raise StoreUnavailable(f"the response store (JetStream bucket {self.bucket}) is unavailable: "
-                                       f"{exc!r}") from exc
-            self._kv = await js.key_value(self.bucket)
-            return self._kv
+        # the KV layout nats-py makes (create_key_value), but a full bucket drops its oldest records
+        config = StreamConfig(name=f"KV_{self.bucket}", subjects=[f"$KV.{self.bucket}.>"], allow_direct=True,
+                              allow_rollup_hdrs=True, deny_delete=True, discard=DiscardPolicy.OLD,
+                              duplicate_window=min(120.0, self.ttl), max_age=self.ttl, max_bytes=self.max_bytes,
+                              max_msgs_per_subject=1, max_msgs=-1, max_consumers=-1, storage=StorageType.FILE)
+        return await self.open_with(config, lambda js: js.key_value(self.bucket))
 
     async def get(self, response_id: str) -> dict[str, Any] | None:
         """The record stored under `response_id`; None if there is none (never stored, deleted or expired)."""

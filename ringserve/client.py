@@ -47,15 +47,18 @@ class Client(RingSession):
                        input_ids: list[int] | list[list[int]] | None = None, rid: str | Sequence[str] | None = None,
                        return_logprob: bool | None = None, top_logprobs_num: int | None = None,
                        logprob_start_len: int | None = None, timeout: float | None = None,
-                       on_result: Callable[[int, GenerateResult], None] | None = None,
+                       on_result: Callable[[int, GenerateResult], None] | None = None, image_data: Any = None,
                        ) -> GenerateResult | list[GenerateResult]:
         """Generate for one prompt (a result) or a list (results in prompt order), as `/generate` does.
+        `image_data`: the prompts' images, as `/generate` takes them (`ringserve.requests.image_source`).
 
         `on_result(i, result)` is called as each request of a list finishes (a progress bar). Raises ApiError:
         the first failing request's error (the others are aborted), or a 504 after `timeout` seconds.
         """
-        requests, listed = generate_requests(prompt, sampling_params, input_ids, rid, return_logprob=return_logprob,
-                                             top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len)
+        requests, listed = generate_requests(prompt, sampling_params, input_ids, rid, image_data,
+                                             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
+                                             logprob_start_len=logprob_start_len)
+        await self.store_images(requests, listed)
         results = await self.run_all(requests, timeout, on_result)
         return results if listed else results[0]
 
@@ -63,12 +66,13 @@ class Client(RingSession):
                sampling_params: dict[str, Any] | Sequence[dict[str, Any]] | None = None, *,
                input_ids: list[int] | list[list[int]] | None = None, rid: str | Sequence[str] | None = None,
                return_logprob: bool | None = None, top_logprobs_num: int | None = None,
-               logprob_start_len: int | None = None) -> AsyncIterator[GenerateDelta]:
+               logprob_start_len: int | None = None, image_data: Any = None) -> AsyncIterator[GenerateDelta]:
         """The deltas of one prompt (or of a list, each with its `index`) as they arrive; closing the iterator
         early aborts the requests. An error output raises its ApiError."""
-        requests, _ = generate_requests(prompt, sampling_params, input_ids, rid, return_logprob=return_logprob,
-                                        top_logprobs_num=top_logprobs_num, logprob_start_len=logprob_start_len)
-        return self.stream_requests(requests)
+        requests, listed = generate_requests(prompt, sampling_params, input_ids, rid, image_data,
+                                             return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
+                                             logprob_start_len=logprob_start_len)
+        return self._stream_with_images(requests, listed)
 
     async def chat(self, messages: list[dict[str, Any]], sampling_params: dict[str, Any] | None = None, *,
                    rid: str | None = None, timeout: float | None = None, **openai_fields: Any) -> ChatResult:
@@ -78,6 +82,7 @@ class Client(RingSession):
         from ringserve.actors.entry.openai_protocol import full_response
 
         request, options = chat_request(messages, rid, await self._model_name(), sampling_params, openai_fields)
+        await self.store_images([request])
         outputs = await self._with_timeout(self._collect_outputs(request), timeout, [request.rid])
         response = full_response(request.rid, options, [outputs])
         message = response["choices"][0]["message"]
@@ -88,7 +93,29 @@ class Client(RingSession):
                     rid: str | None = None, model: str = "", **openai_fields: Any) -> AsyncIterator[GenerateDelta]:
         """The text deltas of a chat completion as they arrive (tool calls are not parsed out of them)."""
         request, _ = chat_request(messages, rid, model, sampling_params, openai_fields)
-        return self.stream_requests([request])
+        return self._stream_with_images([request])
+
+    async def store_images(self, requests: list[GenerateRequest], batch: bool = False) -> None:
+        """Put the images of `requests` (chat image_url parts, `image_data`) into the ring's image store, so the
+        requests carry their handles (actors/entry/image_input.py; local files anywhere, no http(s) URLs)."""
+        from ringserve.actors.entry.image_input import ImageIntake, ImageLimits
+        from ringserve.bus.image_store import ImageStore
+
+        if not any(r.image_data or any(t.parts for t in r.messages or []) for r in requests):
+            return
+        intake = getattr(self, "_image_intake", None)
+        if intake is None:
+            bus = self.ring.bus
+            intake = self._image_intake = ImageIntake(ImageStore(lambda: bus.client, self.subjects.namespace),
+                                                      ImageLimits(local_dir="/"))
+        await intake.resolve_all(requests, batch)
+
+    async def _stream_with_images(self, requests: list[GenerateRequest],
+                                  batch: bool = False) -> AsyncIterator[GenerateDelta]:
+        await self.store_images(requests, batch)
+        async with contextlib.aclosing(self.stream_requests(requests)) as deltas:
+            async for delta in deltas:
+                yield delta
 
     async def embed(self, input: str | Sequence[str] | list[int] | list[list[int]], *, pooling: str | None = None,
                     normalize: bool = True, dimensions: int | None = None,

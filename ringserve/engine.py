@@ -125,16 +125,18 @@ class Engine:
                  input_ids: list[int] | list[list[int]] | None = None, *, stream: bool = False,
                  rid: str | Sequence[str] | None = None, return_logprob: bool | None = None,
                  top_logprobs_num: int | None = None, logprob_start_len: int | None = None,
-                 timeout: float | None = None, progress: bool | None = None,
+                 timeout: float | None = None, progress: bool | None = None, image_data: Any = None,
                  ) -> GenerateResult | list[GenerateResult] | SyncStream[GenerateDelta]:
         """Generate for one prompt (text or `input_ids`; a GenerateResult) or a list of them (a list of results,
         in order), with `/generate`'s native `sampling_params` (one dict, or one per prompt; `max_new_tokens`
         defaults to 128). `stream=True`: an iterator of GenerateDeltas instead (each with its prompt's
         `index`). `progress`: a progress bar for a list (default: the Engine's `progress`, else on a terminal
-        from 64 prompts).
+        from 64 prompts). `image_data`: the prompts' images for a vision-language model, as `/generate` takes them
+        (one image or a list; a list per prompt for a list), each file bytes, a PIL image, a `pathlib.Path`, base64
+        or a data URL; the text holds the model's image placeholder where each goes.
         Raises ApiError as the HTTP API would."""
         kwargs = dict(rid=rid, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
-                      logprob_start_len=logprob_start_len)
+                      logprob_start_len=logprob_start_len, image_data=image_data)
         client = self._live_client()
         if stream:
             return SyncStream(self._thread, client.stream(prompt, sampling_params, input_ids=input_ids, **kwargs))
@@ -153,11 +155,11 @@ class Engine:
                        input_ids: list[int] | list[list[int]] | None = None, *, stream: bool = False,
                        rid: str | Sequence[str] | None = None, return_logprob: bool | None = None,
                        top_logprobs_num: int | None = None, logprob_start_len: int | None = None,
-                       timeout: float | None = None) -> Any:
+                       timeout: float | None = None, image_data: Any = None) -> Any:
         """`generate` for async code (any event loop): an awaitable of the result(s), or with `stream=True` an
         async iterator of GenerateDeltas (also awaitable, giving itself). Cancelling aborts the requests."""
         kwargs = dict(rid=rid, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
-                      logprob_start_len=logprob_start_len)
+                      logprob_start_len=logprob_start_len, image_data=image_data)
         client = self._live_client()
         if stream:
             return AsyncStream(self._thread, client.stream(prompt, sampling_params, input_ids=input_ids, **kwargs))
@@ -168,7 +170,8 @@ class Engine:
              stream: bool = False, rid: str | None = None, timeout: float | None = None,
              **openai_fields: Any) -> ChatResult | SyncStream[GenerateDelta]:
         """A chat completion with the model's chat template, taking what `/v1/chat/completions` takes besides
-        `messages` (`max_tokens`, `temperature`, `tools`, `tool_choice`, `response_format`, ...) and native
+        `messages` (`max_tokens`, `temperature`, `tools`, `tool_choice`, `response_format`, ...; `image_url` content
+        parts for a vision-language model: data URLs or file URLs) and native
         `sampling_params`; a ChatResult (`text`, `message` with any `tool_calls`, `response`: the OpenAI body).
         `stream=True`: an iterator of text deltas."""
         client = self._live_client()

@@ -9,6 +9,9 @@ does for HTTP.
 
 from __future__ import annotations
 
+import base64
+import io
+from pathlib import Path
 from typing import Any, Sequence
 
 from ringserve.bus.errors import ApiError
@@ -76,23 +79,44 @@ def _sampling(sampling_params: dict[str, Any] | Sequence[dict[str, Any]] | None,
     return each
 
 
+def image_source(image: Any) -> Any:
+    """One image as the Python API takes it, as a source `/generate`'s `image_data` takes: file bytes or a PIL
+    image (base64), a `pathlib.Path` (a file URL); a string (base64, a data or file URL) as it is."""
+    if isinstance(image, (bytes, bytearray)):
+        return base64.b64encode(bytes(image)).decode()
+    if isinstance(image, Path):
+        return image.resolve().as_uri()
+    if hasattr(image, "save") and hasattr(image, "size"):  # a PIL image
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        return base64.b64encode(buffer.getvalue()).decode()
+    if isinstance(image, (list, tuple)):
+        return [image_source(each) for each in image]
+    return image
+
+
 def generate_requests(prompt: str | Sequence[str] | None = None,
                       sampling_params: dict[str, Any] | Sequence[dict[str, Any]] | None = None,
                       input_ids: list[int] | list[list[int]] | None = None, rid: str | Sequence[str] | None = None,
-                      **top_level: Any) -> tuple[list[GenerateRequest], bool]:
+                      image_data: Any = None, **top_level: Any) -> tuple[list[GenerateRequest], bool]:
     """The requests of one `generate` call, in prompt order, and whether the answer is a list.
 
-    `top_level`: `return_logprob`, `top_logprobs_num`, `logprob_start_len` (SGLang's names beside
-    `sampling_params`; None: not given). `max_new_tokens` defaults to 128, as in /generate.
+    `image_data`: `/generate`'s (one image or a list for one prompt, a list per prompt for a list of prompts), each
+    image as `image_source` takes it; the caller stores them (`ImageIntake.resolve_all`). `top_level`:
+    `return_logprob`, `top_logprobs_num`, `logprob_start_len` (SGLang's names beside `sampling_params`; None: not
+    given). `max_new_tokens` defaults to 128, as in /generate.
     """
+    from ringserve.actors.entry.image_input import image_data_sources
+
     unknown = set(top_level) - set(_TOP_LEVEL)
     if unknown:
         raise TypeError(f"unknown argument(s) {sorted(unknown)}; sampling parameters go in sampling_params")
     prompts, listed = _prompts(prompt, input_ids)
     rids = _rids(rid, len(prompts), listed)
     sampling = _sampling(sampling_params, len(prompts), top_level)
-    return [GenerateRequest(rid=r, text=text, input_ids=ids, sampling=params)
-            for r, (text, ids), params in zip(rids, prompts, sampling)], listed
+    images = image_data_sources(image_source(image_data), len(prompts), listed)
+    return [GenerateRequest(rid=r, text=text, input_ids=ids, sampling=params, image_data=sources)
+            for r, (text, ids), params, sources in zip(rids, prompts, sampling, images)], listed
 
 
 def chat_request(messages: list[dict[str, Any]], rid: str | None, served_model: str,

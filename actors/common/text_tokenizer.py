@@ -166,6 +166,7 @@ def _export(source: ModelSource, directory: Path) -> None:
     from ringserve.actors.common.model_source import load_config, load_tokenizer
 
     hf, config = load_tokenizer(source), load_config(source)
+    config = config.get_text_config()  # a vision-language model's numbers are its text model's
     eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
     limits = {"context_length": int(config.max_position_embeddings), "vocab_size": int(config.vocab_size),
               "eos_token_ids": sorted({i for i in [*eos, hf.eos_token_id] if isinstance(i, int)})}

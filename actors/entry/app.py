@@ -23,11 +23,13 @@ from ringserve.bus.errors import ApiError
 from ringserve.actors.entry.guard import EntryGuard
 from ringserve.actors.entry.generate_route import generate_route
 from ringserve.actors.entry.http_common import handles_errors, package_version
+from ringserve.actors.entry.image_input import ImageIntake
 from ringserve.actors.entry.metrics_scrape import metrics_route
 from ringserve.actors.entry.openapi_doc import openapi_document
 from ringserve.actors.entry.openai_routes import openai_routes
 from ringserve.actors.entry.request_flow import EntryService
 from ringserve.actors.entry.responses_routes import responses_routes
+from ringserve.bus.image_store import ImageStore
 from ringserve.bus.replica_replies import combined_info, replica_entry
 from ringserve.actors.entry.settings import EntrySettings
 from ringserve.actors.entry.tokenize_routes import tokenize_routes
@@ -37,6 +39,8 @@ from ringserve.actors.entry.tokenize_routes import tokenize_routes
 def build_app(service: EntryService, settings: EntrySettings | None = None) -> Starlette:
     """The HTTP application over `service`, guarded as `settings` say (defaults: no key, no CORS)."""
     settings = settings or EntrySettings(served_model=service.served_model)
+    service.images = ImageIntake(ImageStore(lambda: service.client.bus.client, service.client.subjects.namespace,
+                                            settings.image_ttl, settings.image_store_max_bytes), settings.images)
 
     @handles_errors
     async def health(request: Request) -> Response:

@@ -20,6 +20,7 @@ from starlette.routing import Route
 from ringserve.actors.entry.choices import ChoiceGroup
 from ringserve.actors.entry.http_common import handles_errors, read_json, sse
 from ringserve.actors.entry.generate_meta import meta_info
+from ringserve.actors.entry.image_input import image_data_sources
 from ringserve.actors.entry.openai_protocol import MAX_CHOICES, N, STREAM
 from ringserve.actors.entry.request_flow import EntryService
 from ringserve.bus.errors import ApiError
@@ -82,8 +83,9 @@ def parse_generate(body: dict[str, Any]) -> tuple[list[GenerateRequest], int, bo
         raise ApiError(f"{len(prompts)} prompts × n={n} is more than {MAX_CHOICES} results",
                        param="n" if n > 1 else ("text" if body.get("text") is not None else "input_ids"))
     stream = STREAM.read(body, False)
-    gen_reqs = [GenerateRequest(rid=rid, text=text, input_ids=ids, sampling=dict(sampling), stream=stream)
-                for text, ids in prompts]
+    images = image_data_sources(body.get("image_data"), len(prompts), batch)
+    gen_reqs = [GenerateRequest(rid=rid, text=text, input_ids=ids, sampling=dict(sampling), stream=stream,
+                                image_data=sources) for (text, ids), sources in zip(prompts, images)]
     return gen_reqs, n, batch or n > 1
 
 
@@ -93,6 +95,8 @@ def generate_route(service: EntryService) -> Route:
     async def answer(request: Request) -> Response:
         body = await read_json(request)
         gen_reqs, n, listed = parse_generate(body)
+        if service.images is not None:
+            await service.images.resolve_all(gen_reqs, batch=_prompts(body)[1])
         stream = gen_reqs[0].stream
         deltas = STREAM_DELTAS.read(body, False)
         sampling = gen_reqs[0].sampling  # the choices differ only in rid and seed

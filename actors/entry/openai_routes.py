@@ -102,6 +102,8 @@ def openai_routes(service: EntryService, tool_parser: str = DEFAULT_PARSER) -> l
     async def openai_endpoint(request: Request, parse: Parser) -> Response:
         prompts, options = parse(await read_json(request), new_rid(), service.served_model)
         await service.require_adapter(options.lora_name, options.model)
+        if service.images is not None:
+            await service.images.resolve_all(prompts)
         for i in options.echo_ids:  # echo of a token-id prompt: its text, decoded by a tokenizer
             ids = options.echo[i]
             assert isinstance(ids, list)

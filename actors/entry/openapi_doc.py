@@ -59,6 +59,14 @@ _OPENAI_COMMON: dict[str, Any] = {
 }
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
+_IMAGE_URL_PART = {"type": "object", "required": ["type", "image_url"], "properties": {
+    "type": {"type": "string", "enum": ["image_url"]},
+    "image_url": {"type": "object", "required": ["url"], "properties": {
+        "url": {"type": "string", "description": "a data URL; a file URL under --allowed-local-media-path; an "
+                                                 "http(s) URL with --allow-remote-images"},
+        "detail": {"type": "string", "enum": ["auto"]}}}}}
+_IMAGE_SOURCE = {"type": "string", "description": "base64 or a data URL (file and http(s) URLs as image_url takes "
+                                                  "them)"}
 _FUNCTION_NAME = {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"}
 _TOOL_CALL = {"type": "object", "required": ["id", "type", "function"], "properties": {
     "id": {"type": "string"}, "type": {"enum": ["function"]},
@@ -67,7 +75,8 @@ _TOOL_CALL = {"type": "object", "required": ["id", "type", "function"], "propert
 _MESSAGE = {"type": "object", "required": ["role"], "properties": {
     "role": {"type": "string", "pattern": "^[A-Za-z][A-Za-z0-9_-]{0,31}$",
              "description": "system, developer, user, assistant, tool, or a custom role the chat template knows"},
-    "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}, {"type": "null"}]},
+    "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"oneOf": [_TEXT_PART, _IMAGE_URL_PART]}},
+                          {"type": "null"}]},
     "name": {"type": "string"},
     "tool_calls": {"type": "array", "items": _TOOL_CALL, "description": "an assistant turn's calls"},
     "tool_call_id": {"type": "string", "description": "a tool turn: the call it answers"}}}
@@ -181,6 +190,11 @@ SCHEMAS: dict[str, Any] = {
                                 {"type": "array", "minItems": 1, "items": {**_TOKEN_IDS, "minItems": 1}}]},
         "stream_deltas": {"type": "boolean", "description": "streamed: send only what is new in each chunk, not "
                                                               "everything so far"},
+        "image_data": {"description": "a vision-language model's images: one or a list for one prompt (the text "
+                                      "holds the model's image placeholder where each goes); for a batch, one entry "
+                                      "per prompt", "oneOf": [
+            _IMAGE_SOURCE, {"type": "array", "minItems": 1, "items": {"oneOf": [
+                _IMAGE_SOURCE, {"type": "array", "minItems": 1, "items": _IMAGE_SOURCE}, {"type": "null"}]}}]},
         "rid": RID,
         "stream": STREAM.json_schema(),
         "return_logprob": _NATIVE_SAMPLING["return_logprob"],

@@ -13,6 +13,7 @@ import anyio
 from starlette.requests import Request
 
 from ringserve.actors.entry.errors import model_not_found, server_busy
+from ringserve.actors.entry.image_input import ImageIntake
 from ringserve.bus.errors import ApiError
 from ringserve.actors.entry.liveness import LivenessMonitor
 from ringserve.actors.entry.metrics import RequestMetrics
@@ -99,6 +100,7 @@ class EntryService:
         self.rejected_busy_total = 0
         self.metrics = RequestMetrics(served_model)  # the requests' Prometheus series, for /metrics
         self.draining = False  # shutting down: open streams finish, new requests get a 503
+        self.images: ImageIntake | None = None  # stores the images requests bring (set by app.build_app)
 
     def counters(self) -> dict[str, Any]:
         """The entry's request counters, as shown in /get_server_info."""

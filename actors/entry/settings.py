@@ -11,6 +11,10 @@ import os
 from dataclasses import dataclass, field
 
 from ringserve.actors.entry.tool_parsers import AUTO, DEFAULT_PARSER, PARSERS
+from ringserve.actors.entry.image_input import (
+    DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGES, DEFAULT_REMOTE_TIMEOUT, ImageLimits,
+)
+from ringserve.bus import image_store
 from ringserve.bus.response_store import DEFAULT_MAX_BYTES, DEFAULT_TTL_SECONDS
 
 API_KEY_ENV = "RINGSERVE_API_KEY"
@@ -42,6 +46,9 @@ class EntrySettings:
     tool_call_parser: str = DEFAULT_PARSER  # reads tool calls out of chat output (tool_choice auto)
     responses_ttl: float = DEFAULT_TTL_SECONDS  # stored Responses-API responses (bus/response_store.py)
     responses_max_bytes: int = DEFAULT_MAX_BYTES
+    images: ImageLimits = field(default_factory=ImageLimits)  # image inputs (image_input.py)
+    image_ttl: float = image_store.DEFAULT_TTL_SECONDS  # the image bucket (bus/image_store.py)
+    image_store_max_bytes: int = image_store.DEFAULT_MAX_BYTES
     api_key: str | None = field(default=None, repr=False)  # never printed
     admin_api_key: str | None = field(default=None, repr=False)
 
@@ -67,6 +74,9 @@ class EntrySettings:
                        allowed_hosts=parse_origins(args.allowed_hosts), body_read_timeout=args.body_read_timeout,
                        tool_call_parser=args.tool_call_parser, responses_ttl=args.responses_ttl,
                        responses_max_bytes=args.responses_max_bytes,
+                       images=ImageLimits(args.max_image_bytes, args.max_images_per_request, args.allow_remote_images,
+                                          args.remote_image_timeout, args.allowed_local_media_path or None),
+                       image_ttl=args.image_ttl, image_store_max_bytes=args.image_store_max_bytes,
                        api_key=env.get(API_KEY_ENV) or None, admin_api_key=env.get(ADMIN_API_KEY_ENV) or None)
         settings.validate()
         return settings
@@ -87,6 +97,13 @@ class EntrySettings:
             raise ValueError("--responses-ttl must be > 0")
         if self.responses_max_bytes < 1024 * 1024:
             raise ValueError("--responses-max-bytes must be at least 1048576")
+        if self.images.max_bytes < 1024 or self.images.max_images < 0 or not self.images.remote_timeout > 0:
+            raise ValueError("--max-image-bytes must be at least 1024, --max-images-per-request at least 0 and "
+                             "--remote-image-timeout > 0")
+        if self.images.local_dir is not None and not os.path.isdir(self.images.local_dir):
+            raise ValueError(f"--allowed-local-media-path {self.images.local_dir!r} is not a directory")
+        if not self.image_ttl > 0 or self.image_store_max_bytes < 1024 * 1024:
+            raise ValueError("--image-ttl must be > 0 and --image-store-max-bytes at least 1048576")
         if self.tool_call_parser == AUTO:  # the launcher resolves auto; an entry started on its own reads Hermes
             self.tool_call_parser = DEFAULT_PARSER
         if self.tool_call_parser not in PARSERS:
@@ -129,6 +146,22 @@ def add_entry_arguments(parser: argparse.ArgumentParser) -> None:
                              "in the bus's JetStream bucket {namespace}-responses")
     parser.add_argument("--responses-max-bytes", type=int, default=DEFAULT_MAX_BYTES, metavar="BYTES",
                         help="size cap of the stored responses' bucket; when it is full the oldest go first")
+    parser.add_argument("--max-image-bytes", type=int, default=DEFAULT_MAX_IMAGE_BYTES, metavar="BYTES",
+                        help="largest image file a request may bring (chat image_url, /generate image_data); larger "
+                             "ones get a 400 naming the image")
+    parser.add_argument("--max-images-per-request", type=int, default=DEFAULT_MAX_IMAGES, metavar="N",
+                        help="images one prompt may hold; more get a 400")
+    parser.add_argument("--allow-remote-images", action="store_true",
+                        help="fetch http(s) image URLs (default: refused with a 400; data URLs always work)")
+    parser.add_argument("--remote-image-timeout", type=float, default=DEFAULT_REMOTE_TIMEOUT, metavar="SECONDS",
+                        help="with --allow-remote-images: seconds to fetch one image URL, else a 400")
+    parser.add_argument("--allowed-local-media-path", default="", metavar="DIR",
+                        help="read file:// image URLs under DIR (default: file URLs are refused with a 400)")
+    parser.add_argument("--image-ttl", type=float, default=image_store.DEFAULT_TTL_SECONDS, metavar="SECONDS",
+                        help="how long images and their processed tensors stay in the bus's object store bucket "
+                             "{namespace}-images")
+    parser.add_argument("--image-store-max-bytes", type=int, default=image_store.DEFAULT_MAX_BYTES,
+                        metavar="BYTES", help="size cap of the image bucket; when it is full the oldest go first")
 
 
 def entry_argv(args: argparse.Namespace) -> list[str]:
@@ -139,7 +172,14 @@ def entry_argv(args: argparse.Namespace) -> list[str]:
             "--heartbeat-timeout", repr(float(args.heartbeat_timeout)),
             "--body-read-timeout", repr(float(args.body_read_timeout)),
             "--tool-call-parser", args.tool_call_parser,
-            "--responses-ttl", repr(float(args.responses_ttl)), "--responses-max-bytes", str(args.responses_max_bytes)]
+            "--responses-ttl", repr(float(args.responses_ttl)), "--responses-max-bytes", str(args.responses_max_bytes),
+            "--max-image-bytes", str(args.max_image_bytes), "--max-images-per-request", str(args.max_images_per_request),
+            "--remote-image-timeout", repr(float(args.remote_image_timeout)), "--image-ttl", repr(float(args.image_ttl)),
+            "--image-store-max-bytes", str(args.image_store_max_bytes)]
+    if args.allow_remote_images:
+        argv.append("--allow-remote-images")
+    if args.allowed_local_media_path:
+        argv += ["--allowed-local-media-path", os.path.abspath(args.allowed_local_media_path)]
     if args.cors_allow_origins:
         argv += ["--cors-allow-origins", args.cors_allow_origins]
     if args.allowed_hosts:

@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from ringserve.actors.entry.image_input import chat_image_parts
 from ringserve.actors.entry.tool_parsers import DEFAULT_PARSER, ToolCallParser, get_parser
 from ringserve.bus.errors import ApiError
 from ringserve.bus.messages import ChatMessage
@@ -37,11 +38,15 @@ def _content_text(content: Any, index: int) -> str:
     if isinstance(content, list):
         parts = []
         for part in content:
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                continue  # the message's images: image_input.chat_image_parts
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(f"messages[{index}].content: only text parts are supported", param="messages")
+                raise ApiError(f"messages[{index}].content: only text and image_url parts are supported",
+                               param="messages")
             parts.append(part["text"])
         return "".join(parts)
-    raise ApiError(f"messages[{index}].content must be a string or a list of text parts", param="messages")
+    raise ApiError(f"messages[{index}].content must be a string or a list of text and image_url parts",
+                   param="messages")
 
 
 def _history_call(call: Any, where: str) -> dict[str, Any]:
@@ -72,7 +77,8 @@ def parse_messages(messages: Any) -> list[ChatMessage]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise ApiError(f"messages[{i}] must be an object with a string role", param="messages")
-        turn = ChatMessage(role=message["role"], content=_content_text(message.get("content"), i))
+        turn = ChatMessage(role=message["role"], content=_content_text(message.get("content"), i),
+                           parts=chat_image_parts(message.get("content"), i))
         calls = message.get("tool_calls")
         if calls is not None:
             if message["role"] != "assistant" or not isinstance(calls, list):

@@ -33,6 +33,7 @@ from ringserve.actors.engine.config import EngineConfig
 from ringserve.actors.engine.interface import EngineInterface
 from ringserve.actors.scheduler import request_spans
 from ringserve.actors.scheduler.admission import Admission
+from ringserve.actors.scheduler.image_fetch import ImageFetcher
 from ringserve.actors.scheduler.kv_share import KvSharing
 from ringserve.actors.scheduler.engine_thread import on_engine_thread, on_passing_thread, serial_torch_on_this_thread
 from ringserve.actors.scheduler.kv_events import KvEventPublisher
@@ -41,6 +42,7 @@ from ringserve.actors.scheduler.stream_interval import StreamCoalescer
 from ringserve.actors.scheduler.weight_update import UPDATE_WEIGHTS, WeightLoader, WeightUpdates
 from ringserve.bus.connection import Delivery
 from ringserve.bus.errors import ApiError, server_error
+from ringserve.bus.image_store import ImageStore
 from ringserve.bus.messages import (
     AbortRequest, Accepted, ControlCommand, ControlReply, FinishReason, InfoQuery, RequestOutput,
     ReplicaLoad, SchedulerInfo, TokenizedRequest, TokenRow,
@@ -82,6 +84,9 @@ class SchedulerActor:
         self._early_aborts: OrderedDict[str, float] = OrderedDict()
         self._checked_idle = True
         self._routed = 0  # requests handed to this replica since it started
+        self._images = ImageFetcher(ImageStore(lambda: ctx.bus.client, ctx.subjects.namespace))
+        self._image_tensors: dict[str, dict[str, Any]] = {}  # rid -> its images' tensors, fetched, until it is added
+        self._image_fetches: set[asyncio.Task[None]] = set()
         self._spans = request_spans.create()  # no-ops unless tracing is on
         self._role = role
         self._share = KvSharing(ctx, engine, self._spans, kv_fetch_timeout, prefill_timeout,
@@ -118,6 +123,11 @@ class SchedulerActor:
             return None
         self._spans.arrived(req.rid, delivery.traceparent)
         self._routed += 1
+        if req.images:  # its image tensors are fetched first (image_fetch.py)
+            task = asyncio.get_running_loop().create_task(self._fetch_images_then_add(req))
+            self._image_fetches.add(task)
+            task.add_done_callback(self._image_fetches.discard)
+            return Accepted(rid=req.rid, replica=self._ctx.rank, detokenizer=req.detokenizer)
         if self._share is not None and self._share.wants_fetch(req):
             task = asyncio.get_running_loop().create_task(self._fetch_then_add(req))
             self._fetching.add(task)
@@ -144,6 +154,18 @@ class SchedulerActor:
             self._inbox.append(("add", req))
             self._wake.set()
 
+    async def _fetch_images_then_add(self, req: TokenizedRequest) -> None:
+        """Fetch `req`'s image tensors, then queue it; a fetch that fails ends the request with its error."""
+        try:
+            self._image_tensors[req.rid] = await self._images.fetch(req.images)
+        except ApiError as error:
+            self._spans.queued(req)
+            self._spans.rejected(req.rid, error.message)
+            await self._ctx.bus.publish(self._ctx.subjects.output(req.rid), RequestOutput(rid=req.rid, error=error))
+            return
+        self._inbox.append(("add", req))
+        self._wake.set()
+
     async def _close_spans(self) -> None:
         self._spans.close_all("the scheduler stopped")
 
@@ -155,6 +177,7 @@ class SchedulerActor:
     def _live_rids(self) -> int:
         """Requests held: in the engine or admitted (until its final row is published), queued, or held."""
         queued = sum(1 for kind, _ in self._inbox if kind == "add") + len(self._fetching)
+        queued += len(self._image_fetches)
         return max(self._engine.live_rids(), len(self._admission)) + queued + len(self._updates.held)
 
     async def _on_abort(self, msg: AbortRequest, delivery: Delivery) -> None:
@@ -273,13 +296,14 @@ class SchedulerActor:
     async def _take(self, item: TokenizedRequest) -> TokenRow | None:
         """Hand a new request to the engine (an error goes to its output); its abort row if its abort came first."""
         self._spans.queued(item)
+        images = self._image_tensors.pop(item.rid, None)
         known = item.rid in self._detokenizer_of  # a duplicate of a live rid: its rows keep their detokenizer
         if item.rid in self._early_aborts:
             del self._early_aborts[item.rid]
             return self._abort_row(item)
         if not known:
             self._detokenizer_of[item.rid] = item.detokenizer
-        error = self._add(item)
+        error = self._add(item, images)
         if error is None and not item.stream:
             self._streams.whole_output(item.rid)
         if error is not None:
@@ -303,8 +327,9 @@ class SchedulerActor:
         self._spans.queued(item)
         return self._abort_row(item)
 
-    def _add(self, item: TokenizedRequest) -> ApiError | None:
-        """Admit `item` and hand it to the engine; the error that refuses or rejects it (its slot then freed)."""
+    def _add(self, item: TokenizedRequest, images: dict[str, dict[str, Any]] | None = None) -> ApiError | None:
+        """Admit `item` and hand it to the engine (with its images' tensors by hash); the error that refuses or
+        rejects it (its slot then freed)."""
         duplicate = item.rid in self._admission  # a live rid again: the engine rejects it, and it takes no slot
         if not duplicate:
             refusal = self._admission.admit(item.rid)
@@ -312,7 +337,7 @@ class SchedulerActor:
                 self._log_refusal(refusal)
                 return refusal
         try:
-            error = self._engine.add_request(item)
+            error = self._engine.add_request(item, images) if item.images else self._engine.add_request(item)
         except Exception as exc:  # one request's failure must not stop the loop
             log.exception("adding %s failed", item.rid)
             error = server_error(f"the scheduler could not add the request: {exc!r}"[:1000])

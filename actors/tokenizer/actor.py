@@ -22,6 +22,7 @@ from ringserve.actors.common.model_source import UnservableModel, resolve_model
 from ringserve.actors.common.text_tokenizer import load_text_model
 from ringserve.actors.common.runtime import ActorContext, exit_now
 from ringserve.actors.detokenizer.placement import DetokenizerPlacement
+from ringserve.actors.tokenizer.images import VisionPrompts, image_handles, images_param, is_vision_model
 from ringserve.actors.tokenizer.prompt import PromptEncoder
 from ringserve.actors.tokenizer.router import Router
 from ringserve.actors.tokenizer.grammar_check import GrammarChecker
@@ -30,6 +31,8 @@ from ringserve.bus.params import SPECS
 from ringserve.bus.codec import DecodeError, encode, peek_field
 from ringserve.bus.connection import Delivery
 from ringserve.bus.errors import ApiError, server_error
+from ringserve.bus.image_store import ImageStore
+from ringserve.bus.images import ImageRef
 from ringserve.bus.kv_blocks import cache_namespace
 from ringserve.bus.messages import (
     Accepted, GenerateRequest, Heartbeat, InfoQuery, KvEvents, KvSnapshot, RequestOutput, TokenizedRequest,
@@ -61,6 +64,9 @@ class TokenizerActor:
         self._router = Router()
         self._resyncs: dict[int, asyncio.Task[None]] = {}  # a KV snapshot being fetched for the router, per replica
         self._detokenizers = DetokenizerPlacement(range(detokenizers))
+        # a vision-language model's processor (images.py); None: the model takes no images
+        self._vision = VisionPrompts(source, ImageStore(lambda: ctx.bus.client, ctx.subjects.namespace)) \
+            if is_vision_model(source) else None
 
     async def start(self) -> dict[str, Any]:
         namespace = self._ctx.subjects.namespace
@@ -167,6 +173,8 @@ class TokenizerActor:
                     raise ApiError(f"tokens[{i}] = {t} is not a token id in [0, {vocab})", param="tokens")
             return TokenizeReply(text=self._tokenizer.decode(query.token_ids, skip_special_tokens=False))
         if query.messages is not None:
+            if any(turn.parts for turn in query.messages):
+                raise ApiError("tokenizing messages with images is not supported", param="messages")
             if query.add_special_tokens:  # the chat template holds the special tokens; generation adds none
                 raise ApiError("add_special_tokens is not supported with messages: the chat template adds them",
                                param="add_special_tokens")
@@ -177,6 +185,13 @@ class TokenizerActor:
         assert query.text is not None
         add_special = True if query.add_special_tokens is None else query.add_special_tokens
         return TokenizeReply(tokens=list(self._tokenizer.encode(query.text, add_special_tokens=add_special)))
+
+    async def _encode_images(self, req: GenerateRequest) -> tuple[list[int], list[ImageRef]]:
+        """Token ids and image refs of a prompt with images (images.py); a 400 if the model takes none."""
+        if self._vision is None:
+            raise ApiError("this model takes no images: serve a vision-language model to send them",
+                           param=images_param(req))
+        return await self._vision.encode(req, self._encoder.chat_text(req) if req.messages is not None else None)
 
     def _own_rid(self, req: GenerateRequest, delivery: Delivery) -> bool:
         """Check `req.rid`; a submission on `{ns}.client.{c}.submit` is client c's, so its rid becomes the scoped
@@ -201,11 +216,15 @@ class TokenizerActor:
         """Validate and tokenize `req` and hand it to a scheduler replica: the replica's `Accepted`, or why not."""
         with tracing.span("tokenize", attributes={"ringserve.rid": req.rid}) as span:
             try:
-                input_ids = self._encoder.encode(req)
+                images = image_handles(req)
+                input_ids, refs = await self._encode_images(req) if images else (self._encoder.encode(req), [])
                 if req.embed is not None and len(input_ids) > self._context_length:
                     raise ApiError(f"the input is {len(input_ids)} tokens; this model embeds at most "
                                    f"{self._context_length}", param="input")
                 keep = SPECS["truncate_prompt_tokens"].read(req.sampling, None)
+                if keep is not None and refs:
+                    raise ApiError("truncate_prompt_tokens cannot cut a prompt with images",
+                                   param="truncate_prompt_tokens")
                 if keep is not None:  # the side is checked again with the rest of the sampling parameters
                     right = SPECS["truncation_side"].read(req.sampling, "left") == "right"
                     input_ids = input_ids[:keep] if right else input_ids[-keep:]
@@ -224,7 +243,7 @@ class TokenizerActor:
                 span.set_attribute("gen_ai.usage.input_tokens", len(input_ids))
         detokenizer = self._detokenizers.choose(req.rid, time.monotonic())
         tokenized = TokenizedRequest(rid=req.rid, input_ids=input_ids, sampling=sampling, detokenizer=detokenizer,
-                                     stream=req.stream, embed=req.embed)
+                                     stream=req.stream, embed=req.embed, images=refs)
         salt = cache_namespace(sampling.cache_salt, sampling.lora_name)
         replica = self._router.route(input_ids, time.monotonic(), salt)
         if replica is not None:  # another replica holding more of the prompt: the chosen one may fetch it

@@ -72,9 +72,18 @@ def _arguments(text: str) -> Any:
         return text
 
 
+def template_content(message: ChatMessage) -> str | list[dict[str, str]]:
+    """A message's content for the chat template: its text, or with images its parts in order, each image as
+    `{"type": "image"}` (which a vision model's template renders as its image placeholder)."""
+    if not message.parts:
+        return message.content
+    return [{"type": "image"} if part.get("type") == "image" else {"type": "text", "text": part.get("text", "")}
+            for part in message.parts]
+
+
 def native_turn(message: ChatMessage) -> dict[str, Any]:
     """A message for a template that knows tools: `tool_calls` with their arguments as objects."""
-    turn: dict[str, Any] = {"role": message.role, "content": message.content}
+    turn: dict[str, Any] = {"role": message.role, "content": template_content(message)}
     if message.tool_calls:
         turn["tool_calls"] = [{**call, "function": {**call.get("function", {}), "arguments": _arguments(
             call.get("function", {}).get("arguments", "{}"))}} for call in message.tool_calls]
@@ -87,6 +96,8 @@ def native_turn(message: ChatMessage) -> dict[str, Any]:
 
 def default_turn(message: ChatMessage) -> dict[str, Any]:
     """A message for a template that does not know tools: calls and results written as text, Hermes-style."""
+    if message.parts:  # with images: the parts as they are
+        return {"role": message.role, "content": template_content(message)}
     content = message.content
     if message.role == "tool":
         content = f"<tool_response>\n{content}\n</tool_response>"
@@ -142,6 +153,11 @@ class PromptEncoder:
         return self._tokenizer.encode(req.text)
 
     def _encode_chat(self, req: GenerateRequest) -> list[int]:
+        return self._tokenizer.encode(self.chat_text(req), add_special_tokens=False)
+
+    def chat_text(self, req: GenerateRequest) -> str:
+        """The text of `req`'s messages through the chat template (with an image placeholder per image part);
+        ApiError 400 for messages it refuses."""
         assert req.messages is not None
         if not req.messages:
             raise ApiError("messages must be a non-empty list", param="messages")
@@ -181,7 +197,7 @@ class PromptEncoder:
             # the system message was ours (the tool prompt) and the template has no system role (Gemma 2's):
             # the tool prompt opens the first user turn instead, as Gemma 3's template does with a system message
             text = self._render(tool_prompt_in_first_turn(turns), req, extra)
-        return self._tokenizer.encode(text, add_special_tokens=False)
+        return text
 
     def _render(self, turns: list[dict[str, Any]], req: GenerateRequest, extra: dict[str, Any]) -> str:
         try:

@@ -1,0 +1,156 @@
+"""Image bytes on the bus: a JetStream object store bucket `{ns}-images` that carries what the request messages only
+name by handle.
+
+Two kinds of objects, both named by the sha256 of their content, so the same image is stored once however often it
+comes: `raw-<sha256>` holds an image file as a client sent it (the entry puts it, the tokenizer reads it) and
+`px-<sha256>` the processed tensors of one image (`bus/tensor_codec.py`; the tokenizer puts them, the scheduler
+reads them; the hash is `ImageRef.hash`). A reader checks that the content it got hashes to its name.
+
+The bucket keeps objects `ttl` seconds (the stream's max age) and at most `max_bytes` (the oldest go first when it is
+full), so nothing grows without bound; an object is put again when its copy is older than half the TTL, so a
+request never finds one about to expire. A handle that finds nothing is `ImageMissing`: an error for that request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from datetime import datetime
+from typing import Any, Callable
+
+import nats.errors
+import nats.js.errors
+from nats.js.api import DiscardPolicy, StorageType, StreamConfig
+
+from ringserve.bus.jetstream_bucket import JetStreamBucket
+
+DEFAULT_TTL_SECONDS = 3600.0
+DEFAULT_MAX_BYTES = 1024 * 1024 * 1024
+GET_SECONDS = 20.0  # an object's chunks come through an ordered consumer; missing chunks would wait forever
+RAW_PREFIX = "raw-"
+TENSORS_PREFIX = "px-"
+
+
+class ImageMissing(Exception):
+    """A handle names no object (never put, expired, dropped when the bucket was full, or corrupt)."""
+
+
+class ImageStoreUnavailable(Exception):
+    """The bucket cannot be reached (no JetStream, or its API does not answer)."""
+
+
+def bucket_name(namespace: str) -> str:
+    """The image bucket of namespace `namespace`."""
+    return f"{namespace}-images"
+
+
+def image_store_api(namespace: str) -> tuple[str, ...]:
+    """The subjects a role publishes to for the bucket: create and inspect its stream, read an object's meta
+    (direct or through the API), read its chunks through an ordered consumer, write chunks and meta, purge the
+    chunks an object's new copy replaces; nothing of any other stream."""
+    stream = f"OBJ_{bucket_name(namespace)}"
+    api = "$JS.API"
+    return (f"{api}.STREAM.CREATE.{stream}", f"{api}.STREAM.INFO.{stream}", f"{api}.STREAM.MSG.GET.{stream}",
+            f"{api}.STREAM.PURGE.{stream}", f"{api}.DIRECT.GET.{stream}", f"{api}.DIRECT.GET.{stream}.>",
+            f"{api}.CONSUMER.CREATE.{stream}", f"{api}.CONSUMER.CREATE.{stream}.>",
+            f"{api}.CONSUMER.DELETE.{stream}.*", f"$JS.FC.{stream}.>", f"$O.{bucket_name(namespace)}.>")
+
+
+def raw_handle(data: bytes) -> str:
+    """The handle of an image file's bytes."""
+    return RAW_PREFIX + hashlib.sha256(data).hexdigest()
+
+
+def tensors_handle(image_hash: str) -> str:
+    """The handle of the processed tensors of the image with hash `image_hash`."""
+    return TENSORS_PREFIX + image_hash
+
+
+class ImageStore(JetStreamBucket):
+    """The bucket over one NATS connection (`connection()` gives the nats-py client), opened (created if missing,
+    with this store's `ttl` and `max_bytes`) on first use."""
+
+    unavailable = ImageStoreUnavailable
+    what = "the image store"
+
+    def __init__(self, connection: Callable[[], Any], namespace: str, ttl: float = DEFAULT_TTL_SECONDS,
+                 max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        super().__init__(connection, bucket_name(namespace), ttl, max_bytes)
+
+    async def open(self) -> Any:
+        """The nats-py ObjectStore of the bucket, created if missing."""
+        # nats-py's object store layout (create_object_store), but a full bucket drops its oldest objects
+        config = StreamConfig(name=f"OBJ_{self.bucket}", subjects=[f"$O.{self.bucket}.C.>", f"$O.{self.bucket}.M.>"],
+                              max_age=self.ttl, max_bytes=self.max_bytes, discard=DiscardPolicy.OLD,
+                              allow_rollup_hdrs=True, allow_direct=True, storage=StorageType.FILE)
+        return await self.open_with(config, lambda js: js.object_store(self.bucket))
+
+    async def put_once(self, handle: str, data: bytes) -> bool:
+        """Store `data` under `handle` unless a copy younger than half the TTL is there; whether it was put."""
+        store = await self._call(self.open())
+        try:
+            info = await self._call(store.get_info(handle))
+            if _age(info.mtime) < self.ttl / 2:
+                return False
+        except nats.js.errors.ObjectNotFoundError:
+            pass
+        await self._call(store.put(handle, data))
+        return True
+
+    async def put_raw(self, data: bytes) -> str:
+        """Store an image file's bytes (once); its handle."""
+        handle = raw_handle(data)
+        await self.put_once(handle, data)
+        return handle
+
+    async def get(self, handle: str) -> bytes:
+        """The bytes stored under `handle`, checked against the hash it is named by; ImageMissing if there are
+        none (or they do not match)."""
+        if not handle.startswith((RAW_PREFIX, TENSORS_PREFIX)):
+            raise ImageMissing(f"{handle[:100]!r} is not an image handle")
+        store = await self._call(self.open())
+        try:
+            info = await self._call(store.get_info(handle))
+            data = await self._call(asyncio.wait_for(self._chunks(info.nuid, info.size), GET_SECONDS))
+        except nats.js.errors.ObjectNotFoundError as exc:
+            raise ImageMissing(f"image {handle[:100]} is not in the image store (expired or never stored)") from exc
+        except ImageStoreUnavailable as exc:
+            if isinstance(exc.__cause__, asyncio.TimeoutError):
+                raise ImageMissing(f"image {handle[:100]} could not be read whole in {GET_SECONDS:g}s") from exc
+            raise
+        if len(data) != info.size or hashlib.sha256(data).hexdigest() != handle.split("-", 1)[1]:
+            raise ImageMissing(f"image {handle[:100]} does not hold what its name says")
+        return data
+
+    async def _chunks(self, nuid: str, size: int) -> bytes:
+        """An object's chunks, read through an ordered consumer on its stream (named, so the role needs no
+        right to look streams up by subject)."""
+        if size == 0:
+            return b""
+        sub = await self.jetstream().subscribe(f"$O.{self.bucket}.C.{nuid}", stream=f"OBJ_{self.bucket}", ordered_consumer=True)
+        data = bytearray()
+        try:
+            async for msg in sub.messages:
+                data += msg.data
+                if msg.metadata.num_pending == 0 or len(data) >= size:
+                    break
+        finally:
+            await sub.unsubscribe()
+        return bytes(data)
+
+    async def _call(self, awaitable: Any) -> Any:
+        try:
+            return await awaitable
+        except (ImageStoreUnavailable, nats.js.errors.ObjectNotFoundError):
+            raise
+        except (nats.errors.Error, nats.js.errors.Error, asyncio.TimeoutError) as exc:
+            raise ImageStoreUnavailable(f"the image store (JetStream bucket {self.bucket}) failed: {exc!r}") from exc
+
+
+def _age(mtime: str | None) -> float:
+    """Seconds since an object's `mtime` (ISO 8601); infinite when unknown."""
+    try:
+        return time.time() - datetime.fromisoformat(str(mtime).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return float("inf")
