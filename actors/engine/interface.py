@@ -29,8 +29,10 @@ class StepPlan:
 class EngineInterface(Protocol):
     """Requests in, one batch per `step`, token rows out."""
 
-    def add_request(self, request: TokenizedRequest) -> ApiError | None:
-        """Queue a validated request, or say why it cannot run."""
+    def add_request(self, request: TokenizedRequest,
+                    images: dict[str, dict[str, Any]] | None = None) -> ApiError | None:
+        """Queue a validated request, or say why it cannot run; `images[ref.hash]`: the processed tensors of each
+        of its images (a vision-language model's)."""
 
     def abort(self, rid: str) -> TokenRow | None:
         """End a waiting or running request now and free its KV; its final row, or None if `rid` is not live."""

@@ -10,6 +10,7 @@ parallelism shards and quantization swaps), and `forward`. Nothing outside model
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,8 +20,20 @@ from ringserve.actors.engine.models.blocks import RMSNorm
 from ringserve.actors.engine.models.decoder_layer import DecoderLayer
 from ringserve.actors.engine.models.rope import Rotary, rope_parameters
 from ringserve.actors.engine.models.spec import ArchSpec, LayerShape, layer_shapes
+from ringserve.actors.engine.models.vision.span_attention import BidirectionalSpan, SpanAttention
 from ringserve.kernels.attention import AttentionBackend, AttentionMetadata
 from ringserve.kernels.attention.backend import LayerAttention
+
+
+@dataclass
+class EmbedOverride:
+    """Embeddings written over some of a step's token embeddings (images' tokens), after any embedding scale:
+    `index` `[n]` flat token indices of the step, `embeds` `[n, C]`; `spans`: runs among them that attend to
+    each other both ways (Gemma 3's images, models/vision/span_attention.py)."""
+
+    index: torch.Tensor
+    embeds: torch.Tensor
+    spans: list[BidirectionalSpan] = field(default_factory=list)
 
 
 class DecoderStack(nn.Module):
@@ -122,13 +135,20 @@ class CausalLM(nn.Module):
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
                 meta: AttentionMetadata, logits_index: torch.Tensor,
-                hidden_index: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                hidden_index: torch.Tensor | None = None,
+                override: EmbedOverride | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`input_ids`, `positions` `[T]` -> logits `[S, V]` at the `S` token indices in `logits_index`; with
         `hidden_index`, also the final-norm hidden states `[H, C]` at those `H` indices (embeddings: the state
-        the LM head reads, before any logit soft-cap)."""
+        the LM head reads, before any logit soft-cap). `override`: image embeddings in place of some tokens'."""
+        if override is not None:  # an image token id may lie past the embedding matrix (Gemma 3's may)
+            input_ids = input_ids.index_fill(0, override.index, 0)
         x = self.model.embed_tokens(input_ids)  # [T, C]
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        if override is not None:
+            x = x.index_copy(0, override.index, override.embeds.to(x.dtype))
+            if override.spans:
+                backend = SpanAttention(backend, override.spans)  # type: ignore[assignment]
         tables = {kind: rotary(positions, x.dtype) for kind, rotary in self.model.rotary.items()}
         for layer in self.model.layers:
             cos, sin = tables[layer.rope]

@@ -24,7 +24,12 @@ FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = 
     "qwen3_moe": (("Qwen3MoeForCausalLM",), ("qwen3_moe",), ("qwen3moe",)),
     "deepseek_v2": (("DeepseekV2ForCausalLM",), ("deepseek_v2",), ()),  # transformers reads no DeepSeek GGUF
     "deepseek_v3": (("DeepseekV3ForCausalLM",), ("deepseek_v3",), ()),
+    # vision-language: a vision tower over the text family of their text_config (models/vision/)
+    "llava": (("LlavaForConditionalGeneration",), ("llava",), ()),
+    "gemma3_vision": (("Gemma3ForConditionalGeneration",), ("gemma3",), ()),
 }
+# vision-language families -> the module (of this package) and class building them
+VISION_MODELS = {"llava": ("vision.llava", "Llava"), "gemma3_vision": ("vision.gemma3", "Gemma3Vision")}
 
 
 class UnsupportedArchitecture(ValueError):
@@ -59,8 +64,21 @@ def family_of_gguf(architecture: str) -> str:
     raise UnsupportedArchitecture(f"unsupported GGUF architecture {architecture!r}; served are: {', '.join(served)}")
 
 
+def image_token_id(config: Any) -> int | None:
+    """The token a vision-language checkpoint's processor repeats for each image's embeddings (config.json's
+    `image_token_id`, or `image_token_index`); None for a text-only model, which takes no images."""
+    read = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
+    if family_of(config) not in VISION_MODELS:
+        return None
+    value = read("image_token_id")
+    return int(value if value is not None else read("image_token_index"))
+
+
 def spec_of(family: str) -> Any:
-    """The family's `ArchSpec` (its module imported now)."""
+    """The family's `ArchSpec` (its module imported now); a vision-language family's is its text model's, known
+    from a config only (`build_model`)."""
+    if family in VISION_MODELS:
+        raise UnsupportedArchitecture(f"{family} is a vision-language family: its text_config names its text family")
     if family not in FAMILIES:
         raise UnsupportedArchitecture(f"no model family {family!r}; there are: {', '.join(FAMILIES)}")
     return importlib.import_module(f"{__package__}.{family}").SPEC
@@ -72,7 +90,13 @@ def family_has_experts(family: str) -> bool:
 
 
 def build_model(config: Any) -> Any:
-    """Our model for `config` (a `CausalLM`), built on the current default device."""
+    """Our model for `config` (a `CausalLM`; a vision-language checkpoint's a `VisionCausalLM` of its text
+    family), built on the current default device."""
     from ringserve.actors.engine.models.causal_lm import CausalLM
 
-    return CausalLM(config, spec_of(family_of(config)))
+    family = family_of(config)
+    if family in VISION_MODELS:
+        module, name = VISION_MODELS[family]
+        text_spec = spec_of(family_of(config.text_config))
+        return getattr(importlib.import_module(f"{__package__}.{module}"), name)(config, text_spec)
+    return CausalLM(config, spec_of(family))

@@ -140,10 +140,11 @@ class TPEngine(Engine):
     def has_work(self) -> bool:
         return self.group.broken is not None or super().has_work()
 
-    def add_request(self, request: TokenizedRequest) -> ApiError | None:
+    def add_request(self, request: TokenizedRequest,
+                    images: dict[str, dict[str, Any]] | None = None) -> ApiError | None:
         if self.group.broken is not None:
             return server_error(f"tensor-parallel replica failed: {self.group.broken}")
-        return super().add_request(request)
+        return super().add_request(request, images)
 
     def stats(self) -> SchedulerInfo:
         """`Engine.stats`, with the replica's `tp_size`."""

@@ -86,7 +86,8 @@ class ModelRunner:
         with no_fx_tracing():  # a graph compiling in the background must not trace meanwhile (fx_guard.py)
             if hidden_plan:
                 logits = self._forward_eager(batch, spans, hidden_plan)
-            elif self.graphs is not None and all(batch.samples) and self.graphs.can_run(batch.extend_lens):
+            elif (batch.override is None and self.graphs is not None and all(batch.samples)
+                  and self.graphs.can_run(batch.extend_lens)):
                 logits = self.graphs.replay(batch.rows, batch.starts)
             else:
                 logits = self._forward_eager(batch, spans)
@@ -120,9 +121,10 @@ class ModelRunner:
             self.tp_sender(batch.rows, batch.starts, batch.extend_lens, input_ids, info)
         meta = self.backend.prepare(info)
         if not hidden_plan:
-            return self.model(input_ids, positions_t, self.backend, meta, logits_index)
+            return self.model(input_ids, positions_t, self.backend, meta, logits_index, override=batch.override)
         hidden_index = to_device([at + i for _, at, count in hidden_plan for i in range(count)], device)
-        logits, hidden = self.model(input_ids, positions_t, self.backend, meta, logits_index, hidden_index)
+        logits, hidden = self.model(input_ids, positions_t, self.backend, meta, logits_index, hidden_index,
+                                    override=batch.override)
         taken = 0
         for b, _, count in hidden_plan:
             state = batch.reqs[b].embed

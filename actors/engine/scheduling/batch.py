@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ringserve.actors.engine.models.causal_lm import EmbedOverride
 from ringserve.actors.engine.scheduling.request import Req
 from ringserve.kernels.sampling import SamplingRow
 
@@ -34,6 +35,8 @@ class Batch:
     # writes every row's K/V before any row attends, so each sees the ones before it, and the decode graphs run
     # them as they run any decode batch). Keyed by the first of those rows; {} for most batches.
     drafts: dict[int, list[int]] = field(default_factory=dict)
+    # image embeddings over the prefill chunks' image tokens (scheduling/images.py), set at launch; None for most
+    override: EmbedOverride | None = None
 
     @property
     def draft_rows(self) -> set[int]:

@@ -73,7 +73,7 @@ class CacheManager:
         every token whose logits score a prompt logprob still to come, `Req.prefix_limit`).
         """
         assert req.device_len == req.seq_len, "a request is admitted with all its tokens applied"
-        handle, slots = self.prefix_cache.match_prefix(req.ids[: req.prefix_limit], req.cache_key)
+        handle, slots = self.prefix_cache.match_prefix(req.key_ids(req.prefix_limit), req.cache_key)
         self.prefix_cache.lock(handle)
         req.row = self.table.assign()
         self.table.write(req.row, 0, slots)
@@ -87,7 +87,7 @@ class CacheManager:
         those tokens would, but leave one slot per request holding a row (its next token)."""
         b, salt = tier.block, req.cache_key
         first = req.cached_len // b
-        hashes = block_hashes(req.ids[: req.prefix_limit // b * b], b, salt_seed(salt))[first:]
+        hashes = block_hashes(req.key_ids(req.prefix_limit // b * b), b, salt_seed(salt))[first:]
         rows_held = self.table.table.shape[0] - self.table.num_free_rows
         count = min(tier.present(hashes), (self.available - rows_held + req.cached_len - first * b) // b)
         payloads = tier.read(hashes[:count]) if count > 0 else []
@@ -131,7 +131,7 @@ class CacheManager:
         if not finished and not self.prefix_cache.caches:
             return
         assert req.row is not None
-        ids = req.ids[: req.cached_len]
+        ids = req.key_ids(req.cached_len)
         slots = self.table.slots(req.row, req.cached_len)
         kept = self.prefix_cache.insert_prefix(ids, slots, req.cache_key)
         self.free(slots[req.prefix_len : kept].clone())

@@ -54,6 +54,7 @@ from ringserve.actors.engine.scheduling.prefix_cache import create_prefix_cache
 from ringserve.actors.engine.kv_tier import share
 from ringserve.actors.engine.kv_tier.tier import make_tier
 from ringserve.actors.engine.scheduling.request import Req
+from ringserve.actors.engine.scheduling.images import image_key, request_images, step_override
 from ringserve.actors.engine.lora.adapter import Adapter, AdapterError
 from ringserve.actors.engine.lora.pool import LoraPool, lora_not_found
 from ringserve.actors.engine.scheduling.stop_checker import StopChecker
@@ -101,6 +102,9 @@ class Engine:
         self.prefill = PrefillManager(self.cache, config.max_prefill_tokens, chunk, config.schedule_policy,
                                       config.max_running_requests)
         self.decode = DecodeManager(self.cache, self.context_length)
+        # a vision-language model: the token its images' runs repeat (None: it takes no images)
+        self.image_token_id: int | None = getattr(model, "image_token_id", None)
+        self.prefill.whole_images = bool(getattr(model, "bidirectional_images", False))
         # LoRA wraps the linears after quantization (from_source) and before the runner captures the model
         self.lora = LoraPool(model, config.max_loras_per_batch, config.max_lora_rank, config.max_loaded_loras,
                              config.max_prefill_tokens + config.max_running_requests
@@ -227,12 +231,24 @@ class Engine:
     def num_slots(self) -> int:
         return self.pool.num_slots
 
-    def add_request(self, request: TokenizedRequest) -> ApiError | None:
-        """Queue `request`, or say why it cannot run (with the numbers involved)."""
+    @property
+    def takes_images(self) -> bool:
+        """Whether the model is a vision-language model (requests may carry images)."""
+        return self.image_token_id is not None
+
+    def add_request(self, request: TokenizedRequest,
+                    images: dict[str, dict[str, Any]] | None = None) -> ApiError | None:
+        """Queue `request`, or say why it cannot run (with the numbers involved). `images[ref.hash]`: the processed
+        tensors of each of `request.images` (as the model's processor returns them for that one image)."""
         rejection = request_error(request, self.live, self.vocab_size, self.context_length, self.num_slots,
                                   self.tokenizer is not None)
         if rejection is not None:
             return rejection
+        checked = request_images(self.runner.model, list(request.input_ids), request.images, images)
+        if isinstance(checked, ApiError):
+            return checked
+        if checked and self.runner.tp_sender is not None:
+            return ApiError("images are not served with --tp > 1 yet", param="images")
         params = request.sampling
         if params.lora_name is not None:
             if self.lora is None or params.lora_name not in self.lora.paths:
@@ -245,6 +261,8 @@ class Engine:
         req = Req(request.rid, len(request.input_ids), list(request.input_ids), params, seed)
         if params.lora_name is not None and self.lora is not None:
             req.lora_cache_name = self.lora.cache_name(params.lora_name)
+        if checked:
+            req.images, req.image_key = checked, image_key(req.ids, request.images)
         if request.embed is not None:
             state = embed_state(request.embed, self.config.embedding_pooling, params.max_new_tokens)
             if isinstance(state, ApiError):
@@ -378,6 +396,8 @@ class Engine:
         drafted = batch.drafted_before() if batch.drafts else ()
         if self.lora is not None:
             self.lora.prepare([r.params.lora_name for r in batch.reqs], batch.extend_lens)
+        if self.takes_images:
+            batch.override = step_override(self.runner.model, batch, self.table.table)
         out = self.runner.forward(batch, self.grammars.bitmask(batch.sampling_reqs, drafted))
         draft_rows = batch.draft_rows
         for i, (req, samples) in enumerate(zip(batch.reqs, batch.samples)):
@@ -472,6 +492,13 @@ class Engine:
         lora = request.sampling.lora_name
         return cache_namespace(request.sampling.cache_salt,
                                self.lora.cache_name(lora) if lora and self.lora is not None else None)
+
+    def kv_key_ids(self, request: TokenizedRequest) -> list[int]:
+        """`request`'s prompt as the prefix cache, the KV tier and KV events key it: each image token as a pseudo id
+        of its image's hash (`images.image_key`), other tokens as they are."""
+        if not request.images:
+            return list(request.input_ids)
+        return image_key(list(request.input_ids), request.images)
 
     def kv_held_blocks(self, ids: list[int], cache_key: str | None) -> int:
         """Leading whole blocks of `ids` this replica holds, in the pool or the tier (`share.held_blocks`)."""

@@ -32,6 +32,7 @@ from collections import deque
 from collections.abc import Callable
 
 from ringserve.actors.engine.scheduling.cache_manager import CacheManager
+from ringserve.actors.engine.scheduling.images import chunk_tokens
 from ringserve.actors.engine.scheduling.request import Req
 
 LPM_MAX_QUEUE = 128  # beyond this many waiting requests, sorting by prefix match costs more than it saves
@@ -53,6 +54,8 @@ class PrefillManager:
         # LoRA: distinct adapters among the running requests at most (0: no bound), and theirs
         self.adapter_limit = 0
         self.running_adapters: Callable[[], set[str | None]] = set
+        # the model's images attend both ways (Gemma 3): a chunk never ends inside one (images.chunk_tokens)
+        self.whole_images = False
 
     @property
     def chunked(self) -> Req | None:
@@ -93,7 +96,8 @@ class PrefillManager:
         # while others wait, half of the chunk is held back for them (topped up below if they leave it)
         share = cap - self._reserve(cap, num_running)
         for req, n in zip(continuing, _split(share, continuing)):
-            n = min(n, self.cache.available - num_running - len(planned) - 1)
+            room = self.cache.available - num_running - len(planned) - 1
+            n = self._fit(req, min(n, room), room)
             if n > 0:
                 self.cache.extend(req, n)
                 planned.append((req, n))
@@ -110,6 +114,7 @@ class PrefillManager:
             self.cache.admit(req)
             need = req.uncached_len
             n = min(need, budget, self._chunk_cap()) if self.chunk_size > 0 else need
+            n = self._fit(req, n, need)
             fits = n + running_after <= self.cache.available
             if self.chunk_size <= 0 and planned and n > budget:
                 fits = False  # without chunking, an over-budget prompt only runs as a step's sole prefill
@@ -141,6 +146,7 @@ class PrefillManager:
         left = min(cap - sum(n for r, n in planned if any(r is c for c in continuing)), budget)
         for req in continuing:
             extra = min(req.uncached_len, left, self.cache.available - num_running - len(planned) - 1)
+            extra = self._fit(req, extra, extra)
             if extra <= 0:
                 continue
             self.cache.extend(req, extra)
@@ -151,6 +157,14 @@ class PrefillManager:
             else:
                 index[id(req)] = len(planned)
                 planned.append((req, extra))
+
+    def _fit(self, req: Req, n: int, room: int) -> int:
+        """`n` tokens of `req`'s next chunk moved off the inside of an image that must be computed whole
+        (`images.chunk_tokens`: fewer, or through the image's end); 0 when that is more than `room`."""
+        if n <= 0 or not self.whole_images or not req.images:
+            return n
+        n = chunk_tokens(req.images, req.cached_len, n)
+        return n if n <= room else 0
 
     def _adapter_fits(self, req: Req, planned: list[tuple[Req, int]]) -> bool:
         """Whether `req`'s LoRA adapter (if any) runs already or leaves the running adapters within the bound."""
@@ -167,7 +181,8 @@ class PrefillManager:
         then `req` waits for that prefix to be computed and cached, instead of computing it a second time (a
         shared chat template, far shorter than half a chunk, does not make it wait)."""
         k = req.prefix_len + max(1, cap // 2)
-        return len(req.ids) >= k and any(len(c.ids) >= k and c.ids[:k] == req.ids[:k] for c in self.chunking)
+        key = req.key_ids(k)
+        return len(req.ids) >= k and any(len(c.ids) >= k and c.key_ids(k) == key for c in self.chunking)
 
     def _reserve(self, cap: int, num_running: int) -> int:
         """Tokens of the chunked requests' `cap` held back this step for waiting requests: half, when one
@@ -183,7 +198,7 @@ class PrefillManager:
     def _ordered(self) -> list[Req]:
         if self.policy == "lpm" and 1 < len(self.waiting) <= LPM_MAX_QUEUE:
             cache = self.cache.prefix_cache
-            match = {id(r): cache.match_prefix(r.ids[: r.prefix_limit], r.cache_key)[0].cached_len
+            match = {id(r): cache.match_prefix(r.key_ids(r.prefix_limit), r.cache_key)[0].cached_len
                      for r in self.waiting}
             return sorted(self.waiting, key=lambda r: -match[id(r)])
         return list(self.waiting)

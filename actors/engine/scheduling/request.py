@@ -48,6 +48,16 @@ class Req:
     spec_accepted: int = 0
     embed: EmbedState | None = None  # an embedding request's pooling (actors/engine/scheduling/embedding.py)
     lora_cache_name: str | None = None  # its adapter's cache name (LoraPool.cache_name), set on admission
+    images: list[Any] = field(default_factory=list)  # its `ReqImage`s in prompt order (scheduling/images.py)
+    image_key: list[int] | None = None  # its prompt as the prefix cache keys it, when it has images
+
+    def key_ids(self, end: int) -> list[int]:
+        """Its first `end` token ids as the prefix cache keys them: image tokens as their image's pseudo ids
+        (`images.image_key`), so KV is shared only between equal images."""
+        key = self.image_key
+        if key is None:
+            return self.ids[:end]
+        return key[:end] if end <= len(key) else key + self.ids[len(key):end]
 
     def __post_init__(self) -> None:
         self.device_len = len(self.ids)

@@ -1,0 +1,157 @@
+"""A request's images in the engine: checked at intake, embedded when prefill first reaches them, keyed apart in
+the prefix cache.
+
+`request_images` checks each `ImageRef` of a request against the model (a vision-language model, its tensors
+given, a run of exactly the model's image token count of image tokens) and keeps its tensors on the request.
+`step_override` runs the vision tower and projector for the images a step's prefill chunks cover, once per image
+hash across the step's requests (the embeddings stay with each request for its life), and gives the model the
+chunk's slice of them (a chunk may start or end inside an image). `image_key` is how the prefix cache keys a
+prompt: each image token becomes a pseudo id drawn from its image's hash and its place in the run, so the same
+image twice shares KV and two images never do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ringserve.actors.engine.models.causal_lm import CausalLM, EmbedOverride
+from ringserve.actors.engine.models.vision.span_attention import BidirectionalSpan
+from ringserve.actors.engine.scheduling.batch import Batch
+from ringserve.bus.errors import ApiError
+from ringserve.bus.images import ImageRef
+
+PSEUDO_BASE = 1 << 31  # pseudo ids lie in [2^31, 2^32): past any vocabulary, within the uint32 block hashes
+
+
+@dataclass(eq=False)
+class ReqImage:
+    """One image of a request: where its tokens are, its processed tensors, and its embeddings once computed."""
+
+    ref: ImageRef
+    pixel_values: torch.Tensor  # [1, 3, H, W]
+    embeds: torch.Tensor | None = None  # [length, C]
+
+    @property
+    def start(self) -> int:
+        return self.ref.offset
+
+    @property
+    def end(self) -> int:
+        return self.ref.offset + self.ref.length
+
+
+def request_images(model: CausalLM, input_ids: list[int], refs: list[ImageRef],
+                   images: dict[str, dict[str, Any]] | None) -> list[ReqImage] | ApiError:
+    """The request's images checked against `model` and `input_ids`, or a 400 naming the first bad one."""
+    token = getattr(model, "image_token_id", None)
+    if refs and token is None:
+        return ApiError("this model takes no images (it is a text-only model)", param="images")
+    out: list[ReqImage] = []
+    end = 0
+    for i, ref in enumerate(refs):
+        name = f"image {i} ({ref.hash[:12]})"
+        tensors = (images or {}).get(ref.hash)
+        if tensors is None:
+            return ApiError(f"{name}: its processed tensors were not given to the engine", param="images")
+        pixels = tensors.get("pixel_values")
+        if pixels is None:
+            return ApiError(f"{name}: no pixel_values among its tensors ({', '.join(tensors)})", param="images")
+        pixels = torch.as_tensor(pixels)
+        size = model.vision_tower.image_size  # type: ignore[attr-defined]
+        if tuple(pixels.shape) != (1, 3, size, size):
+            return ApiError(f"{name}: pixel_values of shape {list(pixels.shape)}, the model takes [1, 3, {size}, "
+                            f"{size}]", param="images")
+        expected = model.image_tokens(tensors)  # type: ignore[attr-defined]
+        if ref.length != expected:
+            return ApiError(f"{name}: a run of {ref.length} image tokens, the model makes {expected} per image",
+                            param="images")
+        if ref.offset < end or ref.offset + ref.length > len(input_ids):
+            return ApiError(f"{name}: its tokens [{ref.offset}, {ref.offset + ref.length}) overlap another image's "
+                            f"or pass the prompt's {len(input_ids)} tokens", param="images")
+        if any(t != token for t in input_ids[ref.offset:ref.offset + ref.length]):
+            return ApiError(f"{name}: its run holds tokens other than the image token {token}", param="images")
+        end = ref.offset + ref.length
+        out.append(ReqImage(ref, pixels))
+    stray = sum(t == token for t in input_ids) - sum(ref.length for ref in refs)
+    if token is not None and stray:
+        return ApiError(f"the prompt holds {stray} image token(s) (id {token}) outside its images' runs",
+                        param="input_ids")
+    return out
+
+
+def image_key(input_ids: list[int], refs: list[ImageRef]) -> list[int]:
+    """`input_ids` as the prefix cache keys them: token `j` of an image's run becomes a pseudo id drawn from the
+    image's hash and `j` (31 bits each, so two images share no run of them but by a 2^-31 chance per token)."""
+    key = list(input_ids)
+    for ref in refs:
+        seed = bytes.fromhex(ref.hash) if _is_hex(ref.hash) else ref.hash.encode()
+        for j in range(ref.length):
+            digest = hashlib.blake2b(seed + j.to_bytes(4, "little"), digest_size=4).digest()
+            key[ref.offset + j] = PSEUDO_BASE | (int.from_bytes(digest, "little") & (PSEUDO_BASE - 1))
+    return key
+
+
+def _is_hex(text: str) -> bool:
+    try:
+        bytes.fromhex(text)
+    except ValueError:
+        return False
+    return True
+
+
+def chunk_tokens(images: list[ReqImage], start: int, n: int) -> int:
+    """How many tokens from `start` a prefill chunk of (at most) `n` may compute when the model's images attend
+    both ways: `n`, unless it would end inside an image; then up to the image's start, or, when the chunk starts
+    at or inside it, through its end (more than `n`)."""
+    for image in images:
+        if image.start < start + n < image.end:
+            return image.start - start if image.start > start else image.end - start
+    return n
+
+
+def step_override(model: CausalLM, batch: Batch, token_table: torch.Tensor) -> EmbedOverride | None:
+    """The image embeddings of `batch`'s prefill chunks, None when no chunk covers an image token. Images not
+    embedded yet are embedded together, once per hash."""
+    d = batch.num_decode
+    flats = [d + sum(batch.extend_lens[d:b]) for b in range(d, len(batch.reqs))]  # decode rows: 1 token each
+    chunks = zip(batch.reqs[d:], batch.starts[d:], batch.extend_lens[d:], flats)
+    covered = [(image, req, start, n, flat) for req, start, n, flat in chunks
+               for image in req.images if image.start < start + n and start < image.end]
+    if not covered:
+        return None
+    _embed([image for image, *_ in covered], model)
+    index: list[torch.Tensor] = []
+    embeds: list[torch.Tensor] = []
+    spans: list[BidirectionalSpan] = []
+    device = token_table.device
+    for image, req, start, n, flat in covered:
+        lo, hi = max(image.start, start), min(image.end, start + n)
+        first = flat + lo - start
+        index.append(torch.arange(first, first + hi - lo, device=device))
+        assert image.embeds is not None
+        embeds.append(image.embeds[lo - image.start:hi - image.start])
+        if model.bidirectional_images:  # type: ignore[attr-defined]
+            assert hi == image.end, "a chunk never ends inside an image whose tokens attend both ways"
+            spans.append(BidirectionalSpan(first, hi - lo, lo, image.start, token_table[req.row, :hi]))
+    return EmbedOverride(torch.cat(index), torch.cat(embeds), spans)
+
+
+def _embed(images: list[ReqImage], model: CausalLM) -> None:
+    """Compute the embeddings of those of `images` that have none, in one batch; images of the same hash (across
+    requests) share one computation."""
+    todo: dict[str, list[ReqImage]] = {}
+    for image in images:
+        if image.embeds is None:
+            todo.setdefault(image.ref.hash, []).append(image)
+    if not todo:
+        return
+    device = model.model.embed_tokens.weight.device
+    pixels = torch.cat([group[0].pixel_values for group in todo.values()]).to(device)
+    out = model.embed_images(pixels)  # type: ignore[attr-defined]  # [N, length, C]
+    for group, embeds in zip(todo.values(), out):
+        for image in group:
+            image.embeds = embeds
