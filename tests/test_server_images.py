@@ -1,15 +1,15 @@
-"""Images through a real ring (real NATS, real HTTP, the official openai client): what the entry refuses, named in
-the route's error shape while the ring serves on, and what the bus carries (handles, never the pixels).
-
-The ring here serves a text-only model with small image limits: an image it cannot take is refused at the entry
-(too large, corrupt, a file outside the allowed directory, a remote URL, too many); one it could take reaches the
-tokenizer, which answers that the model takes no images.
+"""Images through a real ring (real NATS, real HTTP, the official openai client) with the tiny LLaVA of
+tests/vision_models.py: chat `image_url` parts and `/generate` `image_data` give transformers' greedy tokens (one
+image, two, a batch of prompts each with its own); what the entry refuses is a 400 naming the image while the ring
+serves on; the bus carries handles, never the pixels; a text-only model answers an image with a 400; and each role's
+NATS permissions reach the image bucket as the ring uses it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import io
 from pathlib import Path
 from typing import Any, Iterator
@@ -19,29 +19,38 @@ import nats
 import numpy as np
 import openai
 import pytest
+import torch
 from PIL import Image
 
 from ringserve.bus.embedded_server import EmbeddedNatsServer
+from ringserve.bus.image_store import ImageStore, tensors_handle
+from ringserve.bus.permissions import NatsUser, authorization_block, inbox_prefix, role_permissions
 from tests.server_helpers import ServerHandle, start_server
+from tests.vision_models import PLACEHOLDER, process, random_image, save_tiny_vlm, tiny_hf_vlm
 
 MAX_IMAGE_BYTES = 300_000
+NEW_TOKENS = 6
 
 
-def png(side: int, seed: int = 0) -> bytes:
-    """A PNG of random pixels (it does not compress: about 3 bytes per pixel)."""
-    pixels = np.random.RandomState(seed).randint(0, 255, (side, side, 3), dtype=np.uint8)
+def png(image: Image.Image) -> bytes:
     out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="PNG")
+    image.save(out, format="PNG")
     return out.getvalue()
+
+
+def noise(side: int, seed: int = 0) -> bytes:
+    """A PNG of random pixels (it does not compress: about 3 bytes per pixel)."""
+    return png(Image.fromarray(np.random.RandomState(seed).randint(0, 255, (side, side, 3), dtype=np.uint8)))
 
 
 def data_url(data: bytes, kind: str = "image/png") -> str:
     return f"data:{kind};base64,{base64.b64encode(data).decode()}"
 
 
-def image_chat(url: str, text: str = "What is in the image?") -> list[dict[str, Any]]:
-    return [{"role": "user", "content": [{"type": "text", "text": text},
-                                         {"type": "image_url", "image_url": {"url": url}}]}]
+def image_chat(*urls: str, text: str = "Describe this.") -> list[dict[str, Any]]:
+    """One user turn: the images, then the text (as tests/vision_models.py `process` renders it)."""
+    parts: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +59,10 @@ def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def text_ring(tiny_model_dir: Path, nats_server: EmbeddedNatsServer, media_dir: Path) -> Iterator[ServerHandle]:
-    handle = start_server(str(tiny_model_dir), nats_url=nats_server.url, extra=[
+def llava(tmp_path_factory: pytest.TempPathFactory, nats_server: EmbeddedNatsServer,
+          media_dir: Path) -> Iterator[ServerHandle]:
+    directory = save_tiny_vlm("llava", tmp_path_factory.mktemp("llava"))
+    handle = start_server(str(directory), nats_url=nats_server.url, extra=[
         "--max-image-bytes", str(MAX_IMAGE_BYTES), "--max-images-per-request", "2",
         "--allowed-local-media-path", str(media_dir)])
     yield handle
@@ -59,14 +70,28 @@ def text_ring(tiny_model_dir: Path, nats_server: EmbeddedNatsServer, media_dir: 
 
 
 @pytest.fixture(scope="module")
-def client(text_ring: ServerHandle) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{text_ring.base_url}/v1", api_key="unused", max_retries=0)
+def hf() -> tuple[Any, Any]:
+    return tiny_hf_vlm("llava")
 
 
-def chat(client: openai.OpenAI, messages: list[dict[str, Any]], max_tokens: int = 2) -> Any:
+@pytest.fixture(scope="module")
+def client(llava: ServerHandle) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{llava.base_url}/v1", api_key="unused", max_retries=0)
+
+
+@torch.no_grad()
+def hf_greedy(hf: tuple[Any, Any], inputs: dict[str, Any]) -> tuple[list[int], list[int]]:
+    """transformers' prompt ids and greedy tokens for processed `inputs`."""
+    model, _ = hf
+    out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+    prompt = inputs["input_ids"][0].tolist()
+    return prompt, out[0, len(prompt):].tolist()
+
+
+def chat(client: openai.OpenAI, messages: list[dict[str, Any]], **extra: Any) -> Any:
     model = client.models.list().data[0].id
-    return client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,  # type: ignore
-                                          temperature=0)
+    return client.chat.completions.create(model=model, messages=messages, max_tokens=NEW_TOKENS,  # type: ignore
+                                          temperature=0, extra_body={"return_token_ids": True, **extra})
 
 
 def refused(client: openai.OpenAI, messages: list[dict[str, Any]]) -> openai.BadRequestError:
@@ -75,79 +100,162 @@ def refused(client: openai.OpenAI, messages: list[dict[str, Any]]) -> openai.Bad
     return info.value
 
 
-def served_after(client: openai.OpenAI) -> None:
-    """The ring serves on: a text request right after is answered."""
-    reply = chat(client, [{"role": "user", "content": "Hi"}])
-    assert reply.choices[0].finish_reason == "length"
+@pytest.mark.parametrize("count", [1, 2])
+def test_chat_image_url_gives_transformers_tokens(client: openai.OpenAI, hf: tuple[Any, Any], count: int) -> None:
+    images = [random_image(seed) for seed in range(1, count + 1)]
+    reply = chat(client, image_chat(*(data_url(png(image)) for image in images)))
+    prompt, tokens = hf_greedy(hf, process(hf[1], images))
+    body = reply.model_dump()
+    assert body["prompt_token_ids"] == prompt
+    assert body["choices"][0]["token_ids"] == tokens
+    assert reply.usage is not None and reply.usage.prompt_tokens == len(prompt)
 
 
-def test_text_model_refuses_an_image_part_and_serves_on(client: openai.OpenAI, text_ring: ServerHandle) -> None:
-    error = refused(client, image_chat(data_url(png(16))))
-    assert "this model takes no images" in error.message and error.body["param"] == "messages"
-    reply = httpx.post(f"{text_ring.base_url}/generate", json={"text": "<image> hi", "image_data": data_url(png(8)),
-                                                          "sampling_params": {"max_new_tokens": 2}})
-    assert reply.status_code == 400 and reply.json()["error"]["param"] == "image_data", reply.text
-    assert "this model takes no images" in reply.json()["error"]["message"]
-    served_after(client)
+def test_generate_image_data_gives_transformers_tokens(llava: ServerHandle, hf: tuple[Any, Any]) -> None:
+    _, processor = hf
+    first, second = random_image(3), random_image(4)
+    texts = [f"{PLACEHOLDER['llava']}What is it?", f"Compare {PLACEHOLDER['llava']} and {PLACEHOLDER['llava']}."]
+    reply = httpx.post(f"{llava.base_url}/generate", timeout=120, json={
+        "text": texts, "image_data": [data_url(png(first)), [base64.b64encode(png(second)).decode(),
+                                                              data_url(png(first))]],
+        "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0}})
+    assert reply.status_code == 200, reply.text
+    for result, text, images in zip(reply.json(), texts, [[first], [second, first]]):
+        _, tokens = hf_greedy(hf, dict(processor(text=text, images=images, return_tensors="pt")))
+        assert result["output_ids"] == tokens
+    single = httpx.post(f"{llava.base_url}/generate", timeout=120, json={
+        "text": texts[0], "image_data": data_url(png(first)),
+        "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0}})
+    assert single.status_code == 200 and single.json()["output_ids"] == reply.json()[0]["output_ids"]
+    miscounted = httpx.post(f"{llava.base_url}/generate", json={"text": "no placeholder",
+                                                                "image_data": data_url(png(first))})
+    assert miscounted.status_code == 400 and miscounted.json()["error"]["param"] == "image_data"
 
 
-def test_corrupt_and_over_large_images_are_400s_naming_them(client: openai.OpenAI, text_ring: ServerHandle) -> None:
-    corrupt = png(16)[:60]  # a PNG cut short
-    error = refused(client, image_chat(data_url(corrupt)))
+def test_corrupt_and_over_large_images_are_400s_naming_them(client: openai.OpenAI, llava: ServerHandle) -> None:
+    good = data_url(png(random_image(5)))
+    error = refused(client, image_chat(good, data_url(noise(16)[:60])))  # the second: a PNG cut short
     assert "messages[0].content[1]" in error.message and "cannot be decoded" in error.message
-    large = png(360)  # about 390 KB
+    large = noise(360)  # about 390 KB
     assert len(large) > MAX_IMAGE_BYTES
     error = refused(client, image_chat(data_url(large)))
-    assert "messages[0].content[1]" in error.message and "--max-image-bytes" in error.message
-    reply = httpx.post(f"{text_ring.base_url}/generate", json={"text": ["<image> a", "<image> b"],
-                                                          "image_data": [data_url(png(8)), base64.b64encode(
-                                                              b"not an image").decode()]})
+    assert "messages[0].content[0]" in error.message and "--max-image-bytes" in error.message
+    reply = httpx.post(f"{llava.base_url}/generate", json={
+        "text": ["<image> a", "<image> b"], "image_data": [good, base64.b64encode(b"not an image").decode()]})
     assert reply.status_code == 400 and "image_data[1][0]" in reply.json()["error"]["message"], reply.text
-    served_after(client)
+    assert chat(client, image_chat(good)).choices[0].finish_reason == "length"  # the ring serves on
 
 
 def test_image_sources_behind_flags(client: openai.OpenAI, media_dir: Path, tmp_path: Path) -> None:
-    inside = media_dir / "inside.png"
-    inside.write_bytes(png(8))
-    outside = tmp_path / "outside.png"
-    outside.write_bytes(png(8))
+    inside, outside = media_dir / "inside.png", tmp_path / "outside.png"
+    inside.write_bytes(png(random_image(6)))
+    outside.write_bytes(png(random_image(6)))
     error = refused(client, image_chat(outside.as_uri()))
     assert "not under the allowed media directory" in error.message
-    error = refused(client, image_chat(inside.as_uri()))  # read and stored: the model is what refuses it
-    assert "this model takes no images" in error.message
+    from_file = chat(client, image_chat(inside.as_uri())).model_dump()["choices"][0]["token_ids"]
+    inline = chat(client, image_chat(data_url(inside.read_bytes()))).model_dump()["choices"][0]["token_ids"]
+    assert from_file == inline
     error = refused(client, image_chat("https://example.com/cat.png"))
     assert "--allow-remote-images" in error.message
-    three = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png(8, s))}}
-                                          for s in range(3)]}]
-    error = refused(client, three)
+    error = refused(client, image_chat(*(data_url(png(random_image(s))) for s in range(3))))
     assert "--max-images-per-request" in error.message
     error = refused(client, [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": data_url(png(8)), "detail": "low"}}]}])
+        {"type": "image_url", "image_url": {"url": data_url(png(random_image(6))), "detail": "low"}}]}])
     assert "detail" in error.message
 
 
-def test_the_bus_carries_handles_not_pixels(text_ring: ServerHandle, nats_server: EmbeddedNatsServer) -> None:
-    image = png(260, seed=5)
+def test_the_bus_carries_handles_not_pixels(llava: ServerHandle, nats_server: EmbeddedNatsServer) -> None:
+    image = noise(260, seed=5)
     assert 200_000 < len(image) < MAX_IMAGE_BYTES
 
-    async def sizes() -> list[int]:
+    async def sizes() -> dict[str, int]:
         nc = await nats.connect(nats_server.url)
-        seen: list[int] = []
+        seen: dict[str, int] = {}
 
         async def record(msg: Any) -> None:
-            seen.append(len(msg.data))
+            kind = msg.subject.split(".")[2]  # submit or tokenized
+            seen[kind] = max(seen.get(kind, 0), len(msg.data))
 
-        sub = await nc.subscribe(f"{text_ring.namespace}.req.>", cb=record)
+        sub = await nc.subscribe(f"{llava.namespace}.req.>", cb=record)
         await nc.flush()
-        async with httpx.AsyncClient(timeout=60) as http:
-            reply = await http.post(f"{text_ring.base_url}/generate", json={
-                "text": "<image> hi", "image_data": base64.b64encode(image).decode(),
-                "sampling_params": {"max_new_tokens": 2}})
-        assert reply.status_code == 400 and "takes no images" in reply.text  # it reached the tokenizer
+        async with httpx.AsyncClient(timeout=120) as http:
+            reply = await http.post(f"{llava.base_url}/v1/chat/completions", json={
+                "messages": image_chat(data_url(image)), "max_tokens": 2})
+        assert reply.status_code == 200, reply.text
         await nc.flush()
         await sub.unsubscribe()
         await nc.close()
         return seen
 
     seen = asyncio.run(sizes())
-    assert seen and max(seen) < 4096, seen
+    assert set(seen) == {"submit", "tokenized"} and max(seen.values()) < 4096, seen
+
+
+def test_a_text_model_refuses_images(clients_ring: ServerHandle) -> None:
+    url = data_url(png(random_image(7)))
+    reply = httpx.post(f"{clients_ring.base_url}/v1/chat/completions",
+                       json={"messages": image_chat(url), "max_tokens": 2})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "messages", reply.text
+    assert "this model takes no images" in reply.json()["error"]["message"]
+    reply = httpx.post(f"{clients_ring.base_url}/generate", json={"text": "<image> hi", "image_data": url})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "image_data", reply.text
+    served = httpx.post(f"{clients_ring.base_url}/generate", json={"text": "hi", "sampling_params": {
+        "max_new_tokens": 2}})
+    assert served.status_code == 200, served.text
+
+
+def test_each_role_reaches_the_image_bucket_under_nats_auth() -> None:
+    """The entry puts a file, the tokenizer reads it and puts tensors, the scheduler reads those: with the
+    per-role users `ringserve serve` makes, on a real nats-server."""
+    namespace = "imgauth"
+    users = [NatsUser(role, f"pw-{role}", role_permissions(namespace, role))
+             for role in ("entry", "tokenizer", "scheduler", "detokenizer")]
+
+    async def roundtrip(url: str) -> None:
+        conns = {user.user: await nats.connect(url, user=user.user, password=user.password,
+                                               inbox_prefix=inbox_prefix(namespace, user.user).encode())
+                 for user in users}
+        stores = {role: ImageStore(lambda c=conn: c, namespace) for role, conn in conns.items()}
+        try:
+            handle = await stores["entry"].put_raw(noise(200))
+            file = await stores["tokenizer"].get(handle)
+            tensors = file[::-1]
+            stored = tensors_handle(hashlib.sha256(tensors).hexdigest())
+            assert await stores["tokenizer"].put_once(stored, tensors)
+            assert not await stores["tokenizer"].put_once(stored, tensors)  # the same image is stored once
+            assert await stores["scheduler"].get(stored) == tensors
+            with pytest.raises(Exception):  # a role with no business there cannot read it
+                await asyncio.wait_for(stores["detokenizer"].get(stored), 10)
+        finally:
+            for conn in conns.values():
+                await conn.close()
+
+    with EmbeddedNatsServer(extra_config=authorization_block(users)) as server:
+        asyncio.run(roundtrip(server.url))
+
+
+def test_python_client_sends_images_over_nats(llava: ServerHandle, nats_server: EmbeddedNatsServer,
+                                              client: openai.OpenAI, media_dir: Path) -> None:
+    """`ringserve.Client` (what `ringserve.Engine` calls) stores the images itself and submits handles: a PIL image,
+    file bytes or a path give what the HTTP routes give."""
+    import ringserve
+
+    image = random_image(8)
+    path = media_dir / "client.png"
+    path.write_bytes(png(image))
+    text = f"{PLACEHOLDER['llava']}What is it?"
+    over_http = httpx.post(f"{llava.base_url}/generate", timeout=120, json={
+        "text": text, "image_data": data_url(png(image)), "sampling_params": {"max_new_tokens": NEW_TOKENS,
+                                                                             "temperature": 0}}).json()
+
+    async def run() -> tuple[Any, Any, Any]:
+        async with ringserve.Client(nats_server.url, llava.namespace) as ring:
+            greedy = {"max_new_tokens": NEW_TOKENS, "temperature": 0}
+            one = await ring.generate(text, greedy, image_data=image)
+            two = await ring.generate([text, text], greedy, image_data=[png(image), path])
+            chatted = await ring.chat(image_chat(path.as_uri()), max_tokens=NEW_TOKENS, temperature=0)
+            return one, two, chatted
+
+    one, two, chatted = asyncio.run(run())
+    assert one.output_ids == over_http["output_ids"] == two[0].output_ids == two[1].output_ids
+    assert chatted.output_ids == chat(client, image_chat(data_url(png(image)))).model_dump()["choices"][0]["token_ids"]
