@@ -151,3 +151,44 @@ def test_image_tokens_without_their_image_are_refused() -> None:
     request, _, _ = tokenized(processor, [random_image(9)], "n")
     error = engine_for(model).add_request(TokenizedRequest("n", request.input_ids, request.sampling))
     assert error is not None and error.code == 400 and f"{IMAGE_TOKENS} image token(s)" in error.message
+
+
+@pytest.mark.parametrize("strategy", ["default", "full"])
+def test_llava_over_a_siglip_tower_embeds_images_as_transformers(strategy: str) -> None:
+    """LLaVA's feature choice over a SigLIP tower (no class token) and several feature layers: our embeddings
+    are transformers' image features."""
+    from transformers import LlamaConfig, LlavaConfig, LlavaForConditionalGeneration, SiglipVisionConfig
+
+    from ringserve.actors.engine.models.weights import model_from_hf
+
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                image_size=32, patch_size=8)
+    text = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                       num_attention_heads=4, num_key_value_heads=2)
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_id=299, vision_feature_layer=[-3, -1],
+                         vision_feature_select_strategy=strategy, projector_hidden_act="gelu")
+    torch.manual_seed(0)
+    hf = LlavaForConditionalGeneration(config).eval()
+    ours = model_from_hf(hf.config, hf.state_dict())
+    pixels = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        expected = torch.stack(list(hf.model.get_image_features(pixels, return_dict=True).pooler_output))
+        got = ours.embed_images(pixels)
+    assert got.shape == expected.shape == (2, 16 - (strategy == "default"), 64)
+    assert ours.image_tokens({}) == got.shape[1]
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_cached_prefix_ending_inside_a_two_way_image_continues_it() -> None:
+    """Gemma 3: prompt logprobs from inside the image stop the cached prefix there; the rest of the image is
+    computed attending to the whole image, and the tokens stay transformers'."""
+    model, processor = tiny_hf_vlm("gemma3")
+    engine = engine_for(model)
+    first = tokenized(processor, [random_image(10)], "f")
+    serve(engine, first)
+    inside = first[0].images[0].offset + 5
+    again = tokenized(processor, [random_image(10)], "g", return_logprob=True, logprob_start_len=inside)
+    assert engine.add_request(again[0], again[1]) is None
+    rows = run_to_completion(engine, [])["g"]
+    assert rows[0].cached_tokens == inside - 1
+    assert tokens_of(rows) == hf_tokens(model, again[2])

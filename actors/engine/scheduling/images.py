@@ -136,7 +136,7 @@ def step_override(model: CausalLM, batch: Batch, token_table: torch.Tensor) -> E
         embeds.append(image.embeds[lo - image.start:hi - image.start])
         if model.bidirectional_images:  # type: ignore[attr-defined]
             assert hi == image.end, "a chunk never ends inside an image whose tokens attend both ways"
-            spans.append(BidirectionalSpan(first, hi - lo, lo, image.start, token_table[req.row, :hi]))
+            spans.append(BidirectionalSpan(first, hi - lo, lo, token_table[req.row, :hi]))
     return EmbedOverride(torch.cat(index), torch.cat(embeds), spans)
 
 

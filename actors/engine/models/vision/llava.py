@@ -1,6 +1,6 @@
 """LLaVA (`LlavaForConditionalGeneration`): a CLIP or SigLIP tower, the hidden states of `vision_feature_layer`
-(one layer, or several concatenated), CLIP's class token dropped under the "default" strategy (kept under
-"full"), and a 2-layer projector (`linear_1`, `projector_hidden_act`, `linear_2`) into any registry text family.
+(one layer, or several concatenated), the first token (CLIP's class token) dropped under the "default" strategy
+(kept under "full"), and a 2-layer projector (`linear_1`, `projector_hidden_act`, `linear_2`) into any registry text family.
 """
 
 from __future__ import annotations
@@ -49,8 +49,9 @@ class Llava(VisionCausalLM):
         self.multi_modal_projector = LlavaProjector(config, vision.hidden_size, self.config.hidden_size,
                                                     len(self.feature_layers))
         patches = (vision.image_size // vision.patch_size) ** 2
-        # the class token is CLIP's only: SigLIP has none to drop
-        self._tokens = patches + (self.vision_tower.clip and self.strategy == "full")
+        # "default" drops the first token, as transformers does whatever the tower: CLIP's class token (SigLIP's
+        # first patch, which its processor counts out too)
+        self._tokens = patches + self.vision_tower.clip - (self.strategy == "default")
 
     def image_tokens(self, tensors: dict[str, Any]) -> int:
         return self._tokens
@@ -58,7 +59,7 @@ class Llava(VisionCausalLM):
     def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         states = self.vision_tower.hidden_states(pixel_values, max(self.feature_layers))
         picked = [states[i] for i in self.feature_layers]
-        if self.strategy == "default" and self.vision_tower.clip:
+        if self.strategy == "default":
             picked = [s[:, 1:] for s in picked]
         features = torch.cat(picked, dim=-1)  # [N, L, D * layers]
         n, length, _ = features.shape

@@ -20,14 +20,14 @@ from ringserve.kernels.attention import AttentionBackend, AttentionMetadata
 
 @dataclass
 class BidirectionalSpan:
-    """The part of one image's run a step computes (through the image's end): its first token's flat index in
-    the step, its length, its first token's position in the sequence, the image's first position (earlier when
-    a cached prefix ends inside the image), and the pool slots of the request's tokens `[0, position + length)`."""
+    """The part of one image's run a step computes, through the image's end (it starts later than the image when a
+    cached prefix ends inside it, whose earlier tokens the causal mask already shows): its first token's flat index
+    in the step, its length, its first token's position, and the pool slots of the request's tokens
+    `[0, position + length)`."""
 
     first: int
     length: int
     position: int
-    image_start: int
     key_slots: torch.Tensor
 
 
@@ -62,7 +62,7 @@ class SpanAttention:
         device = q.device
         query_pos = torch.arange(span.position, span.position + span.length, device=device)[:, None]
         key_pos = torch.arange(keys.shape[0], device=device)[None, :]
-        allowed = (key_pos <= query_pos) | (key_pos >= span.image_start)  # causal, or within the image
+        allowed = (key_pos <= query_pos) | (key_pos >= span.position)  # causal, or later in the image
         if spec.window is not None:
             allowed &= key_pos > query_pos - spec.window
         scores = scores.masked_fill(~allowed, float("-inf"))
