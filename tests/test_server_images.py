@@ -225,7 +225,7 @@ def test_each_role_reaches_the_image_bucket_under_nats_auth() -> None:
             assert not await stores["tokenizer"].put_once(stored, tensors)  # the same image is stored once
             assert await stores["scheduler"].get(stored) == tensors
             with pytest.raises(Exception):  # a role with no business there cannot read it
-                await asyncio.wait_for(stores["detokenizer"].get(stored), 10)
+                await asyncio.wait_for(stores["detokenizer"].get(stored), 2)
         finally:
             for conn in conns.values():
                 await conn.close()
@@ -259,3 +259,30 @@ def test_python_client_sends_images_over_nats(llava: ServerHandle, nats_server: 
     one, two, chatted = asyncio.run(run())
     assert one.output_ids == over_http["output_ids"] == two[0].output_ids == two[1].output_ids
     assert chatted.output_ids == chat(client, image_chat(data_url(png(image)))).model_dump()["choices"][0]["token_ids"]
+
+
+def test_the_same_image_hits_the_prefix_cache_and_another_does_not(client: openai.OpenAI) -> None:
+    first, other = data_url(png(random_image(21))), data_url(png(random_image(22)))
+    chat(client, image_chat(first, text="A long question about this picture, asked twice over."))
+    again = chat(client, image_chat(first, text="A long question about this picture, asked twice over."))
+    changed = chat(client, image_chat(other, text="A long question about this picture, asked twice over."))
+    assert again.usage.prompt_tokens_details.cached_tokens > changed.usage.prompt_tokens_details.cached_tokens
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerHandle]:
+    """Gemma 3 on a ring of its own NATS (per-role users, as `ringserve serve` runs by default)."""
+    handle = start_server(str(save_tiny_vlm("gemma3", tmp_path_factory.mktemp("gemma3"))))
+    yield handle
+    assert handle.stop() == 0, handle.log()[-3000:]
+
+
+def test_gemma3_chat_with_two_images_gives_transformers_tokens(gemma3: ServerHandle) -> None:
+    images = [random_image(31), random_image(32)]
+    reply = httpx.post(f"{gemma3.base_url}/v1/chat/completions", timeout=120, json={
+        "messages": image_chat(*(data_url(png(image)) for image in images)), "max_tokens": NEW_TOKENS,
+        "temperature": 0, "return_token_ids": True})
+    assert reply.status_code == 200, reply.text
+    model = tiny_hf_vlm("gemma3")
+    prompt, tokens = hf_greedy(model, process(model[1], images))
+    assert reply.json()["prompt_token_ids"] == prompt and reply.json()["choices"][0]["token_ids"] == tokens
