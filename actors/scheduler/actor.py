@@ -315,6 +315,7 @@ class SchedulerActor:
 
     def _abort_row(self, item: TokenizedRequest) -> TokenRow:
         """The final row of a request that never reached the engine, sent to its detokenizer."""
+        self._image_tensors.pop(item.rid, None)
         self._detokenizer_of.setdefault(item.rid, item.detokenizer)
         return TokenRow(rid=item.rid, token_ids=[], prompt_tokens=len(item.input_ids), completion_tokens=0,
                         finish=FinishReason(type="abort"))
