@@ -286,3 +286,30 @@ def test_gemma3_chat_with_two_images_gives_transformers_tokens(gemma3: ServerHan
     model = tiny_hf_vlm("gemma3")
     prompt, tokens = hf_greedy(model, process(model[1], images))
     assert reply.json()["prompt_token_ids"] == prompt and reply.json()["choices"][0]["token_ids"] == tokens
+
+
+def test_a_nats_submit_names_images_by_handle(llava: ServerHandle, nats_server: EmbeddedNatsServer) -> None:
+    """A NATS client puts the file into the bucket and submits its handle; a handle that finds nothing fails that
+    request alone, with a 400 saying so."""
+    import ringserve
+    from ringserve.bus.errors import ApiError
+    from ringserve.bus.messages import GenerateRequest
+
+    text = f"{PLACEHOLDER['llava']}What is it?"
+    greedy = {"max_new_tokens": NEW_TOKENS, "temperature": 0}
+
+    async def run() -> tuple[Any, ApiError, Any]:
+        async with ringserve.Client(nats_server.url, llava.namespace) as ring:
+            store = ImageStore(lambda: ring.ring.bus.client, llava.namespace)
+            handle = await store.put_raw(png(random_image(9)))
+            [ok] = await ring.run_all([GenerateRequest(rid="nats-img", text=text, sampling=greedy,
+                                                       image_data=[handle])])
+            with pytest.raises(ApiError) as missing:
+                await ring.run_all([GenerateRequest(rid="nats-none", text=text, sampling=greedy,
+                                                    image_data=["raw-" + "0" * 64])])
+            via_data = await ring.generate(text, greedy, image_data=random_image(9))
+            return ok, missing.value, via_data
+
+    ok, missing, via_data = asyncio.run(run())
+    assert ok.output_ids == via_data.output_ids
+    assert missing.code == 400 and missing.param == "image_data" and "not in the image store" in missing.message
