@@ -313,3 +313,53 @@ def test_a_nats_submit_names_images_by_handle(llava: ServerHandle, nats_server: 
     ok, missing, via_data = asyncio.run(run())
     assert ok.output_ids == via_data.output_ids
     assert missing.code == 400 and missing.param == "image_data" and "not in the image store" in missing.message
+
+
+def test_remote_images_when_allowed(nats_server: EmbeddedNatsServer) -> None:
+    """With --allow-remote-images the entry fetches http(s) URLs (a real HTTP server here): a 200 is stored, any
+    other status, a body over --max-image-bytes or a server slower than the timeout is a 400 naming the part."""
+    import http.server
+    import threading
+
+    from ringserve.actors.entry.image_input import ImageIntake, ImageLimits
+    from ringserve.bus.errors import ApiError
+
+    image = png(random_image(10))
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            if self.path == "/slow.png":
+                threading.Event().wait(3)
+            body = noise(360) if self.path == "/large.png" else image
+            self.send_response(200 if self.path != "/gone.png" else 404)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+
+    async def run() -> dict[str, Any]:
+        nc = await nats.connect(nats_server.url)
+        intake = ImageIntake(ImageStore(lambda: nc, "remote"), ImageLimits(MAX_IMAGE_BYTES, 4, True, 1.0))
+        outcomes: dict[str, Any] = {}
+        for name in ("ok", "gone", "large", "slow"):
+            try:
+                outcomes[name] = await intake.load(f"{base}/{name}.png", "messages[0].content[0]", "messages")
+            except ApiError as exc:
+                outcomes[name] = exc.message
+        await nc.close()
+        return outcomes
+
+    try:
+        outcomes = asyncio.run(run())
+    finally:
+        server.shutdown()
+    assert outcomes["ok"] == image
+    assert "answered HTTP 404" in outcomes["gone"]
+    assert "--max-image-bytes" in outcomes["large"]
+    assert "fetching" in outcomes["slow"] and "failed" in outcomes["slow"]
+    assert all("messages[0].content[0]" in outcomes[name] for name in ("gone", "large", "slow"))
