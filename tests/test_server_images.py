@@ -363,3 +363,32 @@ def test_remote_images_when_allowed(nats_server: EmbeddedNatsServer) -> None:
     assert "--max-image-bytes" in outcomes["large"]
     assert "fetching" in outcomes["slow"] and "failed" in outcomes["slow"]
     assert all("messages[0].content[0]" in outcomes[name] for name in ("gone", "large", "slow"))
+
+
+def test_messages_and_responses_take_images_as_chat_does(llava: ServerHandle, client: openai.OpenAI) -> None:
+    """Anthropic's image blocks and the Responses API's input_image parts reach the model as chat's image_url
+    parts do; a bad image is a 400 in the route's own error shape, naming where it was."""
+    image = png(random_image(11))
+    expected = chat(client, image_chat(data_url(image))).choices[0].message.content
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(image).decode()}}
+    messages = httpx.post(f"{llava.base_url}/v1/messages", timeout=120, json={
+        "model": client.models.list().data[0].id, "max_tokens": NEW_TOKENS, "temperature": 0,
+        "messages": [{"role": "user", "content": [block, {"type": "text", "text": "Describe this."}]}]})
+    assert messages.status_code == 200, messages.text
+    assert messages.json()["content"][0]["text"] == expected
+    response = client.responses.create(model=client.models.list().data[0].id, temperature=0,
+                                       max_output_tokens=NEW_TOKENS, input=[{"role": "user", "content": [
+                                           {"type": "input_image", "image_url": data_url(image)},
+                                           {"type": "input_text", "text": "Describe this."}]}])
+    assert response.output_text == expected
+    bad = httpx.post(f"{llava.base_url}/v1/messages", json={
+        "model": client.models.list().data[0].id, "max_tokens": 2, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "bm90IGFuIGltYWdl"}},
+            {"type": "text", "text": "Describe this."}]}]})
+    assert bad.status_code == 400 and bad.json()["type"] == "error", bad.text
+    assert "messages.0.content.0" in bad.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as refused_file:
+        client.responses.create(model=client.models.list().data[0].id, input=[{"role": "user", "content": [
+            {"type": "input_image", "file_id": "file-1"}]}])
+    assert "file_id" in refused_file.value.message

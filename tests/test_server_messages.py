@@ -160,7 +160,9 @@ def test_tool_use_streams_as_input_json(client: anthropic.Anthropic) -> None:
     ({"extra": {"temperature_schedule": 1}}, "temperature_schedule"),
     ({"max_tokens": None}, "max_tokens"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
-        "type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}]}, "image"),
+        "type": "base64", "media_type": "image/png",  # a 1x1 PNG, to a model without vision
+        "data": "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg=="}}]}]},
+     "images"),
     ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
     ({"extra": {"top_k": "many"}}, "top_k"),
     ({"stop_sequences": [""]}, "stop_sequences"),
@@ -172,8 +174,10 @@ def test_bad_input_is_a_400_in_anthropic_shape(client: anthropic.Anthropic, fiel
     body = caught.value.body
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
     assert named in body["error"]["message"]
-    if named in ("image", "thinking"):
+    if named == "thinking":
         assert "not supported" in body["error"]["message"]
+    if named == "images":
+        assert "this model takes no images" in body["error"]["message"]
 
 
 def test_ring_errors_and_unknown_models_in_anthropic_shape(client: anthropic.Anthropic,

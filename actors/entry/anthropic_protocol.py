@@ -64,7 +64,8 @@ IMPLEMENTED = {"model", "messages", "system", "stream", "tools", "tool_choice", 
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # Messages -> chat's; "tool" names one
 _BLOCK_FIELDS = {"text": {"type", "text", "citations", CACHE_HINT},
                  "tool_use": {"type", "id", "name", "input", CACHE_HINT},
-                 "tool_result": {"type", "tool_use_id", "content", "is_error", CACHE_HINT}}
+                 "tool_result": {"type", "tool_use_id", "content", "is_error", CACHE_HINT},
+                 "image": {"type", "source", CACHE_HINT}}
 _TOOL_FIELDS = {"type", "name", "description", "input_schema", CACHE_HINT}
 ERROR_PREFIX = "Error: "  # a tool_result with is_error: true reaches the model as this, then its content
 
@@ -175,7 +176,7 @@ def parse_turns(system: Any, messages: Any) -> tuple[list[ChatMessage], bool]:
             content = [{"type": "text", "text": content}]
         if not isinstance(content, list) or (not content and not (last and role == "assistant")):
             raise invalid(f"{where}.content", " must be a string or a non-empty list of content blocks")
-        kinds = ("text", "tool_use") if role == "assistant" else ("text", "tool_result")
+        kinds = ("text", "tool_use") if role == "assistant" else ("text", "image", "tool_result")
         blocks = [_block(b, f"{where}.content.{j}", kinds) for j, b in enumerate(content)]
         if role == "assistant":
             calls = [_tool_call(b, f"{where}.content.{j}") for j, b in enumerate(blocks) if b["type"] == "tool_use"]
@@ -191,20 +192,48 @@ def parse_turns(system: Any, messages: Any) -> tuple[list[ChatMessage], bool]:
     return turns, prefill
 
 
+def _image_part(block: dict[str, Any], where: str) -> dict[str, str]:
+    """An image block as a chat image part: its `source` (base64 with its media type, or a URL) as a URL, and where
+    it was, for the 400 that a bad image gets (actors/entry/image_input.py)."""
+    source = block.get("source")
+    kind = source.get("type") if isinstance(source, dict) else None
+    if kind == "base64":
+        _object(source, f"{where}.source", {"type", "media_type", "data"})
+        media = _string(source.get("media_type"), f"{where}.source.media_type")
+        url = f"data:{media};base64,{_string(source.get('data'), f'{where}.source.data')}"
+    elif kind == "url":
+        _object(source, f"{where}.source", {"type", "url"})
+        url = _string(source.get("url"), f"{where}.source.url")
+    else:
+        raise invalid(f"{where}.source", ": must be {\"type\": \"base64\", \"media_type\", \"data\"} or "
+                                         "{\"type\": \"url\", \"url\"}")
+    return {"type": "image", "url": url, "where": where}
+
+
 def _user_turns(blocks: list[dict[str, Any]], where: str, names: dict[str, str]) -> list[ChatMessage]:
-    """A user message's blocks in order: each tool result a `tool` turn, the text around them user turns."""
+    """A user message's blocks in order: each tool result a `tool` turn, the text and images around them user
+    turns (with images: their parts in order)."""
     turns: list[ChatMessage] = []
-    texts: list[str] = []
+    parts: list[dict[str, str]] = []
+
+    def user_turn() -> None:
+        images = any(part["type"] == "image" for part in parts)
+        text = "".join(part.get("text", "") for part in parts)
+        turns.append(ChatMessage(role="user", content=text, parts=list(parts) if images else None))
+        parts.clear()
+
     for j, block in enumerate(blocks):
         if block["type"] == "text":
-            texts.append(block["text"])
+            parts.append({"type": "text", "text": block["text"]})
             continue
-        if texts:
-            turns.append(ChatMessage(role="user", content="".join(texts)))
-            texts = []
+        if block["type"] == "image":
+            parts.append(_image_part(block, f"{where}.content.{j}"))
+            continue
+        if parts:
+            user_turn()
         turns.append(_tool_turn(block, f"{where}.content.{j}", names))
-    if texts:
-        turns.append(ChatMessage(role="user", content="".join(texts)))
+    if parts:
+        user_turn()
     return turns
 
 

@@ -158,6 +158,8 @@ def anthropic_routes(service: EntryService, tool_parser: str = DEFAULT_PARSER) -
         body = await read_json(request)
         gen_req, options = ap.parse_body(body, new_rid(), service.served_model, tool_parser)
         await service.require_adapter(options.lora_name, body.get("model"))
+        if service.images is not None:
+            await service.images.resolve_all([gen_req])
         try:
             group = await ChoiceGroup.start(service, request, [gen_req], 1)
         except ApiError as exc:
@@ -171,6 +173,8 @@ def anthropic_routes(service: EntryService, tool_parser: str = DEFAULT_PARSER) -
     async def count_tokens(request: Request) -> Response:
         body = await read_json(request)
         query = count_query(body, service.served_model, tool_parser)
+        if any(turn.parts for turn in query.messages or []):
+            raise ApiError("messages: counting the tokens of images is not supported", param="messages")
         await service.require_adapter(adapter_of(body.get("model"), service.served_model), body.get("model"))
         return JSONResponse({"input_tokens": len((await ask_tokenizer(service, query)).tokens)})
 

@@ -114,8 +114,10 @@ class ImageIntake:
         wanted: list[tuple[dict[str, str] | None, int, str, str, str]] = []  # (part, index, source, where, param)
         for i, turn in enumerate(gen_req.messages or []):
             for j, part in enumerate(turn.parts or []):
-                if part.get("type") == "image":
-                    wanted.append((part, j, part.get("url", ""), f"messages[{i}].content[{j}]", "messages"))
+                if part.get("type") == "image":  # a route may say where the client put it (Anthropic's names)
+                    where = part.pop("where", None) or f"messages[{i}].content[{j}]"
+                    wanted.append((part, j, part.get("url", ""), where, "input" if where.startswith("input") else
+                                   "messages"))
         for k, source in enumerate(gen_req.image_data or []):
             wanted.append((None, k, source, f"{data_where}[{k}]", "image_data"))
         if len(wanted) > self.limits.max_images:

@@ -90,7 +90,13 @@ _BLOCK = {"oneOf": [_TEXT_BLOCK, {
     "type": "object", "required": ["type", "tool_use_id"], "description": "user turns only",
     "properties": {"type": {"enum": ["tool_result"]}, "tool_use_id": {"type": "string"},
                    "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": _TEXT_BLOCK}]},
-                   "is_error": _BOOL, "cache_control": _CACHE_HINT}}]}
+                   "is_error": _BOOL, "cache_control": _CACHE_HINT}}, {
+    "type": "object", "required": ["type", "source"], "description": "user turns of a vision-language model only",
+    "properties": {"type": {"enum": ["image"]}, "cache_control": _CACHE_HINT, "source": {"oneOf": [
+        {"type": "object", "required": ["type", "media_type", "data"], "properties": {
+            "type": {"enum": ["base64"]}, "media_type": {"type": "string"}, "data": {"type": "string"}}},
+        {"type": "object", "required": ["type", "url"], "properties": {
+            "type": {"enum": ["url"]}, "url": {"type": "string"}}}]}}}]}
 _ANTHROPIC_MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
     "role": {"enum": ["user", "assistant"]},
     "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": _BLOCK}]}}}
@@ -113,12 +119,15 @@ _TOOL = {"type": "object", "required": ["type", "function"], "properties": {
     "function": {"type": "object", "required": ["name"], "properties": {
         "name": _FUNCTION_NAME, "description": {"type": "string"}, "parameters": {"type": "object"},
         "strict": {"type": ["boolean", "null"]}}}}}
-_TEXT_CONTENT = {"oneOf": [{"type": "string"}, {"type": "array", "items": {
-    "type": "object", "required": ["type", "text"], "properties": {
-        "type": {"enum": ["input_text", "output_text"]}, "text": {"type": "string"}}}}]}
+_TEXT_PART_ITEM = {"type": "object", "required": ["type", "text"], "properties": {
+    "type": {"enum": ["input_text", "output_text"]}, "text": {"type": "string"}}}
+_TEXT_CONTENT = {"oneOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART_ITEM}]}
+_INPUT_CONTENT = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"oneOf": [_TEXT_PART_ITEM, {
+    "type": "object", "required": ["type", "image_url"], "description": "a vision-language model's image",
+    "properties": {"type": {"enum": ["input_image"]}, "image_url": _IMAGE_SOURCE, "detail": {"enum": ["auto"]}}}]}}]}
 _RESPONSES_ITEM = {"oneOf": [
     {"type": "object", "required": ["role", "content"], "properties": {
-        "type": {"enum": ["message"]}, "role": {"enum": list(responses.ROLES)}, "content": _TEXT_CONTENT}},
+        "type": {"enum": ["message"]}, "role": {"enum": list(responses.ROLES)}, "content": _INPUT_CONTENT}},
     {"type": "object", "required": ["type", "call_id", "name", "arguments"], "properties": {
         "type": {"enum": ["function_call"]}, "call_id": {"type": "string"}, "name": _FUNCTION_NAME,
         "arguments": {"type": "string"}}},

@@ -80,6 +80,33 @@ def _check_fields(body: dict[str, Any]) -> None:
             raise ApiError(f"{name}: {refused.reason}", param=name)
 
 
+def _image(part: dict[str, Any], where: str) -> dict[str, Any]:
+    """An `input_image` part, checked: `image_url` (a data URL; file and http(s) URLs where the server allows them,
+    docs/api.md "Images"), `detail` only auto."""
+    unknown = set(part) - {"type", "image_url", "detail", "file_id"}
+    if unknown:
+        raise ApiError(f"{where}: unexpected field {clip(sorted(unknown)[0])!r}", param="input")
+    if part.get("file_id") is not None:
+        raise ApiError(f"{where}.file_id: uploaded files are not supported; give the image as image_url",
+                       param="input")
+    if not isinstance(part.get("image_url"), str):
+        raise ApiError(f"{where}.image_url must be a string (a data URL)", param="input")
+    if part.get("detail") not in (None, "auto"):
+        raise ApiError(f"{where}.detail {clip(str(part['detail']))!r} is not supported: the model's own processor "
+                       "sets the resolution (only \"auto\")", param="input")
+    return {"type": "input_image", "image_url": part["image_url"], "detail": "auto"}
+
+
+def _parts(content: Any, where: str, role: str) -> list[dict[str, Any]]:
+    """A message's content as normalized parts: its text joined into one part, or with images (input roles only)
+    the text and image parts in order."""
+    if role == "assistant" or not isinstance(content, list) or not any(
+            isinstance(p, dict) and p.get("type") == "input_image" for p in content):
+        return [{"type": "output_text" if role == "assistant" else "input_text", "text": _text(content, where)}]
+    return [_image(part, f"{where}[{j}]") if isinstance(part, dict) and part.get("type") == "input_image"
+            else {"type": "input_text", "text": _text([part], f"{where}[{j}]")} for j, part in enumerate(content)]
+
+
 def _text(content: Any, where: str) -> str:
     """A message's content (a string or a list of text parts) as one text."""
     if isinstance(content, str):
@@ -111,9 +138,8 @@ def check_items(value: Any, where: str = "input") -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in ROLES:
                 raise ApiError(f"{at}.role must be one of {', '.join(ROLES)}", param="input")
-            part = "output_text" if role == "assistant" else "input_text"
             items.append({"type": "message", "id": item.get("id") or new_item_id("msg"), "role": role,
-                          "content": [{"type": part, "text": _text(item.get("content"), f"{at}.content")}]})
+                          "content": _parts(item.get("content"), f"{at}.content", role)})
         elif kind == "function_call":
             fields = {name: item.get(name) for name in ("call_id", "name", "arguments")}
             bad = next((name for name, v in fields.items() if not isinstance(v, str)), None)
@@ -140,7 +166,12 @@ def chat_turns(instructions: str | None, items: list[dict[str, Any]]) -> list[Ch
     names: dict[str, str] = {}
     for item in items:
         if item["type"] == "message":
-            turns.append(ChatMessage(role=ROLES[item["role"]], content="".join(p["text"] for p in item["content"])))
+            content = item["content"]
+            text = "".join(p.get("text", "") for p in content)
+            parts = [{"type": "image", "url": p["image_url"], "where": f"input item {item['id']} content[{j}]"}
+                     if p["type"] == "input_image" else {"type": "text", "text": p["text"]}
+                     for j, p in enumerate(content)] if any(p["type"] == "input_image" for p in content) else None
+            turns.append(ChatMessage(role=ROLES[item["role"]], content=text, parts=parts))
         elif item["type"] == "function_call":
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}

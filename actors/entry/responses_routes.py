@@ -142,6 +142,8 @@ class Responses:
 
     async def start(self, request: Request, gen_req: GenerateRequest, options: rp.ResponseOptions) -> ChoiceGroup:
         """The request on the ring; its errors name the field as the Responses body does."""
+        if self.service.images is not None:
+            await self.service.images.resolve_all([gen_req])
         try:
             return await ChoiceGroup.start(self.service, request, [gen_req], 1)
         except ApiError as exc:
