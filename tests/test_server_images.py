@@ -259,6 +259,9 @@ def test_python_client_sends_images_over_nats(llava: ServerHandle, nats_server: 
     one, two, chatted = asyncio.run(run())
     assert one.output_ids == over_http["output_ids"] == two[0].output_ids == two[1].output_ids
     assert chatted.output_ids == chat(client, image_chat(data_url(png(image)))).model_dump()["choices"][0]["token_ids"]
+    with ringserve.Engine(nats_url=nats_server.url, namespace=llava.namespace) as engine:  # joins the ring
+        assert engine.generate(text, {"max_new_tokens": NEW_TOKENS, "temperature": 0},
+                               image_data=path).output_ids == one.output_ids
 
 
 def test_the_same_image_hits_the_prefix_cache_and_another_does_not(client: openai.OpenAI) -> None:
