@@ -395,3 +395,16 @@ def test_messages_and_responses_take_images_as_chat_does(llava: ServerHandle, cl
         client.responses.create(model=client.models.list().data[0].id, input=[{"role": "user", "content": [
             {"type": "input_image", "file_id": "file-1"}]}])
     assert "file_id" in refused_file.value.message
+
+
+def test_token_counts_with_images_equal_the_generations(llava: ServerHandle, client: openai.OpenAI) -> None:
+    image = png(random_image(12))
+    usage = chat(client, image_chat(data_url(image))).usage
+    tokenized = httpx.post(f"{llava.base_url}/v1/tokenize", json={"messages": image_chat(data_url(image))})
+    assert tokenized.status_code == 200 and tokenized.json()["count"] == usage.prompt_tokens, tokenized.text
+    block = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": base64.b64encode(image).decode()}}
+    counted = httpx.post(f"{llava.base_url}/v1/messages/count_tokens", json={
+        "model": client.models.list().data[0].id,
+        "messages": [{"role": "user", "content": [block, {"type": "text", "text": "Describe this."}]}]})
+    assert counted.status_code == 200 and counted.json()["input_tokens"] == usage.prompt_tokens, counted.text

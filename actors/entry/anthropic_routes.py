@@ -173,8 +173,6 @@ def anthropic_routes(service: EntryService, tool_parser: str = DEFAULT_PARSER) -
     async def count_tokens(request: Request) -> Response:
         body = await read_json(request)
         query = count_query(body, service.served_model, tool_parser)
-        if any(turn.parts for turn in query.messages or []):
-            raise ApiError("messages: counting the tokens of images is not supported", param="messages")
         await service.require_adapter(adapter_of(body.get("model"), service.served_model), body.get("model"))
         return JSONResponse({"input_tokens": len((await ask_tokenizer(service, query)).tokens)})
 

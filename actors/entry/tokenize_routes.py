@@ -26,6 +26,7 @@ from ringserve.actors.entry.openai_protocol import model_not_found, parse_chat
 from ringserve.actors.entry.request_flow import EntryService
 from ringserve.bus.codec import encode
 from ringserve.bus.errors import ApiError, server_error
+from ringserve.bus.messages import GenerateRequest
 from ringserve.bus.tokenize_messages import TokenizeQuery, TokenizeReply
 
 TOKENIZE_TIMEOUT = 5.0
@@ -89,6 +90,8 @@ def detokenize_query(body: dict[str, Any], served_model: str) -> TokenizeQuery:
 async def ask_tokenizer(service: EntryService, query: TokenizeQuery) -> TokenizeReply:
     """The tokenizer's answer to `query`; its ApiError if it rejected it, 413 if too big, 503 if none answers."""
     bus, subjects = service.client.bus, service.client.subjects
+    if query.messages is not None and service.images is not None:  # images go by handle (image_input.py)
+        await service.images.resolve(GenerateRequest(rid="tokenize", messages=query.messages))
     if len(encode(query)) + 1024 > bus.max_payload:
         raise ApiError(f"the request exceeds the bus payload limit of {bus.max_payload} bytes", 413,
                        param="tokens" if query.token_ids is not None else

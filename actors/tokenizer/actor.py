@@ -145,7 +145,7 @@ class TokenizerActor:
     async def _on_tokenize(self, query: TokenizeQuery, delivery: Delivery) -> TokenizeReply:
         """Answer a tokenize or detokenize query; a rejected one is answered with its error."""
         try:
-            reply = self._tokenize(query)
+            reply = await self._tokenize(query)
         except ApiError as exc:
             reply = TokenizeReply(error=exc)
         except Exception as exc:  # a bug must still answer, or the entry waits for its timeout
@@ -162,7 +162,7 @@ class TokenizerActor:
         return TokenizeReply(max_model_len=self._context_length,
                              error=ApiError(f"malformed tokenize query: {error}"[:1000], param=where[:100]))
 
-    def _tokenize(self, query: TokenizeQuery) -> TokenizeReply:
+    async def _tokenize(self, query: TokenizeQuery) -> TokenizeReply:
         given = [name for name in ("text", "messages", "token_ids") if getattr(query, name) is not None]
         if len(given) != 1:
             raise ApiError("give exactly one of prompt, messages or tokens", param="prompt")
@@ -173,14 +173,14 @@ class TokenizerActor:
                     raise ApiError(f"tokens[{i}] = {t} is not a token id in [0, {vocab})", param="tokens")
             return TokenizeReply(text=self._tokenizer.decode(query.token_ids, skip_special_tokens=False))
         if query.messages is not None:
-            if any(turn.parts for turn in query.messages):
-                raise ApiError("tokenizing messages with images is not supported", param="messages")
             if query.add_special_tokens:  # the chat template holds the special tokens; generation adds none
                 raise ApiError("add_special_tokens is not supported with messages: the chat template adds them",
                                param="add_special_tokens")
             req = GenerateRequest(rid="tokenize", messages=query.messages, tools=query.tools,
                                   add_generation_prompt=query.add_generation_prompt,
                                   continue_final_message=query.continue_final_message)
+            if image_handles(req):  # as a generation would see them: each image's tokens expanded
+                return TokenizeReply(tokens=(await self._encode_images(req))[0])
             return TokenizeReply(tokens=self._encoder.encode(req))
         assert query.text is not None
         add_special = True if query.add_special_tokens is None else query.add_special_tokens
