@@ -24,7 +24,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict
 from typing import Any
 
 from ringserve.actors.common.model_source import resolve_model
@@ -38,6 +38,7 @@ from ringserve.actors.scheduler.kv_share import KvSharing
 from ringserve.actors.scheduler.engine_thread import on_engine_thread, on_passing_thread, serial_torch_on_this_thread
 from ringserve.actors.scheduler.kv_events import KvEventPublisher
 from ringserve.actors.scheduler.step_messages import StepNumbering
+from ringserve.actors.scheduler.row_publisher import RowPublisher
 from ringserve.actors.scheduler.stream_interval import StreamCoalescer
 from ringserve.actors.scheduler.weight_update import UPDATE_WEIGHTS, WeightLoader, WeightUpdates
 from ringserve.bus.connection import Delivery
@@ -59,7 +60,7 @@ CONTROL_ACTIONS = ("flush_cache", "abort_all", "pause", "continue", UPDATE_WEIGH
 REFUSAL_LOG_SECONDS = 1.0  # admission refusals are logged at most this often (a flood would flood the log)
 
 
-class SchedulerActor:
+class SchedulerActor(RowPublisher):
     """Bridges the bus and the engine."""
 
     def __init__(self, ctx: ActorContext, engine: EngineInterface, admission: Admission | None = None,
@@ -380,57 +381,6 @@ class SchedulerActor:
             return ControlReply(ok=True, message="paused")
         self._engine.resume()
         return ControlReply(ok=True, message="continued")
-
-    async def _publish(self, outputs: list[TokenRow], step_traceparent: str | None = None,
-                       after_step: bool = False) -> None:
-        """Publish rows, one message per detokenizer, or hold them for `--stream-interval` (`after_step`: a
-        step's rows; `step_traceparent`: the step span they came from)."""
-        now = tracing.now_ns() if tracing.enabled() and outputs else 0
-        for out in outputs:
-            if out.finish is not None:  # its final row (finish, abort, error): the request's slot is free
-                self._admission.release(out.rid)
-            if out.decode is not None:  # a request's first row
-                out.traceparent = self._spans.traceparent(out.rid)
-            self._spans.output(out, now)
-        if self._share is not None:  # prefill jobs' rows end here (kv_share.py): nobody reads them
-            outputs, ended = self._share.take_job_rows(outputs)
-            for rid in ended:
-                self._detokenizer_of.pop(rid, None)
-        await self._send(self._streams.take(outputs, after_step), step_traceparent)
-
-    async def _send(self, outputs: list[TokenRow], step_traceparent: str | None = None) -> None:
-        """Publish rows as they are, one message per detokenizer."""
-        if not outputs:
-            return
-        by_detokenizer: dict[int, list[TokenRow]] = defaultdict(list)
-        for out in outputs:
-            by_detokenizer[self._detokenizer(out)].append(out)
-        for detokenizer, rows in by_detokenizer.items():
-            await self._publish_rows(self._ctx.subjects.tokens(detokenizer), rows, step_traceparent)
-        finished = [r.rid for r in outputs if r.finish is not None]
-        if finished:
-            log_event(log, logging.DEBUG, "finished", rids=",".join(finished))
-
-    def _detokenizer(self, row: TokenRow) -> int:
-        """Where `row` goes: its request's stamped detokenizer (forgotten with the request's final row)."""
-        if row.finish is not None:
-            return self._detokenizer_of.pop(row.rid, 0)
-        return self._detokenizer_of.get(row.rid, 0)
-
-    async def _publish_rows(self, subject: str, rows: list[TokenRow], traceparent: str | None = None) -> None:
-        """One step message (split while it exceeds max_payload); a row too large alone ends its request."""
-        step = self._info.step
-        too_large = await self._numbering.publish(self._ctx.bus, subject, step, rows, traceparent)
-        for row in too_large:
-            log_event(log, logging.ERROR, "a token row exceeds max_payload; ending its request", rid=row.rid)
-            self._engine.abort(row.rid)
-            self._admission.release(row.rid)
-            self._detokenizer_of.pop(row.rid, None)
-            error = FinishReason(type="error", error=server_error("the request's output exceeds the bus payload limit"))
-            final = TokenRow(rid=row.rid, token_ids=[], prompt_tokens=row.prompt_tokens,
-                             completion_tokens=row.completion_tokens, finish=error)
-            self._spans.output(final, tracing.now_ns())
-            await self._numbering.publish(self._ctx.bus, subject, step, [final])
 
 
 async def scheduler_main(ctx: ActorContext, model: str, config: EngineConfig,

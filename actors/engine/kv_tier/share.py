@@ -10,10 +10,12 @@ thread, between steps.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 from ringserve.actors.engine.scheduling.cache_manager import CacheManager
-from ringserve.bus.kv_blocks import block_hashes, salt_seed
+from ringserve.actors.engine.scheduling.images import image_key
+from ringserve.bus.kv_blocks import block_hashes, cache_namespace, salt_seed
+from ringserve.bus.messages import TokenizedRequest
 
 
 def held_blocks(cache: CacheManager, ids: Sequence[int], cache_key: str | None) -> int:
@@ -62,3 +64,40 @@ def import_blocks(cache: CacheManager, ids: Sequence[int], cache_key: str | None
             raise ValueError(f"a fetched KV block has {len(payload)} bytes; this pool's blocks have "
                              f"{tier.block_bytes}")
         tier.store.put(tier.key(block_hash), payload)
+
+
+class KvShareMethods:
+    """`Engine`'s side of KV sharing between replicas, run on its thread; it sets `cache` and `lora`."""
+
+    cache: CacheManager
+    lora: Any
+
+    def kv_share_namespace(self) -> str | None:
+        """The KV tier's namespace (what this replica's KV depends on), None without a tier: blocks cross
+        replicas only between equal namespaces (actors/engine/kv_tier/share.py, run on the engine thread)."""
+        return self.cache.tier.namespace if self.cache.tier is not None else None
+
+    def kv_cache_key(self, request: TokenizedRequest) -> str | None:
+        """The prefix-cache tree `request`'s KV belongs to (`Req.cache_key`)."""
+        lora = request.sampling.lora_name
+        return cache_namespace(request.sampling.cache_salt,
+                               self.lora.cache_name(lora) if lora and self.lora is not None else None)
+
+    def kv_key_ids(self, request: TokenizedRequest) -> list[int]:
+        """`request`'s prompt as the prefix cache, the KV tier and KV events key it: each image token as a pseudo id
+        of its image's hash (`images.image_key`), other tokens as they are."""
+        if not request.images:
+            return list(request.input_ids)
+        return image_key(list(request.input_ids), request.images)
+
+    def kv_held_blocks(self, ids: list[int], cache_key: str | None) -> int:
+        """Leading whole blocks of `ids` this replica holds, in the pool or the tier (`held_blocks`)."""
+        return held_blocks(self.cache, ids, cache_key)
+
+    def kv_export(self, ids: list[int], cache_key: str | None, first: int, count: int, budget: int) -> list[bytes]:
+        """Blocks `[first, first + count)` of `ids` for another replica, at most `budget` bytes (`export_blocks`)."""
+        return export_blocks(self.cache, ids, cache_key, first, count, budget)
+
+    def kv_import(self, ids: list[int], cache_key: str | None, first: int, payloads: list[bytes]) -> None:
+        """Keep blocks fetched from another replica in the tier, for admission to load (`import_blocks`)."""
+        import_blocks(self.cache, ids, cache_key, first, payloads)

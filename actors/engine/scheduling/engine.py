@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import random
 import time
-from pathlib import Path
 from contextlib import nullcontext
 from typing import Any
 
@@ -51,19 +50,18 @@ from ringserve.actors.engine.scheduling.output_rows import StepLogprobs, output_
 from ringserve.actors.engine.scheduling.prefill import PrefillManager
 from ringserve.actors.engine.quantization.quantize import apply_quantization, quantization_report
 from ringserve.actors.engine.scheduling.prefix_cache import create_prefix_cache
-from ringserve.actors.engine.kv_tier import share
+from ringserve.actors.engine.kv_tier.share import KvShareMethods
 from ringserve.actors.engine.kv_tier.tier import make_tier
 from ringserve.actors.engine.scheduling.request import Req
 from ringserve.actors.engine.scheduling.images import image_key, request_images, step_override
-from ringserve.actors.engine.lora.adapter import Adapter, AdapterError
-from ringserve.actors.engine.lora.pool import LoraPool, lora_not_found
+from ringserve.actors.engine.lora.pool import LoraPool
+from ringserve.actors.engine.lora.serving import LoraServing
 from ringserve.actors.engine.scheduling.stop_checker import StopChecker
 from ringserve.actors.engine.runner.graphs.thread_tuner import tuner_for
 from ringserve.actors.engine.runner.token_table import TokenTable
 from ringserve.actors.engine.models.weight_swap import swap_engine_weights
 from ringserve.actors.engine.interface import StepPlan
 from ringserve.bus.errors import ApiError, server_error
-from ringserve.bus.kv_blocks import cache_namespace
 from ringserve.bus.messages import FinishReason, SchedulerInfo, TokenizedRequest, TokenRow
 from ringserve.kernels.sampling import PenaltyState
 from ringserve.observability.logging import log_event
@@ -73,7 +71,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 log = logging.getLogger("engine")
 
 
-class Engine:
+class Engine(LoraServing, KvShareMethods):
     """Continuous batching with chunked prefill and a prefix cache over our Llama and a paged KV pool."""
 
     def __init__(self, model: CausalLM, config: EngineConfig, tokenizer: Any | None = None,
@@ -141,69 +139,6 @@ class Engine:
         self._prompt_tokens = 0
         self._cached_tokens = 0
 
-    def _start_lora(self, model: CausalLM) -> None:
-        """Bound the running adapters, keep decode layers off the fused CPU op (it knows no adapters) and load
-        `--lora-modules`."""
-        assert self.lora is not None
-        self.lora.state.fixed = self.runner.graphs is not None  # graphs keep every slot's shapes
-        for layer in model.decoder_layers():
-            layer.fused_decode = False
-        self.prefill.adapter_limit = self.config.max_loras_per_batch
-        self.prefill.running_adapters = lambda: {r.params.lora_name for r in self.decode.running}
-        for name, path in self.config.lora_module_map().items():
-            self.lora.register(name, path)
-
-    def read_lora(self, name: str, path: str) -> Adapter | ApiError:
-        """The adapter at `path` for `name`, read and checked, or why not; serves nothing yet and changes no
-        state, so it may run on another thread while steps run (the scheduler reads there: a load never holds
-        the steps for as long as the disk takes)."""
-        if self.lora is None:
-            return ApiError("this server serves no LoRA adapters (start it with --enable-lora)", param="lora_name")
-        if not name:
-            return ApiError("lora_name must not be empty", param="lora_name")
-        root = self.config.lora_dir
-        if root and not Path(path).resolve().is_relative_to(Path(root).resolve()):
-            return ApiError(f"lora_path {path!r} is outside --lora-dir {root!r}", param="lora_path")
-        try:
-            return self.lora.read(name, path)
-        except AdapterError as e:
-            return ApiError(str(e), param="lora_path")
-
-    def load_lora(self, name: str, path: str, adapter: Adapter | ApiError | None = None) -> ApiError | None:
-        """Register the adapter at `path` as `name` (replacing one of that name), or say why not; `adapter`:
-        what `read_lora` gave for them already."""
-        adapter = self.read_lora(name, path) if adapter is None else adapter
-        if isinstance(adapter, ApiError):
-            return adapter
-        error = self._lora_in_use(name)
-        if error is not None:
-            return error
-        assert self.lora is not None
-        self.lora.register(name, path, adapter)
-        return None
-
-    def unload_lora(self, name: str) -> ApiError | None:
-        """Forget the adapter `name`, or say why not (unknown, or requests still use it)."""
-        if self.lora is None or name not in self.lora.paths:
-            return lora_not_found(name, self.lora_names())
-        error = self._lora_in_use(name)
-        if error is not None:
-            return error
-        self.lora.unregister(name)
-        return None
-
-    def _lora_in_use(self, name: str) -> ApiError | None:
-        """A 409 while live requests run with the adapter `name` (replacing or dropping it would change them)."""
-        users = sum(r.params.lora_name == name for r in self.live.values())
-        if users:
-            return ApiError(f"LoRA adapter {name!r} is in use by {users} request(s); retry when they finish",
-                            409, "lora_name")
-        return None
-
-    def lora_names(self) -> list[str]:
-        """The registered adapters' names."""
-        return sorted(self.lora.paths) if self.lora is not None else []
-
     @classmethod
     def from_source(cls, source: Any, config: EngineConfig, tokenizer: Any | None = None) -> Engine:
         """Load the model at `source` (a ModelSource: GGUF or safetensors) and build an engine."""
@@ -250,13 +185,9 @@ class Engine:
         if checked and self.runner.tp_sender is not None:
             return ApiError("images are not served with --tp > 1 yet", param="images")
         params = request.sampling
-        if params.lora_name is not None:
-            if self.lora is None or params.lora_name not in self.lora.paths:
-                return lora_not_found(params.lora_name, self.lora_names())
-            try:
-                self.lora.adapter(params.lora_name)
-            except AdapterError as e:
-                return ApiError(str(e), param="lora_name")
+        error = self._adapter_error(params.lora_name)
+        if error is not None:
+            return error
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         req = Req(request.rid, len(request.input_ids), list(request.input_ids), params, seed)
         if params.lora_name is not None and self.lora is not None:
@@ -481,36 +412,6 @@ class Engine:
     def kv_events(self) -> tuple[list[bytes], list[bytes]]:
         """Block hashes the prefix cache stored and evicted since the last call (`BasePrefixCache.take_block_events`)."""
         return self.cache.prefix_cache.take_block_events()
-
-    def kv_share_namespace(self) -> str | None:
-        """The KV tier's namespace (what this replica's KV depends on), None without a tier: blocks cross
-        replicas only between equal namespaces (actors/engine/kv_tier/share.py, run on the engine thread)."""
-        return self.cache.tier.namespace if self.cache.tier is not None else None
-
-    def kv_cache_key(self, request: TokenizedRequest) -> str | None:
-        """The prefix-cache tree `request`'s KV belongs to (`Req.cache_key`)."""
-        lora = request.sampling.lora_name
-        return cache_namespace(request.sampling.cache_salt,
-                               self.lora.cache_name(lora) if lora and self.lora is not None else None)
-
-    def kv_key_ids(self, request: TokenizedRequest) -> list[int]:
-        """`request`'s prompt as the prefix cache, the KV tier and KV events key it: each image token as a pseudo id
-        of its image's hash (`images.image_key`), other tokens as they are."""
-        if not request.images:
-            return list(request.input_ids)
-        return image_key(list(request.input_ids), request.images)
-
-    def kv_held_blocks(self, ids: list[int], cache_key: str | None) -> int:
-        """Leading whole blocks of `ids` this replica holds, in the pool or the tier (`share.held_blocks`)."""
-        return share.held_blocks(self.cache, ids, cache_key)
-
-    def kv_export(self, ids: list[int], cache_key: str | None, first: int, count: int, budget: int) -> list[bytes]:
-        """Blocks `[first, first + count)` of `ids` for another replica, at most `budget` bytes (`share.export_blocks`)."""
-        return share.export_blocks(self.cache, ids, cache_key, first, count, budget)
-
-    def kv_import(self, ids: list[int], cache_key: str | None, first: int, payloads: list[bytes]) -> None:
-        """Keep blocks fetched from another replica in the tier, for admission to load (`share.import_blocks`)."""
-        share.import_blocks(self.cache, ids, cache_key, first, payloads)
 
     def check_integrity(self) -> None:
         """Assert that the pool is partitioned exactly among free slots, the prefix cache and live requests."""
