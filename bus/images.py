@@ -3,13 +3,18 @@
 The tokenizer actor runs the model's image processor, expands each image's placeholder into its image tokens and
 puts the processed tensors (pixel values, grid sizes, ...) into the NATS object store under the image's hash. A
 `TokenizedRequest` then carries one `ImageRef` per image, a few hundred bytes however large the image, and the
-scheduler fetches the tensors once before the engine admits the request.
+scheduler fetches the tensors once before the engine admits the request. `image_key` is how a prompt with images
+is keyed wherever KV is matched (the prefix cache, the KV tier, the router's block hashes): each image token
+as a pseudo id of its image's hash.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
+
+PSEUDO_BASE = 1 << 31  # pseudo ids lie in [2^31, 2^32): past any vocabulary, within the uint32 block hashes
 
 
 @dataclass
@@ -29,3 +34,23 @@ class ImageRef:
     handle: str
     nbytes: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
+
+
+def image_key(input_ids: list[int], refs: list[ImageRef]) -> list[int]:
+    """`input_ids` as the prefix cache keys them: token `j` of an image's run becomes a pseudo id drawn from the
+    image's hash and `j` (31 bits each, so two images share no run of them but by a 2^-31 chance per token)."""
+    key = list(input_ids)
+    for ref in refs:
+        seed = bytes.fromhex(ref.hash) if _is_hex(ref.hash) else ref.hash.encode()
+        for j in range(ref.length):
+            digest = hashlib.blake2b(seed + j.to_bytes(4, "little"), digest_size=4).digest()
+            key[ref.offset + j] = PSEUDO_BASE | (int.from_bytes(digest, "little") & (PSEUDO_BASE - 1))
+    return key
+
+
+def _is_hex(text: str) -> bool:
+    try:
+        bytes.fromhex(text)
+    except ValueError:
+        return False
+    return True

@@ -183,3 +183,18 @@ def test_a_stopped_prefill_replica_means_the_decode_replica_computes(split: Serv
     assert len(stopped["output_ids"]) == N
     assert replicas(split)[1]["kv_fetch_failures"] == failures + 1
     assert generate(split, ids)["output_ids"] == stopped["output_ids"]  # computed or fetched: the same tokens
+
+
+def test_the_router_keys_image_tokens_by_their_image() -> None:
+    """Two prompts alike but for their image: the router hashes them apart, as the replicas' caches key them."""
+    from ringserve.bus.images import ImageRef, image_key
+
+    ids = [5] * 10 + [9] * BLOCK + [6] * BLOCK  # an image's run of 64 image tokens (id 9) after 10 text tokens
+    cat, dog = (image_key(ids, [ImageRef(h * 64, 10, BLOCK, "handle")]) for h in ("a", "b"))
+    router = Router()
+    for replica in (0, 1):
+        router.on_heartbeat(ReplicaLoad(replica=replica, interval=1.0), now=0.0)
+    router.on_kv_events(KvEvents(replica=1, epoch="e1", seq=1, stored=block_hashes(cat, BLOCK)))
+    assert block_hashes(cat, BLOCK)[0] != block_hashes(dog, BLOCK)[0]
+    assert router.route(cat, now=0.5) == 1  # where that image's prompt is cached
+    assert router.holder(dog, 0, now=0.5) == (-1, 0)  # nobody holds the other image's

@@ -32,7 +32,7 @@ from ringserve.bus.codec import DecodeError, encode, peek_field
 from ringserve.bus.connection import Delivery
 from ringserve.bus.errors import ApiError, server_error
 from ringserve.bus.image_store import ImageStore
-from ringserve.bus.images import ImageRef
+from ringserve.bus.images import ImageRef, image_key
 from ringserve.bus.kv_blocks import cache_namespace
 from ringserve.bus.messages import (
     Accepted, GenerateRequest, Heartbeat, InfoQuery, KvEvents, KvSnapshot, RequestOutput, TokenizedRequest,
@@ -245,9 +245,10 @@ class TokenizerActor:
         tokenized = TokenizedRequest(rid=req.rid, input_ids=input_ids, sampling=sampling, detokenizer=detokenizer,
                                      stream=req.stream, embed=req.embed, images=refs)
         salt = cache_namespace(sampling.cache_salt, sampling.lora_name)
-        replica = self._router.route(input_ids, time.monotonic(), salt)
+        key_ids = image_key(input_ids, tokenized.images) if tokenized.images else input_ids  # as the cache keys it
+        replica = self._router.route(key_ids, time.monotonic(), salt)
         if replica is not None:  # another replica holding more of the prompt: the chosen one may fetch it
-            tokenized.kv_peer, tokenized.kv_peer_blocks = self._router.holder(input_ids, replica, time.monotonic(),
+            tokenized.kv_peer, tokenized.kv_peer_blocks = self._router.holder(key_ids, replica, time.monotonic(),
                                                                               salt)
             if tokenized.kv_peer < 0:  # a decode replica (--replica-role): a prefill replica computes the prompt
                 tokenized.kv_prefill = self._router.prefill_for(replica, time.monotonic())

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from ringserve.actors.engine.scheduling.cache_manager import CacheManager
-from ringserve.actors.engine.scheduling.images import image_key
+from ringserve.bus.images import image_key
 from ringserve.bus.kv_blocks import block_hashes, cache_namespace, salt_seed
 from ringserve.bus.messages import TokenizedRequest
 

@@ -53,7 +53,7 @@ from ringserve.actors.engine.scheduling.prefix_cache import create_prefix_cache
 from ringserve.actors.engine.kv_tier.share import KvShareMethods
 from ringserve.actors.engine.kv_tier.tier import make_tier
 from ringserve.actors.engine.scheduling.request import Req
-from ringserve.actors.engine.scheduling.images import image_key, request_images, step_override
+from ringserve.actors.engine.scheduling.images import request_images, step_override
 from ringserve.actors.engine.lora.pool import LoraPool
 from ringserve.actors.engine.lora.serving import LoraServing
 from ringserve.actors.engine.scheduling.stop_checker import StopChecker
@@ -62,6 +62,7 @@ from ringserve.actors.engine.runner.token_table import TokenTable
 from ringserve.actors.engine.models.weight_swap import swap_engine_weights
 from ringserve.actors.engine.interface import StepPlan
 from ringserve.bus.errors import ApiError, server_error
+from ringserve.bus.images import image_key
 from ringserve.bus.messages import FinishReason, SchedulerInfo, TokenizedRequest, TokenRow
 from ringserve.kernels.sampling import PenaltyState
 from ringserve.observability.logging import log_event

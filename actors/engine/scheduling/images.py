@@ -5,14 +5,13 @@ the prefix cache.
 given, a run of exactly the model's image token count of image tokens) and keeps its tensors on the request.
 `step_override` runs the vision tower and projector for the images a step's prefill chunks cover, once per image
 hash across the step's requests (the embeddings stay with each request for its life), and gives the model the
-chunk's slice of them (a chunk may start or end inside an image). `image_key` is how the prefix cache keys a
-prompt: each image token becomes a pseudo id drawn from its image's hash and its place in the run, so the same
-image twice shares KV and two images never do.
+chunk's slice of them (a chunk may start or end inside an image). The prefix cache keys a prompt by
+`bus/images.py` `image_key`: each image token becomes a pseudo id drawn from its image's hash and its place in
+the run, so the same image twice shares KV and two images never do; the routers hash the same key.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +23,6 @@ from ringserve.actors.engine.scheduling.batch import Batch
 from ringserve.bus.errors import ApiError
 from ringserve.bus.images import ImageRef
 
-PSEUDO_BASE = 1 << 31  # pseudo ids lie in [2^31, 2^32): past any vocabulary, within the uint32 block hashes
 
 
 @dataclass(eq=False)
@@ -81,26 +79,6 @@ def request_images(model: CausalLM, input_ids: list[int], refs: list[ImageRef],
         return ApiError(f"the prompt holds {stray} image token(s) (id {token}) outside its images' runs",
                         param="input_ids")
     return out
-
-
-def image_key(input_ids: list[int], refs: list[ImageRef]) -> list[int]:
-    """`input_ids` as the prefix cache keys them: token `j` of an image's run becomes a pseudo id drawn from the
-    image's hash and `j` (31 bits each, so two images share no run of them but by a 2^-31 chance per token)."""
-    key = list(input_ids)
-    for ref in refs:
-        seed = bytes.fromhex(ref.hash) if _is_hex(ref.hash) else ref.hash.encode()
-        for j in range(ref.length):
-            digest = hashlib.blake2b(seed + j.to_bytes(4, "little"), digest_size=4).digest()
-            key[ref.offset + j] = PSEUDO_BASE | (int.from_bytes(digest, "little") & (PSEUDO_BASE - 1))
-    return key
-
-
-def _is_hex(text: str) -> bool:
-    try:
-        bytes.fromhex(text)
-    except ValueError:
-        return False
-    return True
 
 
 def chunk_tokens(images: list[ReqImage], start: int, n: int) -> int:
