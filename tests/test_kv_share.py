@@ -19,6 +19,7 @@ from ringserve.bus.kv_transfer import KvFetchReply, KvFetchRequest, checksum, fe
 from ringserve.bus.messages import Accepted, KvEvents, ReplicaLoad, RequestOutput, TokenizedRequest
 from ringserve.bus.params import SamplingParams
 from ringserve.bus.subjects import Subjects
+from tests.otlp_receiver import OtlpReceiver
 from tests.server_helpers import ServerHandle, start_server
 
 BLOCKS = 5
@@ -27,9 +28,18 @@ N = 8
 
 
 @pytest.fixture(scope="module")
-def shared(tiny_model_dir: Path, nats_server: EmbeddedNatsServer) -> Iterator[ServerHandle]:
-    handle = start_server(str(tiny_model_dir), nats_url=nats_server.url,
-                          extra=["--dp", "2", "--kv-tier-bytes", str(64 << 20), "--kv-share"])
+def spans() -> Iterator[OtlpReceiver]:
+    with OtlpReceiver() as receiver:
+        yield receiver
+
+
+@pytest.fixture(scope="module")
+def shared(tiny_model_dir: Path, nats_server: EmbeddedNatsServer, spans: OtlpReceiver) -> Iterator[ServerHandle]:
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+        handle = start_server(str(tiny_model_dir), nats_url=nats_server.url,
+                              extra=["--dp", "2", "--kv-tier-bytes", str(64 << 20), "--kv-share",
+                                     "--otlp-endpoint", spans.url])
     yield handle
     assert handle.stop() == 0
 
@@ -68,7 +78,7 @@ async def run_on(server: ServerHandle, replica: int, rid: str, ids: list[int], p
         await bus.close()
 
 
-def test_a_fetched_prefix_gives_the_computed_tokens(shared: ServerHandle) -> None:
+def test_a_fetched_prefix_gives_the_computed_tokens(shared: ServerHandle, spans: OtlpReceiver) -> None:
     computed = asyncio.run(run_on(shared, 0, "computed", PROMPT))
     before = replicas(shared)[1]
     fetched = asyncio.run(run_on(shared, 1, "fetched", PROMPT, peer=0, peer_blocks=BLOCKS))
@@ -79,6 +89,9 @@ def test_a_fetched_prefix_gives_the_computed_tokens(shared: ServerHandle) -> Non
     assert after[0]["kv_served_blocks"] >= BLOCKS
     scrape = httpx.get(shared.base_url + "/metrics", timeout=30).text
     assert "ringserve:kv_fetched_blocks" in scrape
+    fetch = spans.wait_for(lambda got: any(s.name == "kv fetch" for s in got))
+    [span] = [s for s in fetch if s.name == "kv fetch"]  # the request's trace shows the fetch as its own span
+    assert span.attributes["ringserve.kv.blocks_fetched"] == BLOCKS and span.attributes["ringserve.kv.holder"] == 0
 
 
 def test_a_holder_that_is_gone_means_the_prefix_is_computed(shared: ServerHandle) -> None:
