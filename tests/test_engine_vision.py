@@ -12,7 +12,7 @@ import torch
 
 from ringserve.bus.images import ImageRef
 from ringserve.bus.messages import TokenizedRequest
-from tests.engine_helpers import engine_for, greedy, run_to_completion, tokens_of
+from tests.engine_helpers import compiled_engine, engine_for, greedy, run_to_completion, tokens_of
 from tests.vision_models import IMAGE_TOKENS, process, random_image, tiny_hf_vlm
 
 NEW_TOKENS = 6
@@ -192,3 +192,25 @@ def test_a_cached_prefix_ending_inside_a_two_way_image_continues_it() -> None:
     rows = run_to_completion(engine, [])["g"]
     assert rows[0].cached_tokens == inside - 1
     assert tokens_of(rows) == hf_tokens(model, again[2])
+
+
+def test_a_steps_images_run_through_the_tower_together_once_per_image(vlm: tuple[Any, Any, str]) -> None:
+    model, processor, _ = vlm
+    engine = engine_for(model)
+    batches: list[int] = []
+    tower = engine.runner.model.vision_tower.embeddings.patch_embedding
+    handle = tower.register_forward_hook(lambda module, args, out: batches.append(args[0].shape[0]))
+    try:
+        requests = [tokenized(processor, [random_image(seed)], rid) for seed, rid in ((11, "a"), (12, "b"), (11, "c"))]
+        out = serve(engine, *requests)
+    finally:
+        handle.remove()
+    assert batches == [2]  # images 11 and 12 in the first step, 11 once for both requests holding it
+    assert out["a"] == out["c"] == hf_tokens(model, requests[0][2])
+
+
+def test_an_image_request_decodes_in_the_compiled_cpu_graph(monkeypatch: Any) -> None:
+    model, processor = tiny_hf_vlm("llava")
+    engine = compiled_engine(model, monkeypatch)
+    request = tokenized(processor, [random_image(13)], "g")
+    assert serve(engine, request)["g"] == hf_tokens(model, request[2])
