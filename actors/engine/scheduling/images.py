@@ -24,7 +24,6 @@ from ringserve.bus.errors import ApiError
 from ringserve.bus.images import ImageRef
 
 
-
 @dataclass(eq=False)
 class ReqImage:
     """One image of a request: where its tokens are, its processed tensors, and its embeddings once computed."""

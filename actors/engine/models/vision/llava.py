@@ -12,7 +12,7 @@ from torch import nn
 
 from ringserve.actors.engine.models.spec import ArchSpec
 from ringserve.actors.engine.models.vision.vision_lm import VisionCausalLM, namespace
-from ringserve.actors.engine.models.vision.vit import VisionTower, _activation
+from ringserve.actors.engine.models.vision.vit import VisionTower, activation
 
 STRATEGIES = ("default", "full")
 
@@ -25,7 +25,7 @@ class LlavaProjector(nn.Module):
         bias = getattr(config, "multimodal_projector_bias", True)
         self.linear_1 = nn.Linear(vision_dim * layers, text_dim, bias=bias)
         self.linear_2 = nn.Linear(text_dim, text_dim, bias=bias)
-        self.act = _activation(config.projector_hidden_act)
+        self.act = activation(config.projector_hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_2(self.act(self.linear_1(x)))

@@ -20,7 +20,9 @@ from ringserve.kernels.activations import ACTIVATIONS
 TOWER_TYPES = ("clip_vision_model", "siglip_vision_model")
 
 
-def _activation(name: str) -> Any:
+def activation(name: str) -> Any:
+    """The activation a vision config names (`hidden_act`, `projector_hidden_act`): CLIP's quick_gelu or one of
+    the text models' (kernels/activations.py)."""
     if name == "quick_gelu":  # CLIP's
         return lambda x: x * torch.sigmoid(1.702 * x)
     if name not in ACTIVATIONS:
@@ -56,7 +58,7 @@ class VisionLayer(nn.Module):
         self.mlp = nn.Module()
         self.mlp.fc1 = nn.Linear(dim, config.intermediate_size)
         self.mlp.fc2 = nn.Linear(config.intermediate_size, dim)
-        self.act = _activation(config.hidden_act)
+        self.act = activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor, images: int) -> torch.Tensor:
         x = x + self.self_attn(self.layer_norm1(x), images)
