@@ -11,7 +11,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SOURCE_NAMES = ("qgemm.cpp", "f32_gemv.cpp", "paged_attention.cpp", "decode_layer.cpp", "kv_store.cpp",
-                "give_way.cpp", "kquant.cpp", "kbits.cpp")  # build order
+                "give_way.cpp", "kquant.cpp", "kbits.cpp", "lora_bgmv.cpp")  # build order
 SOURCES = tuple(HERE / name for name in SOURCE_NAMES)
 HEADER_NAMES = ("qgemm.h", "paged_attention.h", "simd.h")  # included by the sources: part of what a build is
 HEADERS = tuple(HERE / name for name in HEADER_NAMES)

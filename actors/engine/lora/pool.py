@@ -4,7 +4,7 @@
 `LoraLinear`s sharing one `LoraState`. Registered adapters (name -> directory) are checked at registration and
 kept loaded, up to `max_loaded` (0: no bound), least recently used first out (read again from disk when next
 needed). Before each forward `prepare` gives every adapter of the step a slot (copying one in where it is not
-there yet, into a slot no row of this step uses) and fills the token mask. The scheduler admits at most
+there yet, into a slot no row of this step uses) and writes each token's slot. The scheduler admits at most
 `slots` distinct adapters among the running requests, so a step's adapters always fit.
 """
 
@@ -48,10 +48,6 @@ class LoraPool:
         self.slot_used: list[int] = [0] * slots  # the step that last used each slot
         self.steps = 0
         self.step_names: list[str | None] = []  # the last step's adapter per row
-        # row s: the mask row of a token of the adapter in slot s; the last row (all zero): base-model tokens
-        self.slot_masks = torch.zeros(slots + 1, slots * rank, dtype=model.dtype, device=self.device)
-        for s in range(slots):
-            self.slot_masks[s, s * rank:(s + 1) * rank] = 1
 
     def read(self, name: str, path: str) -> Adapter:
         """The adapter at `path` for `name`, read and checked (AdapterError when it cannot be served); changes
@@ -111,7 +107,7 @@ class LoraPool:
 
     def prepare(self, names: list[str | None], tokens: list[int]) -> None:
         """Slots for the adapters of a step whose rows name `names` (None: the base model) and compute
-        `tokens` tokens each, and the mask of its tokens, written in place."""
+        `tokens` tokens each, and each token's slot (-1: the base model) written in place."""
         self.steps += 1
         self.step_names = list(names)  # what a tensor-parallel rank 0 tells its followers
         needed = list(dict.fromkeys(n for n in names if n is not None))
@@ -122,16 +118,15 @@ class LoraPool:
                 slot = min(free, key=lambda s: (self.slot_names[s] is not None, self.slot_used[s], s))
                 self._copy_in(slot, self.adapter(name))
             self.slot_used[self.slot_names.index(name)] = self.steps
-        base = len(self.slot_names)
-        slot_of = [base if n is None else self.slot_names.index(n) for n in names]
+        slot_of = [-1 if n is None else self.slot_names.index(n) for n in names]
         per_token = [s for s, n in zip(slot_of, tokens) for _ in range(n)]
-        t = len(per_token)
-        if t > self.state.mask.shape[0]:  # an eager step larger than planned for: grow (graphs never are)
-            self.state.mask = torch.zeros(t, self.state.mask.shape[1], dtype=self.state.mask.dtype,
-                                          device=self.device)
-        self.state.mask[:t] = self.slot_masks[to_device(per_token, self.device)]
+        t, ids = len(per_token), self.state.slot_ids
+        if t > ids.shape[0]:  # an eager step larger than planned for: grow (graphs never are)
+            ids = self.state.slot_ids = torch.full((t,), -1, dtype=torch.int64, device=self.device)
+        ids[:t] = to_device(per_token, self.device)
+        ids[t:] = -1  # the rows a graph pads its batch with compute nothing
         if not self.state.fixed:
-            self.state.active = max((s + 1 for s in slot_of if s < base), default=0)
+            self.state.active = max(slot_of, default=-1) + 1
 
     def _copy_in(self, slot: int, adapter: Adapter) -> None:
         for key, linear in self.linears.items():
