@@ -2,12 +2,14 @@
 `y + ((x @ A^T) * mask) @ B^T`, which computes every slot for every token and keeps a token's own slot by its
 mask: the C++ kernel (AVX-512 and AVX2 paths, float32 and bfloat16), the Triton kernel (under Triton's
 interpreter on CPU, natively on a GPU) and the torch reference. Batches mix base-model tokens and several slots,
-adapters of ranks below the slots' rank, and fused q/k/v parts (an adapter on some parts only).
+adapters of ranks below the slots' rank, and fused q/k/v parts (an adapter on some parts only). A bfloat16
+engine runs an adapter end to end.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -149,3 +151,19 @@ def test_the_op_traces_into_a_graph_that_reads_each_steps_slots() -> None:
         buffer[:6] = torch.tensor(mix)
         expected = dense(y, x, a, b_t, buffer, 3, 8, 3)
         assert torch.allclose(compiled(y, x).double(), expected, atol=1e-4)
+
+
+def test_a_bfloat16_engine_runs_an_adapter_beside_the_base(tmp_path: Path) -> None:
+    """End to end in bfloat16 (the op's bfloat16 path in every projection): a batch of an adapter's row and a
+    base row gives PEFT's and the base model's greedy tokens (up to bfloat16's near-ties)."""
+    from tests.engine_helpers import (assert_greedy_matches, engine_for, hf_greedy, run_to_completion,
+                                      tiny_hf_llama, tokens_of)
+    from tests.test_lora import N, PROMPTS, make_adapter, request
+
+    hf = tiny_hf_llama()
+    peft_model = make_adapter(hf, tmp_path / "a", seed=1)
+    engine = engine_for(hf, lora_modules=f"a={tmp_path / 'a'}", dtype="bfloat16", disable_cuda_graph=True)
+    rows = run_to_completion(engine, [request("bf16-a", PROMPTS[0], "a"), request("bf16-base", PROMPTS[0])])
+    for model, rid in ((peft_model, "bf16-a"), (hf, "bf16-base")):
+        assert_greedy_matches(model, PROMPTS[0], hf_greedy(model, PROMPTS[0], N, None), tokens_of(rows[rid]), tol=0.1)
+    assert hf_greedy(peft_model, PROMPTS[0], N, None) != hf_greedy(hf, PROMPTS[0], N, None)
