@@ -3,7 +3,8 @@ float32 linear for the few rows of a decode step (`f32_gemv.cpp`, chosen per hos
 paged decode attention over the KV pool in place (`paged_attention.cpp`, its reference in `attention.py`), a
 whole decoder layer of a decode step in one op (`decode_layer.cpp`, its reference in `decode_layer.py`), and
 the CPU kernel of the KV write `ringserve::store_kv` (`kv_store.cpp`; schema and torch implementation in
-kernels/attention/kv_store.py, which runs where the library is not loaded).
+kernels/attention/kv_store.py, which runs where the library is not loaded), and the segmented LoRA update
+`ringserve::lora_shrink_expand` (`lora_bgmv.cpp`; schema and torch reference in kernels/lora.py).
 
 `torch.ops.ringserve_cpu.group_linear(x, qweight, scales, mins, bias, out_features, bits)` computes
 `x @ W^T + bias` for a weight packed by `ringserve.kernels.cpu.packing` (q8_0, q4_0 or q4_1), quantizing the rows of x
