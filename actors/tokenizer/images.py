@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ringserve.actors.common.model_source import ModelSource
+from ringserve.actors.engine.models.registry import image_token_id
 from ringserve.bus.errors import ApiError
 from ringserve.bus.image_store import ImageMissing, ImageStore, ImageStoreUnavailable, tensors_handle
 from ringserve.bus.images import ImageRef
@@ -58,9 +59,10 @@ class VisionPrompts:
         from transformers import AutoConfig, AutoProcessor
 
         self._processor = AutoProcessor.from_pretrained(source.directory)
-        config = AutoConfig.from_pretrained(source.directory)
-        token = getattr(config, "image_token_id", None)
-        self.image_token_id: int = token if token is not None else config.image_token_index
+        token = image_token_id(AutoConfig.from_pretrained(source.directory))
+        if token is None:
+            raise ValueError(f"{source.directory} is not a vision-language model this server serves")
+        self.image_token_id: int = token
         # what a text prompt holds for each image (Gemma 3 expands its begin-of-image token)
         self.placeholder: str = getattr(self._processor, "boi_token", None) or self._processor.image_token
         self._merge = getattr(getattr(self._processor, "image_processor", None), "merge_size", 1) or 1
