@@ -147,9 +147,10 @@ def test_the_router_names_the_replica_holding_more_of_the_prompt() -> None:
 
 
 @pytest.fixture(scope="module")
-def split(tiny_model_dir: Path, nats_server: EmbeddedNatsServer) -> Iterator[ServerHandle]:
-    """Replica 0 prefills, replica 1 decodes."""
-    handle = start_server(str(tiny_model_dir), nats_url=nats_server.url,
+def split(tiny_model_dir: Path) -> Iterator[ServerHandle]:
+    """Replica 0 prefills, replica 1 decodes, on the launcher's own NATS with its per-role users (the replicas'
+    prefill and fetch exchanges under their permissions)."""
+    handle = start_server(str(tiny_model_dir),
                           extra=["--dp", "2", "--replica-role", "prefill,decode", "--kv-tier-bytes", str(64 << 20),
                                  "--kv-share", "--prefill-timeout", "3"])
     yield handle

@@ -194,6 +194,11 @@ class Responses:
         except ApiError as exc:
             await self._save_quietly(options, OutputItems(options).failed(exc)[1], owner)
             return
+        with contextlib.suppress(StoreUnavailable):
+            stored = await self.store.get(options.id)
+        if stored is not None and stored.get("status") == "cancelled":  # cancelled while it was being submitted:
+            await group.close()  # the cancel's abort may have come before the request reached a scheduler
+            return
         await self._save_quietly(options, rp.response_object(options, "in_progress", []), owner)
         try:
             answer = await self._whole(request, group, options, owner)

@@ -36,6 +36,7 @@ S = {  # one concrete subject of each kind in the subject table, and some that n
     "heartbeat": f"{NS}.control.heartbeat", "gone": f"{NS}.control.gone", "info": f"{NS}.control.scheduler.info",
     "command": f"{NS}.control.scheduler.command", "tokenize": f"{NS}.tokenizer.tokenize",
     "kv_events_1": f"{NS}.kv.events.1", "kv_snapshot_1": f"{NS}.kv.snapshot.1",
+    "kv_fetch_1": f"{NS}.kv.fetch.1", "kv_prefill_1": f"{NS}.kv.prefill.1",
     **{f"{c}_{kind}": f"{NS}.client.{c}.{kind}" + ("" if kind == "submit" else ".r1")
        for c in ("alice", "bob") for kind in ("submit", "out", "abort")},
     "all": ">", "ns_all": f"{NS}.>", "out_any": f"{NS}.out.*", "client_out_any": f"{NS}.client.*.out.*",
@@ -51,7 +52,9 @@ MAY_PUBLISH = {
     "entry": {"submit", "abort", "info", "command", "tokenize"} | ANNOUNCE,
     "tokenizer": {"tokenized", "tokenized_1", "inbox_entry", "inbox_alice", "inbox_bob", "kv_snapshot_1"} | OUTPUTS
     | ANNOUNCE,
-    "scheduler": {"tokens", "inbox_entry", "inbox_tokenizer", "kv_events_1"} | OUTPUTS | ANNOUNCE,
+    # another replica's KV (--kv-share): its fetch and prefill subjects, the replies to its inbox
+    "scheduler": {"tokens", "inbox_entry", "inbox_tokenizer", "inbox_scheduler", "kv_events_1", "kv_fetch_1",
+                  "kv_prefill_1"} | OUTPUTS | ANNOUNCE,
     "detokenizer": OUTPUTS | ANNOUNCE,
     "alice": {"alice_submit", "alice_abort"},
     "bob": {"bob_submit", "bob_abort"},
@@ -62,7 +65,7 @@ MAY_SUBSCRIBE = {
     "tokenizer": {"submit", "alice_submit", "bob_submit", "tokenize", "heartbeat", "kv_events_1",
                   "inbox_tokenizer"},  # routing: loads and KV events
     "scheduler": {"tokenized", "tokenized_1", "abort", "alice_abort", "bob_abort", "info", "command", "kv_snapshot_1",
-                  "heartbeat", "inbox_scheduler"},  # heartbeat: a worker's replica id must be free
+                  "kv_fetch_1", "kv_prefill_1", "heartbeat", "inbox_scheduler"},  # heartbeat: a worker's replica id must be free
     "detokenizer": {"tokens", "abort", "alice_abort", "bob_abort", "inbox_detokenizer"},  # aborts: forget lost rows
     "alice": {"alice_out", "inbox_alice"},
     "bob": {"bob_out", "inbox_bob"},
