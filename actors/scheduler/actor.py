@@ -87,12 +87,12 @@ class SchedulerActor(RowPublisher):
         self._routed = 0  # requests handed to this replica since it started
         self._images = ImageFetcher(ImageStore(lambda: ctx.bus.client, ctx.subjects.namespace))
         self._image_tensors: dict[str, dict[str, Any]] = {}  # rid -> its images' tensors, fetched, until it is added
-        self._image_fetches: set[asyncio.Task[None]] = set()
         self._spans = request_spans.create()  # no-ops unless tracing is on
         self._role = role
         self._share = KvSharing(ctx, engine, self._spans, kv_fetch_timeout, prefill_timeout,
                                 self._enqueue) if kv_fetch_timeout else None
-        self._fetching: set[asyncio.Task[None]] = set()  # requests waiting for their prefix from another replica
+        # requests waiting for what they need from the bus: their image tensors, their prefix from another replica
+        self._fetching: set[asyncio.Task[None]] = set()
         self._info = self._snapshot()
 
     async def start(self) -> dict[str, Any]:
@@ -124,48 +124,37 @@ class SchedulerActor(RowPublisher):
             return None
         self._spans.arrived(req.rid, delivery.traceparent)
         self._routed += 1
-        if req.images:  # its image tensors are fetched first (image_fetch.py)
-            task = asyncio.get_running_loop().create_task(self._fetch_images_then_add(req))
-            self._image_fetches.add(task)
-            task.add_done_callback(self._image_fetches.discard)
-            return Accepted(rid=req.rid, replica=self._ctx.rank, detokenizer=req.detokenizer)
-        if self._share is not None and self._share.wants_fetch(req):
+        if req.images or (self._share is not None and self._share.wants_fetch(req)):
             task = asyncio.get_running_loop().create_task(self._fetch_then_add(req))
             self._fetching.add(task)
             task.add_done_callback(self._fetching.discard)
         else:
-            self._inbox.append(("add", req))
-            self._wake.set()
+            self._enqueue(req)
         return Accepted(rid=req.rid, replica=self._ctx.rank, detokenizer=req.detokenizer)
 
     def _enqueue(self, req: TokenizedRequest) -> None:
-        """Queue a request of this replica's own (a prefill job for a decode replica, kv_share.py)."""
+        """Queue a request for the engine (one arrived, or a prefill job of this replica's own, kv_share.py)."""
         self._inbox.append(("add", req))
         self._wake.set()
 
     async def _fetch_then_add(self, req: TokenizedRequest) -> None:
-        """Fetch `req`'s prefix from the replica holding it (kv_share.py), then queue it as any request; a
-        fetch that fails for any reason only means its prefix is computed."""
-        assert self._share is not None
-        try:
-            await self._share.prefetch(req)
-        except Exception:
-            log.exception("fetching the KV of %s failed; computing it", req.rid)
-        finally:
-            self._inbox.append(("add", req))
-            self._wake.set()
-
-    async def _fetch_images_then_add(self, req: TokenizedRequest) -> None:
-        """Fetch `req`'s image tensors, then queue it; a fetch that fails ends the request with its error."""
-        try:
-            self._image_tensors[req.rid] = await self._images.fetch(req.images)
-        except ApiError as error:
-            self._spans.queued(req)
-            self._spans.rejected(req.rid, error.message)
-            await self._ctx.bus.publish(self._ctx.subjects.output(req.rid), RequestOutput(rid=req.rid, error=error))
-            return
-        self._inbox.append(("add", req))
-        self._wake.set()
+        """Fetch what `req` needs from the bus while other requests step, then queue it: its image tensors
+        (image_fetch.py; a failed fetch ends the request with its error), or its prefix's KV from the replica
+        holding it (kv_share.py; a failed fetch only means the prefix is computed)."""
+        if req.images:
+            try:
+                self._image_tensors[req.rid] = await self._images.fetch(req.images)
+            except ApiError as error:
+                self._spans.queued(req)
+                self._spans.rejected(req.rid, error.message)
+                await self._ctx.bus.publish(self._ctx.subjects.output(req.rid), RequestOutput(rid=req.rid, error=error))
+                return
+        elif self._share is not None:
+            try:
+                await self._share.prefetch(req)
+            except Exception:
+                log.exception("fetching the KV of %s failed; computing it", req.rid)
+        self._enqueue(req)
 
     async def _close_spans(self) -> None:
         self._spans.close_all("the scheduler stopped")
@@ -178,7 +167,6 @@ class SchedulerActor(RowPublisher):
     def _live_rids(self) -> int:
         """Requests held: in the engine or admitted (until its final row is published), queued, or held."""
         queued = sum(1 for kind, _ in self._inbox if kind == "add") + len(self._fetching)
-        queued += len(self._image_fetches)
         return max(self._engine.live_rids(), len(self._admission)) + queued + len(self._updates.held)
 
     async def _on_abort(self, msg: AbortRequest, delivery: Delivery) -> None:

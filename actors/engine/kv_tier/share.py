@@ -10,10 +10,9 @@ thread, between steps.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Callable, Sequence
 
 from ringserve.actors.engine.scheduling.cache_manager import CacheManager
-from ringserve.bus.images import image_key
 from ringserve.bus.kv_blocks import block_hashes, cache_namespace, salt_seed
 from ringserve.bus.messages import TokenizedRequest
 
@@ -70,7 +69,7 @@ class KvShareMethods:
     """`Engine`'s side of KV sharing between replicas, run on its thread; it sets `cache` and `lora`."""
 
     cache: CacheManager
-    lora: Any
+    lora_cache_name: Callable[[str | None], str | None]  # LoraServing's
 
     def kv_share_namespace(self) -> str | None:
         """The KV tier's namespace (what this replica's KV depends on), None without a tier: blocks cross
@@ -79,16 +78,7 @@ class KvShareMethods:
 
     def kv_cache_key(self, request: TokenizedRequest) -> str | None:
         """The prefix-cache tree `request`'s KV belongs to (`Req.cache_key`)."""
-        lora = request.sampling.lora_name
-        return cache_namespace(request.sampling.cache_salt,
-                               self.lora.cache_name(lora) if lora and self.lora is not None else None)
-
-    def kv_key_ids(self, request: TokenizedRequest) -> list[int]:
-        """`request`'s prompt as the prefix cache, the KV tier and KV events key it: each image token as a pseudo id
-        of its image's hash (`images.image_key`), other tokens as they are."""
-        if not request.images:
-            return list(request.input_ids)
-        return image_key(list(request.input_ids), request.images)
+        return cache_namespace(request.sampling.cache_salt, self.lora_cache_name(request.sampling.lora_name))
 
     def kv_held_blocks(self, ids: list[int], cache_key: str | None) -> int:
         """Leading whole blocks of `ids` this replica holds, in the pool or the tier (`held_blocks`)."""

@@ -19,7 +19,7 @@ from ringserve.actors.engine.lora.lora_linear import LoraLinear, LoraState, loca
 from ringserve.actors.engine.models.adapter_names import ADAPTABLE, check_adaptable, fused_rows
 from ringserve.actors.engine.models.causal_lm import CausalLM
 from ringserve.bus.errors import ApiError
-from ringserve.kernels.host_copy import to_device
+from ringserve.kernels.host_copy import host_to_device
 
 
 class LoraPool:
@@ -119,11 +119,11 @@ class LoraPool:
                 self._copy_in(slot, self.adapter(name))
             self.slot_used[self.slot_names.index(name)] = self.steps
         slot_of = [-1 if n is None else self.slot_names.index(n) for n in names]
-        per_token = [s for s, n in zip(slot_of, tokens) for _ in range(n)]
-        t, ids = len(per_token), self.state.slot_ids
+        per_token = torch.tensor(slot_of, dtype=torch.int64).repeat_interleave(torch.tensor(tokens))
+        t, ids = per_token.numel(), self.state.slot_ids
         if t > ids.shape[0]:  # an eager step larger than planned for: grow (graphs never are)
             ids = self.state.slot_ids = torch.full((t,), -1, dtype=torch.int64, device=self.device)
-        ids[:t] = to_device(per_token, self.device)
+        ids[:t] = host_to_device(per_token, self.device)
         ids[t:] = -1  # the rows a graph pads its batch with compute nothing
         if not self.state.fixed:
             self.state.active = max(slot_of, default=-1) + 1

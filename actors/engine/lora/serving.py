@@ -87,6 +87,10 @@ class LoraServing:
             return ApiError(str(e), param="lora_name")
         return None
 
+    def lora_cache_name(self, name: str | None) -> str | None:
+        """The name the adapter `name`'s KV is cached under (`LoraPool.cache_name`); None for the base model."""
+        return self.lora.cache_name(name) if name is not None and self.lora is not None else None
+
     def _lora_in_use(self, name: str) -> ApiError | None:
         """A 409 while live requests run with the adapter `name` (replacing or dropping it would change them)."""
         users = sum(r.params.lora_name == name for r in self.live.values())

@@ -191,8 +191,7 @@ class Engine(LoraServing, KvShareMethods):
             return error
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         req = Req(request.rid, len(request.input_ids), list(request.input_ids), params, seed)
-        if params.lora_name is not None and self.lora is not None:
-            req.lora_cache_name = self.lora.cache_name(params.lora_name)
+        req.lora_cache_name = self.lora_cache_name(params.lora_name)
         if checked:
             req.images, req.image_key = checked, image_key(req.ids, request.images)
         if request.embed is not None:
