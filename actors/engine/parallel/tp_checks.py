@@ -3,14 +3,25 @@ starts, and again by each rank (no torch here, so the launcher stays light)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 DEFAULT_TIMEOUT_S = 3.0
 EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")  # Mixtral, Qwen, DeepSeek  # a live peer answers a collective in milliseconds; a dead or stopped one never
 
 
+def text_config(config: Any) -> Any:
+    """The config of the text model that is sharded: a vision-language checkpoint's `text_config` (as attributes;
+    resolved configs keep it a dict), else `config` itself (a vision tower is never sharded)."""
+    text = getattr(config, "text_config", None)
+    if text is None:
+        return config
+    return SimpleNamespace(**text) if isinstance(text, dict) else text
+
+
 def check_shardable(config: Any, tp: int) -> None:
     """Raise ValueError saying why `config`'s model cannot be split over `tp` ranks."""
+    config = text_config(config)
     heads, kv_heads, inner = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
     if tp < 1:
         raise ValueError(f"--tp must be at least 1, got {tp}")
@@ -31,6 +42,7 @@ def check_expert_parallel(config: Any, tp: int, ep: int) -> None:
     """Raise ValueError saying why `--ep ep` cannot place `config`'s experts over `tp` ranks."""
     if ep == 1:
         return
+    config = text_config(config)
     if ep != tp:
         raise ValueError(f"--ep must be 1 or equal to --tp ({tp}): experts are placed over the tensor-parallel "
                          f"ranks, got {ep}")

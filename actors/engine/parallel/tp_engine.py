@@ -5,7 +5,9 @@ step plan (`tp_plan.py`) to the followers; every follower builds the same pool, 
 its own shard (`TPFollower`) and runs the identical forward, so the two all-reduces of each layer
 (`tensor_parallel.py`) meet. Only rank 0 samples, and only rank 0 drafts: with `--speculative-algorithm draft`
 its draft model runs whole (unsharded, no collective) beside its shard, and the followers see verify steps as
-decode rows of the plan. LoRA adapters: each rank keeps its shard's slice of them; the plan names each row's
+decode rows of the plan. Images: rank 0 runs the vision tower and projector (unsharded: every rank loads them
+whole, and only rank 0 uses them) and the plan carries the step's image embeddings to the followers
+(`tp_plan.py`). LoRA adapters: each rank keeps its shard's slice of them; the plan names each row's
 adapter and version, and a follower loads from disk the adapters it has not seen (or has in an older version). Collectives are serialised by one lock: a keepalive plan,
 sent while rank 0 idles, never slips between a forward's plan and its all-reduces.
 
@@ -16,7 +18,9 @@ supervisor restarts the group whole); a follower's loop raises it and the follow
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import logging
 import threading
 import time
@@ -28,11 +32,13 @@ import torch.distributed as dist
 from ringserve.actors.engine.config import EngineConfig
 from ringserve.actors.engine.scheduling.engine import Engine
 from ringserve.actors.engine.runner.kv_pool import KVPool
-from ringserve.actors.engine.models.causal_lm import CausalLM
+from ringserve.actors.engine.models.causal_lm import CausalLM, EmbedOverride
+from ringserve.actors.engine.models.vision.span_attention import BidirectionalSpan
 from ringserve.actors.engine.quantization.quantize import apply_quantization
 from ringserve.actors.engine.parallel.tensor_parallel import TPGroup, TPGroupError, shard_model
 from ringserve.actors.engine.parallel.tp_checks import check_tp_quantization
-from ringserve.actors.engine.parallel.tp_plan import FORWARD, KEEPALIVE, STOP, ForwardPlan, broadcast_plan, broadcast_step_tensors
+from ringserve.actors.engine.parallel.tp_plan import (FORWARD, KEEPALIVE, STOP, ForwardPlan, broadcast_image_embeds,
+                                                      broadcast_plan, broadcast_step_tensors)
 from ringserve.bus.errors import ApiError, server_error
 from ringserve.bus.messages import SchedulerInfo, TokenizedRequest, TokenRow
 from ringserve.kernels.attention import ForwardInfo
@@ -87,17 +93,26 @@ class TPEngine(Engine):
         self._keepalive.start()
 
     def _send_forward(self, rows: list[int], starts: list[int], extend_lens: list[int], input_ids: torch.Tensor,
-                      info: ForwardInfo) -> None:
+                      info: ForwardInfo, override: EmbedOverride | None = None) -> None:
         width = max(info.kv_lens_cpu)
         plan = ForwardPlan(FORWARD, list(rows), list(starts), list(extend_lens), width, live=len(self.live))
         if self.lora is not None:
             plan.lora_names = list(self.lora.step_names)
             plan.lora_versions = self.lora.versions(plan.lora_names)
+        if override is not None:
+            plan.image_tokens = len(override.index)
+            plan.image_spans = [[s.first, s.length, s.position] for s in override.spans]
         table_rows = info.token_table[info.req_rows, :width]
         group = self.group
+        index = override.index if override is not None else None
         group.collective(lambda: broadcast_plan(plan, group.plan_group), "step plan broadcast")
-        group.collective(lambda: broadcast_step_tensors(plan, input_ids, table_rows, group.tensor_group, group.device),
-                         "step tensor broadcast")
+        group.collective(lambda: broadcast_step_tensors(plan, input_ids, table_rows, group.tensor_group, group.device,
+                                                        index), "step tensor broadcast")
+        if override is not None:
+            model = self.runner.model
+            group.collective(lambda: broadcast_image_embeds(plan, override.embeds, model.config.hidden_size,
+                                                            model.dtype, group.tensor_group, group.device),
+                             "image embedding broadcast")
         self._last_sent = time.monotonic()
 
     def _keepalive_loop(self) -> None:
@@ -192,16 +207,30 @@ class TPFollower:
             if max(plan.rows) >= table.shape[0] or plan.width > table.shape[1]:
                 raise ValueError(f"plan rows {plan.rows} (width {plan.width}) are outside this rank's token "
                                  f"table {tuple(table.shape)}: the ranks were built differently")
-            ids, table_rows = group.collective(
+            ids, table_rows, image_index = group.collective(
                 lambda: broadcast_step_tensors(plan, None, None, group.tensor_group, group.device),
                 "step tensor receive")
             table[torch.tensor(plan.rows, device=table.device), : plan.width] = table_rows
+            override = self._image_override(plan, image_index) if plan.image_tokens else None
             if engine.lora is not None:
                 engine.lora.sync(plan.lora_versions)
                 engine.lora.prepare(plan.lora_names, plan.extend_lens)
-            engine.runner.forward_tokens(plan.rows, plan.starts, plan.extend_lens, ids)
+            engine.runner.forward_tokens(plan.rows, plan.starts, plan.extend_lens, ids, override)
             self.steps += 1
         return True
+
+    def _image_override(self, plan: ForwardPlan, index: torch.Tensor) -> EmbedOverride:
+        """Receive the step's image embeddings; each span's key slots are its row's, from this rank's table."""
+        group, model, table = self.group, self.engine.runner.model, self.engine.table.table
+        embeds = group.collective(lambda: broadcast_image_embeds(plan, None, model.config.hidden_size, model.dtype,
+                                                                 group.tensor_group, group.device),
+                                  "image embedding receive")
+        ends = list(itertools.accumulate(plan.extend_lens))
+        spans = []
+        for first, length, position in plan.image_spans:
+            row = plan.rows[bisect.bisect_right(ends, first)]  # the batch row whose tokens hold flat index `first`
+            spans.append(BidirectionalSpan(first, length, position, table[row, :position + length]))
+        return EmbedOverride(index, embeds, spans)
 
     def run(self, stopping: Callable[[], bool] = lambda: False) -> None:
         """Run plans until rank 0 says stop or `stopping()` (checked between plans)."""

@@ -4,7 +4,11 @@ Rank 0 alone schedules (requests, prefix cache, slot allocator); a follower only
 its shard of the weights, with its own KV pool (its heads) addressed by the same slot indices. So all a
 follower needs per step is what `ModelRunner` lays out from a `Batch`: each row's token-table row, first
 position and token count and LoRA adapter (`ForwardPlan`), then one tensor: the step's input ids `[T]` and the slot-table
-rows of the batch `[B, W]` (`W`: the longest sequence the step attends over). Prefix-cache reuse, chunked
+rows of the batch `[B, W]` (`W`: the longest sequence the step attends over). A step whose prefill reaches images
+also carries their embeddings: rank 0 alone runs the vision tower and projector (every rank holds them whole), and
+sends the flat token indices the embeddings replace (with the ids) and the embeddings `[n, C]` themselves (one more
+broadcast); the plan says how many (`image_tokens`) and which of them attend both ways (`image_spans`), so every
+rank writes the same embeddings over the same tokens. Prefix-cache reuse, chunked
 prefill and retraction need nothing more: a reused prefix is slots already on the row, a freed slot is simply
 never addressed again until rank 0 hands it out anew (and the forward writing it overwrites its KV).
 
@@ -42,6 +46,10 @@ class ForwardPlan:
     # LoRA: each row's adapter (None: the base model), and `[path, version]` of those adapters (LoraPool.sync)
     lora_names: list[str | None] = field(default_factory=list)
     lora_versions: dict[str, list[Any]] = field(default_factory=dict)
+    # images: how many of the step's tokens take image embeddings, and `[first, length, position]` of each run of
+    # them that attends both ways (models/vision/span_attention.py `BidirectionalSpan`, its key slots left out)
+    image_tokens: int = 0
+    image_spans: list[list[int]] = field(default_factory=list)
 
     def check(self) -> None:
         """Raise ValueError when the plan is not self-consistent (a follower must never guess)."""
@@ -53,6 +61,10 @@ class ForwardPlan:
         ends = [s + n for s, n in zip(self.starts, self.extend_lens)]
         if self.kind == FORWARD and (not self.rows or self.width < max(ends)):
             raise ValueError(f"a forward plan needs rows and a width covering them, got width {self.width}")
+        if not 0 <= self.image_tokens <= self.num_tokens or any(
+                len(span) != 3 or not 0 <= span[0] < span[0] + span[1] <= self.num_tokens for span in self.image_spans):
+            raise ValueError(f"plan image tokens {self.image_tokens} or spans {self.image_spans} are outside the "
+                             f"step's {self.num_tokens} tokens")
 
     @property
     def num_tokens(self) -> int:
@@ -88,13 +100,29 @@ def broadcast_plan(plan: ForwardPlan | None, group: dist.ProcessGroup | None) ->
 
 
 def broadcast_step_tensors(plan: ForwardPlan, input_ids: torch.Tensor | None, table_rows: torch.Tensor | None,
-                           group: dist.ProcessGroup | None, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """After a forward plan: the step's input ids `[T]` and slot-table rows `[B, W]` (int64), from rank 0 (which
-    passes them) to the followers (which pass None and get them, on `device`); one broadcast of both."""
-    t = plan.num_tokens
+                           group: dist.ProcessGroup | None, device: torch.device,
+                           image_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """After a forward plan: the step's input ids `[T]`, slot-table rows `[B, W]` and the `plan.image_tokens`
+    flat indices of the tokens taking image embeddings (int64), from rank 0 (which passes them) to the followers
+    (which pass None and get them, on `device`); one broadcast of all three."""
+    t, n = plan.num_tokens, plan.image_tokens
     if input_ids is None or table_rows is None:
-        flat = torch.empty(t + len(plan.rows) * plan.width, dtype=torch.int64, device=device)
+        flat = torch.empty(t + len(plan.rows) * plan.width + n, dtype=torch.int64, device=device)
     else:
-        flat = torch.cat([input_ids.reshape(-1), table_rows.reshape(-1)])
+        parts = [input_ids.reshape(-1), table_rows.reshape(-1)]
+        flat = torch.cat(parts + ([image_index.to(torch.int64)] if n and image_index is not None else []))
     dist.broadcast(flat, 0, group=group)
-    return flat[:t], flat[t:].view(len(plan.rows), plan.width)
+    end = t + len(plan.rows) * plan.width
+    return flat[:t], flat[t:end].view(len(plan.rows), plan.width), flat[end:]
+
+
+def broadcast_image_embeds(plan: ForwardPlan, embeds: torch.Tensor | None, width: int, dtype: torch.dtype,
+                           group: dist.ProcessGroup | None, device: torch.device) -> torch.Tensor:
+    """After the step tensors of a plan with `image_tokens`: the image embeddings `[n, width]` in `dtype`, from
+    rank 0 (which passes them) to the followers (which pass None and get them, on `device`)."""
+    if embeds is None:
+        embeds = torch.empty(plan.image_tokens, width, dtype=dtype, device=device)
+    else:
+        embeds = embeds.to(device=device, dtype=dtype).contiguous()
+    dist.broadcast(embeds, 0, group=group)
+    return embeds

@@ -22,7 +22,7 @@ from ringserve.actors.engine.scheduling.embedding import hidden_positions, pool_
 from ringserve.actors.engine.runner.graphs.decode_graph import DecodeGraphRunner, default_mode
 from ringserve.actors.engine.runner.kv_pool import KVPool
 from ringserve.actors.engine.models.blocks import Attention, RMSNorm
-from ringserve.actors.engine.models.causal_lm import CausalLM
+from ringserve.actors.engine.models.causal_lm import CausalLM, EmbedOverride
 from ringserve.actors.engine.runner.graphs.thread_tuner import ThreadTuner
 from ringserve.actors.engine.runner.token_table import TokenTable
 from ringserve.kernels.attention import AttentionBackend, ForwardInfo, create_backend
@@ -48,7 +48,8 @@ class ModelRunner:
         self.backend: AttentionBackend = create_backend(backend, pool.k, pool.v, model.num_heads,
                                                         model.layer_attention())
         # tensor parallelism, rank 0: hands each eager forward's layout to the follower ranks first (tp_engine.py)
-        self.tp_sender: Callable[[list[int], list[int], list[int], torch.Tensor, ForwardInfo], None] | None = None
+        self.tp_sender: Callable[[list[int], list[int], list[int], torch.Tensor, ForwardInfo, EmbedOverride | None],
+                                 None] | None = None
         if backend == "triton" and self.device.type == "cuda":
             use_triton_kernels(model)
         if self.device.type == "cpu" and self.backend.compiles_decode():
@@ -118,7 +119,7 @@ class ModelRunner:
             index += range(offset + first, offset + first + count)
         logits_index = to_device(index, device)
         if self.tp_sender is not None:
-            self.tp_sender(batch.rows, batch.starts, batch.extend_lens, input_ids, info)
+            self.tp_sender(batch.rows, batch.starts, batch.extend_lens, input_ids, info, batch.override)
         meta = self.backend.prepare(info)
         if not hidden_plan:
             return self.model(input_ids, positions_t, self.backend, meta, logits_index, override=batch.override)
@@ -152,13 +153,15 @@ class ModelRunner:
         return positions_t, rows_t, info
 
     def forward_tokens(self, table_rows: list[int], starts: list[int], extend_lens: list[int],
-                       input_ids: torch.Tensor) -> None:
+                       input_ids: torch.Tensor, override: EmbedOverride | None = None) -> None:
         """A tensor-parallel follower's forward: rank 0's layout over `input_ids` (the token table's rows
-        already hold rank 0's slots), writing this rank's KV and taking part in the all-reduces; no logits."""
+        already hold rank 0's slots), writing this rank's KV and taking part in the all-reduces; no logits.
+        `override`: rank 0's image embeddings of the step."""
         positions_t, _, info = self._layout(table_rows, starts, extend_lens)
         meta = self.backend.prepare(info)
         with no_fx_tracing():
-            self.model(input_ids, positions_t, self.backend, meta, torch.empty(0, dtype=torch.int64, device=self.device))
+            self.model(input_ids, positions_t, self.backend, meta, torch.empty(0, dtype=torch.int64, device=self.device),
+                       override=override)
 
     def _sample(self, batch: Batch, logits: torch.Tensor,
                 mask: tuple[torch.Tensor, list[int]] | None = None) -> ForwardOutput:

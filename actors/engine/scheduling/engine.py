@@ -183,8 +183,6 @@ class Engine(LoraServing, KvShareMethods):
         checked = request_images(self.runner.model, list(request.input_ids), request.images, images)
         if isinstance(checked, ApiError):
             return checked
-        if checked and self.runner.tp_sender is not None:
-            return ApiError("images are not served with --tp > 1 yet", param="images")
         params = request.sampling
         error = self._adapter_error(params.lora_name)
         if error is not None:
