@@ -17,10 +17,14 @@ BLOCK = 64  # tokens per hashed block: prefixes are matched and reported in whol
 HASH_BYTES = 16
 
 
-def cache_namespace(salt: str | None, lora_name: str | None) -> str | None:
+def cache_namespace(salt: str | None, lora_name: str | None, rope_name: str | None = None) -> str | None:
     """The prefix-cache namespace of a request (what `salt_seed` and the prefix cache's trees are keyed by): its
-    `cache_salt`, apart per LoRA adapter, since KV computed under one adapter is never another's."""
-    return salt if lora_name is None else f"lora\0{lora_name}\0{salt or ''}"
+    `cache_salt`, apart per LoRA adapter, since KV computed under one adapter is never another's, and apart per
+    rotary length class (`rope_name`: keys a length-dependent rotary turned for a long sequence)."""
+    if lora_name is None and rope_name is None:
+        return salt
+    base = salt if lora_name is None else f"lora\0{lora_name}\0{salt or ''}"
+    return base if rope_name is None else f"rope\0{rope_name}\0{base or ''}"
 
 
 def salt_seed(salt: str | None) -> bytes:

@@ -128,16 +128,21 @@ CONFIGS: dict[str, Callable[[], Any]] = {"llama3": _llama3, "mistral": _mistral,
 
 def tiny_hf_model(family: str, seed: int = 0) -> Any:
     """The family's tiny random model as transformers builds it (eager attention: soft-capping needs it)."""
+    return tiny_hf_from_config(CONFIGS[family](), seed)
+
+
+def tiny_hf_from_config(config: Any, seed: int = 0) -> Any:
+    """A random model of `config` as transformers builds it, its weights drawn as every tiny family's."""
     from transformers import AutoModelForCausalLM
 
-    config = CONFIGS[family]()
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    gemma = config.model_type.startswith("gemma")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:  # Gemma's norms scale by 1 + weight: near identity either way
-                p.copy_(torch.randn_like(p) * 0.1 + (0.0 if "gemma" in family else 1.0))
+                p.copy_(torch.randn_like(p) * 0.1 + (0.0 if gemma else 1.0))
             else:
                 p.normal_(0.0, 0.3)
     return model.eval()

@@ -30,24 +30,6 @@ def prompts(count: int, lengths: tuple[int, ...], seed: int = 1) -> list[list[in
     return [torch.randint(3, VOCAB, (lengths[i % len(lengths)],), generator=gen).tolist() for i in range(count)]
 
 
-@torch.no_grad()
-def incremental_greedy(hf: Any, prompt: list[int], new_tokens: int) -> list[int]:
-    """transformers' forward over its KV cache, one greedy token at a time."""
-    out = hf(torch.tensor([prompt]), use_cache=True)
-    tokens: list[int] = []
-    for _ in range(new_tokens):
-        tokens.append(int(out.logits[0, -1].argmax()))
-        out = hf(torch.tensor([tokens[-1:]]), past_key_values=out.past_key_values, use_cache=True)
-    return tokens
-
-
-def reference_greedy(family: str, hf: Any, prompt: list[int], new_tokens: int) -> list[int]:
-    """transformers' greedy tokens. Phi-3's `generate` re-encodes the whole sequence with longrope's long factors
-    once it passes the original context (its prepare_inputs_for_generation drops the cache there); we switch
-    factors per token (models/rope.py), which is transformers' own forward over its cache."""
-    return incremental_greedy(hf, prompt, new_tokens) if family == "phi3" else hf_greedy(hf, prompt, new_tokens, None)
-
-
 def test_logits_match_transformers_through_prefill_extend_and_decode(family_hf: tuple[str, Any]) -> None:
     family, hf = family_hf
     model = model_from_hf(hf.config, hf.state_dict())
@@ -56,17 +38,19 @@ def test_logits_match_transformers_through_prefill_extend_and_decode(family_hf: 
 
 @pytest.mark.parametrize("chunk", [0, 5])
 def test_greedy_tokens_match_transformers_through_the_engine(family_hf: tuple[str, Any], chunk: int) -> None:
-    """Batched, with chunked prefill crossing windows, and long enough to pass the rope-scaled models' original
-    context; the second round of the same prompts hits the prefix cache."""
+    """Batched, with chunked prefill crossing windows, and past the rope-scaled models' original context, while
+    decoding (Phi-3's longrope then encodes the whole sequence again, as its `generate` does) and already in the
+    prompt (chunks before the original context are rotated for the whole prompt's length, as transformers'
+    one-forward prefill does); the second round of the same prompts hits the prefix cache."""
     family, hf = family_hf
     engine = engine_for(hf, max_total_tokens=2048, chunked_prefill_size=chunk)
-    seqs = prompts(3, (3, 2 * WINDOW + 1, ORIGINAL_CONTEXT - 4))
+    seqs = prompts(4, (3, 2 * WINDOW + 1, ORIGINAL_CONTEXT - 4, ORIGINAL_CONTEXT + 3))
     new_tokens = 12
     for round_ in range(2):
         requests = [TokenizedRequest(f"{round_}-{i}", s, greedy(new_tokens)) for i, s in enumerate(seqs)]
         rows = run_to_completion(engine, requests)
         for i, s in enumerate(seqs):
-            expected = reference_greedy(family, hf, s, new_tokens)
+            expected = hf_greedy(hf, s, new_tokens, None)
             assert_greedy_matches(hf, s, expected, tokens_of(rows[f"{round_}-{i}"]))
     assert engine.stats().kv_running_tokens == 0
 

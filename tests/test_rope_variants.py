@@ -1,6 +1,7 @@
 """Every rotary variant (models/rope.py) against transformers' own rotary embedding: cos/sin at positions inside
-and past the original context, token by token as decode steps compute them (the length-dependent variants,
-`dynamic` and `longrope`, choose per token by its own position; transformers by the forward's longest)."""
+and past the original context, token by token as decode steps compute them, and (the length-dependent variants,
+`dynamic` and `longrope`) a whole prompt past the original context rotated for its length, as transformers' one
+forward over it."""
 
 from __future__ import annotations
 
@@ -69,3 +70,17 @@ def test_unknown_rope_type_is_refused_naming_it() -> None:
 def test_older_configs_rope_scaling_fields_are_read() -> None:
     old = type("C", (), {"rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}})()
     assert rope_parameters(old) == {"type": "linear", "factor": 2.0, "rope_theta": 5e5, "rope_type": "linear"}
+
+
+@pytest.mark.parametrize("variant", ["dynamic", "longrope"])
+def test_a_long_prompt_is_rotated_for_its_whole_length(variant: str) -> None:
+    config, hf = hf_rotary(VARIANTS[variant])
+    ours = Rotary(rope_parameters(config), HEAD_DIM, config.max_position_embeddings)
+    length = ORIGINAL + 9
+    positions = torch.arange(length)
+    hf_cos, hf_sin = hf(torch.zeros(1, 1, HEAD_DIM), positions[None])  # one forward over the whole prompt
+    cos, sin = ours(positions, torch.float32, torch.full((length,), length))
+    torch.testing.assert_close(cos, hf_cos[0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(sin, hf_sin[0], atol=1e-6, rtol=1e-5)
+    own_cos, _ = ours(positions, torch.float32)  # each token's own length: the early tokens turn otherwise
+    assert not torch.allclose(own_cos[:ORIGINAL], hf_cos[0, :ORIGINAL], atol=1e-4)

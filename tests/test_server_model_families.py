@@ -24,21 +24,16 @@ import httpx
 import pytest
 import torch
 
-from tests.engine_helpers import assert_greedy_matches, greedy, run_to_completion, tokens_of
+from tests.engine_helpers import assert_greedy_matches, greedy, hf_greedy, run_to_completion, tokens_of
 from tests.model_families import CONFIGS, ORIGINAL_CONTEXT, WINDOW, tiny_hf_model
 from tests.server_helpers import ServerHandle, server_info, servers_side_by_side
 from tests.test_docs_claims import ringserve_cmd
-from tests.test_model_families import reference_greedy
 
 VOCAB = 49152  # SmolLM2's tokenizer
 NEW_TOKENS = 12
 # Batched prompts: within a window, across two windows, and past the original context of llama3/phi3 (with
 # the new tokens, the third crosses it while decoding; the fourth already in its prefill)
 LENGTHS = (3, 2 * WINDOW + 1, ORIGINAL_CONTEXT - 4, ORIGINAL_CONTEXT + 3)
-# Phi-3's longrope picks its long factors per token (actors/engine/models/rope.py), transformers per forward: a
-# prompt longer than the original context is rotated differently by design, so Phi-3's prompts stay within it
-# and cross it while decoding
-PHI3_LENGTHS = (*LENGTHS[:-1], ORIGINAL_CONTEXT)
 
 COMMON_FLAGS = ["--torch-threads", "1", "--max-total-tokens", "2048"]
 # Servers started side by side (a start mostly waits on imports), a group at a time to bound memory and CPU
@@ -58,11 +53,6 @@ GROUPS: list[dict[str, tuple[str, list[str]]]] = [
 SERVED = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM",
           "Gemma3ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
           "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"]
-
-
-def lengths(family: str) -> tuple[int, ...]:
-    """The prompt lengths `family` is tested with."""
-    return PHI3_LENGTHS if family == "phi3" else LENGTHS
 
 
 def tiny_family_model(family: str) -> Any:
@@ -152,9 +142,9 @@ def served_greedy(server: ServerHandle, seqs: list[list[int]]) -> list[list[int]
 
 
 def assert_transformers_tokens(family: str, hf: Any, server: ServerHandle) -> None:
-    seqs = prompts(lengths(family))
+    seqs = prompts(LENGTHS)
     for ids, got in zip(seqs, served_greedy(server, seqs)):
-        assert_greedy_matches(hf, ids, reference_greedy(family, hf, ids, NEW_TOKENS), got)
+        assert_greedy_matches(hf, ids, hf_greedy(hf, ids, NEW_TOKENS, None), got)
 
 
 FAMILIES = sorted(CONFIGS, key=lambda f: next(i for i, g in enumerate(GROUPS) if f in g))
@@ -166,7 +156,7 @@ def test_greedy_tokens_and_prompt_logprobs_equal_transformers(family: str, rings
     server, hf = rings.server(family), rings.model(family)
     assert_transformers_tokens(family, hf, server)
 
-    ids = prompts(lengths(family)[-1:], seed=2)[0]
+    ids = prompts(LENGTHS[-1:], seed=2)[0]
     reply = generate(server, ids, return_logprob=True, logprob_start_len=0)
     scored = reply["meta_info"]["input_token_logprobs"]
     assert [entry[1] for entry in scored] == ids and scored[0][0] is None

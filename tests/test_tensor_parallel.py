@@ -30,7 +30,7 @@ from ringserve.actors.engine.models.weights import model_from_hf
 from ringserve.bus.codec import DecodeError
 from ringserve.bus.messages import SamplingParams, TokenizedRequest
 from tests.engine_helpers import engine_for, tiny_hf_llama
-from tests.model_families import tiny_hf_model
+from tests.model_families import ORIGINAL_CONTEXT, VOCAB, tiny_hf_model
 
 EOS = 2
 TIMEOUT_S = 3.0  # every collective's timeout in these tests (the default)
@@ -39,9 +39,9 @@ PROCESS_WAIT_S = 240  # spawning ranks imports torch and transformers per proces
 Wave = list[tuple]  # (rid, prompt, max_new_tokens[, LoRA adapter: "name", or "name=path" to load it first])
 
 
-def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
+def _prompts(seed: int, lengths: tuple[int, ...], vocab: int = 512) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 512, (n,), generator=gen).tolist() for n in lengths]
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
 @functools.lru_cache(maxsize=1)
@@ -61,12 +61,16 @@ def _scenarios() -> list[tuple[str, dict[str, Any], list[Wave]]]:
     shared = [plain[2][:24] + p for p in _prompts(2, (6, 3))]  # 24 tokens of r2's prompt: a prefix-cache hit
     chunked = _prompts(3, (37, 5, 23))
     retract = _prompts(4, (1, 5, 9, 17, 12))
+    # Phi-3's longrope: one prompt crosses the original context while decoding (rank 0 encodes it again), one
+    # already in its chunked prefill (each row's rope floor reaches the followers in the plan)
+    longrope = _prompts(5, (ORIGINAL_CONTEXT - 4, ORIGINAL_CONTEXT + 5, 6), vocab=VOCAB)
     return [
         ("plain", {}, [[(f"p{i}", p, 10) for i, p in enumerate(plain)],
                        [(f"s{i}", p, 8) for i, p in enumerate(shared)]]),
         ("chunked", {"chunked_prefill_size": 8, "max_prefill_tokens": 8},
          [[(f"c{i}", p, 8) for i, p in enumerate(chunked)]]),
         ("retract", {"max_total_tokens": 48}, [[(f"r{i}", p, 12) for i, p in enumerate(retract)]]),
+        ("longrope", {"model": "phi3", "chunked_prefill_size": 8}, [[(f"f{i}", p, 12) for i, p in enumerate(longrope)]]),
         ("int8", {"quantization": "int8"}, [[(f"q{i}", p, 8) for i, p in enumerate(plain)]]),
         # verify steps: a request's draft rows on its table row, laid out for the followers as any decode rows
         ("speculative", {"speculative_algorithm": "ngram"}, [[(f"n{i}", p * 3, 24) for i, p in enumerate(plain)]]),
@@ -234,10 +238,11 @@ def _check_close(tp1: dict[str, Any], tpn: dict[str, Any], atol: float = 1e-4) -
 
 @pytest.fixture(scope="module")
 def tp1_results() -> dict[str, Any]:
-    hf = tiny_hf_llama()
     out = {}
     for name, config, waves in _scenarios():
-        engine = engine_for(hf, draft=_draft_for(config), **config)
+        config = dict(config)
+        family = config.pop("model", None)
+        engine = engine_for(tiny_hf_model(family) if family else tiny_hf_llama(), draft=_draft_for(config), **config)
         apply_quantization(engine.runner.model, engine.config)  # what Engine.from_source does after loading
         engine._quantization = quantization_report(engine.runner.model)
         out[name] = _run_waves(engine, waves)

@@ -26,7 +26,7 @@ from ringserve.actors.common.model_source import (
 )
 
 log = logging.getLogger("text_tokenizer")
-FORMAT = 2  # bump when the export's contents change (2: a family's fallback chat template)
+FORMAT = 3  # bump when the export's contents change (2: a family's fallback chat template; 3: dynamic rotary scaling's context)
 EXPORT_FILE = "text_model.json"
 BACKEND_FILE = "tokenizer.json"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".msgpack", ".h5")
@@ -164,11 +164,12 @@ def load_text_model(source: ModelSource) -> TextModel:
 
 def _export(source: ModelSource, directory: Path) -> None:
     from ringserve.actors.common.model_source import load_config, load_tokenizer
+    from ringserve.actors.engine.models.registry import context_length
 
     hf, config = load_tokenizer(source), load_config(source)
     config = config.get_text_config()  # a vision-language model's numbers are its text model's
     eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
-    limits = {"context_length": int(config.max_position_embeddings), "vocab_size": int(config.vocab_size),
+    limits = {"context_length": context_length(config), "vocab_size": int(config.vocab_size),
               "eos_token_ids": sorted({i for i in [*eos, hf.eos_token_id] if isinstance(i, int)})}
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=directory.parent, prefix=".staging-"))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+from ringserve.actors.engine.models.rope import RopeLengthRule
 from ringserve.actors.engine.scheduling.cache_manager import CacheManager
 from ringserve.bus.kv_blocks import block_hashes, cache_namespace, salt_seed
 from ringserve.bus.messages import TokenizedRequest
@@ -70,6 +71,7 @@ class KvShareMethods:
 
     cache: CacheManager
     lora_cache_name: Callable[[str | None], str | None]  # LoraServing's
+    rope_rule: RopeLengthRule | None  # the model's (a length-dependent rotary keys long prompts apart)
 
     def kv_share_namespace(self) -> str | None:
         """The KV tier's namespace (what this replica's KV depends on), None without a tier: blocks cross
@@ -77,8 +79,10 @@ class KvShareMethods:
         return self.cache.tier.namespace if self.cache.tier is not None else None
 
     def kv_cache_key(self, request: TokenizedRequest) -> str | None:
-        """The prefix-cache tree `request`'s KV belongs to (`Req.cache_key`)."""
-        return cache_namespace(request.sampling.cache_salt, self.lora_cache_name(request.sampling.lora_name))
+        """The prefix-cache tree `request`'s KV belongs to (`Req.cache_key`, as admission will key it)."""
+        rule, length = self.rope_rule, len(request.input_ids)
+        return cache_namespace(request.sampling.cache_salt, self.lora_cache_name(request.sampling.lora_name),
+                               None if rule is None else rule.cache_name(length))
 
     def kv_held_blocks(self, ids: list[int], cache_key: str | None) -> int:
         """Leading whole blocks of `ids` this replica holds, in the pool or the tier (`held_blocks`)."""

@@ -18,7 +18,8 @@ from torch import nn
 
 from ringserve.actors.engine.models.blocks import RMSNorm
 from ringserve.actors.engine.models.decoder_layer import DecoderLayer
-from ringserve.actors.engine.models.rope import Rotary, rope_parameters
+from ringserve.actors.engine.models.registry import context_length
+from ringserve.actors.engine.models.rope import RopeLengthRule, Rotary, rope_parameters
 from ringserve.actors.engine.models.spec import ArchSpec, LayerShape, layer_shapes
 from ringserve.actors.engine.models.vision.span_attention import BidirectionalSpan, SpanAttention
 from ringserve.kernels.attention import AttentionBackend, AttentionMetadata
@@ -113,6 +114,15 @@ class CausalLM(nn.Module):
         return min(rotary.dim for rotary in self.model.rotary.values())
 
     @property
+    def rope_length_rule(self) -> RopeLengthRule | None:
+        """How the rotary depends on the sequence's length (`dynamic`, `longrope`); None for every other model,
+        whose forward then takes no `rope_lengths`."""
+        rules = {rotary.length_rule for rotary in self.model.rotary.values()} - {None}
+        if len(rules) > 1:
+            raise ValueError(f"layer types with different length-dependent rotaries: {sorted(map(str, rules))}")
+        return next(iter(rules), None)
+
+    @property
     def dtype(self) -> torch.dtype:
         """The dtype activations and the KV cache are kept in."""
         return self.model.embed_tokens.weight.dtype
@@ -124,8 +134,9 @@ class CausalLM(nn.Module):
 
     @property
     def context_length(self) -> int:
-        """The longest sequence the model takes (its config's max_position_embeddings)."""
-        return self.config.max_position_embeddings
+        """The longest sequence the model takes (its config's max_position_embeddings, or further with `dynamic`
+        rotary scaling)."""
+        return context_length(self.config)
 
     @property
     def tied_embeddings(self) -> bool:
@@ -136,10 +147,13 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, backend: AttentionBackend,
                 meta: AttentionMetadata, logits_index: torch.Tensor,
                 hidden_index: torch.Tensor | None = None,
-                override: EmbedOverride | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                override: EmbedOverride | None = None,
+                rope_lengths: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """`input_ids`, `positions` `[T]` -> logits `[S, V]` at the `S` token indices in `logits_index`; with
         `hidden_index`, also the final-norm hidden states `[H, C]` at those `H` indices (embeddings: the state
-        the LM head reads, before any logit soft-cap). `override`: image embeddings in place of some tokens'."""
+        the LM head reads, before any logit soft-cap). `override`: image embeddings in place of some tokens'.
+        `rope_lengths` `[T]`: the sequence length each token is rotated for (`rope_length_rule`; default its
+        position + 1)."""
         if override is not None:  # an image token id may lie past the embedding matrix (Gemma 3's may)
             input_ids = input_ids.index_fill(0, override.index, 0)
         x = self.model.embed_tokens(input_ids)  # [T, C]
@@ -149,7 +163,7 @@ class CausalLM(nn.Module):
             x = x.index_copy(0, override.index, override.embeds.to(x.dtype))
             if override.spans:
                 backend = SpanAttention(backend, override.spans)  # type: ignore[assignment]
-        tables = {kind: rotary(positions, x.dtype) for kind, rotary in self.model.rotary.items()}
+        tables = {kind: rotary(positions, x.dtype, rope_lengths) for kind, rotary in self.model.rotary.items()}
         for layer in self.model.layers:
             cos, sin = tables[layer.rope]
             x = layer(x, cos, sin, backend, meta)

@@ -74,6 +74,17 @@ def image_token_id(config: Any) -> int | None:
     return int(value if value is not None else read("image_token_index"))
 
 
+def context_length(config: Any) -> int:
+    """The longest sequence a (text) config's model takes: its `max_position_embeddings`, or its original context
+    times the factor of `dynamic` rotary scaling, which exists to go past it (as vLLM and SGLang serve it)."""
+    length = int(config.max_position_embeddings)
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if isinstance(params, dict) and params.get("rope_type", params.get("type")) == "dynamic":
+        original = params.get("original_max_position_embeddings") or length
+        return max(length, int(original * params["factor"]))
+    return length
+
+
 def spec_of(family: str) -> Any:
     """The family's `ArchSpec` (its module imported now); a vision-language family's is its text model's, known
     from a config only (`build_model`)."""

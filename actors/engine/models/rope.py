@@ -6,22 +6,50 @@ turns positions into cos/sin for `default`, `linear`, `llama3`, `yarn`, `dynamic
 with a partial rotary dimension and the variant's attention factor. Frequencies are computed as transformers
 computes them (float32 from a Python-float base) so greedy tokens match it.
 
-Two variants depend on the sequence length: transformers recomputes `dynamic` frequencies, and picks `longrope`'s
-long factors, from the longest position of a forward. A serving step mixes requests, so here the length is each
-token's own (`position + 1`): identical to transformers for every decode step and for prompts within the original
-context; a prompt that crosses it rotates its early tokens with the short frequencies where transformers would
-use the long ones for the whole prompt. One request's tokens never depend on another's.
+Two variants depend on the sequence length, as transformers' `generate` runs them: `dynamic` recomputes its
+frequencies, and `longrope` picks its long factors, from the length of the sequence a forward reaches. A serving step
+mixes requests and chunks prompts, so each token is given the length transformers would have used for it
+(`lengths`): the whole prompt's for a prompt token (transformers encodes a prompt in one forward), its own
+`position + 1` for a generated one. `RopeLengthRule` says what follows for a request: which prefix-cache tree its
+keys belong to, and (longrope, as Phi-3's `generate` does) that crossing the original context while decoding
+recomputes every earlier key with the long factors. One request's tokens never depend on another's.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+LENGTH_DEPENDENT = ("dynamic", "longrope")
+
+
+@dataclass(frozen=True)
+class RopeLengthRule:
+    """How a model's rotary depends on the length of the sequence: `kind` "dynamic" or "longrope", past the
+    `original` context. A request's *floor* is the length its tokens are rotated for at the least (its prompt's,
+    or the whole sequence's once a longrope request recomputed its keys); each token takes `max(position + 1,
+    floor)`."""
+
+    kind: str
+    original: int
+
+    def cache_name(self, floor: int) -> str | None:
+        """The prefix-cache tree of keys rotated with `floor` (None: the plain tree, a floor within the original
+        context): longrope's long factors are one tree; dynamic frequencies depend on the floor itself."""
+        if floor <= self.original:
+            return None
+        return "long" if self.kind == "longrope" else f"ntk{floor}"
+
+    def reencodes(self, floor: int, position: int) -> bool:
+        """Whether computing `position` of a request with this floor first recomputes all its keys: longrope's
+        switch to the long factors once the sequence passes the original context (Phi-3's `generate` drops its
+        cache and encodes the whole sequence again there)."""
+        return self.kind == "longrope" and floor <= self.original <= position
 
 
 def rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
@@ -122,31 +150,49 @@ class Rotary(nn.Module):
         self.long_freq: torch.Tensor | None
         self.register_buffer("long_freq", long_freq, persistent=False)
 
-    def _frequencies(self, positions: torch.Tensor) -> torch.Tensor:
+    @property
+    def length_rule(self) -> RopeLengthRule | None:
+        """How this rotary depends on the sequence's length; None when it does not."""
+        return RopeLengthRule(self.rope_type, self.original) if self.rope_type in LENGTH_DEPENDENT else None
+
+    def _frequencies(self, positions: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
         """`[T, dim/2]` angles of each token."""
         pos = positions[:, None].float()
-        if self.rope_type == "longrope":
-            beyond = (positions >= self.original)[:, None]
-            return torch.where(beyond, pos * self.long_freq[None, :], pos * self.inv_freq[None, :])
-        if self.rope_type == "dynamic":
-            return pos * self._dynamic_inv_freq(positions)
+        if self.rope_type in LENGTH_DEPENDENT:
+            seq_len = positions + 1 if lengths is None else lengths
+            beyond = (seq_len > self.original)[:, None]
+            if self.rope_type == "longrope":
+                return torch.where(beyond, pos * self.long_freq[None, :], pos * self.inv_freq[None, :])
+            return pos * torch.where(beyond, self._dynamic_inv_freq(seq_len), self.inv_freq[None, :])
         return pos * self.inv_freq[None, :]
 
-    def _dynamic_inv_freq(self, positions: torch.Tensor) -> torch.Tensor:
-        """`[T, dim/2]`: per token, NTK-scaled frequencies for a sequence of `position + 1` tokens (transformers'
-        formula; the unscaled ones within the original context)."""
+    def _dynamic_inv_freq(self, seq_len: torch.Tensor) -> torch.Tensor:
+        """`[T, dim/2]`: per token, NTK-scaled frequencies for a sequence of `seq_len` tokens (transformers'
+        formula)."""
         factor, dim = self.params["factor"], self.dim
-        seq_len = (positions.double() + 1).clamp(min=self.original)
-        base = (self.base * ((factor * seq_len / self.original) - (factor - 1)) ** (dim / (dim - 2))).float()
-        scaled = 1.0 / (base[:, None] ** _exponents(dim).to(positions.device)[None, :])
-        return torch.where((positions >= self.original)[:, None], scaled, self.inv_freq[None, :])
+        length = seq_len.double().clamp(min=self.original)
+        base = (self.base * ((factor * length / self.original) - (factor - 1)) ** (dim / (dim - 2))).float()
+        return 1.0 / (base[:, None] ** _exponents(dim).to(seq_len.device)[None, :])
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        emb = torch.cat([self._frequencies(positions)] * 2, dim=-1)  # [T, dim]
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype,
+                lengths: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of `positions` `[T]`; `lengths` `[T]`: the sequence length each token is rotated for by the
+        length-dependent variants (default `positions + 1`)."""
+        emb = torch.cat([self._frequencies(positions, lengths)] * 2, dim=-1)  # [T, dim]
         cos, sin = emb.cos(), emb.sin()
         if self.attention_scaling != 1.0:
             cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
         return cos.to(dtype), sin.to(dtype)
+
+
+def rope_lengths(positions: torch.Tensor, extend_lens: list[int], floors: list[int] | None) -> torch.Tensor | None:
+    """`[T]`: the sequence length each of a step's tokens is rotated for, `max(position + 1, floor)` of its row
+    (`extend_lens` tokens each, `floors` their `Req.rope_floor`); None without floors (no length-dependent
+    rotary)."""
+    if floors is None:
+        return None
+    floor = torch.repeat_interleave(torch.tensor(floors, dtype=torch.int64), torch.tensor(extend_lens))
+    return torch.maximum(positions + 1, floor.to(positions.device))
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

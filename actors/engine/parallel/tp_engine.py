@@ -93,9 +93,11 @@ class TPEngine(Engine):
         self._keepalive.start()
 
     def _send_forward(self, rows: list[int], starts: list[int], extend_lens: list[int], input_ids: torch.Tensor,
-                      info: ForwardInfo, override: EmbedOverride | None = None) -> None:
+                      info: ForwardInfo, override: EmbedOverride | None = None,
+                      rope_floors: list[int] | None = None) -> None:
         width = max(info.kv_lens_cpu)
-        plan = ForwardPlan(FORWARD, list(rows), list(starts), list(extend_lens), width, live=len(self.live))
+        plan = ForwardPlan(FORWARD, list(rows), list(starts), list(extend_lens), width, live=len(self.live),
+                           rope_floors=rope_floors)
         if self.lora is not None:
             plan.lora_names = list(self.lora.step_names)
             plan.lora_versions = self.lora.versions(plan.lora_names)
@@ -215,7 +217,8 @@ class TPFollower:
             if engine.lora is not None:
                 engine.lora.sync(plan.lora_versions)
                 engine.lora.prepare(plan.lora_names, plan.extend_lens)
-            engine.runner.forward_tokens(plan.rows, plan.starts, plan.extend_lens, ids, override)
+            engine.runner.forward_tokens(plan.rows, plan.starts, plan.extend_lens, ids, override,
+                                         rope_floors=plan.rope_floors)
             self.steps += 1
         return True
 

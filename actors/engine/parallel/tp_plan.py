@@ -50,6 +50,7 @@ class ForwardPlan:
     # them that attends both ways (models/vision/span_attention.py `BidirectionalSpan`, its key slots left out)
     image_tokens: int = 0
     image_spans: list[list[int]] = field(default_factory=list)
+    rope_floors: list[int] | None = None  # each row's Req.rope_floor, for a length-dependent rotary (models/rope.py)
 
     def check(self) -> None:
         """Raise ValueError when the plan is not self-consistent (a follower must never guess)."""
@@ -58,6 +59,8 @@ class ForwardPlan:
         if not len(self.rows) == len(self.starts) == len(self.extend_lens):
             raise ValueError(f"plan rows, starts and extend_lens differ in length: {len(self.rows)}, "
                              f"{len(self.starts)}, {len(self.extend_lens)}")
+        if self.rope_floors is not None and len(self.rope_floors) != len(self.rows):
+            raise ValueError(f"plan has {len(self.rope_floors)} rope floors for {len(self.rows)} rows")
         ends = [s + n for s, n in zip(self.starts, self.extend_lens)]
         if self.kind == FORWARD and (not self.rows or self.width < max(ends)):
             raise ValueError(f"a forward plan needs rows and a width covering them, got width {self.width}")

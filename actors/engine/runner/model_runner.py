@@ -23,6 +23,7 @@ from ringserve.actors.engine.runner.graphs.decode_graph import DecodeGraphRunner
 from ringserve.actors.engine.runner.kv_pool import KVPool
 from ringserve.actors.engine.models.blocks import Attention, RMSNorm
 from ringserve.actors.engine.models.causal_lm import CausalLM, EmbedOverride
+from ringserve.actors.engine.models.rope import rope_lengths
 from ringserve.actors.engine.runner.graphs.thread_tuner import ThreadTuner
 from ringserve.actors.engine.runner.token_table import TokenTable
 from ringserve.kernels.attention import AttentionBackend, ForwardInfo, create_backend
@@ -48,8 +49,7 @@ class ModelRunner:
         self.backend: AttentionBackend = create_backend(backend, pool.k, pool.v, model.num_heads,
                                                         model.layer_attention())
         # tensor parallelism, rank 0: hands each eager forward's layout to the follower ranks first (tp_engine.py)
-        self.tp_sender: Callable[[list[int], list[int], list[int], torch.Tensor, ForwardInfo, EmbedOverride | None],
-                                 None] | None = None
+        self.tp_sender: Callable[..., None] | None = None  # (rows, starts, extend_lens, ids, info, override, rope_floors=)
         if backend == "triton" and self.device.type == "cuda":
             use_triton_kernels(model)
         if self.device.type == "cpu" and self.backend.compiles_decode():
@@ -118,14 +118,18 @@ class ModelRunner:
             offset = int(ends[b]) - batch.extend_lens[b] + 1 - batch.starts[b]  # flat index of position 0
             index += range(offset + first, offset + first + count)
         logits_index = to_device(index, device)
+        floors = [req.rope_floor for req in batch.reqs] if self.model.rope_length_rule is not None else None
         if self.tp_sender is not None:
-            self.tp_sender(batch.rows, batch.starts, batch.extend_lens, input_ids, info, batch.override)
+            self.tp_sender(batch.rows, batch.starts, batch.extend_lens, input_ids, info, batch.override,
+                           rope_floors=floors)
         meta = self.backend.prepare(info)
+        lengths = rope_lengths(positions_t, batch.extend_lens, floors)
         if not hidden_plan:
-            return self.model(input_ids, positions_t, self.backend, meta, logits_index, override=batch.override)
+            return self.model(input_ids, positions_t, self.backend, meta, logits_index, override=batch.override,
+                              rope_lengths=lengths)
         hidden_index = to_device([at + i for _, at, count in hidden_plan for i in range(count)], device)
         logits, hidden = self.model(input_ids, positions_t, self.backend, meta, logits_index, hidden_index,
-                                    override=batch.override)
+                                    override=batch.override, rope_lengths=lengths)
         taken = 0
         for b, _, count in hidden_plan:
             state = batch.reqs[b].embed
@@ -153,15 +157,18 @@ class ModelRunner:
         return positions_t, rows_t, info
 
     def forward_tokens(self, table_rows: list[int], starts: list[int], extend_lens: list[int],
-                       input_ids: torch.Tensor, override: EmbedOverride | None = None) -> None:
+                       input_ids: torch.Tensor, override: EmbedOverride | None = None,
+                       rope_floors: list[int] | None = None) -> None:
         """A tensor-parallel follower's forward: rank 0's layout over `input_ids` (the token table's rows
         already hold rank 0's slots), writing this rank's KV and taking part in the all-reduces; no logits.
-        `override`: rank 0's image embeddings of the step."""
+        `override`: rank 0's image embeddings of the step; `rope_floors`: each row's `Req.rope_floor` (a
+        length-dependent rotary)."""
         positions_t, _, info = self._layout(table_rows, starts, extend_lens)
         meta = self.backend.prepare(info)
+        lengths = rope_lengths(positions_t, extend_lens, rope_floors)
         with no_fx_tracing():
             self.model(input_ids, positions_t, self.backend, meta, torch.empty(0, dtype=torch.int64, device=self.device),
-                       override=override)
+                       override=override, rope_lengths=lengths)
 
     def _sample(self, batch: Batch, logits: torch.Tensor,
                 mask: tuple[torch.Tensor, list[int]] | None = None) -> ForwardOutput:

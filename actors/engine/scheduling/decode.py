@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ringserve.actors.engine.models.rope import RopeLengthRule
 from ringserve.actors.engine.scheduling.cache_manager import CacheManager
 from ringserve.actors.engine.scheduling.request import Req
 
@@ -14,9 +15,10 @@ class DecodeManager:
     until that token is applied but is not decoded again.
     """
 
-    def __init__(self, cache: CacheManager, context_length: int) -> None:
+    def __init__(self, cache: CacheManager, context_length: int, rope_rule: RopeLengthRule | None = None) -> None:
         self.cache = cache
         self.context_length = context_length
+        self.rope_rule = rope_rule
         self.running: list[Req] = []
 
     def __len__(self) -> int:
@@ -56,6 +58,28 @@ class DecodeManager:
             self.running.remove(req)
             self.cache.cache_req(req, finished=True)
             retracted.append(req)
+        return retracted
+
+    def reencode_due(self) -> list[Req]:
+        """The decodable requests whose next token first passes a longrope model's original context: all their
+        keys are computed again with the long factors first (`RopeLengthRule.reencodes`)."""
+        rule = self.rope_rule
+        if rule is None or rule.kind != "longrope":
+            return []
+        return [req for req in self.decodable() if rule.reencodes(req.rope_floor, req.device_len - 1)]
+
+    def retract_to_reencode(self) -> list[Req]:
+        """Retract the requests `reencode_due` names, their floor raised to their whole sequence, so admission
+        computes every token of it again, rotated as one long sequence (their old KV goes to the prefix cache's
+        tree of short keys, which the raised floor no longer reads). Only with every launched step applied."""
+        retracted = self.reencode_due()
+        for req in retracted:
+            assert req.device_len == req.seq_len, "retraction needs the step in flight applied first"
+            self.running.remove(req)
+            self.cache.cache_req(req, finished=True)
+            assert self.rope_rule is not None
+            req.rope_floor = req.seq_len
+            req.rope_cache_name = self.rope_rule.cache_name(req.rope_floor)
         return retracted
 
     def schedule(self) -> list[Req]:

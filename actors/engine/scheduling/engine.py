@@ -100,7 +100,8 @@ class Engine(LoraServing, KvShareMethods):
         chunk = config.chunked_prefill_size if config.chunking else 0
         self.prefill = PrefillManager(self.cache, config.max_prefill_tokens, chunk, config.schedule_policy,
                                       config.max_running_requests)
-        self.decode = DecodeManager(self.cache, self.context_length)
+        self.rope_rule = model.rope_length_rule  # longrope/dynamic: each request's rotary floor (models/rope.py)
+        self.decode = DecodeManager(self.cache, self.context_length, self.rope_rule)
         # a vision-language model: the token its images' runs repeat (None: it takes no images)
         self.image_token_id: int | None = getattr(model, "image_token_id", None)
         self.prefill.whole_images = bool(getattr(model, "bidirectional_images", False))
@@ -190,6 +191,8 @@ class Engine(LoraServing, KvShareMethods):
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         req = Req(request.rid, len(request.input_ids), list(request.input_ids), params, seed)
         req.lora_cache_name = self.lora_cache_name(params.lora_name)
+        if self.rope_rule is not None:
+            req.rope_floor, req.rope_cache_name = req.prompt_len, self.rope_rule.cache_name(req.prompt_len)
         if checked:
             req.images, req.image_key = checked, image_key(req.ids, request.images)
         if request.embed is not None:
@@ -262,7 +265,7 @@ class Engine(LoraServing, KvShareMethods):
         # Retraction needs every token applied, and so do a constrained request's next mask and the drafts of a
         # request that speculates.
         if prev is not None and (self.decode.must_retract() or any(r.matcher for r in prev[0].sampling_reqs)
-                                 or self._speculates(prev[0].sampling_reqs)):
+                                 or self._speculates(prev[0].sampling_reqs) or self.decode.reencode_due()):
             rows, prev, drained = self.finish(*prev), None, True
         batch = self._last_batch = self.schedule()
         if batch is not None:
@@ -300,6 +303,8 @@ class Engine(LoraServing, KvShareMethods):
         for req in self.decode.retract_until_decodable():
             self.prefill.add(req, front=True)
             self.num_retractions += 1
+        for req in self.decode.retract_to_reencode():
+            self.prefill.add(req, front=True)
         decodes = self.decode.schedule()
         drafts = self._draft(decodes)
         prefills = self.prefill.schedule(len(decodes))
@@ -315,6 +320,9 @@ class Engine(LoraServing, KvShareMethods):
         for the next step."""
         if self.speculation is None or not decodes:
             return {}
+        rule, k = self.rope_rule, self.config.speculative_num_draft_tokens
+        if rule is not None:  # a verify row never crosses into longrope's long factors (a re-encode comes first)
+            decodes = [r for r in decodes if not rule.reencodes(r.rope_floor, r.device_len - 1 + k)]
         return self.speculation.draft(decodes, self.context_length, self.cache.available - len(self.decode))
 
     def launch(self, batch: Batch) -> ForwardOutput:

@@ -48,6 +48,8 @@ class Req:
     spec_accepted: int = 0
     embed: EmbedState | None = None  # an embedding request's pooling (actors/engine/scheduling/embedding.py)
     lora_cache_name: str | None = None  # its adapter's cache name (LoraPool.cache_name), set on admission
+    rope_floor: int = 0  # a length-dependent rotary turns its tokens for max(position + 1, rope_floor) (rope.py)
+    rope_cache_name: str | None = None  # RopeLengthRule.cache_name of that floor
     images: list[Any] = field(default_factory=list)  # its `ReqImage`s in prompt order (scheduling/images.py)
     image_key: list[int] | None = None  # its prompt as the prefix cache keys it, when it has images
 
@@ -67,8 +69,8 @@ class Req:
     @property
     def cache_key(self) -> str | None:
         """The prefix-cache tree this request's KV belongs to: its `cache_salt`, apart per LoRA adapter (KV
-        computed under one adapter is never another's)."""
-        return cache_namespace(self.params.cache_salt, self.lora_cache_name)
+        computed under one adapter is never another's) and per rotary length class."""
+        return cache_namespace(self.params.cache_salt, self.lora_cache_name, self.rope_cache_name)
 
     @property
     def prefix_limit(self) -> int:
