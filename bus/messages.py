@@ -64,6 +64,8 @@ class GenerateRequest:
     embed: EmbedParams | None = None
     # `text`'s images, in the order of its image placeholders: their files' object store keys (bus/image_store.py)
     image_data: list[str] | None = None
+    # options for the model's image processor, raw as sent (bus/params.py `ImageProcessing`; the tokenizer checks)
+    mm_processor_kwargs: dict[str, Any] | None = None
 
 
 @dataclass

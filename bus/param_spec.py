@@ -196,7 +196,7 @@ def param(default: Any = dataclasses.MISSING, doc: str = "", **spec: Any) -> Any
 
 
 _KINDS = {"int": "integer", "float": "number", "bool": "boolean", "int | None": "integer", "str | None": "string",
-          "str": "string"}
+          "str": "string", "bool | None": "boolean", "float | None": "number"}
 
 
 def specs_of(cls: type) -> dict[str, Spec]:

@@ -16,6 +16,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from ringserve.bus.errors import ApiError
 from ringserve.bus.param_spec import LOGIT_BIAS, STOP_STRINGS, TOKEN_IDS, Spec, param, plain_number, specs_of
 
 MAX_STOP_STRINGS = 32
@@ -137,6 +138,52 @@ class EmbedParams:
 
 
 EMBED_SPECS: dict[str, Spec] = specs_of(EmbedParams)
+
+PROCESSOR_KWARGS = "mm_processor_kwargs"  # vLLM's name of the field holding them
+
+
+@dataclass
+class ImageProcessing:
+    """Options for a vision-language model's image processor, per request (vLLM's `mm_processor_kwargs`); None
+    keeps the model's own setting (its preprocessor config). A model whose image processor does not take one is
+    refused, naming it. Gemma 3's pan-and-scan crops a large image whose sides differ by `min_ratio_to_activate`
+    or more into 2 to `max_num_crops` crops of at least `min_crop_size` pixels, each an image of its own after the
+    whole image."""
+
+    do_pan_and_scan: bool | None = param(None, "Gemma 3: add crops of a large non-square image as images of their "
+                                         "own (pan and scan)", default_doc="the model's (off)")
+    pan_and_scan_min_crop_size: int | None = param(None, "Gemma 3 pan and scan: the smallest crop side, in pixels",
+                                                   low=1, high=8192, default_doc="the model's (256)")
+    pan_and_scan_max_num_crops: int | None = param(None, "Gemma 3 pan and scan: most crops per image", low=1,
+                                                   high=16, default_doc="the model's (4)")
+    pan_and_scan_min_ratio_to_activate: float | None = param(None, "Gemma 3 pan and scan: crop only an image whose "
+                                                             "longer side is at least this many times the shorter",
+                                                             low=1, high=100, default_doc="the model's (1.2)")
+
+
+PROCESSOR_SPECS: dict[str, Spec] = specs_of(ImageProcessing)
+
+
+def processor_kwargs(value: Any) -> dict[str, Any]:
+    """A request's `mm_processor_kwargs` checked against `ImageProcessing` (ApiError 400 naming the bad key):
+    the options it sets, without those left null."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ApiError(f"{PROCESSOR_KWARGS} must be an object", param=PROCESSOR_KWARGS)
+    out = {}
+    for key, item in value.items():
+        name = f"{PROCESSOR_KWARGS}.{key}"
+        spec = PROCESSOR_SPECS.get(key)
+        if spec is None:
+            raise ApiError(f"{name} is not an image processor option this server takes (it takes "
+                           f"{', '.join(PROCESSOR_SPECS)})", param=PROCESSOR_KWARGS)
+        if item is not None:
+            try:
+                out[key] = spec.check(item)
+            except ApiError as exc:
+                raise ApiError(f"{PROCESSOR_KWARGS}.{exc.message}", param=PROCESSOR_KWARGS) from None
+    return out
 
 
 def default_of(name: str) -> Any:

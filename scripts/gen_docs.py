@@ -15,6 +15,7 @@ Everything between the markers belongs to this script; edit the code it reads, n
 |---|---|---|
 | `serve-flags` | docs/engine.md | the `ringserve serve` parser (`ringserve.actors.launcher.cli.build_parser`) |
 | `sampling-params` | docs/api.md | `ringserve.bus.params.param_rows()` |
+| `processor-options` | docs/api.md | `ringserve.bus.params.PROCESSOR_SPECS` |
 | `messages` | docs/protocol.md | the dataclasses of `bus/messages.py` |
 | `metrics` | docs/metrics.md | the entry's metric registry and the scheduler gauges (`actors/entry/metrics*.py`) |
 """
@@ -158,6 +159,18 @@ def sampling_params() -> str:
     return table(["`sampling_params` name", "OpenAI name", "type", "range", "default", "what"], rows)
 
 
+def processor_options() -> str:
+    """A vision-language model's image processor options (`mm_processor_kwargs`), declared once in
+    `bus/params.py` (`ImageProcessing`)."""
+    params = importlib.import_module("ringserve.bus.params")
+    specs = getattr(params, "PROCESSOR_SPECS", None)
+    if specs is None:
+        raise Skip("bus/params.py has no PROCESSOR_SPECS yet")
+    rows = [[code(s.name), cell(s.kind), cell(s.range_text()), _default_cell(s.default_doc or "none"), cell(s.doc)]
+            for s in specs.values()]
+    return table(["`mm_processor_kwargs` key", "type", "range", "default", "what"], rows)
+
+
 # --- messages -----------------------------------------------------------------------------------------------
 
 
@@ -275,6 +288,7 @@ class Generated:
 TABLES = [
     Generated("serve-flags", "docs/engine.md", serve_flags),
     Generated("sampling-params", "docs/api.md", sampling_params),
+    Generated("processor-options", "docs/api.md", processor_options),
     Generated("messages", "docs/protocol.md", messages),
     Generated("metrics", "docs/metrics.md", metrics),
     Generated("metric-names", "docs/metrics.md", metric_names),

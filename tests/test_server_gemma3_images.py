@@ -1,5 +1,7 @@
 """Gemma 3 images through one real ring served with `--tp 2` (two scheduler ranks; real NATS, real HTTP, the official
-openai client), the tiny Gemma 3 of tests/vision_models.py: a chat `image_url` gives transformers' greedy tokens.
+openai client), the tiny Gemma 3 of tests/vision_models.py: a chat `image_url` gives transformers' greedy tokens,
+with `mm_processor_kwargs` turning pan-and-scan on as well (the crops are images of their own); a processor option
+the server does not declare, or a bad value, is a 400 naming `mm_processor_kwargs`.
 """
 
 from __future__ import annotations
@@ -10,11 +12,13 @@ from typing import Any, Iterator
 import httpx
 import openai
 import pytest
+import torch
 
 from ringserve.bus.embedded_server import EmbeddedNatsServer
 from tests.server_helpers import ServerHandle, start_server
 from tests.test_server_images import chat, data_url, hf_greedy, image_chat, png
-from tests.vision_models import process, random_image, save_tiny_vlm, tiny_hf_vlm
+from tests.test_pan_and_scan import PAN_AND_SCAN, wide_image
+from tests.vision_models import IMAGE_TOKENS, process, random_image, save_tiny_vlm, tiny_hf_vlm
 
 
 @pytest.fixture(scope="module")
@@ -45,3 +49,23 @@ def test_an_image_under_tp2_gives_transformers_tokens(gemma3: ServerHandle, clie
     prompt, tokens = hf_greedy(hf, process(hf[1], [image]))
     assert body["prompt_token_ids"] == prompt
     assert body["choices"][0]["token_ids"] == tokens
+
+
+def test_pan_and_scan_through_chat_gives_transformers_tokens(client: openai.OpenAI, hf: tuple[Any, Any]) -> None:
+    image = wide_image(12)
+    body = chat(client, image_chat(data_url(png(image))), mm_processor_kwargs=PAN_AND_SCAN).model_dump()
+    prompt, tokens = hf_greedy(hf, {k: torch.as_tensor(v) for k, v in hf[1](
+        text=[hf[1].apply_chat_template(image_chat("x"), add_generation_prompt=True, tokenize=False)],
+        images=[image], return_tensors="np", **PAN_AND_SCAN).items()})
+    token = hf[1].tokenizer.image_token_id
+    assert body["prompt_token_ids"] == prompt and prompt.count(token) == 4 * IMAGE_TOKENS  # the image, 3 crops
+    assert body["choices"][0]["token_ids"] == tokens
+    plain = chat(client, image_chat(data_url(png(image)))).model_dump()
+    assert plain["prompt_token_ids"].count(token) == IMAGE_TOKENS  # off unless asked for
+
+
+@pytest.mark.parametrize("options", [{"do_resize": False}, {"do_pan_and_scan": "yes"}, []])
+def test_bad_processor_options_are_400s(client: openai.OpenAI, options: Any) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, image_chat(data_url(png(random_image(13)))), mm_processor_kwargs=options)
+    assert info.value.body["param"] == "mm_processor_kwargs", info.value.body

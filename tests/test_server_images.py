@@ -204,6 +204,18 @@ def test_a_text_model_refuses_images(clients_ring: ServerHandle) -> None:
     assert served.status_code == 200, served.text
 
 
+def test_processor_options_the_model_does_not_take_are_400s(client: openai.OpenAI,
+                                                            clients_ring: ServerHandle) -> None:
+    """LLaVA's image processor has no pan-and-scan; a text model has no image processor at all."""
+    with pytest.raises(openai.BadRequestError) as info:
+        chat(client, image_chat(data_url(png(random_image(8)))), mm_processor_kwargs={"do_pan_and_scan": True})
+    assert info.value.body["param"] == "mm_processor_kwargs" and "does not take it" in info.value.body["message"]
+    reply = httpx.post(f"{clients_ring.base_url}/generate", json={
+        "text": "hi", "mm_processor_kwargs": {"do_pan_and_scan": True}, "sampling_params": {"max_new_tokens": 2}})
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "mm_processor_kwargs", reply.text
+    assert "takes no images" in reply.json()["error"]["message"]
+
+
 def test_each_role_reaches_the_image_bucket_under_nats_auth() -> None:
     """The entry puts a file, the tokenizer reads it and puts tensors, the scheduler reads those: with the
     per-role users `ringserve serve` makes, on a real nats-server."""

@@ -26,6 +26,7 @@ from ringserve.actors.entry.request_flow import EntryService
 from ringserve.bus.errors import ApiError
 from ringserve.bus.messages import GenerateRequest, RequestOutput, TokenLogprob
 from ringserve.bus.param_spec import Spec
+from ringserve.bus.params import PROCESSOR_KWARGS
 from ringserve.bus.subjects import InvalidRidError, new_rid, validate_rid
 
 DEFAULT_GENERATE_MAX_NEW_TOKENS = 128
@@ -85,7 +86,8 @@ def parse_generate(body: dict[str, Any]) -> tuple[list[GenerateRequest], int, bo
     stream = STREAM.read(body, False)
     images = image_data_sources(body.get("image_data"), len(prompts), batch)
     gen_reqs = [GenerateRequest(rid=rid, text=text, input_ids=ids, sampling=dict(sampling), stream=stream,
-                                image_data=sources) for (text, ids), sources in zip(prompts, images)]
+                                image_data=sources, mm_processor_kwargs=body.get(PROCESSOR_KWARGS))
+                for (text, ids), sources in zip(prompts, images)]
     return gen_reqs, n, batch or n > 1
 
 

@@ -28,7 +28,7 @@ from ringserve.actors.entry.tool_request import GUIDED_FIELDS, ToolPlan, output_
 from ringserve.actors.entry.tool_response import tool_message
 from ringserve.bus.messages import FinishReason, GenerateRequest, RequestOutput, TokenLogprob
 from ringserve.bus.param_spec import Spec
-from ringserve.bus.params import MAX_TOP_LOGPROBS, openai_names
+from ringserve.bus.params import MAX_TOP_LOGPROBS, PROCESSOR_KWARGS, openai_names
 
 # OpenAI name -> native (SGLang) sampling name; SGLang's extensions are accepted under their own names
 _SAMPLING_FIELDS = openai_names()
@@ -98,7 +98,7 @@ _COMMON_FIELDS = {"model", "n", "stream", "stream_options", "response_format", "
 ROUTE_FIELDS: dict[str, set[str]] = {
     "chat": _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "add_generation_prompt",
                               "continue_final_message", "prompt_logprobs", "tools", "tool_choice",
-                              "parallel_tool_calls"},
+                              "parallel_tool_calls", PROCESSOR_KWARGS},
     "completion": _COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of", "prompt_logprobs"},
 }
 
@@ -285,7 +285,8 @@ def parse_chat(body: dict[str, Any], rid: str, served_model: str,
         ("add_generation_prompt", "end the prompt with the assistant's turn header", True),
         ("continue_final_message", "continue the final (assistant) message instead of opening a new turn", False))}
     return GenerateRequest(rid=rid, messages=turns, sampling=sampling, openai_names=True, stream=options.stream,
-                           tools=options.tools.tools if options.tools else None, **template), options
+                           tools=options.tools.tools if options.tools else None,
+                           mm_processor_kwargs=body.get(PROCESSOR_KWARGS), **template), options
 
 
 def _is_token_ids(value: Any) -> bool:

@@ -15,7 +15,7 @@ from ringserve.actors.entry.openai_protocol import (BEST_OF, CHAT_LOGPROBS, COMP
                                          MAX_CHOICES, N, NO_EFFECT, PROMPT_LOGPROBS, STREAM, STREAM_OPTIONS_NO_EFFECT,
                                          TOKENS_AS_IDS, TOP_LOGPROBS)
 from ringserve.actors.entry.embeddings_route import DIMENSIONS, EMBEDDINGS_PATH, ENCODING_FORMAT, USER
-from ringserve.bus.params import EMBED_SPECS, SPECS
+from ringserve.bus.params import EMBED_SPECS, PROCESSOR_KWARGS, PROCESSOR_SPECS, SPECS
 
 JSON = "application/json"
 RID = {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}
@@ -156,6 +156,10 @@ _RESPONSES_REQUEST = {"type": "object", "required": ["input"], "properties": {
     "truncation": {"enum": ["disabled"]},
     **{name: {"description": f"accepted, no effect ({what})"} for name, what in responses.NO_EFFECT.items()}}}
 
+_PROCESSOR_KWARGS = {"type": "object", "additionalProperties": False,
+                     "description": "a vision-language model's image processor options (vLLM's field)",
+                     "properties": {spec.name: spec.json_schema() for spec in PROCESSOR_SPECS.values()}}
+
 SCHEMAS: dict[str, Any] = {
     "Error": {"type": "object", "required": ["error"], "properties": {"error": {
         "type": "object", "required": ["message", "type", "code"],
@@ -182,6 +186,7 @@ SCHEMAS: dict[str, Any] = {
                 "type": {"enum": ["function"]},
                 "function": {"type": "object", "required": ["name"], "properties": {"name": _FUNCTION_NAME}}}}]},
         "parallel_tool_calls": {"type": "boolean", "description": "more than one call per turn (default true)"},
+        PROCESSOR_KWARGS: _PROCESSOR_KWARGS,
         **_OPENAI_COMMON}},
     "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": {
         "prompt": {"description": f"one prompt, or a list of prompts: n choices each, at most {MAX_CHOICES} in all",
@@ -204,6 +209,7 @@ SCHEMAS: dict[str, Any] = {
                                       "per prompt", "oneOf": [
             _IMAGE_SOURCE, {"type": "array", "minItems": 1, "items": {"oneOf": [
                 _IMAGE_SOURCE, {"type": "array", "minItems": 1, "items": _IMAGE_SOURCE}, {"type": "null"}]}}]},
+        PROCESSOR_KWARGS: _PROCESSOR_KWARGS,
         "rid": RID,
         "stream": STREAM.json_schema(),
         "return_logprob": _NATIVE_SAMPLING["return_logprob"],

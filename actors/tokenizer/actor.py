@@ -27,7 +27,7 @@ from ringserve.actors.tokenizer.prompt import PromptEncoder
 from ringserve.actors.tokenizer.router import Router
 from ringserve.actors.tokenizer.grammar_check import GrammarChecker
 from ringserve.actors.tokenizer.validation import validate_sampling
-from ringserve.bus.params import SPECS
+from ringserve.bus.params import PROCESSOR_KWARGS, SPECS, processor_kwargs
 from ringserve.bus.codec import DecodeError, encode, peek_field
 from ringserve.bus.connection import Delivery
 from ringserve.bus.errors import ApiError, server_error
@@ -186,12 +186,26 @@ class TokenizerActor:
         add_special = True if query.add_special_tokens is None else query.add_special_tokens
         return TokenizeReply(tokens=list(self._tokenizer.encode(query.text, add_special_tokens=add_special)))
 
-    async def _encode_images(self, req: GenerateRequest) -> tuple[list[int], list[ImageRef]]:
-        """Token ids and image refs of a prompt with images (images.py); a 400 if the model takes none."""
+    async def _encode_images(self, req: GenerateRequest,
+                             options: dict[str, Any] | None = None) -> tuple[list[int], list[ImageRef]]:
+        """Token ids and image refs of a prompt with images (images.py), `options` for the image processor; a
+        400 if the model takes none."""
         if self._vision is None:
             raise ApiError("this model takes no images: serve a vision-language model to send them",
                            param=images_param(req))
-        return await self._vision.encode(req, self._encoder.chat_text(req) if req.messages is not None else None)
+        return await self._vision.encode(req, self._encoder.chat_text(req) if req.messages is not None else None,
+                                         options)
+
+    def _processor_options(self, req: GenerateRequest) -> dict[str, Any]:
+        """`req.mm_processor_kwargs` checked: declared (bus/params.py), and taken by the model's image processor
+        (a text model has none)."""
+        options = processor_kwargs(req.mm_processor_kwargs)
+        if options and self._vision is None:
+            raise ApiError(f"{PROCESSOR_KWARGS}: this model takes no images, so it has no image processor",
+                           param=PROCESSOR_KWARGS)
+        if options and self._vision is not None:
+            self._vision.check_options(options)
+        return options
 
     def _own_rid(self, req: GenerateRequest, delivery: Delivery) -> bool:
         """Check `req.rid`; a submission on `{ns}.client.{c}.submit` is client c's, so its rid becomes the scoped
@@ -216,8 +230,8 @@ class TokenizerActor:
         """Validate and tokenize `req` and hand it to a scheduler replica: the replica's `Accepted`, or why not."""
         with tracing.span("tokenize", attributes={"ringserve.rid": req.rid}) as span:
             try:
-                images = image_handles(req)
-                input_ids, refs = await self._encode_images(req) if images else (self._encoder.encode(req), [])
+                images, options = image_handles(req), self._processor_options(req)
+                input_ids, refs = await self._encode_images(req, options) if images else (self._encoder.encode(req), [])
                 if req.embed is not None and len(input_ids) > self._context_length:
                     raise ApiError(f"the input is {len(input_ids)} tokens; this model embeds at most "
                                    f"{self._context_length}", param="input")

@@ -8,7 +8,9 @@ renders an image part as the model's placeholder; a text prompt (`/generate`) mu
 
 Each image's tensors (the processor's output for that one image: `pixel_values`, and e.g. `image_grid_thw`) are
 encoded (bus/tensor_codec.py), hashed, and put into the store under the hash, once; the request carries an
-`ImageRef` per image: hash, the run of its tokens in `input_ids`, the handle.
+`ImageRef` per image: hash, the run of its tokens in `input_ids`, the handle. The request's `mm_processor_kwargs`
+(bus/params.py `ImageProcessing`, those the model's image processor takes) go to the processor; Gemma 3's
+pan-and-scan crops come out as images of their own (each crop its run of tokens, its tensors, its hash).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ringserve.bus.errors import ApiError
 from ringserve.bus.image_store import ImageMissing, ImageStore, ImageStoreUnavailable, tensors_handle
 from ringserve.bus.images import ImageRef
 from ringserve.bus.messages import GenerateRequest
+from ringserve.bus.params import PROCESSOR_KWARGS
 from ringserve.bus.tensor_codec import encode_tensors, tensors_hash
 
 NOT_PER_IMAGE = {"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"}  # per token, not per image
@@ -65,13 +68,27 @@ class VisionPrompts:
         self.image_token_id: int = token
         # what a text prompt holds for each image (Gemma 3 expands its begin-of-image token)
         self.placeholder: str = getattr(self._processor, "boi_token", None) or self._processor.image_token
-        self._merge = getattr(getattr(self._processor, "image_processor", None), "merge_size", 1) or 1
+        image_processor = getattr(self._processor, "image_processor", None)
+        self._merge = getattr(image_processor, "merge_size", 1) or 1
+        # the options this image processor takes (transformers declares them as a TypedDict)
+        self._options = set(getattr(getattr(image_processor, "valid_kwargs", None), "__annotations__", {}))
+        self._processor_name = type(image_processor).__name__
         self._store = store
 
-    async def encode(self, req: GenerateRequest, chat_text: str | None) -> tuple[list[int], list[ImageRef]]:
+    def check_options(self, options: dict[str, Any]) -> None:
+        """ApiError 400 naming the first of `options` (checked `mm_processor_kwargs`) this model's image processor
+        does not take."""
+        for key in options:
+            if key not in self._options:
+                raise ApiError(f"{PROCESSOR_KWARGS}.{key}: this model's image processor ({self._processor_name}) "
+                               "does not take it", param=PROCESSOR_KWARGS)
+
+    async def encode(self, req: GenerateRequest, chat_text: str | None,
+                     options: dict[str, Any] | None = None) -> tuple[list[int], list[ImageRef]]:
         """Token ids and image refs of `req` (its chat template's text `chat_text`, or its `text`), its images'
-        tensors stored. ApiError 400 naming the images for a missing or undecodable one or a placeholder count
-        that does not match; 503 when the store cannot be reached."""
+        tensors stored; `options`: the image processor's (`check_options`). ApiError 400 naming the images for a
+        missing or undecodable one or a placeholder count that does not match; 503 when the store cannot be
+        reached."""
         param = images_param(req)
         handles = image_handles(req)
         if req.input_ids is not None:
@@ -88,7 +105,8 @@ class VisionPrompts:
             raise ApiError(f"{exc}; send the image again", param=param) from exc
         except ImageStoreUnavailable as exc:
             raise ApiError(str(exc), 503, type="server_error") from exc
-        ids, tensors = await asyncio.to_thread(self._process, text, files, param, chat_text is not None)
+        ids, tensors = await asyncio.to_thread(self._process, text, files, param, chat_text is not None,
+                                               options or {})
         refs = []
         for (offset, length), each in zip(self._runs(ids, tensors), tensors):
             encoded = encode_tensors(each)
@@ -103,9 +121,9 @@ class VisionPrompts:
                                  nbytes=len(encoded), meta=meta))
         return ids, refs
 
-    def _process(self, text: str, files: list[bytes], param: str,
-                 chat: bool) -> tuple[list[int], list[dict[str, np.ndarray]]]:
-        """Run the processor (in a worker thread): the ids, and each image's own tensors."""
+    def _process(self, text: str, files: list[bytes], param: str, chat: bool,
+                 options: dict[str, Any]) -> tuple[list[int], list[dict[str, np.ndarray]]]:
+        """Run the processor (in a worker thread): the ids, and each image's (or crop's) own tensors."""
         from PIL import Image
 
         images = []
@@ -117,10 +135,11 @@ class VisionPrompts:
                 raise ApiError(f"image {k} of the request cannot be decoded: {exc}", param=param) from exc
             images.append(image)
         try:  # a chat template's text holds its special tokens already, as for text chat (prompt.py)
-            out = self._processor(text=[text], images=images, return_tensors="np", add_special_tokens=not chat)
+            out = self._processor(text=[text], images=images, return_tensors="np", add_special_tokens=not chat,
+                                  **options)
         except ValueError as exc:
             raise ApiError(f"the model's processor refused the images: {exc}", param=param) from exc
-        return [int(t) for t in out["input_ids"][0]], _per_image(dict(out), len(images))
+        return [int(t) for t in out["input_ids"][0]], _per_image(dict(out))
 
     def _runs(self, ids: list[int], tensors: list[dict[str, np.ndarray]]) -> list[tuple[int, int]]:
         """(offset, length) of each image's run of image tokens in `ids`, in order."""
@@ -142,11 +161,13 @@ class VisionPrompts:
         return runs
 
 
-def _per_image(out: dict[str, Any], count: int) -> list[dict[str, np.ndarray]]:
+def _per_image(out: dict[str, Any]) -> list[dict[str, np.ndarray]]:
     """Split the processor's batched image tensors into each image's own, as the processor gives them for that
-    image alone (Qwen2-VL's patches by `image_grid_thw`, the rest by their first axis)."""
-    tensors: list[dict[str, np.ndarray]] = [{} for _ in range(count)]
+    image alone (Qwen2-VL's patches by `image_grid_thw`, the rest by their first axis: one entry per image, or per
+    crop with Gemma 3's pan-and-scan, whose crops follow their image)."""
     grids = np.asarray(out["image_grid_thw"]) if "image_grid_thw" in out else None
+    count = len(grids) if grids is not None else len(out["pixel_values"])
+    tensors: list[dict[str, np.ndarray]] = [{} for _ in range(count)]
     for name, value in out.items():
         if name in NOT_PER_IMAGE:
             continue

@@ -2,7 +2,7 @@
 `mm_tokens_per_image` tokens, Gemma's RMSNorm (`mm_soft_emb_norm`) and a projection matrix
 (`mm_input_projection_weight`) into the Gemma 3 text model. An image's tokens attend to each other both ways in
 prefill (transformers' `token_type_ids` mask), so its run is never split across prefill chunks. Pan-and-scan
-crops are not served (each image is one crop).
+crops come from the tokenizer as images of their own (actors/tokenizer/images.py), each its own run.
 """
 
 from __future__ import annotations
