@@ -18,6 +18,7 @@ from torch import nn
 
 from ringserve.actors.engine.models.blocks import RMSNorm
 from ringserve.actors.engine.models.decoder_layer import DecoderLayer
+from ringserve.actors.engine.models.mrope import mrope_tables
 from ringserve.actors.engine.models.registry import context_length
 from ringserve.actors.engine.models.rope import RopeLengthRule, Rotary, rope_parameters
 from ringserve.actors.engine.models.spec import ArchSpec, LayerShape, layer_shapes
@@ -30,11 +31,13 @@ from ringserve.kernels.attention.backend import LayerAttention
 class EmbedOverride:
     """Embeddings written over some of a step's token embeddings (images' tokens), after any embedding scale:
     `index` `[n]` flat token indices of the step, `embeds` `[n, C]`; `spans`: runs among them that attend to
-    each other both ways (Gemma 3's images, models/vision/span_attention.py)."""
+    each other both ways (Gemma 3's images, models/vision/span_attention.py); `rope_positions` `[3, n]`: their
+    M-RoPE (temporal, height, width) positions (models/mrope.py), None for other models."""
 
     index: torch.Tensor
     embeds: torch.Tensor
     spans: list[BidirectionalSpan] = field(default_factory=list)
+    rope_positions: torch.Tensor | None = None
 
 
 class DecoderStack(nn.Module):
@@ -164,6 +167,8 @@ class CausalLM(nn.Module):
             if override.spans:
                 backend = SpanAttention(backend, override.spans)  # type: ignore[assignment]
         tables = {kind: rotary(positions, x.dtype, rope_lengths) for kind, rotary in self.model.rotary.items()}
+        if override is not None and override.rope_positions is not None:
+            tables = mrope_tables(self.model.rotary, tables, override.index, override.rope_positions)
         for layer in self.model.layers:
             cos, sin = tables[layer.rope]
             x = layer(x, cos, sin, backend, meta)

@@ -14,7 +14,7 @@ from typing import Any
 FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
     "llama": (("LlamaForCausalLM",), ("llama",), ("llama",)),
     "mistral": (("MistralForCausalLM",), ("mistral",), ()),  # llama.cpp writes Mistral GGUFs as "llama"
-    "qwen2": (("Qwen2ForCausalLM",), ("qwen2",), ("qwen2",)),
+    "qwen2": (("Qwen2ForCausalLM",), ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text"), ("qwen2",)),  # + VL text models
     "qwen3": (("Qwen3ForCausalLM",), ("qwen3",), ("qwen3",)),
     "gemma2": (("Gemma2ForCausalLM",), ("gemma2",), ("gemma2",)),
     "gemma3": (("Gemma3ForCausalLM",), ("gemma3_text",), ("gemma3",)),
@@ -27,9 +27,12 @@ FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = 
     # vision-language: a vision tower over the text family of their text_config (models/vision/)
     "llava": (("LlavaForConditionalGeneration",), ("llava",), ()),
     "gemma3_vision": (("Gemma3ForConditionalGeneration",), ("gemma3",), ()),
+    "qwen2_vl": (("Qwen2VLForConditionalGeneration",), ("qwen2_vl",), ()),
+    "qwen2_5_vl": (("Qwen2_5_VLForConditionalGeneration",), ("qwen2_5_vl",), ()),
 }
 # vision-language families -> the module (of this package) and class building them
-VISION_MODELS = {"llava": ("vision.llava", "Llava"), "gemma3_vision": ("vision.gemma3", "Gemma3Vision")}
+VISION_MODELS = {"llava": ("vision.llava", "Llava"), "gemma3_vision": ("vision.gemma3", "Gemma3Vision"),
+                 "qwen2_vl": ("vision.qwen2_vl", "Qwen2VL"), "qwen2_5_vl": ("vision.qwen2_vl", "Qwen2_5_VL")}
 
 
 class UnsupportedArchitecture(ValueError):

@@ -19,6 +19,7 @@ import torch
 from ringserve.actors.engine.runner.graphs.fx_guard import no_fx_tracing
 from ringserve.actors.engine.scheduling.batch import Batch, ForwardOutput, PromptScores
 from ringserve.actors.engine.scheduling.embedding import hidden_positions, pool_chunk
+from ringserve.actors.engine.scheduling.images import rope_positions
 from ringserve.actors.engine.runner.graphs.decode_graph import DecodeGraphRunner, default_mode
 from ringserve.actors.engine.runner.kv_pool import KVPool
 from ringserve.actors.engine.models.blocks import Attention, RMSNorm
@@ -89,7 +90,7 @@ class ModelRunner:
                 logits = self._forward_eager(batch, spans, hidden_plan)
             elif (batch.override is None and self.graphs is not None and all(batch.samples)
                   and self.graphs.can_run(batch.extend_lens)):
-                logits = self.graphs.replay(batch.rows, batch.starts)
+                logits = self.graphs.replay(batch.rows, batch.starts, rope_positions(batch))
             else:
                 logits = self._forward_eager(batch, spans)
         num_sampling = sum(batch.samples)
@@ -112,6 +113,8 @@ class ModelRunner:
         device = self.device
         positions_t, rows_t, info = self._layout(batch.rows, batch.starts, batch.extend_lens)
         input_ids = self.table.ids[rows_t, positions_t]
+        rope = rope_positions(batch)  # M-RoPE: the model rotates by these, the KV slots stay the positions
+        rope_t = positions_t if rope is None else to_device(rope, device)
         ends = torch.tensor(batch.extend_lens, dtype=torch.int64).cumsum(0) - 1
         index = ends[torch.tensor(batch.samples, dtype=torch.bool)].tolist()
         for b, first, count in spans or ():
@@ -125,10 +128,10 @@ class ModelRunner:
         meta = self.backend.prepare(info)
         lengths = rope_lengths(positions_t, batch.extend_lens, floors)
         if not hidden_plan:
-            return self.model(input_ids, positions_t, self.backend, meta, logits_index, override=batch.override,
+            return self.model(input_ids, rope_t, self.backend, meta, logits_index, override=batch.override,
                               rope_lengths=lengths)
         hidden_index = to_device([at + i for _, at, count in hidden_plan for i in range(count)], device)
-        logits, hidden = self.model(input_ids, positions_t, self.backend, meta, logits_index, hidden_index,
+        logits, hidden = self.model(input_ids, rope_t, self.backend, meta, logits_index, hidden_index,
                                     override=batch.override, rope_lengths=lengths)
         taken = 0
         for b, _, count in hidden_plan:

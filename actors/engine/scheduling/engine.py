@@ -184,6 +184,9 @@ class Engine(LoraServing, KvShareMethods):
         checked = request_images(self.runner.model, list(request.input_ids), request.images, images)
         if isinstance(checked, ApiError):
             return checked
+        if self.runner.tp_sender is not None and any(image.rope is not None for image in checked):
+            return ApiError("images of an M-RoPE model (Qwen2-VL, Qwen2.5-VL) are not served with --tp > 1 yet: the "
+                            "other ranks would rotate their tokens as text", param="images")
         params = request.sampling
         error = self._adapter_error(params.lora_name)
         if error is not None:
@@ -195,6 +198,7 @@ class Engine(LoraServing, KvShareMethods):
             req.rope_floor, req.rope_cache_name = req.prompt_len, self.rope_rule.cache_name(req.prompt_len)
         if checked:
             req.images, req.image_key = checked, image_key(req.ids, request.images)
+            req.rope_shift = checked[-1].rope_shift
         if request.embed is not None:
             state = embed_state(request.embed, self.config.embedding_pooling, params.max_new_tokens)
             if isinstance(state, ApiError):

@@ -2,7 +2,9 @@
 the prefix cache.
 
 `request_images` checks each `ImageRef` of a request against the model (a vision-language model, its tensors
-given, a run of exactly the model's image token count of image tokens) and keeps its tensors on the request.
+given and as the model takes them, `VisionCausalLM.check_image`, a run of exactly the model's image token count of
+image tokens) and keeps its tensors on the request; for an M-RoPE model (models/mrope.py) also its tokens' rope
+positions and the shift of the rope positions after it (`rope_positions` gives a step's).
 `step_override` runs the vision tower and projector for the images a step's prefill chunks cover, once per image
 hash across the step's requests (the embeddings stay with each request for its life), and gives the model the
 chunk's slice of them (a chunk may start or end inside an image). The prefix cache keys a prompt by
@@ -12,6 +14,7 @@ the run, so the same image twice shares KV and two images never do; the routers 
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,11 +29,19 @@ from ringserve.bus.images import ImageRef
 
 @dataclass(eq=False)
 class ReqImage:
-    """One image of a request: where its tokens are, its processed tensors, and its embeddings once computed."""
+    """One image of a request: where its tokens are, its processed tensors, and its embeddings once computed.
+    M-RoPE: `rope` its tokens' `[3, length]` rope positions, `rope_shift` the rope position minus the sequence
+    position of the text after it (0 for other models)."""
 
     ref: ImageRef
-    pixel_values: torch.Tensor  # [1, 3, H, W]
+    tensors: dict[str, torch.Tensor]  # the processor's for this image: pixel_values, e.g. image_grid_thw
     embeds: torch.Tensor | None = None  # [length, C]
+    rope: torch.Tensor | None = None
+    rope_shift: int = 0
+
+    @property
+    def pixel_values(self) -> torch.Tensor:
+        return self.tensors["pixel_values"]
 
     @property
     def start(self) -> int:
@@ -48,21 +59,17 @@ def request_images(model: CausalLM, input_ids: list[int], refs: list[ImageRef],
     if refs and token is None:
         return ApiError("this model takes no images (it is a text-only model)", param="images")
     out: list[ReqImage] = []
-    end = 0
+    end = shift = 0
     for i, ref in enumerate(refs):
         name = f"image {i} ({ref.hash[:12]})"
         tensors = (images or {}).get(ref.hash)
         if tensors is None:
             return ApiError(f"{name}: its processed tensors were not given to the engine", param="images")
-        pixels = tensors.get("pixel_values")
-        if pixels is None:
-            return ApiError(f"{name}: no pixel_values among its tensors ({', '.join(tensors)})", param="images")
-        pixels = torch.as_tensor(pixels)
-        size = model.vision_tower.image_size  # type: ignore[attr-defined]
-        if tuple(pixels.shape) != (1, 3, size, size):
-            return ApiError(f"{name}: pixel_values of shape {list(pixels.shape)}, the model takes [1, 3, {size}, "
-                            f"{size}]", param="images")
-        expected = model.image_tokens(tensors)  # type: ignore[attr-defined]
+        tensors = {key: torch.as_tensor(value) for key, value in tensors.items()}
+        try:
+            expected = model.check_image(tensors)  # type: ignore[attr-defined]
+        except ValueError as exc:
+            return ApiError(f"{name}: {exc}", param="images")
         if ref.length != expected:
             return ApiError(f"{name}: a run of {ref.length} image tokens, the model makes {expected} per image",
                             param="images")
@@ -72,7 +79,14 @@ def request_images(model: CausalLM, input_ids: list[int], refs: list[ImageRef],
         if any(t != token for t in input_ids[ref.offset:ref.offset + ref.length]):
             return ApiError(f"{name}: its run holds tokens other than the image token {token}", param="images")
         end = ref.offset + ref.length
-        out.append(ReqImage(ref, pixels))
+        image = ReqImage(ref, tensors)
+        rope = model.image_rope(tensors)  # type: ignore[attr-defined]
+        if rope is not None:
+            offsets, advance = rope
+            image.rope = offsets + (ref.offset + shift)
+            shift += advance - ref.length
+            image.rope_shift = shift
+        out.append(image)
     stray = sum(t == token for t in input_ids) - sum(ref.length for ref in refs)
     if token is not None and stray:
         return ApiError(f"the prompt holds {stray} image token(s) (id {token}) outside its images' runs",
@@ -104,6 +118,7 @@ def step_override(model: CausalLM, batch: Batch, token_table: torch.Tensor) -> E
     index: list[torch.Tensor] = []
     embeds: list[torch.Tensor] = []
     spans: list[BidirectionalSpan] = []
+    ropes: list[torch.Tensor] = []
     device = token_table.device
     for image, req, start, n, flat in covered:
         lo, hi = max(image.start, start), min(image.end, start + n)
@@ -111,10 +126,30 @@ def step_override(model: CausalLM, batch: Batch, token_table: torch.Tensor) -> E
         index.append(torch.arange(first, first + hi - lo, device=device))
         assert image.embeds is not None
         embeds.append(image.embeds[lo - image.start:hi - image.start])
+        if image.rope is not None:
+            ropes.append(image.rope[:, lo - image.start:hi - image.start])
         if model.bidirectional_images:  # type: ignore[attr-defined]
             assert hi == image.end, "a chunk never ends inside an image whose tokens attend both ways"
             spans.append(BidirectionalSpan(first, hi - lo, lo, token_table[req.row, :hi]))
-    return EmbedOverride(torch.cat(index), torch.cat(embeds), spans)
+    rope = torch.cat(ropes, dim=1).to(device) if ropes else None
+    return EmbedOverride(torch.cat(index), torch.cat(embeds), spans, rope)
+
+
+def rope_positions(batch: Batch) -> list[int] | None:
+    """The 1-D rope position of each of `batch`'s tokens: its sequence position plus its request's M-RoPE shift
+    there (that of the last image before it); None when every request's shift is 0 (every model without M-RoPE),
+    the rope positions then being the positions. An image token's is overridden (`EmbedOverride.rope_positions`)."""
+    if not any(req.rope_shift for req in batch.reqs):
+        return None
+    out: list[int] = []
+    for req, start, n in zip(batch.reqs, batch.starts, batch.extend_lens):
+        ends = [image.end for image in req.images]
+        shifts = [0] + [image.rope_shift for image in req.images]
+        if not ends or start >= ends[-1]:  # decode rows, text after the last image
+            out.extend(range(start + req.rope_shift, start + n + req.rope_shift))
+            continue
+        out.extend(p + shifts[bisect_right(ends, p)] for p in range(start, start + n))
+    return out
 
 
 def _embed(images: list[ReqImage], model: CausalLM) -> None:
@@ -127,8 +162,8 @@ def _embed(images: list[ReqImage], model: CausalLM) -> None:
     if not todo:
         return
     device = model.model.embed_tokens.weight.device
-    pixels = torch.cat([group[0].pixel_values for group in todo.values()]).to(device)
-    out = model.embed_images(pixels)  # type: ignore[attr-defined]  # [N, length, C]
+    tensors = [{**group[0].tensors, "pixel_values": group[0].pixel_values.to(device)} for group in todo.values()]
+    out = model.embed_image_batch(tensors)  # type: ignore[attr-defined]  # each [length, C]
     for group, embeds in zip(todo.values(), out):
         for image in group:
             image.embeds = embeds

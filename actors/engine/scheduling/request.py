@@ -51,6 +51,7 @@ class Req:
     rope_floor: int = 0  # a length-dependent rotary turns its tokens for max(position + 1, rope_floor) (rope.py)
     rope_cache_name: str | None = None  # RopeLengthRule.cache_name of that floor
     images: list[Any] = field(default_factory=list)  # its `ReqImage`s in prompt order (scheduling/images.py)
+    rope_shift: int = 0  # M-RoPE: rope position minus position after its last image (images.rope_positions)
     image_key: list[int] | None = None  # its prompt as the prefix cache keys it, when it has images
 
     def key_ids(self, end: int) -> list[int]:

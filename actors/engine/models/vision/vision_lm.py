@@ -1,8 +1,9 @@
 """`VisionCausalLM`: a registry text model (a `CausalLM` of the checkpoint's `text_config`, so everything the
 engine does with a model works unchanged) that also turns images into embeddings for its image tokens.
 
-A family subclass (vision/llava.py, vision/gemma3.py) builds the tower and projector and says how many image
-tokens an image makes; `embed_images` runs them for a batch of images. The checkpoint's tensors map onto ours by
+A family subclass (vision/llava.py, vision/gemma3.py, vision/qwen2_vl.py) builds the tower and projector, checks
+an image's tensors and says how many image tokens it makes (`check_image`); `embed_image_batch` runs them for a
+batch of images. The checkpoint's tensors map onto ours by
 `VISION_RENAMES` (transformers 5's in-memory `model.language_model.*`, `model.vision_tower.*`, ... and the older
 saved `language_model.model.*`, `vision_tower.vision_model.*` layouts alike).
 """
@@ -61,6 +62,27 @@ class VisionCausalLM(CausalLM):
         """How many image tokens the processor makes for one image with these processed tensors."""
         raise NotImplementedError
 
+    def check_image(self, tensors: dict[str, Any]) -> int:
+        """How many image tokens one image with these processed tensors makes; ValueError saying what is wrong
+        with them. Here: `pixel_values` of one square image of the tower's size."""
+        pixels = tensors.get("pixel_values")
+        if pixels is None:
+            raise ValueError(f"no pixel_values among its tensors ({', '.join(tensors)})")
+        size = self.vision_tower.image_size
+        shape = list(torch.as_tensor(pixels).shape)
+        if shape != [1, 3, size, size]:
+            raise ValueError(f"pixel_values of shape {shape}, the model takes [1, 3, {size}, {size}]")
+        return self.image_tokens(tensors)
+
+    def image_rope(self, tensors: dict[str, Any]) -> tuple[torch.Tensor, int] | None:
+        """M-RoPE models (models/mrope.py): the image's tokens' `[3, length]` rope positions after its first, and
+        how far the rope position of the text after it moves on; None for every other model."""
+        return None
+
     def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Images `[N, 3, H, W]` -> their image tokens' embeddings `[N, image_tokens, C]` in the model's dtype."""
         raise NotImplementedError
+
+    def embed_image_batch(self, images: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Each image's token embeddings `[length, C]` from its tensors (`check_image` passed), in one batch."""
+        return list(self.embed_images(torch.cat([image["pixel_values"] for image in images])))

@@ -199,13 +199,16 @@ class DecodeGraphRunner:
         """The graph size a batch of `n` decode requests runs at."""
         return self.sizes[bisect.bisect_left(self.sizes, n)]
 
-    def replay(self, req_rows: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+    def replay(self, req_rows: Sequence[int], positions: Sequence[int],
+               rope_positions: Sequence[int] | None = None) -> torch.Tensor:
         """Logits `[n, V]` of one decode step: request `i` computes its token at `positions[i]` on table row
         `req_rows[i]`, whose slot is allocated and whose id is in `TokenTable.ids` by the time this runs on the
-        device. The tensor may be a view of a static output buffer: read it before the next replay."""
+        device. `rope_positions`: what the model rotates by instead of `positions` (M-RoPE's shifted ones). The
+        tensor may be a view of a static output buffer: read it before the next replay."""
         n = len(req_rows)
         bs = self.padded_size(n)
-        self._fill_inputs(bs, list(req_rows), list(positions))
+        rope = None if rope_positions is None else list(rope_positions)
+        self._fill_inputs(bs, list(req_rows), list(positions), rope)
         if self.mode == "cuda_graph":
             self.graphs[bs].replay()
             return self.inputs.logits[:n]
@@ -222,17 +225,20 @@ class DecodeGraphRunner:
                 return self.step.forward(*args)[:n]
         return self._forward(bs)[:n]
 
-    def _fill_inputs(self, bs: int, req_rows: list[int], positions: list[int]) -> None:
+    def _fill_inputs(self, bs: int, req_rows: list[int], positions: list[int],
+                     rope_positions: list[int] | None = None) -> None:
         """Copy a step's inputs into the static buffers, padding `req_rows`/`positions` to `bs` rows on the
-        scratch row (position 0, one key)."""
+        scratch row (position 0, one key). `positions` place the KV and bound attention; the model rotates by
+        `rope_positions` when given, else by `positions`."""
         pad = bs - len(req_rows)
         pos = positions + [0] * pad
         rows = req_rows + [self.table.scratch_row] * pad
         kv_lens_cpu = [p + 1 for p in pos]
-        host = to_device([pos, rows, kv_lens_cpu], self.device)  # [3, bs], one non-blocking copy
+        rope = [] if rope_positions is None else [rope_positions + [0] * pad]
+        host = to_device([pos, rows, kv_lens_cpu, *rope], self.device)  # [3 or 4, bs], one non-blocking copy
         pos_t, rows_t = host[0], host[1]
         self.inputs.input_ids[:bs].copy_(self.table.ids[rows_t, pos_t])
-        self.inputs.positions[:bs].copy_(pos_t)
+        self.inputs.positions[:bs].copy_(host[3] if rope else pos_t)
         info = ForwardInfo(
             q_lens_cpu=[1] * bs,
             kv_lens_cpu=kv_lens_cpu,
