@@ -1,7 +1,8 @@
 """A prompt with images: the model's own processor turns it into token ids and per-image tensors stored on the bus.
 
 For a vision-language model (a `config.json` with a `vision_config`), `VisionPrompts` loads transformers'
-`AutoProcessor` from the model directory. A request's images come as handles of their files in the image store
+processor from the model directory (processor_loader.py: without a video processor where that needs torchvision).
+A request's images come as handles of their files in the image store
 (bus/image_store.py); they are fetched, decoded, and given with the prompt's text to the processor, which resizes
 and normalises them and expands each image placeholder into the image's run of image tokens. The chat template
 renders an image part as the model's placeholder; a text prompt (`/generate`) must hold one placeholder per image.
@@ -25,6 +26,7 @@ import numpy as np
 
 from ringserve.actors.common.model_source import ModelSource
 from ringserve.actors.engine.models.registry import image_token_id
+from ringserve.actors.tokenizer.processor_loader import load_processor
 from ringserve.bus.errors import ApiError
 from ringserve.bus.image_store import ImageMissing, ImageStore, ImageStoreUnavailable, tensors_handle
 from ringserve.bus.images import ImageRef
@@ -59,9 +61,9 @@ class VisionPrompts:
     """The model's processor and image token, and the image store the tensors go to."""
 
     def __init__(self, source: ModelSource, store: ImageStore) -> None:
-        from transformers import AutoConfig, AutoProcessor
+        from transformers import AutoConfig
 
-        self._processor = AutoProcessor.from_pretrained(source.directory)
+        self._processor = load_processor(source.directory)
         token = image_token_id(AutoConfig.from_pretrained(source.directory))
         if token is None:
             raise ValueError(f"{source.directory} is not a vision-language model this server serves")

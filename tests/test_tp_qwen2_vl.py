@@ -1,0 +1,75 @@
+"""Qwen2-VL over two tensor-parallel ranks (real processes joined by gloo on loopback): a text-only request gives
+transformers' greedy tokens, and an image request is a 400 saying M-RoPE images are not served under --tp yet (the
+step plan does not carry their rope positions to the other ranks)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from ringserve.actors.engine.config import EngineConfig
+from ringserve.actors.engine.models.weights import model_from_hf
+from ringserve.actors.engine.parallel.tensor_parallel import close_group, init_group
+from ringserve.actors.engine.parallel.tp_engine import TPEngine, TPFollower, prepare_rank
+from ringserve.bus.messages import TokenizedRequest
+from tests.engine_helpers import greedy, tokens_of
+from tests.test_engine_qwen2_vl import tokenized
+from tests.test_engine_vision import NEW_TOKENS, hf_tokens
+from tests.test_tensor_parallel import PROCESS_WAIT_S, TIMEOUT_S, _free_addr
+from tests.vision_models import process, random_image, tiny_hf_vlm
+
+
+def _rank_main(rank: int, addr: str, queue: Any) -> None:
+    torch.set_num_threads(1)
+    group = None
+    try:
+        group = init_group(rank, 2, addr, "cpu", timeout_s=TIMEOUT_S)
+        hf, processor = tiny_hf_vlm("qwen2_vl")  # seeded: the same weights in both processes
+        model = model_from_hf(hf.config, hf.state_dict(), "cpu")
+        config = prepare_rank(model, EngineConfig(device="cpu", torch_threads=1, max_total_tokens=4096), group)
+        if rank:
+            follower = TPFollower(model, config, group)
+            follower.run()
+            queue.put(follower.steps)
+            return
+        engine = TPEngine(model, config, group)
+        image_request, tensors, _ = tokenized(processor, [random_image(1)], "image")
+        error = engine.add_request(image_request, tensors)
+        ids = process(processor, [], "Say hello.")["input_ids"][0].tolist()
+        assert engine.add_request(TokenizedRequest("text", ids, greedy(NEW_TOKENS, ignore_eos=True))) is None
+        rows: list[Any] = []
+        while engine.has_work():
+            rows += engine.step()
+        engine.close()
+        queue.put({"error": None if error is None else (error.code, error.message), "tokens": tokens_of(rows)})
+    except BaseException as exc:  # the test reads what went wrong
+        queue.put(f"error: {exc!r}")
+        sys.exit(1)
+    finally:
+        close_group(group)
+
+
+def test_two_ranks_serve_text_and_refuse_images() -> None:
+    ctx = mp.get_context("spawn")
+    queues = [ctx.Queue() for _ in range(2)]
+    addr = _free_addr()
+    procs = [ctx.Process(target=_rank_main, args=(r, addr, queues[r])) for r in (0, 1)]
+    for p in reversed(procs):
+        p.start()
+    try:
+        leader, steps = [q.get(timeout=PROCESS_WAIT_S) for q in queues]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert isinstance(leader, dict), leader
+    code, message = leader["error"]
+    assert code == 400 and "not served with --tp > 1" in message
+    hf, processor = tiny_hf_vlm("qwen2_vl")
+    assert leader["tokens"] == hf_tokens(hf, process(processor, [], "Say hello."))
+    assert steps > 0  # the follower ran the forwards
+    assert all(p.exitcode == 0 for p in procs)
