@@ -118,10 +118,10 @@ class Qwen2VisionTower(nn.Module):
         self.full_blocks = set(config.fullatt_block_indexes) if gated else set(range(config.depth))
         self.window = config.window_size // self.merge // self.patch_size if gated else 0
         theta = float((getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0))
-        quarter = dim // config.num_heads // 2  # rotary frequencies per axis: half of half a head
-        steps = torch.arange(0, quarter, 2, dtype=torch.float, device="cpu")  # not on the meta device models load on
+        axis_dim = dim // config.num_heads // 2  # rows turn half of a head's dims, columns the other half
+        steps = torch.arange(0, axis_dim, 2, dtype=torch.float, device="cpu")  # not on the meta device models load on
         self.inv_freq: torch.Tensor
-        self.register_buffer("inv_freq", 1.0 / theta ** (steps / quarter), persistent=False)
+        self.register_buffer("inv_freq", 1.0 / theta ** (steps / axis_dim), persistent=False)
 
     def forward(self, pixel_values: torch.Tensor, grids: list[tuple[int, int, int]]) -> list[torch.Tensor]:
         """`pixel_values` `[sum of patches, C*T*P*P]` of the images whose grids are `grids` -> each image's tokens."""
