@@ -84,7 +84,15 @@ class ImageStore(JetStreamBucket):
         config = StreamConfig(name=f"OBJ_{self.bucket}", subjects=[f"$O.{self.bucket}.C.>", f"$O.{self.bucket}.M.>"],
                               max_age=self.ttl, max_bytes=self.max_bytes, discard=DiscardPolicy.OLD,
                               allow_rollup_hdrs=True, allow_direct=True, storage=StorageType.FILE)
-        return await self.open_with(config, lambda js: js.object_store(self.bucket))
+        return await self.open_with(config, self._open_store)
+
+    async def _open_store(self, js: Any) -> Any:
+        """The object store; this store's `ttl` becomes the bucket's own (the actor that made it set it, from
+        `--image-ttl`), so `put_once` judges a copy's age by the TTL that expires it."""
+        info = await js.stream_info(f"OBJ_{self.bucket}")
+        if info.config.max_age:
+            self.ttl = float(info.config.max_age)
+        return await js.object_store(self.bucket)
 
     async def put_once(self, handle: str, data: bytes) -> bool:
         """Store `data` under `handle` unless a copy younger than half the TTL is there; whether it was put."""

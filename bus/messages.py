@@ -337,6 +337,8 @@ class Heartbeat:
     load: ReplicaLoad | None = None
     draining: bool = False
     loop_lag: float = 0.0
+    # the actor's own counters since it started (a tokenizer's image cache), shown in /get_server_info's actors
+    counters: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass

@@ -1,11 +1,13 @@
 """Gemma 3 images through one real ring served with `--tp 2` (two scheduler ranks; real NATS, real HTTP, the official
 openai client), the tiny Gemma 3 of tests/vision_models.py: a chat `image_url` gives transformers' greedy tokens,
 with `mm_processor_kwargs` turning pan-and-scan on as well (the crops are images of their own); a processor option
-the server does not declare, or a bad value, is a 400 naming `mm_processor_kwargs`.
+the server does not declare, or a bad value, is a 400 naming `mm_processor_kwargs`; an image sent again is not
+processed again by the tokenizer (its counters in /get_server_info) and gives the same tokens.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -69,3 +71,27 @@ def test_bad_processor_options_are_400s(client: openai.OpenAI, options: Any) -> 
     with pytest.raises(openai.BadRequestError) as info:
         chat(client, image_chat(data_url(png(random_image(13)))), mm_processor_kwargs=options)
     assert info.value.body["param"] == "mm_processor_kwargs", info.value.body
+
+
+def tokenizer_counters(server: ServerHandle, since: float) -> dict[str, int]:
+    """The tokenizer's counters as its heartbeat reports them, as of a moment after `since` (time.monotonic())."""
+    deadline = time.monotonic() + 60
+    while True:
+        actor = httpx.get(f"{server.base_url}/get_server_info", timeout=30).json()["actors"]["tokenizer0"]
+        if time.monotonic() - actor["age_s"] - actor["loop_lag_s"] > since:  # its numbers were read after `since`
+            return actor.get("counters", {})
+        assert time.monotonic() < deadline, actor
+        time.sleep(0.2)
+
+
+def test_a_repeated_image_is_processed_once(gemma3: ServerHandle, client: openai.OpenAI,
+                                            hf: tuple[Any, Any]) -> None:
+    image = random_image(14)
+    before = tokenizer_counters(gemma3, time.monotonic())
+    first, second = (chat(client, image_chat(data_url(png(image)))).model_dump() for _ in range(2))
+    after = tokenizer_counters(gemma3, time.monotonic())
+    assert after["images_processed"] - before.get("images_processed", 0) == 1
+    assert after["image_cache_hits"] - before.get("image_cache_hits", 0) == 1
+    prompt, tokens = hf_greedy(hf, process(hf[1], [image]))
+    for body in (first, second):
+        assert body["prompt_token_ids"] == prompt and body["choices"][0]["token_ids"] == tokens

@@ -19,7 +19,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Awaitable, Callable
 
 from ringserve.bus.connection import BusConnection
@@ -40,6 +40,7 @@ class _Snapshot:
     load: ReplicaLoad | None
     draining: bool
     taken_at: float
+    counters: dict[str, int] = field(default_factory=dict)
 
 
 class HeartbeatThread:
@@ -64,11 +65,12 @@ class HeartbeatThread:
         self._thread = threading.Thread(target=self._run, name=f"heartbeat-{role}{rank}", daemon=True)
         self.beats_sent = 0
 
-    def refresh(self, live_rids: int, load: ReplicaLoad | None, draining: bool) -> None:
+    def refresh(self, live_rids: int, load: ReplicaLoad | None, draining: bool,
+                counters: dict[str, int] | None = None) -> None:
         """Take a new snapshot (call on the actor's loop). Assigning one reference is atomic under the GIL."""
         if load is not None and draining:
             load = replace(load, draining=True)
-        self._snapshot = _Snapshot(live_rids, load, draining, time.monotonic())
+        self._snapshot = _Snapshot(live_rids, load, draining, time.monotonic(), dict(counters or {}))
 
     def start(self) -> None:
         """Start the thread; returns once its loop runs (its connection is made there, retried until it works)."""
@@ -145,7 +147,7 @@ class HeartbeatThread:
         snap = self._snapshot
         return Heartbeat(role=self.role, rank=self.rank, pid=os.getpid(), interval=self.interval,
                          live_rids=snap.live_rids, load=snap.load, draining=snap.draining,
-                         loop_lag=round(max(0.0, time.monotonic() - snap.taken_at), 3))
+                         loop_lag=round(max(0.0, time.monotonic() - snap.taken_at), 3), counters=snap.counters)
 
     async def _beat(self) -> None:
         if self._bus is None or not self._main_connected():

@@ -71,6 +71,8 @@ class ActorContext:
     live_rids: Callable[[], int] = lambda: 0
     # a scheduler replica's load, in its heartbeats (what the tokenizers route by); None for other roles
     load: Callable[[], ReplicaLoad | None] = lambda: None
+    # the actor's own counters, in every heartbeat (e.g. the tokenizer's image cache); empty for most actors
+    counters: Callable[[], dict[str, int]] = dict
     heartbeat: HeartbeatThread | None = None  # beats from its own thread once the actor is ready
 
     def fail(self, reason: str) -> None:
@@ -223,7 +225,7 @@ def _refresh(ctx: ActorContext) -> None:
     """Hand the heartbeat thread this actor's numbers, read here on its event loop (a scheduler's load says
     whether it drains)."""
     if ctx.heartbeat is not None:
-        ctx.heartbeat.refresh(ctx.live_rids(), ctx.load(), ctx.draining.is_set())
+        ctx.heartbeat.refresh(ctx.live_rids(), ctx.load(), ctx.draining.is_set(), ctx.counters())
 
 
 async def _beat(ctx: ActorContext) -> None:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from ringserve.bus.messages import Heartbeat, ReplicaLoad
@@ -47,6 +47,7 @@ class ActorBeat:
     load: ReplicaLoad | None = None  # a scheduler replica's
     loop_lag: float = 0.0  # how old the beat's numbers were: the actor's event loop was busy that long
     gone: str = ""  # why its process ended, as the launcher said (then it is silent from that moment)
+    counters: dict[str, int] = field(default_factory=dict)  # its own, as its last beat said (Heartbeat.counters)
 
     @property
     def name(self) -> str:
@@ -80,7 +81,7 @@ class LivenessMonitor:
         if previous is not None and previous.pid != beat.pid and beat.role in CRITICAL_ROLES and name not in self._lost:
             self._replaced.add(name)  # restarted quickly: the old process and the streams it held are gone
         self._beats[name] = ActorBeat(beat.role, beat.rank, beat.pid, beat.live_rids, self._clock(), beat.load,
-                                      beat.loop_lag)
+                                      beat.loop_lag, counters=beat.counters)
         if name in self._lost:
             self._lost.discard(name)
             log_event(log, logging.INFO, "actor heartbeat back", actor=name, pid=beat.pid)
@@ -137,7 +138,8 @@ class LivenessMonitor:
         """Every actor heard from: pid, seconds since its last beat, and its count of per-request state."""
         now = self._clock()
         return {name: {"pid": b.pid, "age_s": round(now - b.seen_at, 3), "live_rids": b.live_rids,
-                       "loop_lag_s": b.loop_lag, **({"gone": b.gone} if b.gone else {})}
+                       "loop_lag_s": b.loop_lag, **({"gone": b.gone} if b.gone else {}),
+                       **({"counters": b.counters} if b.counters else {})}
                 for name, b in sorted(self._beats.items())}
 
     def lost(self) -> list[str]:

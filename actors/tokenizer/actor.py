@@ -80,6 +80,8 @@ class TokenizerActor:
                                           queue=TOKENIZER_QUEUE, on_malformed=self._on_malformed_query)]
         self._handing_over = 0  # submissions being tokenized and handed to a scheduler
         self._ctx.live_rids = lambda: self._handing_over
+        if self._vision is not None:
+            self._ctx.counters = self._vision.counters
         self._ctx.on_drain.append(self._stop_intake)
         await self._ctx.bus.subscribe(self._ctx.subjects.heartbeat, Heartbeat, self._on_heartbeat)
         await self._ctx.bus.subscribe(self._ctx.subjects.kv_events_any, KvEvents, self._on_kv_events)

@@ -27,6 +27,7 @@ import numpy as np
 from ringserve.actors.common.model_source import ModelSource
 from ringserve.actors.engine.models.registry import image_token_id
 from ringserve.actors.tokenizer.processor_loader import load_processor
+from ringserve.actors.tokenizer.image_cache import ImageCache, ImagePart, ProcessedImage, cache_key
 from ringserve.bus.errors import ApiError
 from ringserve.bus.image_store import ImageMissing, ImageStore, ImageStoreUnavailable, tensors_handle
 from ringserve.bus.images import ImageRef
@@ -76,6 +77,7 @@ class VisionPrompts:
         self._options = set(getattr(getattr(image_processor, "valid_kwargs", None), "__annotations__", {}))
         self._processor_name = type(image_processor).__name__
         self._store = store
+        self._cache = ImageCache()
 
     def check_options(self, options: dict[str, Any]) -> None:
         """ApiError 400 naming the first of `options` (checked `mm_processor_kwargs`) this model's image processor
@@ -88,70 +90,114 @@ class VisionPrompts:
     async def encode(self, req: GenerateRequest, chat_text: str | None,
                      options: dict[str, Any] | None = None) -> tuple[list[int], list[ImageRef]]:
         """Token ids and image refs of `req` (its chat template's text `chat_text`, or its `text`), its images'
-        tensors stored; `options`: the image processor's (`check_options`). ApiError 400 naming the images for a
-        missing or undecodable one or a placeholder count that does not match; 503 when the store cannot be
-        reached."""
+        tensors stored; `options`: the image processor's (`check_options`). An image sent before with the same
+        options comes from the cache (image_cache.py), neither fetched nor processed again. ApiError 400 naming
+        the images for a missing or undecodable one or a placeholder count that does not match; 503 when the
+        store cannot be reached."""
         param = images_param(req)
         handles = image_handles(req)
         if req.input_ids is not None:
             raise ApiError("images need a text prompt (text or messages) holding their placeholders, not input_ids",
                            param="image_data")
         text = chat_text if chat_text is not None else req.text or ""
-        if chat_text is None and text.count(self.placeholder) != len(handles):
+        if text.count(self.placeholder) != len(handles):
+            where = "image_data: put one where each image goes" if chat_text is None else "the messages"
             raise ApiError(f"the prompt holds {text.count(self.placeholder)} image placeholders "
-                           f"({self.placeholder!r}) for {len(handles)} images in image_data: put one where each "
-                           "image goes", param="image_data")
+                           f"({self.placeholder!r}) for {len(handles)} images in {where}", param=param)
+        options = options or {}
+        keys = [cache_key(h, options) for h in handles]
+        cached: dict[str, ProcessedImage] = {}
+        todo: dict[str, tuple[int, str]] = {}  # the images to process: their first index, their handle
+        for k, (key, handle) in enumerate(zip(keys, handles)):
+            if key not in cached and key not in todo:
+                hit = self._cache.get(key)
+                if hit is None:
+                    todo[key] = (k, handle)
+                else:
+                    cached[key] = hit
         try:
-            files = await asyncio.gather(*(self._store.get(h) for h in handles))
+            files = await asyncio.gather(*(self._store.get(handle) for _, handle in todo.values()))
         except ImageMissing as exc:
             raise ApiError(f"{exc}; send the image again", param=param) from exc
         except ImageStoreUnavailable as exc:
             raise ApiError(str(exc), 503, type="server_error") from exc
-        ids, tensors = await asyncio.to_thread(self._process, text, files, param, chat_text is not None,
-                                               options or {})
+        processed = await asyncio.to_thread(self._process, [(k, data) for (k, _), data in zip(todo.values(), files)],
+                                            param, options)
+        for key, image in zip(todo, processed):
+            self._cache.put(key, image)
+            cached[key] = image
+        images = [cached[key] for key in keys]
+        ids = await asyncio.to_thread(self._tokenize, text, [image.replacement for image in images],
+                                      chat_text is not None)
+        parts = [part for image in images for part in image.parts]
         refs = []
-        for (offset, length), each in zip(self._runs(ids, tensors), tensors):
-            encoded = encode_tensors(each)
-            digest = tensors_hash(encoded)
-            try:
-                await self._store.put_once(tensors_handle(digest), encoded)
+        for (offset, length), part in zip(self._runs(ids, parts), parts):
+            try:  # again when the store's copy is gone or old: a handle handed out names an object
+                await self._store.put_once(tensors_handle(part.digest), part.encoded)
             except ImageStoreUnavailable as exc:
                 raise ApiError(str(exc), 503, type="server_error") from exc
-            meta = {"image_grid_thw": [int(v) for v in each["image_grid_thw"].reshape(-1)]} \
-                if "image_grid_thw" in each else {}
-            refs.append(ImageRef(hash=digest, offset=offset, length=length, handle=tensors_handle(digest),
-                                 nbytes=len(encoded), meta=meta))
+            refs.append(ImageRef(hash=part.digest, offset=offset, length=length, handle=tensors_handle(part.digest),
+                                 nbytes=len(part.encoded), meta=part.meta))
         return ids, refs
 
-    def _process(self, text: str, files: list[bytes], param: str, chat: bool,
-                 options: dict[str, Any]) -> tuple[list[int], list[dict[str, np.ndarray]]]:
-        """Run the processor (in a worker thread): the ids, and each image's (or crop's) own tensors."""
+    def counters(self) -> dict[str, int]:
+        """The image cache's counters (what the tokenizer's heartbeats report)."""
+        return self._cache.counters()
+
+    def _process(self, files: list[tuple[int, bytes]], param: str,
+                 options: dict[str, Any]) -> list[ProcessedImage]:
+        """Run the image processor on each file `(its index in the request, bytes)` alone (in a worker thread):
+        its placeholder's replacement text, and each of its parts' (the image's, its crops') encoded tensors.
+
+        This is transformers' `ProcessorMixin.__call__` taken apart (its merged kwargs, `_process_images`, then
+        `get_text_with_replacements` in `_tokenize`), so that an image is processed once for any prompt it is
+        in; tests/test_image_cache.py checks the ids and tensors equal the whole call's."""
         from PIL import Image
 
-        images = []
-        for k, data in enumerate(files):
+        processor = self._processor
+        kwargs = processor._merge_kwargs(tokenizer_init_kwargs=processor.tokenizer.init_kwargs, return_tensors="np",
+                                         **options)["images_kwargs"]
+        unused = set(getattr(processor, "unused_input_names", ()))  # e.g. Gemma 3's num_crops
+        out = []
+        for k, data in files:
             try:
                 image = Image.open(io.BytesIO(data))
                 image.load()
             except Exception as exc:  # the entry checked it; a NATS client's may be anything
                 raise ApiError(f"image {k} of the request cannot be decoded: {exc}", param=param) from exc
-            images.append(image)
-        try:  # a chat template's text holds its special tokens already, as for text chat (prompt.py)
-            out = self._processor(text=[text], images=images, return_tensors="np", add_special_tokens=not chat,
-                                  **options)
-        except ValueError as exc:
-            raise ApiError(f"the model's processor refused the images: {exc}", param=param) from exc
-        return [int(t) for t in out["input_ids"][0]], _per_image(dict(out))
+            try:
+                tensors, replacements = processor._process_images([image], **kwargs)
+            except ValueError as exc:
+                raise ApiError(f"the model's processor refused image {k}: {exc}", param=param) from exc
+            parts = []
+            for each in _per_image({name: v for name, v in tensors.items() if name not in unused}):
+                encoded = encode_tensors(each)
+                meta = {"image_grid_thw": [int(v) for v in each["image_grid_thw"].reshape(-1)]} \
+                    if "image_grid_thw" in each else {}
+                parts.append(ImagePart(encoded, tensors_hash(encoded), meta))
+            out.append(ProcessedImage(replacements[0], tuple(parts)))
+        return out
 
-    def _runs(self, ids: list[int], tensors: list[dict[str, np.ndarray]]) -> list[tuple[int, int]]:
-        """(offset, length) of each image's run of image tokens in `ids`, in order."""
+    def _tokenize(self, text: str, replacements: list[str], chat: bool) -> list[int]:
+        """`text`'s ids with each image placeholder replaced by its image's text, as the processor tokenizes it (a
+        chat template's text holds its special tokens already, as for text chat: prompt.py)."""
+        processor = self._processor
+        kwargs = processor._merge_kwargs(tokenizer_init_kwargs=processor.tokenizer.init_kwargs,
+                                         add_special_tokens=not chat)["text_kwargs"]
+        for name in ("return_mm_token_type_ids", "return_text_replacement_offsets", "return_tensors"):
+            kwargs.pop(name, None)
+        expanded = processor.get_text_with_replacements([text], replacements)[0][0]
+        return [int(t) for t in processor.tokenizer(expanded, **kwargs)["input_ids"]]
+
+    def _runs(self, ids: list[int], parts: list[ImagePart]) -> list[tuple[int, int]]:
+        """(offset, length) of each image part's run of image tokens in `ids`, in order."""
         positions = [i for i, t in enumerate(ids) if t == self.image_token_id]
-        if tensors and "image_grid_thw" in tensors[0]:
-            lengths = [int(np.prod(t["image_grid_thw"])) // self._merge ** 2 for t in tensors]
+        if parts and "image_grid_thw" in parts[0].meta:
+            lengths = [int(np.prod(part.meta["image_grid_thw"])) // self._merge ** 2 for part in parts]
         else:
-            lengths = [len(positions) // len(tensors)] * len(tensors) if tensors else []
+            lengths = [len(positions) // len(parts)] * len(parts) if parts else []
         if sum(lengths) != len(positions):
-            raise ApiError(f"the processor gave {len(positions)} image tokens for {len(tensors)} images",
+            raise ApiError(f"the processor gave {len(positions)} image tokens for {len(parts)} images",
                            500, type="server_error")
         runs, start = [], 0
         for length in lengths:
