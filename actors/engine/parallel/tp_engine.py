@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ringserve.actors.engine.config import EngineConfig
 from ringserve.actors.engine.scheduling.engine import Engine
+from ringserve.actors.engine.scheduling.images import embed_step_images
 from ringserve.actors.engine.runner.kv_pool import KVPool
 from ringserve.actors.engine.models.causal_lm import CausalLM, EmbedOverride
 from ringserve.actors.engine.models.vision.span_attention import BidirectionalSpan
@@ -138,7 +139,11 @@ class TPEngine(Engine):
                 self._lock.release()
 
     def launch(self, batch: Any) -> Any:
-        """`Engine.launch`, holding the group's lock across the plan, the forward and its all-reduces."""
+        """`Engine.launch`, holding the group's lock across the plan, the forward and its all-reduces. The step's
+        images are embedded first, outside the lock: keepalives reach the followers while the tower runs, however
+        long it takes next to `--tp-timeout`."""
+        if self.takes_images:
+            embed_step_images(self.runner.model, batch)
         with self._lock:
             return super().launch(batch)
 

@@ -104,14 +104,26 @@ def chunk_tokens(images: list[ReqImage], start: int, n: int) -> int:
     return n
 
 
-def step_override(model: CausalLM, batch: Batch, token_table: torch.Tensor) -> EmbedOverride | None:
-    """The image embeddings of `batch`'s prefill chunks, None when no chunk covers an image token. Images not
-    embedded yet are embedded together, once per hash."""
+def _covered(batch: Batch) -> list[tuple[ReqImage, Any, int, int, int]]:
+    """(image, request, chunk start, chunk length, the chunk's first flat index) of each image a prefill chunk of
+    `batch` reaches."""
     d = batch.num_decode
     flats = [d + sum(batch.extend_lens[d:b]) for b in range(d, len(batch.reqs))]  # decode rows: 1 token each
     chunks = zip(batch.reqs[d:], batch.starts[d:], batch.extend_lens[d:], flats)
-    covered = [(image, req, start, n, flat) for req, start, n, flat in chunks
-               for image in req.images if image.start < start + n and start < image.end]
+    return [(image, req, start, n, flat) for req, start, n, flat in chunks
+            for image in req.images if image.start < start + n and start < image.end]
+
+
+def embed_step_images(model: CausalLM, batch: Batch) -> None:
+    """Run the vision tower on the images `batch`'s prefill chunks reach that have no embeddings yet (what
+    `step_override` would run), e.g. before taking a lock the tower must not hold (parallel/tp_engine.py)."""
+    _embed([image for image, *_ in _covered(batch)], model)
+
+
+def step_override(model: CausalLM, batch: Batch, token_table: torch.Tensor) -> EmbedOverride | None:
+    """The image embeddings of `batch`'s prefill chunks, None when no chunk covers an image token. Images not
+    embedded yet are embedded together, once per hash."""
+    covered = _covered(batch)
     if not covered:
         return None
     _embed([image for image, *_ in covered], model)
