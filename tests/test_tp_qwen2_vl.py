@@ -1,6 +1,7 @@
-"""Qwen2-VL over two tensor-parallel ranks (real processes joined by gloo on loopback): a text-only request gives
-transformers' greedy tokens, and an image request is a 400 saying M-RoPE images are not served under --tp yet (the
-step plan does not carry their rope positions to the other ranks)."""
+"""Qwen2-VL over two tensor-parallel ranks (real processes joined by gloo on loopback): image requests (two images
+of different sizes in one, chunked prefill crossing an image) and a text request, batched, give transformers'
+greedy tokens. The step plan carries each token's M-RoPE position and the image tokens' [t, h, w] positions to
+the other rank, which rotates with them."""
 
 from __future__ import annotations
 
@@ -16,10 +17,18 @@ from ringserve.actors.engine.parallel.tensor_parallel import close_group, init_g
 from ringserve.actors.engine.parallel.tp_engine import TPEngine, TPFollower, prepare_rank
 from ringserve.bus.messages import TokenizedRequest
 from tests.engine_helpers import greedy, tokens_of
-from tests.test_engine_qwen2_vl import tokenized
+from tests.test_engine_qwen2_vl import WIDE, tokenized
 from tests.test_engine_vision import NEW_TOKENS, hf_tokens
 from tests.test_tensor_parallel import PROCESS_WAIT_S, TIMEOUT_S, _free_addr
 from tests.vision_models import process, random_image, tiny_hf_vlm
+
+
+def _requests(processor: Any) -> list[tuple[TokenizedRequest, Any, Any]]:
+    """Two image requests (the second with two images of different sizes) and a text one."""
+    text = process(processor, [], "Say hello.")
+    return [tokenized(processor, [random_image(1)], "one"),
+            tokenized(processor, [random_image(2), random_image(3, *WIDE)], "two"),
+            (TokenizedRequest("text", text["input_ids"][0].tolist(), greedy(NEW_TOKENS, ignore_eos=True)), {}, text)]
 
 
 def _rank_main(rank: int, addr: str, queue: Any) -> None:
@@ -29,22 +38,21 @@ def _rank_main(rank: int, addr: str, queue: Any) -> None:
         group = init_group(rank, 2, addr, "cpu", timeout_s=TIMEOUT_S)
         hf, processor = tiny_hf_vlm("qwen2_vl")  # seeded: the same weights in both processes
         model = model_from_hf(hf.config, hf.state_dict(), "cpu")
-        config = prepare_rank(model, EngineConfig(device="cpu", torch_threads=1, max_total_tokens=4096), group)
+        config = prepare_rank(model, EngineConfig(device="cpu", torch_threads=1, max_total_tokens=4096,
+                                                  chunked_prefill_size=12, max_prefill_tokens=12), group)
         if rank:
             follower = TPFollower(model, config, group)
             follower.run()
             queue.put(follower.steps)
             return
         engine = TPEngine(model, config, group)
-        image_request, tensors, _ = tokenized(processor, [random_image(1)], "image")
-        error = engine.add_request(image_request, tensors)
-        ids = process(processor, [], "Say hello.")["input_ids"][0].tolist()
-        assert engine.add_request(TokenizedRequest("text", ids, greedy(NEW_TOKENS, ignore_eos=True))) is None
+        for request, tensors, _ in _requests(processor):
+            assert engine.add_request(request, tensors) is None, request.rid
         rows: list[Any] = []
         while engine.has_work():
             rows += engine.step()
         engine.close()
-        queue.put({"error": None if error is None else (error.code, error.message), "tokens": tokens_of(rows)})
+        queue.put({rid: tokens_of([r for r in rows if r.rid == rid]) for rid in ("one", "two", "text")})
     except BaseException as exc:  # the test reads what went wrong
         queue.put(f"error: {exc!r}")
         sys.exit(1)
@@ -52,7 +60,7 @@ def _rank_main(rank: int, addr: str, queue: Any) -> None:
         close_group(group)
 
 
-def test_two_ranks_serve_text_and_refuse_images() -> None:
+def test_two_ranks_give_transformers_tokens_for_images_and_text() -> None:
     ctx = mp.get_context("spawn")
     queues = [ctx.Queue() for _ in range(2)]
     addr = _free_addr()
@@ -67,9 +75,8 @@ def test_two_ranks_serve_text_and_refuse_images() -> None:
             if p.is_alive():
                 p.kill()
     assert isinstance(leader, dict), leader
-    code, message = leader["error"]
-    assert code == 400 and "not served with --tp > 1" in message
     hf, processor = tiny_hf_vlm("qwen2_vl")
-    assert leader["tokens"] == hf_tokens(hf, process(processor, [], "Say hello."))
+    for request, _, inputs in _requests(processor):
+        assert leader[request.rid] == hf_tokens(hf, inputs), request.rid
     assert steps > 0  # the follower ran the forwards
     assert all(p.exitcode == 0 for p in procs)

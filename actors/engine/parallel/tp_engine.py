@@ -95,16 +95,18 @@ class TPEngine(Engine):
 
     def _send_forward(self, rows: list[int], starts: list[int], extend_lens: list[int], input_ids: torch.Tensor,
                       info: ForwardInfo, override: EmbedOverride | None = None,
-                      rope_floors: list[int] | None = None) -> None:
+                      rope_floors: list[int] | None = None, rope_positions: list[int] | None = None) -> None:
         width = max(info.kv_lens_cpu)
         plan = ForwardPlan(FORWARD, list(rows), list(starts), list(extend_lens), width, live=len(self.live),
-                           rope_floors=rope_floors)
+                           rope_floors=rope_floors, rope_positions=rope_positions)
         if self.lora is not None:
             plan.lora_names = list(self.lora.step_names)
             plan.lora_versions = self.lora.versions(plan.lora_names)
         if override is not None:
             plan.image_tokens = len(override.index)
             plan.image_spans = [[s.first, s.length, s.position] for s in override.spans]
+            if override.rope_positions is not None:
+                plan.image_rope = override.rope_positions.tolist()
         table_rows = info.token_table[info.req_rows, :width]
         group = self.group
         index = override.index if override is not None else None
@@ -223,7 +225,7 @@ class TPFollower:
                 engine.lora.sync(plan.lora_versions)
                 engine.lora.prepare(plan.lora_names, plan.extend_lens)
             engine.runner.forward_tokens(plan.rows, plan.starts, plan.extend_lens, ids, override,
-                                         rope_floors=plan.rope_floors)
+                                         rope_floors=plan.rope_floors, rope_positions=plan.rope_positions)
             self.steps += 1
         return True
 
@@ -238,7 +240,8 @@ class TPFollower:
         for first, length, position in plan.image_spans:
             row = plan.rows[bisect.bisect_right(ends, first)]  # the batch row whose tokens hold flat index `first`
             spans.append(BidirectionalSpan(first, length, position, table[row, :position + length]))
-        return EmbedOverride(index, embeds, spans)
+        rope = None if plan.image_rope is None else torch.tensor(plan.image_rope, dtype=torch.int64, device=index.device)
+        return EmbedOverride(index, embeds, spans, rope)
 
     def run(self, stopping: Callable[[], bool] = lambda: False) -> None:
         """Run plans until rank 0 says stop or `stopping()` (checked between plans)."""

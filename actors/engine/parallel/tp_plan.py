@@ -51,6 +51,10 @@ class ForwardPlan:
     image_tokens: int = 0
     image_spans: list[list[int]] = field(default_factory=list)
     rope_floors: list[int] | None = None  # each row's Req.rope_floor, for a length-dependent rotary (models/rope.py)
+    # M-RoPE (models/mrope.py): each token's rope position when some differ from its position, and the image
+    # tokens' [t, h, w] positions (the override's `rope_positions`, three rows of `image_tokens`)
+    rope_positions: list[int] | None = None
+    image_rope: list[list[int]] | None = None
 
     def check(self) -> None:
         """Raise ValueError when the plan is not self-consistent (a follower must never guess)."""
@@ -61,6 +65,11 @@ class ForwardPlan:
                              f"{len(self.starts)}, {len(self.extend_lens)}")
         if self.rope_floors is not None and len(self.rope_floors) != len(self.rows):
             raise ValueError(f"plan has {len(self.rope_floors)} rope floors for {len(self.rows)} rows")
+        if self.rope_positions is not None and len(self.rope_positions) != self.num_tokens:
+            raise ValueError(f"plan has {len(self.rope_positions)} rope positions for {self.num_tokens} tokens")
+        if self.image_rope is not None and (len(self.image_rope) != 3
+                                            or any(len(row) != self.image_tokens for row in self.image_rope)):
+            raise ValueError(f"plan image rope positions are not 3 rows of its {self.image_tokens} image tokens")
         ends = [s + n for s, n in zip(self.starts, self.extend_lens)]
         if self.kind == FORWARD and (not self.rows or self.width < max(ends)):
             raise ValueError(f"a forward plan needs rows and a width covering them, got width {self.width}")

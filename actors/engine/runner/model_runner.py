@@ -50,7 +50,7 @@ class ModelRunner:
         self.backend: AttentionBackend = create_backend(backend, pool.k, pool.v, model.num_heads,
                                                         model.layer_attention())
         # tensor parallelism, rank 0: hands each eager forward's layout to the follower ranks first (tp_engine.py)
-        self.tp_sender: Callable[..., None] | None = None  # (rows, starts, extend_lens, ids, info, override, rope_floors=)
+        self.tp_sender: Callable[..., None] | None = None  # (rows, starts, extend_lens, ids, info, override, rope_*=)
         if backend == "triton" and self.device.type == "cuda":
             use_triton_kernels(model)
         if self.device.type == "cpu" and self.backend.compiles_decode():
@@ -124,7 +124,7 @@ class ModelRunner:
         floors = [req.rope_floor for req in batch.reqs] if self.model.rope_length_rule is not None else None
         if self.tp_sender is not None:
             self.tp_sender(batch.rows, batch.starts, batch.extend_lens, input_ids, info, batch.override,
-                           rope_floors=floors)
+                           rope_floors=floors, rope_positions=rope)
         meta = self.backend.prepare(info)
         lengths = rope_lengths(positions_t, batch.extend_lens, floors)
         if not hidden_plan:
@@ -161,16 +161,17 @@ class ModelRunner:
 
     def forward_tokens(self, table_rows: list[int], starts: list[int], extend_lens: list[int],
                        input_ids: torch.Tensor, override: EmbedOverride | None = None,
-                       rope_floors: list[int] | None = None) -> None:
+                       rope_floors: list[int] | None = None, rope_positions: list[int] | None = None) -> None:
         """A tensor-parallel follower's forward: rank 0's layout over `input_ids` (the token table's rows
         already hold rank 0's slots), writing this rank's KV and taking part in the all-reduces; no logits.
         `override`: rank 0's image embeddings of the step; `rope_floors`: each row's `Req.rope_floor` (a
-        length-dependent rotary)."""
+        length-dependent rotary); `rope_positions`: each token's M-RoPE position (`images.rope_positions`)."""
         positions_t, _, info = self._layout(table_rows, starts, extend_lens)
+        rope_t = positions_t if rope_positions is None else to_device(rope_positions, self.device)
         meta = self.backend.prepare(info)
         lengths = rope_lengths(positions_t, extend_lens, rope_floors)
         with no_fx_tracing():
-            self.model(input_ids, positions_t, self.backend, meta, torch.empty(0, dtype=torch.int64, device=self.device),
+            self.model(input_ids, rope_t, self.backend, meta, torch.empty(0, dtype=torch.int64, device=self.device),
                        override=override, rope_lengths=lengths)
 
     def _sample(self, batch: Batch, logits: torch.Tensor,

@@ -184,9 +184,6 @@ class Engine(LoraServing, KvShareMethods):
         checked = request_images(self.runner.model, list(request.input_ids), request.images, images)
         if isinstance(checked, ApiError):
             return checked
-        if self.runner.tp_sender is not None and any(image.rope is not None for image in checked):
-            return ApiError("images of an M-RoPE model (Qwen2-VL, Qwen2.5-VL) are not served with --tp > 1 yet: the "
-                            "other ranks would rotate their tokens as text", param="images")
         params = request.sampling
         error = self._adapter_error(params.lora_name)
         if error is not None:
