@@ -41,6 +41,7 @@ from ringserve.actors.engine.scheduling.embedding import embed_state
 from ringserve.actors.engine.scheduling.cache_manager import CacheManager
 from ringserve.actors.engine.config import EngineConfig
 from ringserve.actors.engine.scheduling.decode import DecodeManager
+from ringserve.actors.engine.scheduling.engine_control import EngineControl
 from ringserve.actors.engine.scheduling.grammar import GrammarManager
 from ringserve.actors.engine.scheduling.jump_forward import JumpForward
 from ringserve.actors.engine.runner.kv_pool import KVPool
@@ -59,21 +60,19 @@ from ringserve.actors.engine.lora.serving import LoraServing
 from ringserve.actors.engine.scheduling.stop_checker import StopChecker
 from ringserve.actors.engine.runner.graphs.thread_tuner import tuner_for
 from ringserve.actors.engine.runner.token_table import TokenTable
-from ringserve.actors.engine.models.weight_swap import swap_engine_weights
 from ringserve.actors.engine.interface import StepPlan
 from ringserve.bus.errors import ApiError, server_error
 from ringserve.bus.images import image_key
-from ringserve.bus.messages import FinishReason, SchedulerInfo, TokenizedRequest, TokenRow
+from ringserve.bus.messages import FinishReason, TokenizedRequest, TokenRow
 from ringserve.kernels.sampling import PenaltyState
-from ringserve.observability.logging import log_event
 
 IDLE_COMPILE_WAIT = 0.05  # seconds a step with nothing to run waits for a grammar compilation
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 log = logging.getLogger("engine")
 
 
-class Engine(LoraServing, KvShareMethods):
-    """Continuous batching with chunked prefill and a prefix cache over our Llama and a paged KV pool."""
+class Engine(LoraServing, KvShareMethods, EngineControl):
+    """Continuous batching with chunked prefill and a prefix cache over a registry model and a paged KV pool."""
 
     def __init__(self, model: CausalLM, config: EngineConfig, tokenizer: Any | None = None,
                  model_name: str = "", draft: Engine | None = None) -> None:
@@ -152,17 +151,6 @@ class Engine(LoraServing, KvShareMethods):
         tokenizer = tokenizer if tokenizer is not None else load_text_model(source).tokenizer
         draft = load_draft_engine(cls, config, tokenizer) if config.speculative_algorithm == "draft" else None
         return cls(model, config, tokenizer, source.name, draft=draft)
-
-    def start_decode_graphs(self) -> None:
-        """On a CPU, start compiling decode graphs in the background (decode_graph.py); the server calls this
-        when it serves. Nothing to do on a GPU (captured at start) or with graphs off."""
-        if self.runner.graphs is not None:
-            self.runner.graphs.start_compiling()
-
-    def decode_graph_report(self) -> dict[str, str]:
-        """What runs each decode batch size (`SchedulerInfo.decode_graphs`); safe from any thread, since
-        background compiles change it between steps."""
-        return self.runner.graphs.report() if self.runner.graphs is not None else {"mode": "off"}
 
     @property
     def num_slots(self) -> int:
@@ -412,60 +400,6 @@ class Engine(LoraServing, KvShareMethods):
         """Abort every live request; their final rows."""
         return [row for rid in list(self.live) if (row := self.abort(rid)) is not None]
 
-    def flush_cache(self) -> int:
-        """Drop every cached prefix no live request uses; returns the number of KV slots freed."""
-        return self.cache.flush()
-
-    def kv_events(self) -> tuple[list[bytes], list[bytes]]:
-        """Block hashes the prefix cache stored and evicted since the last call (`BasePrefixCache.take_block_events`)."""
-        return self.cache.prefix_cache.take_block_events()
-
-    def check_integrity(self) -> None:
-        """Assert that the pool is partitioned exactly among free slots, the prefix cache and live requests."""
-        self.cache.check_integrity(self.live.values())
-
-    def stats(self) -> SchedulerInfo:
-        """Current load, KV usage and settings (`rank` 0: the scheduler actor knows its own)."""
-        free, cached = self.cache.num_free, self.cache.num_cached
-        used = self.num_slots - free
-        config = self.config
-        return SchedulerInfo(
-            rank=0, num_running_reqs=len(self.decode), num_waiting_reqs=len(self.prefill), kv_used_tokens=used,
-            kv_total_tokens=self.num_slots, context_length=self.context_length, step=self.steps,
-            model=self.model_name, kv_running_tokens=used - cached, kv_cached_tokens=cached,
-            lora_adapters=self.lora_names(),
-            cache_hit_rate=self._cached_tokens / self._prompt_tokens if self._prompt_tokens else 0.0,
-            num_retractions=self.num_retractions, paused=self.paused, radix_cache=not config.disable_radix_cache,
-            chunked_prefill_size=config.chunked_prefill_size if config.chunking else 0,
-            overlap_schedule=self.overlap, torch_threads=dict(self._thread_choices),
-            quantization=dict(self._quantization), kv_pool=dict(self._kv_pool_report),
-            decode_graphs=self.decode_graph_report(),
-            **(self.speculation.report() if self.speculation is not None else {}),
-            **(self.cache.tier.report() if self.cache.tier is not None else {}))
-
-    def pause(self) -> None:
-        """Start no more steps (a step in flight is still applied); requests keep their KV, new ones queue."""
-        self.paused = True
-
-    def resume(self) -> None:
-        """Step again after `pause`."""
-        self.paused = False
-
-    def live_rids(self) -> int:
-        """Requests the engine holds state for."""
-        return len(self.live)
-
-    def on_idle(self) -> None:
-        """Check the KV pool's integrity and take the thread counts the tuner has settled on (logged when
-        they change)."""
-        self.check_integrity()
-        tuner = self.runner.thread_tuner
-        choices = tuner.preferred() if tuner is not None else {}
-        if choices != self._thread_choices:
-            self._thread_choices = choices
-            log_event(log, logging.INFO, "torch threads per step size, as measured",
-                      choices=", ".join(f"{size}: {n}" for size, n in choices.items()))
-
     def _release(self, req: Req, keep_kv: bool = True) -> None:
         """Take `req` out of every queue; cache its KV (unless it may be garbage) and free the rest."""
         if self.speculation is not None:
@@ -489,13 +423,3 @@ class Engine(LoraServing, KvShareMethods):
             self._prompt_tokens += req.prompt_len
             self._cached_tokens += req.cached_tokens
         return output_row(req, token_ids, finish)
-
-    def update_weights(self, checkpoint: Any, model_name: str, check_only: bool = False) -> int:
-        """Swap in the weights of `checkpoint` (a `Checkpoint` of the same architecture) in place; requests
-        holding KV recompute it with them (actors/engine/models/weight_swap.py). `model_name` is what `stats()` reports
-        from then on. Raises `WeightMismatch` and changes nothing when it does not fit; `check_only` only checks.
-        Call between steps, with none in flight. Returns the KV slots the prefix-cache flush freed."""
-        if self.lora is not None:  # the wrapped linears hold the base under other names; not yet swapped
-            raise ValueError("swapping weights while LoRA adapters are served is not supported yet; restart with the "
-                             "new weights instead")
-        return swap_engine_weights(self, checkpoint, model_name, check_only)
