@@ -6,11 +6,11 @@ One deployment (namespace `ns`) has six internal roles and any number of outside
 |-------------|------------------------------------------------------|---------------------------------------------|
 | launcher    | gone                                                 | ready, heartbeat                            |
 | entry       | submit, `abort.*`, info, command, tokenize, ANN, STORE, IMG | `out.*`, heartbeat, gone                    |
-| tokenizer   | tokenized (`.*`), OUT, ANN, entry's and clients' inboxes, `kv.snapshot.*`, IMG | submit, `client.*.submit`, tokenize, heartbeat, `kv.events.*` |
+| tokenizer   | tokenized (`.*`), OUT, ANN, entry's and clients' inboxes, `kv.snapshot.*`, IMG, each client's CIMG read only | submit, `client.*.submit`, tokenize, heartbeat, `kv.events.*` |
 | scheduler   | `tokens.*`, OUT, ANN, entry's, tokenizer's and scheduler's inboxes, `kv.events.*`, `kv.fetch.*`, `kv.prefill.*`, CLAIM, IMG | tokenized (`.*`), `abort.*`, `client.*.abort.*`, info, command, `kv.snapshot.*`, `kv.fetch.*`, `kv.prefill.*`, heartbeat |
 | detokenizer | OUT, ANN                                             | `tokens.*`, `abort.*`, `client.*.abort.*`   |
 | trace_exporter | ANN, JS (the span stream's JetStream API)        | `spans.>`                                   |
-| client `c`  | `client.c.submit`, `client.c.abort.*`                | `client.c.out.*`                            |
+| client `c`  | `client.c.submit`, `client.c.abort.*`, its CIMG      | `client.c.out.*`                            |
 
 (all subjects under `{ns}.`; OUT = `out.*` and `client.*.out.*`; ANN = ready and heartbeat; info, command =
 `control.scheduler.*`; tokenize = `tokenizer.tokenize`, request/reply for `/v1/tokenize` and `/v1/detokenize`,
@@ -26,8 +26,11 @@ consumers, fetching and acking its messages (`$JS.API.*.{ns}-spans...`, `$JS.ACK
 other stream or bucket. STORE = the entry's stored-responses bucket `{ns}-responses` (bus/response_store.py):
 create and inspect its stream, get, write and delete its keys. IMG = the image bucket `{ns}-images`
 (bus/image_store.py), whose objects the entry, the tokenizer and the scheduler put and read: its stream, the
-ordered consumers that read an object's chunks, its `$O.{ns}-images.>` subjects. Every role
-also subscribes its own reply inbox, `inbox_prefix(ns, role)` + `.>`, and must connect with that inbox prefix
+ordered consumers that read an object's chunks, its `$O.{ns}-images.>` subjects. CIMG = client c's own image bucket
+`{ns}-client-c-images` (bus/image_store.py `client_bucket_name`), the same subjects for that bucket: c puts the image
+files it sends there (creating the bucket on first use), and the tokenizer reads them there only (no create, no
+write, no purge), so the tokenizer's lists name each client the deployment has (`role_permissions`'s `clients`).
+Every role also subscribes its own reply inbox, `inbox_prefix(ns, role)` + `.>`, and must connect with that inbox prefix
 (nats-py's `inbox_prefix`), so no role can read another's replies. A client sees only subjects with its own
 name in them: it cannot read, abort or submit as another client, nor touch an HTTP request's stream.
 """
@@ -36,8 +39,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Sequence
 
-from ringserve.bus.image_store import image_store_api
+from ringserve.bus.image_store import bucket_name, client_bucket_name, image_store_api
 from ringserve.bus.response_store import store_api
 from ringserve.bus.subjects import Subjects, validate_rid
 
@@ -65,8 +69,9 @@ def inbox_prefix(namespace: str, role: str, client: str | None = None) -> str:
     return f"_INBOX.{namespace}.{role}"
 
 
-def role_permissions(namespace: str, role: str) -> Permissions:
-    """The allow lists of internal role `role` (one of ROLES) in deployment `namespace`."""
+def role_permissions(namespace: str, role: str, clients: Sequence[str] = ()) -> Permissions:
+    """The allow lists of internal role `role` (one of ROLES) in deployment `namespace`, whose named NATS clients
+    are `clients` (the tokenizer reads their image buckets)."""
     s = Subjects(namespace)
     ns = namespace
     inbox = inbox_prefix(namespace, role) + ".>"
@@ -79,18 +84,20 @@ def role_permissions(namespace: str, role: str) -> Permissions:
     announce = (*announce, s.spans(role)) if role in ROLES else announce  # traced actors store their spans
     if role == "entry":
         return Permissions(publish=(s.submit, s.abort_any, s.scheduler_info, s.scheduler_command, s.tokenize,
-                                    *announce, *store_api(ns), *image_store_api(ns)),
+                                    *announce, *store_api(ns), *image_store_api(bucket_name(ns))),
                            subscribe=(f"{ns}.out.*", s.heartbeat, s.gone, inbox))
     if role == "tokenizer":
         replies = (inbox_prefix(ns, "entry") + ".>", f"_INBOX.{ns}.client.*.>")
+        client_images = (subject for c in clients for subject in image_store_api(client_bucket_name(ns, c), True))
         return Permissions(publish=(s.tokenized, s.tokenized_any_replica, *outputs, *announce, *replies,
-                                    s.kv_snapshot_any, *image_store_api(ns)),
+                                    s.kv_snapshot_any, *image_store_api(bucket_name(ns)), *client_images),
                            subscribe=(s.submit, s.client_submit_any, s.tokenize, s.heartbeat, s.kv_events_any, inbox))
     if role == "scheduler":
         replies = (inbox_prefix(ns, "entry") + ".>", inbox_prefix(ns, "tokenizer") + ".>")
         replies += (inbox_prefix(ns, "scheduler") + ".>",)  # a peer replica's KV fetch
         return Permissions(publish=(f"{ns}.tokens.*", *outputs, *announce, *replies, s.kv_events_any,
-                                    s.kv_fetch_any, s.kv_prefill_any, *replica_claim_api(s), *image_store_api(ns)),
+                                    s.kv_fetch_any, s.kv_prefill_any, *replica_claim_api(s),
+                                    *image_store_api(bucket_name(ns))),
                            subscribe=(s.tokenized, s.tokenized_any_replica, s.abort_any, s.client_abort_any,
                                       s.scheduler_info, s.kv_snapshot_any, s.kv_fetch_any, s.kv_prefill_any,
                                       s.heartbeat, s.scheduler_command, inbox))
@@ -130,10 +137,12 @@ def reply_inbox(namespace: str, request_subject: str) -> str:
 
 
 def client_permissions(namespace: str, client: str) -> Permissions:
-    """The allow lists of outside NATS client `client`: submit, read and abort its own requests only."""
+    """The allow lists of outside NATS client `client`: submit, read and abort its own requests only, and put the
+    image files it sends into its own image bucket."""
     s = Subjects(namespace)
     base = f"{namespace}.client.{validate_rid(client)}"
-    return Permissions(publish=(s.client_submit(client), f"{base}.abort.*"),
+    return Permissions(publish=(s.client_submit(client), f"{base}.abort.*",
+                                *image_store_api(client_bucket_name(namespace, client))),
                        subscribe=(f"{base}.out.*", inbox_prefix(namespace, CLIENT_ROLE, client) + ".>"))
 
 

@@ -54,7 +54,7 @@ class RingSession:
         `credentials`: the same, already loaded (the Engine passes the entry role's). `stall_timeout`: seconds
         a request may go without output before it fails with a 503 (None: never). `served_model`: the model
         name chat responses carry (default: the scheduler's, or the namespace)."""
-        notes = _credential_notes(creds) if creds is not None else {}
+        notes = self.notes = _credential_notes(creds) if creds is not None else {}
         self.url = nats_url or notes.get("url") or DEFAULT_URL
         self.subjects = Subjects(namespace or notes.get("namespace") or "ringserve")
         self.client = validate_rid(client) if client is not None else notes.get("client")

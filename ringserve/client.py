@@ -97,17 +97,22 @@ class Client(RingSession):
 
     async def store_images(self, requests: list[GenerateRequest], batch: bool = False) -> None:
         """Put the images of `requests` (chat image_url parts, `image_data`) into the ring's image store, so the
-        requests carry their handles (actors/entry/image_input.py; local files anywhere, no http(s) URLs)."""
+        requests carry their handles (actors/entry/image_input.py; local files anywhere, no http(s) URLs). A NATS
+        client puts them into its own bucket (bus/image_store.py `client_bucket_name`), created on first use with
+        the limits its credentials file notes (`image_ttl`, `image_store_max_bytes`: the server's)."""
         from ringserve.actors.entry.image_input import ImageIntake, ImageLimits
-        from ringserve.bus.image_store import ImageStore
+        from ringserve.bus import image_store
 
         if not any(r.image_data or any(t.parts for t in r.messages or []) for r in requests):
             return
         intake = getattr(self, "_image_intake", None)
         if intake is None:
             bus = self.ring.bus
-            intake = self._image_intake = ImageIntake(ImageStore(lambda: bus.client, self.subjects.namespace),
-                                                      ImageLimits(local_dir="/"))
+            store = image_store.ImageStore(
+                lambda: bus.client, self.subjects.namespace,
+                float(self.notes.get("image_ttl", image_store.DEFAULT_TTL_SECONDS)),
+                int(self.notes.get("image_store_max_bytes", image_store.DEFAULT_MAX_BYTES)), client=self.client)
+            intake = self._image_intake = ImageIntake(store, ImageLimits(local_dir="/"))
         await intake.resolve_all(requests, batch)
 
     async def _stream_with_images(self, requests: list[GenerateRequest],

@@ -24,10 +24,12 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 from ringserve.bus.credentials import NatsCredentials, credentials_from_options, load_credentials_file, write_credentials_file
 from ringserve.bus.embedded_server import MAX_PAYLOAD_BYTES, cluster_node_config, free_port
+from ringserve.bus.image_store import DEFAULT_MAX_BYTES, DEFAULT_TTL_SECONDS, client_bucket_name
 from ringserve.bus.permissions import (
     CLIENT_ROLE, ROLES, NatsUser, authorization_block, client_permissions, inbox_prefix, role_permissions,
 )
@@ -63,28 +65,32 @@ def private_directory(prefix: str = "ringserve-auth-") -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix))
 
 
-def generate_auth(namespace: str, directory: Path, clients: list[str] = (), url: str | None = None) -> DeploymentAuth:
+def generate_auth(namespace: str, directory: Path, clients: Sequence[str] = (), url: str | None = None,
+                  image_ttl: float = DEFAULT_TTL_SECONDS, image_max_bytes: int = DEFAULT_MAX_BYTES) -> DeploymentAuth:
     """One user per role of `namespace` (and per named client), with random passwords, written to `directory`.
 
-    Files: `<role>.json` per role, `client-<name>.json` per client (with notes on its subjects and inbox
-    prefix), and `nats-auth.conf`, the server's authorization block.
+    Files: `<role>.json` per role, `client-<name>.json` per client (with notes on its subjects, inbox prefix and
+    image bucket, and the limits it creates that bucket with: `image_ttl`, `image_max_bytes`, the shared bucket's),
+    and `nats-auth.conf`, the server's authorization block.
     """
     subjects = Subjects(namespace)
+    for i, name in enumerate(clients):
+        validate_rid(name)
+        if name in clients[:i]:
+            raise ValueError(f"client {name!r} named twice")
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(directory, 0o700)
     auth = DeploymentAuth(directory)
     for role in ROLES:
-        user = NatsUser(f"{namespace}-{role}", secrets.token_urlsafe(24), role_permissions(namespace, role))
+        user = NatsUser(f"{namespace}-{role}", secrets.token_urlsafe(24), role_permissions(namespace, role, clients))
         auth.users.append(user)
         auth.role_files[role] = write_credentials_file(directory / f"{role}.json", user.user, user.password)
     for name in clients:
-        validate_rid(name)
-        if name in auth.client_files:
-            raise ValueError(f"client {name!r} named twice")
         user = NatsUser(f"{namespace}-client-{name}", secrets.token_urlsafe(24), client_permissions(namespace, name))
         auth.users.append(user)
         notes = {"client": name, "namespace": namespace, "inbox_prefix": inbox_prefix(namespace, CLIENT_ROLE, name),
-                 **subjects.client_subject_templates(name), **({"url": url} if url else {})}
+                 **subjects.client_subject_templates(name), "image_bucket": client_bucket_name(namespace, name),
+                 "image_ttl": image_ttl, "image_store_max_bytes": image_max_bytes, **({"url": url} if url else {})}
         auth.client_files[name] = write_credentials_file(directory / f"client-{name}.json", user.user, user.password,
                                                          **notes)
     fd = os.open(directory / AUTH_CONFIG_NAME, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -225,7 +231,8 @@ def plan_nats(args: argparse.Namespace, namespace: str) -> NatsPlan:
         url = f"nats://127.0.0.1:{port}"
         directory = private_directory()
         try:
-            auth = generate_auth(namespace, directory, list(args.nats_client or []), url)
+            auth = generate_auth(namespace, directory, list(args.nats_client or []), url, args.image_ttl,
+                                 args.image_store_max_bytes)
         except ValueError:
             shutil.rmtree(directory, ignore_errors=True)
             raise

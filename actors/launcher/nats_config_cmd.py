@@ -2,7 +2,8 @@
 
 Writes into a new private directory `nats-auth.conf` (an `authorization { users = [...] }` block with each
 role's least-privilege allow lists, from bus/permissions.py), `<role>.json` per role and `client-<name>.json`
-per `--client`. Put the block into the server's config (copy it beside the config and `include nats-auth.conf`:
+per `--client` (noting its subjects, inbox prefix and image bucket; the tokenizer's user may read each client's image
+bucket, so adding a client means writing the users again). Put the block into the server's config (copy it beside the config and `include nats-auth.conf`:
 include paths are relative; a server has one `authorization` block, so merge it by hand with users you already
 have), then start
 `ringserve serve --nats-url URL --nats-creds-dir DIR` and give each outside client its own file.

@@ -38,7 +38,7 @@ from ringserve.bus.messages import (
     Accepted, GenerateRequest, Heartbeat, InfoQuery, KvEvents, KvSnapshot, RequestOutput, TokenizedRequest,
 )
 from ringserve.bus.permissions import reply_inbox
-from ringserve.bus.subjects import TOKENIZER_QUEUE, InvalidRidError, scoped_rid, validate_rid
+from ringserve.bus.subjects import TOKENIZER_QUEUE, InvalidRidError, scoped_rid, split_rid, validate_rid
 from ringserve.bus.tokenize_messages import TokenizeQuery, TokenizeReply
 from ringserve.observability import tracing
 from ringserve.observability.logging import log_event
@@ -188,15 +188,15 @@ class TokenizerActor:
         add_special = True if query.add_special_tokens is None else query.add_special_tokens
         return TokenizeReply(tokens=list(self._tokenizer.encode(query.text, add_special_tokens=add_special)))
 
-    async def _encode_images(self, req: GenerateRequest,
-                             options: dict[str, Any] | None = None) -> tuple[list[int], list[ImageRef]]:
-        """Token ids and image refs of a prompt with images (images.py), `options` for the image processor; a
-        400 if the model takes none."""
+    async def _encode_images(self, req: GenerateRequest, options: dict[str, Any] | None = None,
+                             client: str | None = None) -> tuple[list[int], list[ImageRef]]:
+        """Token ids and image refs of a prompt with images (images.py), `options` for the image processor, its
+        files read from NATS client `client`'s bucket (None: the shared one); a 400 if the model takes none."""
         if self._vision is None:
             raise ApiError("this model takes no images: serve a vision-language model to send them",
                            param=images_param(req))
         return await self._vision.encode(req, self._encoder.chat_text(req) if req.messages is not None else None,
-                                         options)
+                                         options, client)
 
     def _processor_options(self, req: GenerateRequest) -> dict[str, Any]:
         """`req.mm_processor_kwargs` checked: declared (bus/params.py), and taken by the model's image processor
@@ -233,7 +233,9 @@ class TokenizerActor:
         with tracing.span("tokenize", attributes={"ringserve.rid": req.rid}) as span:
             try:
                 images, options = image_handles(req), self._processor_options(req)
-                input_ids, refs = await self._encode_images(req, options) if images else (self._encoder.encode(req), [])
+                client = split_rid(req.rid)[0]  # a client's images are in its own bucket
+                input_ids, refs = await self._encode_images(req, options, client) if images \
+                    else (self._encoder.encode(req), [])
                 if req.embed is not None and len(input_ids) > self._context_length:
                     raise ApiError(f"the input is {len(input_ids)} tokens; this model embeds at most "
                                    f"{self._context_length}", param="input")

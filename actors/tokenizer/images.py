@@ -3,8 +3,9 @@
 For a vision-language model (a `config.json` with a `vision_config`), `VisionPrompts` loads transformers'
 processor from the model directory (processor_loader.py: without a video processor where that needs torchvision).
 A request's images come as handles of their files in the image store
-(bus/image_store.py); they are fetched, decoded, and given with the prompt's text to the processor, which resizes
-and normalises them and expands each image placeholder into the image's run of image tokens. The chat template
+(bus/image_store.py: a NATS client's in its own bucket, read only there; anyone else's in the shared one); they
+are fetched, decoded, and given with the prompt's text to the processor, which resizes and normalises them and
+expands each image placeholder into the image's run of image tokens. The chat template
 renders an image part as the model's placeholder; a text prompt (`/generate`) must hold one placeholder per image.
 
 Each image's tensors (the processor's output for that one image: `pixel_values`, and e.g. `image_grid_thw`) are
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,7 @@ from ringserve.bus.params import PROCESSOR_KWARGS
 from ringserve.bus.tensor_codec import encode_tensors, tensors_hash
 
 NOT_PER_IMAGE = {"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"}  # per token, not per image
+CLIENT_READERS = 256  # clients' buckets kept open (an unauthenticated NATS may bring any number of client names)
 
 
 def image_handles(req: GenerateRequest) -> list[str]:
@@ -77,6 +80,7 @@ class VisionPrompts:
         self._options = set(getattr(getattr(image_processor, "valid_kwargs", None), "__annotations__", {}))
         self._processor_name = type(image_processor).__name__
         self._store = store
+        self._client_stores: OrderedDict[str, ImageStore] = OrderedDict()  # read only, most recently used last
         self._cache = ImageCache()
 
     def check_options(self, options: dict[str, Any]) -> None:
@@ -87,14 +91,16 @@ class VisionPrompts:
                 raise ApiError(f"{PROCESSOR_KWARGS}.{key}: this model's image processor ({self._processor_name}) "
                                "does not take it", param=PROCESSOR_KWARGS)
 
-    async def encode(self, req: GenerateRequest, chat_text: str | None,
-                     options: dict[str, Any] | None = None) -> tuple[list[int], list[ImageRef]]:
+    async def encode(self, req: GenerateRequest, chat_text: str | None, options: dict[str, Any] | None = None,
+                     client: str | None = None) -> tuple[list[int], list[ImageRef]]:
         """Token ids and image refs of `req` (its chat template's text `chat_text`, or its `text`), its images'
-        tensors stored; `options`: the image processor's (`check_options`). An image sent before with the same
+        tensors stored; `options`: the image processor's (`check_options`); `client`: the NATS client whose bucket
+        holds the files (None: the shared bucket). An image sent before from the same bucket with the same
         options comes from the cache (image_cache.py), neither fetched nor processed again. ApiError 400 naming
         the images for a missing or undecodable one or a placeholder count that does not match; 503 when the
         store cannot be reached."""
         param = images_param(req)
+        files_store = self._store if client is None else self._client_store(client)
         handles = image_handles(req)
         if req.input_ids is not None:
             raise ApiError("images need a text prompt (text or messages) holding their placeholders, not input_ids",
@@ -105,7 +111,8 @@ class VisionPrompts:
             raise ApiError(f"the prompt holds {text.count(self.placeholder)} image placeholders "
                            f"({self.placeholder!r}) for {len(handles)} images in {where}", param=param)
         options = options or {}
-        keys = [cache_key(h, options) for h in handles]
+        # a client's entries are its own: another's (or the shared bucket's) copy of a file is not in its bucket
+        keys = [cache_key(h if client is None else f"{files_store.bucket}/{h}", options) for h in handles]
         cached: dict[str, ProcessedImage] = {}
         todo: dict[str, tuple[int, str]] = {}  # the images to process: their first index, their handle
         for k, (key, handle) in enumerate(zip(keys, handles)):
@@ -116,7 +123,7 @@ class VisionPrompts:
                 else:
                     cached[key] = hit
         try:
-            files = await asyncio.gather(*(self._store.get(handle) for _, handle in todo.values()))
+            files = await asyncio.gather(*(files_store.get(handle) for _, handle in todo.values()))
         except ImageMissing as exc:
             raise ApiError(f"{exc}; send the image again", param=param) from exc
         except ImageStoreUnavailable as exc:
@@ -139,6 +146,14 @@ class VisionPrompts:
             refs.append(ImageRef(hash=part.digest, offset=offset, length=length, handle=tensors_handle(part.digest),
                                  nbytes=len(part.encoded), meta=part.meta))
         return ids, refs
+
+    def _client_store(self, client: str) -> ImageStore:
+        """Client `client`'s bucket, read only (kept open for the `CLIENT_READERS` most recent clients)."""
+        store = self._client_stores.pop(client, None) or self._store.client_reader(client)
+        self._client_stores[client] = store
+        if len(self._client_stores) > CLIENT_READERS:
+            self._client_stores.popitem(last=False)
+        return store
 
     def counters(self) -> dict[str, int]:
         """The image cache's counters (what the tokenizer's heartbeats report)."""

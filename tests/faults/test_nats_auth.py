@@ -22,6 +22,7 @@ from ringserve.bus.codec import decode, encode
 from ringserve.bus.connection import BusConnection
 from ringserve.bus.credentials import PASSWORD_ENV, CredentialsError, credentials_from_options
 from ringserve.bus.embedded_server import EmbeddedNatsServer
+from ringserve.bus.image_store import ImageMissing, ImageStore
 from ringserve.bus.messages import AbortRequest, Accepted, GenerateRequest, RequestOutput, TokenizedRequest
 from ringserve.bus.permissions import inbox_prefix
 from tests.faults.nats_auth_helpers import Probe, make_tls_files, next_message, tls_block
@@ -43,21 +44,27 @@ S = {  # one concrete subject of each kind in the subject table, and some that n
     "other_ns": "other.req.submit", "inbox_default": "_INBOX.x",
     **{f"inbox_{r}": f"_INBOX.{NS}.{r}.x.y" for r in ("launcher", "entry", "tokenizer", "scheduler", "detokenizer")},
     **{f"inbox_{c}": f"_INBOX.{NS}.client.{c}.x.y" for c in ("alice", "bob")},
+    # the shared image bucket and each client's own: write an object's chunk, create the stream, read (a consumer)
+    **{f"{owner}img_{kind}": subject.format(bucket=f"{NS}-{infix}images")
+       for owner, infix in (("", ""), ("alice_", "client-alice-"), ("bob_", "client-bob-"))
+       for kind, subject in (("write", "$O.{bucket}.C.x"), ("create", "$JS.API.STREAM.CREATE.OBJ_{bucket}"),
+                             ("read", "$JS.API.CONSUMER.CREATE.OBJ_{bucket}"))},
 }
+IMAGES = {"img_write", "img_create", "img_read"}
 OUTPUTS = {"out", "alice_out", "bob_out"}
 ANNOUNCE = {"ready", "heartbeat"}
 # The least-privilege table, written out independently of bus/permissions.py.
 MAY_PUBLISH = {
     "launcher": {"gone"},  # an actor's process ended: the entry ends its streams at once
-    "entry": {"submit", "abort", "info", "command", "tokenize"} | ANNOUNCE,
+    "entry": {"submit", "abort", "info", "command", "tokenize"} | ANNOUNCE | IMAGES,
     "tokenizer": {"tokenized", "tokenized_1", "inbox_entry", "inbox_alice", "inbox_bob", "kv_snapshot_1"} | OUTPUTS
-    | ANNOUNCE,
+    | ANNOUNCE | IMAGES | {"alice_img_read", "bob_img_read"},  # a client's images: read only
     # another replica's KV (--kv-share): its fetch and prefill subjects, the replies to its inbox
     "scheduler": {"tokens", "inbox_entry", "inbox_tokenizer", "inbox_scheduler", "kv_events_1", "kv_fetch_1",
-                  "kv_prefill_1"} | OUTPUTS | ANNOUNCE,
+                  "kv_prefill_1"} | OUTPUTS | ANNOUNCE | IMAGES,
     "detokenizer": OUTPUTS | ANNOUNCE,
-    "alice": {"alice_submit", "alice_abort"},
-    "bob": {"bob_submit", "bob_abort"},
+    "alice": {"alice_submit", "alice_abort"} | {f"alice_{kind}" for kind in IMAGES},  # its own image bucket only
+    "bob": {"bob_submit", "bob_abort"} | {f"bob_{kind}" for kind in IMAGES},
 }
 MAY_SUBSCRIBE = {
     "launcher": {"ready", "heartbeat", "inbox_launcher"},
@@ -177,6 +184,31 @@ def test_a_client_cannot_read_another_clients_output(auth_nats: tuple[EmbeddedNa
         finally:
             for probe in (alice, bob, detok):
                 await probe.close()
+
+    asyncio.run(run())
+
+
+def test_a_client_puts_images_into_its_own_bucket_and_the_tokenizer_only_reads_them(
+        auth_nats: tuple[EmbeddedNatsServer, DeploymentAuth]) -> None:
+    """alice creates her bucket with her first put and reads it back; the tokenizer reads her file there, and a
+    handle that is not in a client's bucket (bob put nothing yet) is ImageMissing naming it, at once."""
+    server, auth = auth_nats
+
+    async def run() -> None:
+        alice = await Probe.connect(server.url, auth.client_files["alice"], inbox_of("alice"))
+        tokenizer = await Probe.connect(server.url, auth.role_files["tokenizer"], inbox_of("tokenizer"))
+        try:
+            mine = ImageStore(lambda: alice.client, NS, client="alice")
+            handle = await mine.put_raw(b"alice's picture")
+            assert await mine.get(handle) == b"alice's picture"
+            shared = ImageStore(lambda: tokenizer.client, NS)
+            assert await shared.client_reader("alice").get(handle) == b"alice's picture"
+            with pytest.raises(ImageMissing, match=f"{handle} is not in client bob's image store"):
+                await shared.client_reader("bob").get(handle)
+            assert alice.errors == [] and tokenizer.errors == []  # no permission violation on the way
+        finally:
+            await alice.close()
+            await tokenizer.close()
 
     asyncio.run(run())
 
