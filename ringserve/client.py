@@ -48,14 +48,15 @@ class Client(RingSession):
                        return_logprob: bool | None = None, top_logprobs_num: int | None = None,
                        logprob_start_len: int | None = None, timeout: float | None = None,
                        on_result: Callable[[int, GenerateResult], None] | None = None, image_data: Any = None,
-                       ) -> GenerateResult | list[GenerateResult]:
+                       mm_processor_kwargs: dict[str, Any] | None = None) -> GenerateResult | list[GenerateResult]:
         """Generate for one prompt (a result) or a list (results in prompt order), as `/generate` does.
-        `image_data`: the prompts' images, as `/generate` takes them (`ringserve.requests.image_source`).
+        `image_data`: the prompts' images, as `/generate` takes them (`ringserve.requests.image_source`);
+        `mm_processor_kwargs`: their image processor's options (Gemma 3's `do_pan_and_scan`, ...).
 
         `on_result(i, result)` is called as each request of a list finishes (a progress bar). Raises ApiError:
         the first failing request's error (the others are aborted), or a 504 after `timeout` seconds.
         """
-        requests, listed = generate_requests(prompt, sampling_params, input_ids, rid, image_data,
+        requests, listed = generate_requests(prompt, sampling_params, input_ids, rid, image_data, mm_processor_kwargs,
                                              return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
                                              logprob_start_len=logprob_start_len)
         await self.store_images(requests, listed)
@@ -66,10 +67,11 @@ class Client(RingSession):
                sampling_params: dict[str, Any] | Sequence[dict[str, Any]] | None = None, *,
                input_ids: list[int] | list[list[int]] | None = None, rid: str | Sequence[str] | None = None,
                return_logprob: bool | None = None, top_logprobs_num: int | None = None,
-               logprob_start_len: int | None = None, image_data: Any = None) -> AsyncIterator[GenerateDelta]:
+               logprob_start_len: int | None = None, image_data: Any = None,
+               mm_processor_kwargs: dict[str, Any] | None = None) -> AsyncIterator[GenerateDelta]:
         """The deltas of one prompt (or of a list, each with its `index`) as they arrive; closing the iterator
         early aborts the requests. An error output raises its ApiError."""
-        requests, listed = generate_requests(prompt, sampling_params, input_ids, rid, image_data,
+        requests, listed = generate_requests(prompt, sampling_params, input_ids, rid, image_data, mm_processor_kwargs,
                                              return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
                                              logprob_start_len=logprob_start_len)
         return self._stream_with_images(requests, listed)

@@ -126,6 +126,7 @@ class Engine:
                  rid: str | Sequence[str] | None = None, return_logprob: bool | None = None,
                  top_logprobs_num: int | None = None, logprob_start_len: int | None = None,
                  timeout: float | None = None, progress: bool | None = None, image_data: Any = None,
+                 mm_processor_kwargs: dict[str, Any] | None = None,
                  ) -> GenerateResult | list[GenerateResult] | SyncStream[GenerateDelta]:
         """Generate for one prompt (text or `input_ids`; a GenerateResult) or a list of them (a list of results,
         in order), with `/generate`'s native `sampling_params` (one dict, or one per prompt; `max_new_tokens`
@@ -133,10 +134,12 @@ class Engine:
         `index`). `progress`: a progress bar for a list (default: the Engine's `progress`, else on a terminal
         from 64 prompts). `image_data`: the prompts' images for a vision-language model, as `/generate` takes them
         (one image or a list; a list per prompt for a list), each file bytes, a PIL image, a `pathlib.Path`, base64
-        or a data URL; the text holds the model's image placeholder where each goes.
+        or a data URL; the text holds the model's image placeholder where each goes. `mm_processor_kwargs`: the
+        image processor's options, as `/generate` takes them (Gemma 3's `do_pan_and_scan`, ...).
         Raises ApiError as the HTTP API would."""
         kwargs = dict(rid=rid, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
-                      logprob_start_len=logprob_start_len, image_data=image_data)
+                      logprob_start_len=logprob_start_len, image_data=image_data,
+                      mm_processor_kwargs=mm_processor_kwargs)
         client = self._live_client()
         if stream:
             return SyncStream(self._thread, client.stream(prompt, sampling_params, input_ids=input_ids, **kwargs))
@@ -155,11 +158,13 @@ class Engine:
                        input_ids: list[int] | list[list[int]] | None = None, *, stream: bool = False,
                        rid: str | Sequence[str] | None = None, return_logprob: bool | None = None,
                        top_logprobs_num: int | None = None, logprob_start_len: int | None = None,
-                       timeout: float | None = None, image_data: Any = None) -> Any:
+                       timeout: float | None = None, image_data: Any = None,
+                       mm_processor_kwargs: dict[str, Any] | None = None) -> Any:
         """`generate` for async code (any event loop): an awaitable of the result(s), or with `stream=True` an
         async iterator of GenerateDeltas (also awaitable, giving itself). Cancelling aborts the requests."""
         kwargs = dict(rid=rid, return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
-                      logprob_start_len=logprob_start_len, image_data=image_data)
+                      logprob_start_len=logprob_start_len, image_data=image_data,
+                      mm_processor_kwargs=mm_processor_kwargs)
         client = self._live_client()
         if stream:
             return AsyncStream(self._thread, client.stream(prompt, sampling_params, input_ids=input_ids, **kwargs))

@@ -98,11 +98,13 @@ def image_source(image: Any) -> Any:
 def generate_requests(prompt: str | Sequence[str] | None = None,
                       sampling_params: dict[str, Any] | Sequence[dict[str, Any]] | None = None,
                       input_ids: list[int] | list[list[int]] | None = None, rid: str | Sequence[str] | None = None,
-                      image_data: Any = None, **top_level: Any) -> tuple[list[GenerateRequest], bool]:
+                      image_data: Any = None, mm_processor_kwargs: dict[str, Any] | None = None,
+                      **top_level: Any) -> tuple[list[GenerateRequest], bool]:
     """The requests of one `generate` call, in prompt order, and whether the answer is a list.
 
     `image_data`: `/generate`'s (one image or a list for one prompt, a list per prompt for a list of prompts), each
-    image as `image_source` takes it; the caller stores them (`ImageIntake.resolve_all`). `top_level`:
+    image as `image_source` takes it; the caller stores them (`ImageIntake.resolve_all`). `mm_processor_kwargs`:
+    the image processor's options, as `/generate` takes them (checked by the tokenizer). `top_level`:
     `return_logprob`, `top_logprobs_num`, `logprob_start_len` (SGLang's names beside `sampling_params`; None: not
     given). `max_new_tokens` defaults to 128, as in /generate.
     """
@@ -115,7 +117,8 @@ def generate_requests(prompt: str | Sequence[str] | None = None,
     rids = _rids(rid, len(prompts), listed)
     sampling = _sampling(sampling_params, len(prompts), top_level)
     images = image_data_sources(image_source(image_data), len(prompts), listed)
-    return [GenerateRequest(rid=r, text=text, input_ids=ids, sampling=params, image_data=sources)
+    return [GenerateRequest(rid=r, text=text, input_ids=ids, sampling=params, image_data=sources,
+                            mm_processor_kwargs=mm_processor_kwargs)
             for r, (text, ids), params, sources in zip(rids, prompts, sampling, images)], listed
 
 

@@ -78,3 +78,26 @@ def test_a_handle_not_in_the_clients_bucket_is_a_400_naming_it(llava_c: ServerHa
         assert error.code == 400 and error.param == "image_data", error
         assert f"image {handle} is not in client c's image store" in error.message
     assert len(served.output_ids) == NEW_TOKENS  # the ring serves on, the same image now from c's own bucket
+
+
+def test_the_python_client_passes_image_processor_options(llava_c: ServerHandle, creds: Path) -> None:
+    """`mm_processor_kwargs` reach the tokenizer from `Client.generate` and `Client.stream`: an option LLaVA's
+    image processor does not take is its 400 naming the field (were it dropped, the request would be served)."""
+
+    async def run() -> list[ApiError]:
+        errors = []
+        async with ringserve.Client(creds=creds) as ring:
+            with pytest.raises(ApiError) as refused:
+                await ring.generate(TEXT, GREEDY, image_data=random_image(43), timeout=120,
+                                    mm_processor_kwargs={"do_pan_and_scan": True})
+            errors.append(refused.value)
+            with pytest.raises(ApiError) as refused:
+                async for _ in ring.stream(TEXT, GREEDY, image_data=random_image(43),
+                                           mm_processor_kwargs={"do_pan_and_scan": True}):
+                    pass
+            errors.append(refused.value)
+        return errors
+
+    for error in asyncio.run(run()):
+        assert error.code == 400 and error.param == "mm_processor_kwargs", error
+        assert "does not take it" in error.message
