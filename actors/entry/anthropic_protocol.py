@@ -20,7 +20,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from ringserve.actors.entry.openai_protocol import STREAM, Refused, adapter_of
+from ringserve.actors.entry.openai_protocol import STREAM, Refused, adapter_of, check_top_level
 from ringserve.actors.entry.tool_parsers import DEFAULT_PARSER
 from ringserve.actors.entry.tool_request import NAME_PATTERN, ToolPlan, parse_tools
 from ringserve.actors.entry.tool_response import tool_message
@@ -81,14 +81,7 @@ def extra_field(where: str) -> ApiError:
 
 
 def _check_fields(body: dict[str, Any]) -> None:
-    for name, value in body.items():
-        if name in IMPLEMENTED or name in NO_EFFECT:
-            continue
-        refused = REFUSED.get(name)
-        if refused is None:
-            raise extra_field(clip(str(name)))
-        if value is not None and not any(value == neutral for neutral in refused.neutral):
-            raise ApiError(f"{name}: {refused.reason}", param=name)
+    check_top_level(body, IMPLEMENTED, NO_EFFECT, REFUSED, lambda name: extra_field(clip(str(name))))
 
 
 def _object(value: Any, where: str, allowed: set[str]) -> dict[str, Any]:

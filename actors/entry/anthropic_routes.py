@@ -19,12 +19,12 @@ from starlette.routing import Route
 from ringserve.actors.entry import anthropic_protocol as ap
 from ringserve.actors.entry.choices import ChoiceGroup
 from ringserve.actors.entry.http_common import handles_errors, read_json
-from ringserve.actors.entry.openai_protocol import adapter_of
+from ringserve.actors.entry.openai_protocol import adapter_of, check_top_level
 from ringserve.actors.entry.request_flow import ClientDisconnected, EntryService
 from ringserve.actors.entry.tokenize_routes import ask_tokenizer
 from ringserve.actors.entry.tool_parsers import DEFAULT_PARSER
 from ringserve.actors.entry.tool_response import ToolCallStream
-from ringserve.bus.errors import ApiError, server_error
+from ringserve.bus.errors import ApiError, clip, server_error
 from ringserve.bus.messages import RequestOutput
 from ringserve.bus.subjects import new_rid
 from ringserve.bus.tokenize_messages import TokenizeQuery
@@ -119,11 +119,7 @@ async def stream_events(group: ChoiceGroup, options: ap.MessagesOptions) -> Asyn
 def count_query(body: dict[str, Any], served_model: str, tool_parser: str) -> TokenizeQuery:
     """A `/v1/messages/count_tokens` body as the tokenizer's query: the prompt the same Messages body would
     send (system, turns, tools rendered by the chat template)."""
-    for name, value in body.items():
-        if name in COUNT_FIELDS or name in ap.NO_EFFECT or value is None:
-            continue
-        refused = ap.REFUSED.get(name)
-        raise ApiError(f"{name}: {refused.reason}", param=name) if refused is not None else ap.extra_field(name)
+    check_top_level(body, COUNT_FIELDS, ap.NO_EFFECT, ap.REFUSED, lambda name: ap.extra_field(clip(str(name))))
     model = body.get("model")
     if model is None:
         raise ApiError("model: Field required", param="model")

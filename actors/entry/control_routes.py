@@ -9,7 +9,8 @@ checkpoint that does not fit is a 400 and the old weights keep serving. `/v1/loa
 `lora_path`: a PEFT directory, under `--lora-dir` when set) and `/v1/unload_lora_adapter` (`lora_name`) serve
 and drop LoRA adapters on every replica; a malformed adapter is a 400, an unknown one a 404. Replies are `{"success", "message", **detail}`; a scheduler that does not answer gives 503. The routes that
 change state take only `POST` with `Content-Type: application/json` (a body is optional), so a web page the
-operator visits cannot trigger them (a cross-origin JSON POST needs a CORS preflight).
+operator visits cannot trigger them (a cross-origin JSON POST needs a CORS preflight). A body field a route does
+not take is a 400 naming it (`check_command_fields`).
 """
 
 from __future__ import annotations
@@ -21,18 +22,42 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 
-from ringserve.bus.errors import ApiError
+from ringserve.bus.errors import ApiError, quote
 from ringserve.actors.entry.http_common import handles_errors, read_command
+from ringserve.actors.entry.openai_protocol import Refused, check_top_level
 from ringserve.actors.entry.request_flow import EntryService
 from ringserve.bus.messages import ControlCommand, ControlReply
 
 LORA_TIMEOUT = 120.0  # seconds to read and check an adapter from disk
 UPDATE_WEIGHTS_TIMEOUT = 600.0  # seconds to load a checkpoint and wait for the requests on the old weights
+# The body fields each operator route takes (the OpenAPI document describes these); any other is a 400
+ABORT_FIELDS = ("rid", "abort_all")
+UPDATE_WEIGHTS_FIELDS = ("model_path", "mode", "abort_all_requests", "weight_version")
+LOAD_LORA_FIELDS = ("lora_name", "lora_path")
+UNLOAD_LORA_FIELDS = ("lora_name",)
+# SGLang's fields we do not implement, with why; a null or neutral value passes
+PAUSE_MODES = ("in_place",)  # SGLang's pause mode that ours is: running requests keep their KV and resume
+PAUSE_REFUSED = {"mode": Refused('only "in_place" is supported: running requests keep their KV and resume; abort '
+                                 'them with /abort_request', PAUSE_MODES)}
+UPDATE_WEIGHTS_REFUSED = {
+    "load_format": Refused('only "auto" is supported: the format is read from model_path', ("auto",)),
+    "flush_cache": Refused("the prefix cache is always flushed with the old weights", (True,)),
+}
+
+
+def check_command_fields(body: dict[str, Any], fields: tuple[str, ...],
+                         refused: dict[str, Refused] | None = None) -> None:
+    """ApiError 400 naming the first field of an operator route's `body` not among `fields` (with its reason
+    where `refused` gives one)."""
+    takes = f"takes {', '.join(fields)}" if fields else "takes no fields"
+    check_top_level(body, fields, (), refused or {},
+                    lambda name: ApiError(f"unknown field {quote(name)}; this route {takes}", param=name))
 
 
 def update_weights_command(body: dict[str, Any]) -> ControlCommand:
     """The `update_weights_from_disk` command of a route body: ours (`model_path`, `mode`, `weight_version`)
-    or SGLang's (`abort_all_requests`); ApiError 400 for a field of the wrong type."""
+    or SGLang's (`abort_all_requests`); ApiError 400 for a field of the wrong type or one it does not take."""
+    check_command_fields(body, UPDATE_WEIGHTS_FIELDS, UPDATE_WEIGHTS_REFUSED)
     model_path = body.get("model_path")
     if not isinstance(model_path, str) or not model_path:
         raise ApiError('give "model_path": the .gguf file or safetensors directory to load', param="model_path")
@@ -62,22 +87,23 @@ def control_routes(service: EntryService) -> list[Route]:
 
     @handles_errors
     async def flush_cache(request: Request) -> Response:
-        await read_command(request)
+        check_command_fields(await read_command(request), ())
         return await command("flush_cache")
 
     @handles_errors
     async def pause_generation(request: Request) -> Response:
-        await read_command(request)
+        check_command_fields(await read_command(request), (), PAUSE_REFUSED)
         return await command("pause")
 
     @handles_errors
     async def continue_generation(request: Request) -> Response:
-        await read_command(request)
+        check_command_fields(await read_command(request), ())
         return await command("continue")
 
     @handles_errors
     async def abort_request(request: Request) -> Response:
         body = await read_command(request)
+        check_command_fields(body, ABORT_FIELDS)
         abort_all = body.get("abort_all", False)
         if not isinstance(abort_all, bool):
             raise ApiError(f"abort_all must be a boolean, got {abort_all!r}", param="abort_all")
@@ -97,12 +123,10 @@ def control_routes(service: EntryService) -> list[Route]:
 
     async def lora_command(request: Request, action: str, fields: tuple[str, ...]) -> Response:
         body = await read_command(request)
+        check_command_fields(body, fields)
         for name in fields:
             if not isinstance(body.get(name), str) or not body[name]:
                 raise ApiError(f"{name} must be a non-empty string", param=name)
-        extra = sorted(set(body) - set(fields))
-        if extra:
-            raise ApiError(f"unknown field {extra[0]!r}; this route takes {list(fields)}", param=extra[0])
         reply = await service.command(ControlCommand(action=action, lora_name=body["lora_name"],
                                                      lora_path=body.get("lora_path")), LORA_TIMEOUT)
         if reply.error is not None:
@@ -111,11 +135,11 @@ def control_routes(service: EntryService) -> list[Route]:
 
     @handles_errors
     async def load_lora_adapter(request: Request) -> Response:
-        return await lora_command(request, "load_lora_adapter", ("lora_name", "lora_path"))
+        return await lora_command(request, "load_lora_adapter", LOAD_LORA_FIELDS)
 
     @handles_errors
     async def unload_lora_adapter(request: Request) -> Response:
-        return await lora_command(request, "unload_lora_adapter", ("lora_name",))
+        return await lora_command(request, "unload_lora_adapter", UNLOAD_LORA_FIELDS)
 
     @handles_errors
     async def health_generate(request: Request) -> Response:

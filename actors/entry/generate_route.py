@@ -5,7 +5,8 @@ One prompt with n = 1 answers one object `{"text", "output_ids", "meta_info"}`; 
 flat list of them, prompt-major as SGLang orders it (result p * n + i is sample i of prompt p, run as rid
 `{rid}-{p * n + i}` with seed + i; see `actors/entry/choices.py`). Streamed, every chunk carries the text and
 output ids generated so far (cumulative, as SGLang clients read them), or only the new ones with
-`"stream_deltas": true`; chunks of a batch or of n > 1 say which result they belong to in `index`.
+`"stream_deltas": true`; chunks of a batch or of n > 1 say which result they belong to in `index`. A top-level
+field not in `FIELDS` is a 400 naming it, as OpenAI's routes answer (SGLang's fields we do not implement say why).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from ringserve.actors.entry.choices import ChoiceGroup
 from ringserve.actors.entry.http_common import handles_errors, read_json, sse
 from ringserve.actors.entry.generate_meta import meta_info
 from ringserve.actors.entry.image_input import image_data_sources
-from ringserve.actors.entry.openai_protocol import MAX_CHOICES, N, STREAM
+from ringserve.actors.entry.openai_protocol import (MAX_CHOICES, N, STREAM, Refused, check_top_level,
+                                                    unrecognized)
 from ringserve.actors.entry.request_flow import EntryService
 from ringserve.bus.errors import ApiError
 from ringserve.bus.messages import GenerateRequest, RequestOutput, TokenLogprob
@@ -34,6 +36,29 @@ DEFAULT_GENERATE_MAX_NEW_TOKENS = 128
 _TOP_LEVEL_SAMPLING = ("return_logprob", "top_logprobs_num", "logprob_start_len")
 STREAM_DELTAS = Spec("streamed: send only the text and output ids new in each chunk, not everything so far",
                      kind="boolean", name="stream_deltas")
+# Every top-level field /generate reads (the OpenAPI GenerateRequest describes exactly these); any other is a 400
+FIELDS = frozenset({"text", "input_ids", "sampling_params", "rid", STREAM.name, STREAM_DELTAS.name, "image_data",
+                    PROCESSOR_KWARGS, *_TOP_LEVEL_SAMPLING})
+# SGLang's GenerateReqInput fields we do not implement, refused with why (docs/api.md lists them); null is absent
+REFUSED: dict[str, Refused] = {
+    "lora_path": Refused("give the adapter's name as sampling_params.lora_name"),
+    "lora_id": Refused("give the adapter's name as sampling_params.lora_name"),
+    "return_text_in_logprobs": Refused("the logprob entries always carry the token's text", (True,)),
+    "token_ids_logprob": Refused("logprobs of chosen token ids are not supported: use top_logprobs_num"),
+    "return_hidden_states": Refused("hidden states are not returned (/v1/embeddings pools them)", (False,)),
+    "input_embeds": Refused("prompts as embeddings are not supported: give text or input_ids"),
+    "video_data": Refused("video input is not supported"),
+    "audio_data": Refused("audio input is not supported"),
+    "modalities": Refused("modalities are not supported: images come in image_data"),
+    "session_params": Refused("sessions are not supported: send the whole prompt (the prefix cache reuses it)"),
+    "custom_logit_processor": Refused("custom logit processors are not supported"),
+    "data_parallel_rank": Refused("choosing the --dp replica is not supported: the router chooses it"),
+    "priority": Refused("request priorities are not supported"),
+    **{name: Refused("prefill/decode disaggregation is not supported")
+       for name in ("bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key")},
+}
+
+
 def _is_ids(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
 
@@ -65,6 +90,7 @@ def _prompts(body: dict[str, Any]) -> tuple[list[tuple[str | None, list[int] | N
 def parse_generate(body: dict[str, Any]) -> tuple[list[GenerateRequest], int, bool]:
     """A /generate body as its prompts' GenerateRequests (all with the response's rid), n, and whether the
     answer is a list. Shapes only; the tokenizer validates the sampling values."""
+    check_top_level(body, FIELDS, (), REFUSED, unrecognized)
     try:
         rid = validate_rid(body["rid"]) if body.get("rid") is not None else new_rid()
     except InvalidRidError as exc:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Collection
 
 from ringserve.bus.errors import ApiError, clip
 from ringserve.actors.entry.errors import model_not_found
@@ -103,17 +103,28 @@ ROUTE_FIELDS: dict[str, set[str]] = {
 }
 
 
+def unrecognized(name: str) -> ApiError:
+    """OpenAI's 400 for a top-level field it does not know (/generate answers it too)."""
+    return ApiError(f"Unrecognized request argument supplied: {clip(name)}", param=name)
+
+
+def check_top_level(body: dict[str, Any], implemented: Collection[str], no_effect: Collection[str],
+                    refused: dict[str, Refused], unknown: Callable[[str], ApiError]) -> None:
+    """ApiError 400 naming the first field of `body` a route neither implements nor can ignore: its refusal's
+    reason (unless its value is null or neutral), or `unknown(name)` for a field in none of the tables."""
+    for name, value in body.items():
+        if name in implemented or name in no_effect:
+            continue
+        refusal = refused.get(name)
+        if refusal is None:
+            raise unknown(name)
+        if value is not None and not any(value == neutral for neutral in refusal.neutral):
+            raise ApiError(f"{name}: {refusal.reason}", param=name)
+
+
 def check_fields(body: dict[str, Any], kind: str) -> None:
     """ApiError 400 naming the first field of `body` that route `kind` neither implements nor can ignore."""
-    implemented = ROUTE_FIELDS[kind]
-    for name, value in body.items():
-        if name in implemented or name in NO_EFFECT:
-            continue
-        refused = REFUSED.get(name)
-        if refused is None:
-            raise ApiError(f"Unrecognized request argument supplied: {clip(name)}", param=name)
-        if value is not None and not any(value == neutral for neutral in refused.neutral):
-            raise ApiError(f"{name}: {refused.reason}", param=name)
+    check_top_level(body, ROUTE_FIELDS[kind], NO_EFFECT, REFUSED, unrecognized)
 
 
 @dataclass

@@ -13,7 +13,8 @@ from ringserve.actors.entry import anthropic_protocol as anthropic
 from ringserve.actors.entry import responses_protocol as responses
 from ringserve.actors.entry.openai_protocol import (BEST_OF, CHAT_LOGPROBS, COMPLETION_LOGPROBS, CONTINUOUS_USAGE, ECHO,
                                          MAX_CHOICES, N, NO_EFFECT, PROMPT_LOGPROBS, STREAM, STREAM_OPTIONS_NO_EFFECT,
-                                         TOKENS_AS_IDS, TOP_LOGPROBS)
+                                         TOKENS_AS_IDS, TOP_LOGPROBS, Refused)
+from ringserve.actors.entry.control_routes import PAUSE_REFUSED, UPDATE_WEIGHTS_REFUSED
 from ringserve.actors.entry.embeddings_route import DIMENSIONS, EMBEDDINGS_PATH, ENCODING_FORMAT, USER
 from ringserve.bus.params import EMBED_SPECS, PROCESSOR_KWARGS, PROCESSOR_SPECS, SPECS
 
@@ -65,6 +66,12 @@ _IMAGE_URL_PART = {"type": "object", "required": ["type", "image_url"], "propert
         "url": {"type": "string", "description": "a data URL; a file URL under --allowed-local-media-path; an "
                                                  "http(s) URL with --allow-remote-images"},
         "detail": {"type": "string", "enum": ["auto"]}}}}}
+def _neutral_only(refused: dict[str, Refused]) -> dict[str, Any]:
+    """Schemas of SGLang's fields taken only with the value that changes nothing here."""
+    return {name: {"enum": list(r.neutral), "description": f"SGLang's, only with this value ({r.reason})"}
+            for name, r in refused.items()}
+
+
 _IMAGE_SOURCE = {"type": "string", "description": "base64 or a data URL (file and http(s) URLs as image_url takes "
                                                   "them)"}
 _FUNCTION_NAME = {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"}
@@ -215,7 +222,9 @@ SCHEMAS: dict[str, Any] = {
         "return_logprob": _NATIVE_SAMPLING["return_logprob"],
         "top_logprobs_num": _NATIVE_SAMPLING["top_logprobs_num"],
         "logprob_start_len": _NATIVE_SAMPLING["logprob_start_len"],
-        "sampling_params": {"type": "object", "properties": {**_NATIVE_SAMPLING, "n": N.json_schema()}}},
+        "sampling_params": {"type": "object", "properties": {**_NATIVE_SAMPLING, "n": N.json_schema()},
+                            "additionalProperties": False}},
+        "additionalProperties": False,  # generate_route.FIELDS: any other field is a 400
         "oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}]},
     "EmbeddingRequest": {"type": "object", "required": ["input"], "properties": {
         "input": {"oneOf": [{"type": "string", "minLength": 1}, {**_TOKEN_IDS, "minItems": 1},
@@ -230,9 +239,13 @@ SCHEMAS: dict[str, Any] = {
         "mode": {"enum": ["wait", "pause", "abort"], "description": "what happens to the requests the scheduler "
                                                                      "holds (default wait)"},
         "abort_all_requests": {"type": "boolean", "description": "SGLang's name for mode abort"},
-        "weight_version": {"type": "string", "description": "names the new weights (default: the next number)"}}},
+        "weight_version": {"type": "string", "description": "names the new weights (default: the next number)"},
+        **_neutral_only(UPDATE_WEIGHTS_REFUSED)},
+        "additionalProperties": False},
     "AbortRequest": {"type": "object", "properties": {"rid": RID, "abort_all": _BOOL},
-                     "description": "give rid, or abort_all: true"},
+                     "description": "give rid, or abort_all: true", "additionalProperties": False},
+    "PauseRequest": {"type": "object", "properties": _neutral_only(PAUSE_REFUSED), "additionalProperties": False},
+    "Empty": {"type": "object", "description": "no fields", "additionalProperties": False},
     "ControlReply": {"type": "object", "required": ["success", "message"],
                      "properties": {"success": _BOOL, "message": {"type": "string"}}},
     "Object": {"type": "object"},
@@ -294,7 +307,7 @@ def openapi_document(served_model: str | None = None) -> dict[str, Any]:
         _ONE_RESPONSE: {**_get("a stored response", "Object", 401, 404, 503),
                         "delete": {"summary": "delete a stored response", "responses": _answers("Object", 401, 404,
                                                                                                  503)}},
-        _ONE_RESPONSE + "/cancel": _post("cancel a running (background or streamed) response", "Object", "Object",
+        _ONE_RESPONSE + "/cancel": _post("cancel a running (background or streamed) response", "Empty", "Object",
                                          400, 401, 404, 503, required=False),
         _ONE_RESPONSE + "/input_items": _get("the input items of a stored response", "Object", 400, 401, 404, 503),
         "/v1/models": _get("the served model and its LoRA adapters", "Object", 401, 503),
@@ -308,11 +321,11 @@ def openapi_document(served_model: str | None = None) -> dict[str, Any]:
         "/get_model_info": _get("SGLang's model info: model_path, tokenizer_path, is_generation", "Object", 401, 503),
         "/v1/tokenize": _post("token ids of a prompt or chat messages", "Object", "Object", *_BODY_ERRORS, 404),
         "/v1/detokenize": _post("text of token ids", "Object", "Object", *_BODY_ERRORS, 404),
-        "/flush_cache": _post("drop cached prefixes no request uses", "Object", "ControlReply", *_BODY_ERRORS, 500,
+        "/flush_cache": _post("drop cached prefixes no request uses", "Empty", "ControlReply", *_BODY_ERRORS, 500,
                               required=False),
         "/abort_request": _post("abort one request or all", "AbortRequest", "Object", *_BODY_ERRORS, 500),
-        "/pause_generation": _post("stop stepping", "Object", "ControlReply", *_BODY_ERRORS, 500, required=False),
-        "/continue_generation": _post("resume stepping", "Object", "ControlReply", *_BODY_ERRORS, 500,
+        "/pause_generation": _post("stop stepping", "PauseRequest", "ControlReply", *_BODY_ERRORS, 500, required=False),
+        "/continue_generation": _post("resume stepping", "Empty", "ControlReply", *_BODY_ERRORS, 500,
                                       required=False),
         "/update_weights_from_disk": _post("swap in a checkpoint of the same architecture; flushes the prefix cache",
                                            "UpdateWeightsRequest", "ControlReply", *_BODY_ERRORS, 409, 500),

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ringserve.actors.entry.openai_protocol import STREAM, Refused, adapter_of
+from ringserve.actors.entry.openai_protocol import STREAM, Refused, adapter_of, check_top_level
 from ringserve.actors.entry.tool_request import ToolPlan, output_constraint, parse_tools
 from ringserve.bus.errors import ApiError, clip
 from ringserve.bus.messages import ChatMessage, GenerateRequest
@@ -69,15 +69,13 @@ def new_item_id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(12)}"
 
 
+def unknown_parameter(name: str) -> ApiError:
+    """OpenAI's 400 on its Responses routes for a field it does not know."""
+    return ApiError(f"Unknown parameter: '{clip(name)}'.", param=clip(name))
+
+
 def _check_fields(body: dict[str, Any]) -> None:
-    for name, value in body.items():
-        if name in IMPLEMENTED or name in NO_EFFECT or value is None:
-            continue
-        refused = REFUSED.get(name)
-        if refused is None:
-            raise ApiError(f"Unknown parameter: '{clip(str(name))}'.", param=clip(str(name)))
-        if not any(value == neutral for neutral in refused.neutral):
-            raise ApiError(f"{name}: {refused.reason}", param=name)
+    check_top_level(body, IMPLEMENTED, NO_EFFECT, REFUSED, unknown_parameter)
 
 
 def _image(part: dict[str, Any], where: str) -> dict[str, Any]:

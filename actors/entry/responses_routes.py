@@ -219,6 +219,10 @@ class Responses:
         return JSONResponse({"id": stored["id"], "object": "response", "deleted": True})
 
     async def cancel(self, request: Request) -> Response:
+        if (await request.body()).strip():  # OpenAI's cancel takes no body: a field in one is a 400
+            unknown = next(iter(await read_json(request)), None)
+            if unknown is not None:
+                raise rp.unknown_parameter(unknown)
         stored = await self.load(request, request.path_params["response_id"])
         if stored["status"] not in RUNNING:
             raise ApiError(f"Cannot cancel a response with status {stored['status']}: only a running one can be "
@@ -233,7 +237,7 @@ class Responses:
         query = request.query_params
         unknown = next((name for name in query if name not in ("order", "limit", "after", "include")), None)
         if unknown is not None:
-            raise ApiError(f"Unknown parameter: '{unknown[:64]}'.", param=unknown[:64])
+            raise rp.unknown_parameter(unknown)
         order = query.get("order", "desc")
         if order not in ("asc", "desc"):
             raise ApiError("order must be asc or desc", param="order")
