@@ -81,7 +81,7 @@ class Client(RingSession):
         """A chat completion, as `/v1/chat/completions` answers it (`response`), with the chat template, tools
         (`tools`, `tool_choice`), structured output (`response_format`) and OpenAI's names (`max_tokens`,
         `temperature`, ...); `sampling_params` adds native parameters."""
-        from ringserve.actors.entry.openai_protocol import full_response
+        from ringserve.actors.entry.openai_responses import full_response
 
         request, options = chat_request(messages, rid, await self._model_name(), sampling_params, openai_fields)
         await self.store_images([request])

@@ -20,7 +20,8 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from ringserve.actors.entry.openai_protocol import STREAM, Refused, adapter_of, check_top_level
+from ringserve.actors.entry.field_checks import Refused, check_top_level
+from ringserve.actors.entry.openai_protocol import STREAM, adapter_of
 from ringserve.actors.entry.tool_parsers import DEFAULT_PARSER
 from ringserve.actors.entry.tool_request import NAME_PATTERN, ToolPlan, parse_tools
 from ringserve.actors.entry.tool_response import tool_message

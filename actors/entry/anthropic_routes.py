@@ -19,7 +19,8 @@ from starlette.routing import Route
 from ringserve.actors.entry import anthropic_protocol as ap
 from ringserve.actors.entry.choices import ChoiceGroup
 from ringserve.actors.entry.http_common import handles_errors, read_json
-from ringserve.actors.entry.openai_protocol import adapter_of, check_top_level
+from ringserve.actors.entry.field_checks import check_top_level
+from ringserve.actors.entry.openai_protocol import adapter_of
 from ringserve.actors.entry.request_flow import ClientDisconnected, EntryService
 from ringserve.actors.entry.tokenize_routes import ask_tokenizer
 from ringserve.actors.entry.tool_parsers import DEFAULT_PARSER

@@ -24,7 +24,7 @@ from starlette.routing import Route
 
 from ringserve.bus.errors import ApiError, quote
 from ringserve.actors.entry.http_common import handles_errors, read_command
-from ringserve.actors.entry.openai_protocol import Refused, check_top_level
+from ringserve.actors.entry.field_checks import Refused, check_top_level
 from ringserve.actors.entry.request_flow import EntryService
 from ringserve.bus.messages import ControlCommand, ControlReply
 

@@ -1,4 +1,4 @@
-"""OpenAI request bodies -> GenerateRequests, and ring outputs -> OpenAI response bodies and stream chunks.
+"""OpenAI request bodies -> GenerateRequests (the response bodies and stream chunks are openai_responses.py's).
 
 Only shapes are checked here (what must be an object, a list, a string), plus what the entry itself acts on
 (`n`, `echo`, the logprobs switches); the tokenizer actor validates every sampling value. Which OpenAI fields
@@ -7,7 +7,8 @@ are sampling parameters, and under which native name, comes from their declarati
 Every top-level field of a body is one of: a field we implement (the sampling parameters of `ringserve.bus.params`, the
 entry's Specs below, and each route's own fields), a field that changes nothing (`NO_EFFECT`: accepted), or
 a field that would change the output and that we do not implement (`REFUSED`: 400 naming it, unless it has a
-value that changes nothing). Anything else is a 400 naming the field, as OpenAI answers. The output
+value that changes nothing). Anything else is a 400 naming the field, as OpenAI answers (field_checks.py checks
+a body against these tables, as every route does against its own). The output
 constraints (`response_format`, vLLM's `guided_*`) and the tool fields are read in `tool_request`, tool calls
 put into responses by `tool_response`.
 """
@@ -17,16 +18,16 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection
+from typing import Any
 
 from ringserve.bus.errors import ApiError, clip
 from ringserve.actors.entry.errors import model_not_found
+from ringserve.actors.entry.field_checks import Refused, check_top_level, unrecognized
 from ringserve.actors.entry.http_common import package_version
-from ringserve.actors.entry.openai_logprobs import LogprobFormatter, vllm_prompt_logprobs
+from ringserve.actors.entry.openai_logprobs import LogprobFormatter
 from ringserve.actors.entry.tool_parsers import DEFAULT_PARSER
 from ringserve.actors.entry.tool_request import GUIDED_FIELDS, ToolPlan, output_constraint, parse_messages, parse_tools
-from ringserve.actors.entry.tool_response import tool_message
-from ringserve.bus.messages import FinishReason, GenerateRequest, RequestOutput, TokenLogprob
+from ringserve.bus.messages import GenerateRequest, RequestOutput, TokenLogprob
 from ringserve.bus.param_spec import Spec
 from ringserve.bus.params import MAX_TOP_LOGPROBS, PROCESSOR_KWARGS, openai_names
 
@@ -55,14 +56,6 @@ PROMPT_LOGPROBS = Spec("vLLM's: each prompt token's logprob with this many alter
                        name="prompt_logprobs")
 BEST_OF = Spec("must be 1 or n: choosing the best of more samples than n is not supported", low=1, high=MAX_N,
                kind="integer", name="best_of")
-
-
-@dataclass(frozen=True)
-class Refused:
-    """A field we do not implement: `reason` is said in the 400; `neutral` values change nothing and pass."""
-
-    reason: str
-    neutral: tuple[Any, ...] = ()
 
 
 # The one table of OpenAI fields beyond those implemented (listed in docs/api.md). A null value is absent.
@@ -101,25 +94,6 @@ ROUTE_FIELDS: dict[str, set[str]] = {
                               "parallel_tool_calls", PROCESSOR_KWARGS},
     "completion": _COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of", "prompt_logprobs"},
 }
-
-
-def unrecognized(name: str) -> ApiError:
-    """OpenAI's 400 for a top-level field it does not know (/generate answers it too)."""
-    return ApiError(f"Unrecognized request argument supplied: {clip(name)}", param=name)
-
-
-def check_top_level(body: dict[str, Any], implemented: Collection[str], no_effect: Collection[str],
-                    refused: dict[str, Refused], unknown: Callable[[str], ApiError]) -> None:
-    """ApiError 400 naming the first field of `body` a route neither implements nor can ignore: its refusal's
-    reason (unless its value is null or neutral), or `unknown(name)` for a field in none of the tables."""
-    for name, value in body.items():
-        if name in implemented or name in no_effect:
-            continue
-        refusal = refused.get(name)
-        if refusal is None:
-            raise unknown(name)
-        if value is not None and not any(value == neutral for neutral in refusal.neutral):
-            raise ApiError(f"{name}: {refusal.reason}", param=name)
 
 
 def check_fields(body: dict[str, Any], kind: str) -> None:
@@ -343,117 +317,3 @@ def parse_completion(body: dict[str, Any], rid: str,
     text_or_ids = [{"text": p} if isinstance(p, str) else {"input_ids": p} for p in prompts]
     return [GenerateRequest(rid=rid, sampling=sampling, openai_names=True, stream=options.stream, **prompt)
             for prompt in text_or_ids], options
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, drafted: int = 0,
-          accepted: int = 0) -> dict[str, Any]:
-    """OpenAI's usage object; `cached_tokens` are prompt tokens served from the prefix cache. With speculative
-    decoding, `completion_tokens_details` says how many draft tokens were accepted and rejected (the fields
-    OpenAI's predicted outputs use)."""
-    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                           "total_tokens": prompt_tokens + completion_tokens,
-                           "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-    if drafted:
-        out["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
-                                            "rejected_prediction_tokens": drafted - accepted}
-    return out
-
-
-def choices_usage(lasts: list[RequestOutput], n: int = 1) -> dict[str, Any]:
-    """Usage of a response, given each choice's last output (prompt-major: the n choices of each prompt).
-
-    Completion tokens add up; each prompt is counted once, and so are its cached tokens (the least any of its
-    choices found cached: choices that reused a sibling's just-computed prefix do not make it cheaper).
-    """
-    groups = [lasts[i:i + n] for i in range(0, len(lasts), n)]
-    return usage(sum(group[0].prompt_tokens for group in groups), sum(out.completion_tokens for out in lasts),
-                 sum(min(out.cached_tokens for out in group) for group in groups),
-                 sum(out.spec_drafted_tokens for out in lasts), sum(out.spec_accepted_tokens for out in lasts))
-
-
-def running_usage(latest: dict[int, RequestOutput], n: int) -> dict[str, Any]:
-    """The usage so far of a streamed response, given the newest output of each choice that has started
-    (`continuous_usage_stats`): each started prompt's tokens once, the choices' completion tokens so far."""
-    prompts = {index // n: out for index, out in sorted(latest.items())}
-    return usage(sum(out.prompt_tokens for out in prompts.values()),
-                 sum(out.completion_tokens for out in latest.values()),
-                 sum(out.cached_tokens for out in prompts.values()))
-
-
-def full_response(rid: str, options: ApiOptions, choices: list[list[RequestOutput]]) -> dict[str, Any]:
-    """The non-streamed response body; `choices[i]` holds every output of choice i, in order."""
-    body_choices = []
-    for index, outputs in enumerate(choices):
-        finish = outputs[-1].finish
-        entries: list[TokenLogprob] = [e for out in outputs for e in options.entries(out)]
-        choice: dict[str, Any] = {"index": index, "finish_reason": finish.type if finish else None,
-                                  "matched_stop": finish.matched if finish else None,
-                                  "logprobs": options.logprob_formatter().format(entries)}
-        text = "".join(out.text for out in outputs)
-        if options.kind == "chat" and options.tools is not None:
-            choice["message"], choice["finish_reason"] = tool_message(options.tools, text, choice["finish_reason"])
-        elif options.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = options.echo_text(index) + text
-            if options.prompt_logprobs:
-                choice["prompt_logprobs"] = vllm_prompt_logprobs(outputs[0].prompt_logprobs)
-            if options.token_ids:
-                choice["prompt_token_ids"] = outputs[0].prompt_token_ids
-        if options.token_ids:
-            choice["token_ids"] = [t for out in outputs for t in out.token_ids]
-        body_choices.append(choice)
-    body = {"id": response_id(rid, options), "object": options.object_name, "created": options.created,
-            "model": options.model, "system_fingerprint": options.fingerprint, "choices": body_choices,
-            "usage": choices_usage([c[-1] for c in choices], options.n)}
-    if options.kind == "chat" and options.prompt_logprobs:  # vLLM: one prompt, so on the response
-        body["prompt_logprobs"] = vllm_prompt_logprobs(choices[0][0].prompt_logprobs)
-    if options.kind == "chat" and options.token_ids:
-        body["prompt_token_ids"] = choices[0][0].prompt_token_ids
-    return body
-
-
-def response_id(rid: str, options: ApiOptions) -> str:
-    """The response id OpenAI clients see, derived from the rid."""
-    return f"{'chatcmpl' if options.kind == 'chat' else 'cmpl'}-{rid}"
-
-
-def stream_chunk(rid: str, options: ApiOptions, text: str | None, finish: FinishReason | None,
-                 first: bool = False, index: int = 0, logprobs: dict[str, Any] | None = None,
-                 out: RequestOutput | None = None) -> dict[str, Any]:
-    """One streamed chunk of choice `index`; a choice's `first` completion chunk starts with the echo. With
-    return_token_ids, the chunk carries `out`'s new token ids, and a choice's first chunk the prompt's."""
-    choice: dict[str, Any] = {"index": index, "finish_reason": finish.type if finish else None}
-    if options.kind == "chat":
-        choice["delta"] = {} if text is None else {"content": text}
-    else:
-        choice["text"] = (options.echo_text(index) if first else "") + (text or "")
-    choice["logprobs"] = logprobs
-    if options.token_ids and out is not None:
-        choice["token_ids"] = out.token_ids
-        if first and out.prompt_token_ids:
-            choice["prompt_token_ids"] = out.prompt_token_ids
-    if finish is not None:
-        choice["matched_stop"] = finish.matched
-    chunk: dict[str, Any] = {"id": response_id(rid, options), "object": f"{options.object_name}.chunk"
-                             if options.kind == "chat" else options.object_name,
-                             "created": options.created, "model": options.model,
-                             "system_fingerprint": options.fingerprint, "choices": [choice]}
-    if options.include_usage:
-        chunk["usage"] = None
-    return chunk
-
-
-def role_chunk(rid: str, options: ApiOptions, index: int) -> dict[str, Any]:
-    """The first chunk of chat choice `index`: only the role, as OpenAI sends it (content follows)."""
-    chunk = stream_chunk(rid, options, None, None, index=index)
-    chunk["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-    return chunk
-
-
-def usage_chunk(rid: str, options: ApiOptions, lasts: list[RequestOutput]) -> dict[str, Any]:
-    """The last streamed chunk when stream_options.include_usage is set: no choices, only usage."""
-    chunk = stream_chunk(rid, options, None, None)
-    chunk["choices"] = []
-    chunk["usage"] = choices_usage(lasts, options.n)
-    return chunk

@@ -11,6 +11,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ringserve.actors.entry import openai_protocol as oai
+from ringserve.actors.entry import openai_responses as bodies
 from ringserve.actors.entry.choices import ChoiceGroup
 from ringserve.actors.entry.http_common import handles_errors, read_json, sse
 from ringserve.actors.entry.request_flow import EntryService
@@ -40,12 +41,12 @@ def tool_chunks(rid: str, options: oai.ApiOptions, stream: ToolCallStream, out: 
         deltas = [{"content": ""}]
     chunks = []
     for i, delta in enumerate(deltas):
-        chunk = oai.stream_chunk(rid, options, None, None, index=index, logprobs=None if i else logprobs,
+        chunk = bodies.stream_chunk(rid, options, None, None, index=index, logprobs=None if i else logprobs,
                                  out=None if i else out)
         chunk["choices"][0]["delta"] = delta
         chunks.append(chunk)
     if finish is not None:
-        chunks.append(oai.stream_chunk(rid, options, None, finish, index=index))
+        chunks.append(bodies.stream_chunk(rid, options, None, finish, index=index))
     return chunks
 
 
@@ -65,7 +66,7 @@ async def stream_events(group: ChoiceGroup, options: oai.ApiOptions) -> AsyncIte
 
     def event(chunk: dict[str, Any]) -> str:
         if options.continuous_usage:
-            chunk["usage"] = oai.running_usage(latest, options.n)
+            chunk["usage"] = bodies.running_usage(latest, options.n)
         return sse(chunk)
 
     failed = False
@@ -79,7 +80,7 @@ async def stream_events(group: ChoiceGroup, options: oai.ApiOptions) -> AsyncIte
             started.add(index)
             latest[index] = out
             if first and options.kind == "chat":
-                yield event(oai.role_chunk(rid, options, index))
+                yield event(bodies.role_chunk(rid, options, index))
             entries = options.entries(out)
             has_logprobs = options.logprobs and bool(entries)
             if index in tool_streams:
@@ -87,12 +88,12 @@ async def stream_events(group: ChoiceGroup, options: oai.ApiOptions) -> AsyncIte
                                          formatters[index].format(entries) if has_logprobs else None):
                     yield event(chunk)
             elif (first and options.kind != "chat") or out.text or out.finish is not None or has_logprobs:
-                yield event(oai.stream_chunk(rid, options, out.text, out.finish, first=first, index=index,
+                yield event(bodies.stream_chunk(rid, options, out.text, out.finish, first=first, index=index,
                                              logprobs=formatters[index].format(entries), out=out))
             if out.is_last:
                 lasts[index] = out
     if not failed and options.include_usage:
-        yield sse(oai.usage_chunk(rid, options, [lasts[i] for i in sorted(lasts)]))
+        yield sse(bodies.usage_chunk(rid, options, [lasts[i] for i in sorted(lasts)]))
     yield sse("[DONE]")
 
 
@@ -120,7 +121,7 @@ def openai_routes(service: EntryService, tool_parser: str = DEFAULT_PARSER) -> l
                 exc.param = options.constraint_param
             raise
         if not options.stream:
-            return JSONResponse(oai.full_response(group.rid, options, await group.collect(request)))
+            return JSONResponse(bodies.full_response(group.rid, options, await group.collect(request)))
         return StreamingResponse(stream_events(group, options), media_type="text/event-stream")
 
     def parse_chat(body: dict[str, Any], rid: str, served_model: str) -> tuple[list[GenerateRequest],

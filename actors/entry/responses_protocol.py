@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ringserve.actors.entry.openai_protocol import STREAM, Refused, adapter_of, check_top_level
+from ringserve.actors.entry.field_checks import Refused, check_top_level
+from ringserve.actors.entry.openai_protocol import STREAM, adapter_of
 from ringserve.actors.entry.tool_request import ToolPlan, output_constraint, parse_tools
 from ringserve.bus.errors import ApiError, clip
 from ringserve.bus.messages import ChatMessage, GenerateRequest
