@@ -382,8 +382,8 @@ class ActorReady:
 class ReplicaLoad:
     """A scheduler replica's load, in its heartbeat (`Heartbeat.load`): what the tokenizers route by and what
     `/get_server_info`'s `replicas` shows. `draining`: it finishes what it holds and takes nothing new.
-    `kv_epoch`, `kv_seq`: the incarnation and the sequence number of its last `KvEvents`, so a router that
-    missed the last events of a quiet replica notices (and resyncs from a `KvSnapshot`)."""
+    `kv_epoch`, `kv_seq`: the incarnation and the sequence number of its last `KvEvents` (bus/kv_messages.py), so a
+    router that missed the last events of a quiet replica notices (and resyncs from a `KvSnapshot`)."""
 
     replica: int
     interval: float
@@ -397,34 +397,3 @@ class ReplicaLoad:
     kv_epoch: str = ""
     kv_seq: int = 0
     role: str = "both"  # prefill, decode or both (--replica-role): a prefill replica takes no routed requests
-
-
-@dataclass
-class KvEvents:
-    """What one scheduler replica's prefix cache stored and evicted, on `{ns}.kv.events.{replica}` (at most one
-    message per engine step, none when nothing changed).
-
-    `stored` and `removed` are disjoint lists of block hashes (`bus/kv_blocks.py`: chained hashes of whole
-    64-token blocks, so one hash names a whole prefix). `epoch` names the replica's incarnation (a restarted
-    replica has a new one and starts empty); `seq` counts its messages from 1 within an epoch, so a receiver
-    that sees a gap asks for a `KvSnapshot`. A flush (`/flush_cache`, a weight update) arrives as removals.
-    """
-
-    replica: int
-    epoch: str
-    seq: int
-    stored: list[bytes] = field(default_factory=list)
-    removed: list[bytes] = field(default_factory=list)
-
-
-@dataclass
-class KvSnapshot:
-    """Reply to an `InfoQuery` on `{ns}.kv.snapshot.{replica}`: every block hash the replica's prefix cache
-    holds after its `KvEvents` number `seq` of `epoch` (the most recently stored first; `truncated` when the
-    cache holds more than one message carries, the oldest left out)."""
-
-    replica: int
-    epoch: str
-    seq: int
-    blocks: list[bytes] = field(default_factory=list)
-    truncated: bool = False

@@ -200,10 +200,11 @@ def _field_default(f: dataclasses.Field) -> str:
 
 
 def messages() -> str:
-    """Every dataclass defined in `bus/messages.py` (then `bus/tokenize_messages.py`), in file order: its doc's
-    first paragraph and its fields."""
+    """Every dataclass defined in `bus/messages.py` (then `bus/kv_messages.py`, `bus/tokenize_messages.py`), in
+    file order: its doc's first paragraph and its fields."""
     seen: set[type] = set()
-    return "\n\n".join(_module_messages(name, seen) for name in ("ringserve.bus.messages", "ringserve.bus.tokenize_messages"))
+    modules = ("ringserve.bus.messages", "ringserve.bus.kv_messages", "ringserve.bus.tokenize_messages")
+    return "\n\n".join(_module_messages(name, seen) for name in modules)
 
 
 def _module_messages(module_name: str, seen: set[type]) -> str:

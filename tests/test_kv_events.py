@@ -17,7 +17,8 @@ from ringserve.actors.scheduler.kv_events import KvEventPublisher
 from ringserve.actors.tokenizer.router import Router
 from ringserve.bus.connection import BusConnection, Delivery
 from ringserve.bus.kv_blocks import BLOCK, block_hashes
-from ringserve.bus.messages import InfoQuery, KvEvents, KvSnapshot, ReplicaLoad, TokenizedRequest
+from ringserve.bus.kv_messages import KvEvents, KvSnapshot
+from ringserve.bus.messages import InfoQuery, ReplicaLoad, TokenizedRequest
 from ringserve.bus.permissions import role_permissions
 from ringserve.bus.subjects import Subjects
 from tests.engine_helpers import engine_for, greedy, run_to_completion, tiny_hf_llama

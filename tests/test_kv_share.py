@@ -16,7 +16,8 @@ from ringserve.bus.connection import BusConnection, Delivery
 from ringserve.bus.embedded_server import EmbeddedNatsServer
 from ringserve.bus.kv_blocks import BLOCK, block_hashes
 from ringserve.bus.kv_transfer import KvFetchReply, KvFetchRequest, checksum, fetch_blocks
-from ringserve.bus.messages import Accepted, KvEvents, ReplicaLoad, RequestOutput, TokenizedRequest
+from ringserve.bus.kv_messages import KvEvents
+from ringserve.bus.messages import Accepted, ReplicaLoad, RequestOutput, TokenizedRequest
 from ringserve.bus.params import SamplingParams
 from ringserve.bus.subjects import Subjects
 from tests.otlp_receiver import OtlpReceiver

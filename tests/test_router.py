@@ -7,7 +7,8 @@ from __future__ import annotations
 import random
 
 from ringserve.actors.tokenizer.router import BALANCE_ABS, BLOCK, Router, block_hashes
-from ringserve.bus.messages import KvEvents, KvSnapshot, ReplicaLoad
+from ringserve.bus.kv_messages import KvEvents, KvSnapshot
+from ringserve.bus.messages import ReplicaLoad
 
 
 def load(replica: int, running: int = 0, waiting: int = 0, draining: bool = False, epoch: str = "",

@@ -22,7 +22,8 @@ from ringserve.actors.common.model_source import DEFAULT_MODEL
 from ringserve.bus.connection import BusConnection, Delivery
 from ringserve.bus.credentials import NatsCredentials, load_credentials_file
 from ringserve.bus.kv_blocks import BLOCK, block_hashes
-from ringserve.bus.messages import Accepted, InfoQuery, KvEvents, KvSnapshot, TokenizedRequest
+from ringserve.bus.kv_messages import KvEvents, KvSnapshot
+from ringserve.bus.messages import Accepted, InfoQuery, TokenizedRequest
 from ringserve.bus.params import SamplingParams
 from ringserve.bus.permissions import inbox_prefix
 from ringserve.bus.subjects import Subjects, rendezvous

@@ -17,7 +17,8 @@ from collections import OrderedDict
 
 from ringserve.bus.connection import BusConnection, Delivery
 from ringserve.bus.kv_blocks import HASH_BYTES
-from ringserve.bus.messages import InfoQuery, KvEvents, KvSnapshot
+from ringserve.bus.kv_messages import KvEvents, KvSnapshot
+from ringserve.bus.messages import InfoQuery
 from ringserve.bus.subjects import Subjects
 from ringserve.observability.logging import log_event
 

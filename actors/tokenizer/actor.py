@@ -34,9 +34,8 @@ from ringserve.bus.errors import ApiError, server_error
 from ringserve.bus.image_store import ImageStore
 from ringserve.bus.images import ImageRef, image_key
 from ringserve.bus.kv_blocks import cache_namespace
-from ringserve.bus.messages import (
-    Accepted, GenerateRequest, Heartbeat, InfoQuery, KvEvents, KvSnapshot, RequestOutput, TokenizedRequest,
-)
+from ringserve.bus.kv_messages import KvEvents, KvSnapshot
+from ringserve.bus.messages import Accepted, GenerateRequest, Heartbeat, InfoQuery, RequestOutput, TokenizedRequest
 from ringserve.bus.permissions import reply_inbox
 from ringserve.bus.subjects import TOKENIZER_QUEUE, InvalidRidError, scoped_rid, split_rid, validate_rid
 from ringserve.bus.tokenize_messages import TokenizeQuery, TokenizeReply

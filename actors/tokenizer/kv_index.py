@@ -10,7 +10,7 @@ a pure function of what it was fed, so every tokenizer worker fed the same event
 
 from __future__ import annotations
 
-from ringserve.bus.messages import KvEvents, KvSnapshot
+from ringserve.bus.kv_messages import KvEvents, KvSnapshot
 
 
 class ReplicaIndex:

@@ -25,7 +25,8 @@ from typing import Sequence
 
 from ringserve.actors.tokenizer.kv_index import ReplicaIndex
 from ringserve.bus.kv_blocks import BLOCK, block_hashes, salt_seed
-from ringserve.bus.messages import MISSED_BEATS, KvEvents, KvSnapshot, ReplicaLoad
+from ringserve.bus.kv_messages import KvEvents, KvSnapshot
+from ringserve.bus.messages import MISSED_BEATS, ReplicaLoad
 from ringserve.bus.subjects import rendezvous
 
 __all__ = ["BALANCE_ABS", "BALANCE_REL", "BLOCK", "MISSED_BEATS", "Router", "block_hashes"]
