@@ -44,6 +44,7 @@ class ModelRunner:
         everything eagerly."""
         self.model = model
         self.table = table
+        self.rope_rule = model.rope_length_rule  # a length-dependent rotary: each step's rows carry their floors
         self.thread_tuner: ThreadTuner | None = None
         self.device = table.table.device
         # this rank's heads: a tensor-parallel shard keeps 1/tp of them (actors/engine/parallel/tensor_parallel.py)
@@ -121,7 +122,7 @@ class ModelRunner:
             offset = int(ends[b]) - batch.extend_lens[b] + 1 - batch.starts[b]  # flat index of position 0
             index += range(offset + first, offset + first + count)
         logits_index = to_device(index, device)
-        floors = [req.rope_floor for req in batch.reqs] if self.model.rope_length_rule is not None else None
+        floors = [req.rope_floor for req in batch.reqs] if self.rope_rule is not None else None
         if self.tp_sender is not None:
             self.tp_sender(batch.rows, batch.starts, batch.extend_lens, input_ids, info, batch.override,
                            rope_floors=floors, rope_positions=rope)
