@@ -13,6 +13,7 @@ from typing import Any
 from ringserve.bus.errors import ApiError
 from ringserve.bus.images import ImageRef
 from ringserve.bus.params import DecodeParams, EmbedParams, SamplingParams
+from ringserve.bus.reasoning import ReasoningPlan
 
 
 @dataclass
@@ -66,6 +67,9 @@ class GenerateRequest:
     image_data: list[str] | None = None
     # options for the model's image processor, raw as sent (bus/params.py `ImageProcessing`; the tokenizer checks)
     mm_processor_kwargs: dict[str, Any] | None = None
+    # messages only: extra variables for the chat template (vLLM's `chat_template_kwargs`, e.g. Qwen3's
+    # `enable_thinking`), over the server's `--default-chat-template-kwargs`; unknown keys reach the template too
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 @dataclass
@@ -84,6 +88,7 @@ class TokenizedRequest:
     kv_peer: int = -1
     kv_peer_blocks: int = 0
     kv_prefill: int = -1  # prefill/decode split: the prefill replica to compute the prompt's KV (-1: none)
+    reasoning: ReasoningPlan | None = None  # the output opens with thinking (bus/reasoning.py); None: it does not
 
 
 @dataclass
@@ -183,7 +188,8 @@ class RequestOutput:
 
     rid: str
     seq: int = 0
-    text: str = ""
+    text: str = ""  # the answer; with a reasoning plan, the thinking is in `reasoning_text` instead
+    reasoning_text: str = ""  # new thinking text (bus/reasoning.py), its start and end markers left out
     token_ids: list[int] = field(default_factory=list)
     prompt_tokens: int = 0
     completion_tokens: int = 0

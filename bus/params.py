@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ringserve.bus.errors import ApiError
+from ringserve.bus.reasoning import ReasoningPlan
 from ringserve.bus.param_spec import LOGIT_BIAS, STOP_STRINGS, TOKEN_IDS, Spec, param, plain_number, specs_of
 
 MAX_STOP_STRINGS = 32
@@ -86,6 +87,9 @@ class SamplingParams:
                              "root)", max_items=MAX_GRAMMAR_CHARS, openai=(), default_doc="none")
     return_prompt_ids: bool = param(False, "return the prompt's token ids with the first output",
                                     openai=("return_token_ids",))
+    thinking_token_budget: int | None = param(None, "the most tokens a reasoning model may think before its "
+                                              "thinking is closed and it answers (needs a reasoning parser)", low=0,
+                                              default_doc="the server's --reasoning-budget (no limit)")
     speculative: bool = param(True, "false: never decode this request speculatively (with "
                               "--speculative-algorithm; greedy output is the same either way)")
 
@@ -105,10 +109,10 @@ class SamplingParams:
         """Whether any penalty needs the counts of the tokens seen so far."""
         return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
 
-    def decode_params(self) -> DecodeParams:
-        """What the detokenizer needs of these parameters."""
+    def decode_params(self, reasoning: ReasoningPlan | None = None) -> DecodeParams:
+        """What the detokenizer needs of these parameters, and of the request's reasoning plan."""
         return DecodeParams(stop=self.stop, skip_special_tokens=self.skip_special_tokens,
-                            no_stop_trim=self.no_stop_trim)
+                            no_stop_trim=self.no_stop_trim, reasoning=reasoning)
 
 
 @dataclass
@@ -119,6 +123,7 @@ class DecodeParams:
     stop: list[str] = field(default_factory=list)
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
+    reasoning: ReasoningPlan | None = None  # split the thinking into RequestOutput.reasoning_text
 
 
 SPECS: dict[str, Spec] = specs_of(SamplingParams)  # native name -> Spec, in declaration order

@@ -4,6 +4,8 @@ Each request's rows come to the one detokenizer the tokenizer chose for it among
 (`placement.py`); its id is the `rank` of its heartbeat. Owns one `IncrementalDecoder` per live rid it serves, created from the first row of a request (which
 carries the request's DecodeParams) and deleted on the row that finishes it, so every end path (finish,
 abort, error) frees the state. Stop strings are decided by the scheduler; the decoder trims the one it is told.
+With a reasoning plan in the DecodeParams, the decoder also splits the text into the thinking
+(`RequestOutput.reasoning_text`) and the answer (`text`): `reasoning_split.py`.
 
 A lost step message must not shorten a text silently or leave its stream waiting: a row's tokens start at
 output index `completion_tokens - len(token_ids)`, so a row that does not start where the request's tokens so
@@ -173,11 +175,12 @@ class DetokenizerActor:
                                      spec_accepted_tokens=row.spec_accepted_tokens,
                                      finish=row.finish, queue_time=row.queue_time)
             decoder = self._decoders[row.rid] = IncrementalDecoder(self._tokenizer, row.decode)
-        text = decoder.feed(row.token_ids, row.finish)
+        reasoning, text = decoder.feed_split(row.token_ids, row.finish)
         if row.finish is not None:
             del self._decoders[row.rid]
         scored_ids = row.prompt_ids[len(row.prompt_ids) - len(row.prompt_logprobs):]  # the scored tail
-        return RequestOutput(rid=row.rid, text=text, token_ids=row.token_ids, prompt_tokens=row.prompt_tokens,
+        return RequestOutput(rid=row.rid, text=text, reasoning_text=reasoning, token_ids=row.token_ids,
+                             prompt_tokens=row.prompt_tokens,
                              completion_tokens=row.completion_tokens, cached_tokens=row.cached_tokens,
                                      spec_drafted_tokens=row.spec_drafted_tokens,
                                      spec_accepted_tokens=row.spec_accepted_tokens,

@@ -13,12 +13,16 @@ space need it). Each step decodes `ids[surr:read]` and `ids[surr:]`; the differe
 before `surr_offset` are dropped, so the cost of a step depends on the chunk size, never on the output
 length. Committed text stays in a small unsent buffer only while it could be the start of a stop string;
 because such text is always held back, a matched stop string begins inside that buffer.
+
+With a reasoning plan (`DecodeParams.reasoning`), `feed_split` splits the released text into the thinking and
+the answer (`reasoning_split.py`), so the split sees only text that stop strings have already trimmed.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from ringserve.actors.detokenizer.reasoning_split import ReasoningSplitter
 from ringserve.bus.messages import DecodeParams, FinishReason
 
 REPLACEMENT_CHAR = "\ufffd"  # what decode yields for an incomplete or invalid UTF-8 sequence
@@ -43,6 +47,7 @@ class IncrementalDecoder:
         self._stall = 0  # token index where the pending text last completed a character
         self._unsent = ""  # committed text not yet sent: a possible stop-string start
         self._done = False
+        self._split = None if params.reasoning is None else ReasoningSplitter(params.reasoning)
 
     def feed(self, token_ids: list[int], finish: FinishReason | None = None) -> str:
         """Add newly generated ids; return the text now safe to send (the final delta when `finish` is given).
@@ -76,6 +81,14 @@ class IncrementalDecoder:
         else:
             self._commit(self._end(), text)
         return self._release(finish, matched if isinstance(matched, str) else None)
+
+    def feed_split(self, token_ids: list[int], finish: FinishReason | None = None) -> tuple[str, str]:
+        """`feed`, its text split into (reasoning, answer) by the request's reasoning plan; without a plan the
+        reasoning is always empty and the answer is `feed`'s text."""
+        text = self.feed(token_ids, finish)
+        if self._split is None:
+            return "", text
+        return self._split.feed(text, finish is not None)
 
     def _end(self) -> int:
         """Token index just past the last fed id."""
