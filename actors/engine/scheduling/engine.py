@@ -49,6 +49,7 @@ from ringserve.actors.engine.models.causal_lm import CausalLM
 from ringserve.actors.engine.runner.model_runner import ModelRunner
 from ringserve.actors.engine.scheduling.output_rows import StepLogprobs, output_row
 from ringserve.actors.engine.scheduling.prefill import PrefillManager
+from ringserve.actors.engine.scheduling.reasoning_gate import reasoning_gate
 from ringserve.actors.engine.quantization.quantize import apply_quantization, quantization_report
 from ringserve.actors.engine.scheduling.prefix_cache import create_prefix_cache
 from ringserve.actors.engine.kv_tier.share import KvShareMethods
@@ -178,6 +179,9 @@ class Engine(LoraServing, KvShareMethods, EngineControl):
             return error
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         req = Req(request.rid, len(request.input_ids), list(request.input_ids), params, seed)
+        if request.reasoning is not None:
+            req.reasoning = request.reasoning
+            req.gate = reasoning_gate(request.reasoning, params.grammar is not None)
         req.lora_cache_name = self.lora_cache_name(params.lora_name)
         if self.rope_rule is not None:
             req.rope_floor, req.rope_cache_name = req.prompt_len, self.rope_rule.cache_name(req.prompt_len)
@@ -251,9 +255,10 @@ class Engine(LoraServing, KvShareMethods, EngineControl):
             return self.finish(*prev) if prev is not None else []
         rows: list[TokenRow] = []
         drained = False
-        # Retraction needs every token applied, and so do a constrained request's next mask and the drafts of a
-        # request that speculates.
-        if prev is not None and (self.decode.must_retract() or any(r.matcher for r in prev[0].sampling_reqs)
+        # Retraction needs every token applied, and so do a constrained request's next mask (a reasoning request's
+        # while its phase may change: `Req.gate`) and the drafts of a request that speculates.
+        if prev is not None and (self.decode.must_retract()
+                                 or any(r.matcher or r.gate for r in prev[0].sampling_reqs)
                                  or self._speculates(prev[0].sampling_reqs) or self.decode.reencode_due()):
             rows, prev, drained = self.finish(*prev), None, True
         batch = self._last_batch = self.schedule()

@@ -20,6 +20,12 @@ next mask: the overlap loop applies the step in flight first when one of its req
 Jump-forward (`forced_tokens`, applied by actors/engine/scheduling/jump_forward.py): where the grammar admits exactly one
 continuation, its tokens are appended at once, and the request computes them in one extend step instead of one
 decode step each.
+
+A reasoning request (`Req.gate`, actors/engine/scheduling/reasoning_gate.py) is constrained only once it answers:
+while it thinks its tokens bypass the matcher and its rows are masked only to force a marker token (the budget
+spent, or the rest of a several-token start marker) or, before its first token, to let it open the thinking
+where the grammar would not. It counts as constrained for the overlap loop until it answers, since its phase
+follows its previous token.
 """
 
 from __future__ import annotations
@@ -105,13 +111,18 @@ class GrammarManager:
         """The packed masks of the constrained ones among a step's sampling rows `reqs`, and their row
         indices; None when no row is constrained (the common case costs one scan). `drafted[i]`: the draft
         tokens before row `i` of a verifying request (speculative decoding), which its mask follows (accepted
-        into the matcher for the fill, then rolled back)."""
-        rows = [i for i, req in enumerate(reqs) if req.matcher is not None]
+        into the matcher for the fill, then rolled back). A reasoning request's row is masked only where its
+        gate says (`ReasoningGate.masks`), and never has drafts."""
+        rows = [i for i, req in enumerate(reqs)
+                if (req.matcher is not None if req.gate is None else req.gate.masks(req.matcher is not None))]
         if not rows:
             return None
         mask = allocate_bitmask(len(reqs), self._vocab_size)
         for i in rows:
-            matcher = reqs[i].matcher
+            matcher, gate = reqs[i].matcher, reqs[i].gate
+            if gate is not None:
+                gate.fill_bitmask(matcher, mask, i)
+                continue
             before = drafted[i] if drafted else ()
             for token in before:  # valid: the drafts were cut at the first token the grammar refuses
                 matcher.accept_token(token)  # type: ignore[union-attr]
@@ -138,13 +149,23 @@ class GrammarManager:
 
     @staticmethod
     def accept(req: Req, token: int) -> bool:
-        """Advance `req`'s matcher past its sampled `token`; False when the grammar rejects it."""
+        """Advance `req`'s matcher past its sampled `token` (a reasoning request's gate first: its thinking
+        bypasses the matcher); False when the grammar rejects it, or it is not the marker token forced."""
+        gate = req.gate
+        if gate is not None:
+            fed = gate.feed(token)
+            if gate.answering:
+                req.gate = None  # from now on an ordinary request, constrained or not
+            if fed != "answer":
+                return fed == "thinking"
         return req.matcher is None or req.matcher.accept_token(token)
 
     @staticmethod
     def forced_tokens(req: Req, room: int) -> list[int]:
-        """Up to `room` tokens the grammar forces next (jump-forward), already accepted by the matcher."""
-        if req.matcher is None or room <= 0 or req.params.return_logprob or req.matcher.is_terminated():
+        """Up to `room` tokens the grammar forces next (jump-forward), already accepted by the matcher; none
+        before the request answers."""
+        if (req.matcher is None or req.gate is not None or room <= 0 or req.params.return_logprob
+                or req.matcher.is_terminated()):
             return []
         forced = req.matcher.jump_forward_tokens()[:room]
         for n, token in enumerate(forced):

@@ -8,13 +8,13 @@ from ringserve.bus.messages import FinishReason, TokenRow
 
 
 def output_row(req: Req, token_ids: list[int], finish: FinishReason | None) -> TokenRow:
-    """`req`'s row for `token_ids` (its first row also carries its decode settings, queue time and, where
-    asked or scored, its prompt ids and prompt logprobs). Marks the first row sent."""
+    """`req`'s row for `token_ids` (its first row also carries its decode settings and reasoning plan, queue
+    time and, where asked or scored, its prompt ids and prompt logprobs). Marks the first row sent."""
     first = not req.first_row_sent
     req.first_row_sent = True
     row = TokenRow(rid=req.rid, token_ids=token_ids, prompt_tokens=req.prompt_len,
                    completion_tokens=req.output_len, cached_tokens=req.cached_tokens, finish=finish,
-                   decode=req.params.decode_params() if first else None,
+                   decode=req.params.decode_params(req.reasoning) if first else None,
                    queue_time=req.queue_time if first else None, spec_drafted_tokens=req.spec_drafted,
                    spec_accepted_tokens=req.spec_accepted)
     scored = req.prompt_logprobs

@@ -7,8 +7,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ringserve.actors.engine.scheduling.embedding import EmbedState
+from ringserve.actors.engine.scheduling.reasoning_gate import ReasoningGate
 from ringserve.bus.kv_blocks import cache_namespace
 from ringserve.bus.params import SamplingParams
+from ringserve.bus.reasoning import ReasoningPlan
 from ringserve.kernels.sampling import PenaltyState, SamplingRow
 
 
@@ -42,6 +44,8 @@ class Req:
     queue_time: float | None = None  # seconds from arrival to first admission, once admitted
     device_len: int = field(init=False)  # len(ids) + the token in flight, advanced when a sampling step launches
     matcher: Any = None  # a GrammarMatcher while the request has an output constraint (actors/engine/scheduling/grammar.py)
+    reasoning: ReasoningPlan | None = None  # its output opens with thinking (bus/reasoning.py; on its first row)
+    gate: ReasoningGate | None = None  # its thinking phase, until it answers, where the plan matters to the engine
     # logprob_start_len: the prompt tokens' logprobs, gathered chunk by chunk until the first row carries them
     prompt_logprobs: PromptLogprobs | None = None
     spec_drafted: int = 0  # speculative decoding: draft tokens verified for this request, and accepted

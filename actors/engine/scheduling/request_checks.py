@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Container
 
+from ringserve.actors.engine.scheduling.reasoning_gate import plan_error
 from ringserve.bus.errors import ApiError, server_error
 from ringserve.bus.messages import TokenizedRequest
 
@@ -34,4 +35,8 @@ def request_error(request: TokenizedRequest, live: Container[str], vocab_size: i
         return ApiError("stop strings must not be empty", param="stop")
     if params.stop and not has_tokenizer:
         return server_error("stop strings need a tokenizer, and this engine has none")
+    if request.reasoning is not None:
+        why = plan_error(request.reasoning, vocab_size)
+        if why is not None:
+            return server_error(why)
     return None

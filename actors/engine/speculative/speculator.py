@@ -1,6 +1,8 @@
 """Which requests speculate, their drafts, and what a verify step keeps.
 
-A request speculates unless it opted out (`speculative: false`) or a `min_new_tokens` ban is still in force. A
+A request speculates unless it opted out (`speculative: false`), a `min_new_tokens` ban is still in force, or it is
+a reasoning request whose constraint or budget the engine enforces and which has not started answering yet
+(actors/engine/scheduling/reasoning_gate.py: the simplest sound rule, as its masks change with its phase). A
 constrained request's drafts stop at the first token its grammar refuses, and each verify row is masked by the
 grammar's state after the drafts before it (actors/engine/scheduling/grammar.py); penalties count the drafts
 before each row in a copy of the request's counts (actors/engine/scheduling/batch.py). It then verifies `k`
@@ -63,10 +65,12 @@ class Speculator:
         self._states: dict[str, _RequestState] = {}
 
     def eligible(self, req: Req) -> bool:
-        """Whether `req` may speculate: it did not opt out, and no min_new_tokens ban is in force (a ban ending
-        inside a verify step would need each row's own)."""
+        """Whether `req` may speculate: it did not opt out, no min_new_tokens ban is in force (a ban ending
+        inside a verify step would need each row's own), and it is not a reasoning request still before or in
+        its thinking whose constraint or budget the engine enforces (`Req.gate`: a phase change or a forced
+        marker inside a verify step would need each row's own mask; it drafts once it answers)."""
         p = req.params
-        return p.speculative and req.output_len >= p.min_new_tokens
+        return p.speculative and req.output_len >= p.min_new_tokens and req.gate is None
 
     def propose(self, reqs: list[Req], context_length: int, room: int) -> dict[Req, list[int]]:
         """Drafts for the decode rows `reqs` (each with every token applied), spending at most `room` KV slots."""
