@@ -115,3 +115,15 @@ def test_chat_template_switches() -> None:
     with pytest.raises(ApiError) as err:
         encoder.encode(GenerateRequest(rid="r", messages=turns, add_generation_prompt="no"))  # type: ignore[arg-type]
     assert err.value.param == "add_generation_prompt"
+
+
+def test_model_defaults_fill_what_the_request_leaves_out() -> None:
+    """generation_config.json's defaults (`--generation-config auto`): the request wins; a default length is cut
+    to what the context leaves instead of refused."""
+    defaults = {"temperature": 0.6, "top_k": 20, "max_new_tokens": 50}
+    params = validate_sampling({}, 10, CTX, VOCAB, EOS, defaults=defaults)
+    assert (params.temperature, params.top_k, params.top_p, params.max_new_tokens) == (0.6, 20, 1.0, 50)
+    assert validate_sampling({}, 80, CTX, VOCAB, EOS, defaults=defaults).max_new_tokens == CTX - 80
+    params = validate_sampling({"temperature": 1.0, "top_k": 0, "max_new_tokens": 90}, 10, CTX, VOCAB, EOS,
+                               defaults=defaults)
+    assert (params.temperature, params.top_k, params.max_new_tokens) == (1.0, -1, 90)

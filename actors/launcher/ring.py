@@ -1,7 +1,8 @@
 """One deployment as `ringserve serve` starts it, for the CLI and for `ringserve.Engine`.
 
 `Ring(args)` checks the serve flags and plans everything (the model, the NATS URL and every role's
-credentials, the span buffer, the actor processes); `start_nats` starts the embedded nats-server (unless
+credentials, the span buffer, the actor processes; `--tool-call-parser auto` and `--reasoning-parser auto`
+resolved from the chat template, `--chat-template`'s or the model's); `start_nats` starts the embedded nats-server (unless
 `--nats-url` names one), `supervisor` builds the `Supervisor` that starts and watches the actors, and `close`
 stops the server and deletes the private credential and trace directories. With `http=False` the ring has no
 entry actor: the scheduler, tokenizers and detokenizers only, for a caller that talks to the ring over NATS
@@ -14,6 +15,7 @@ import argparse
 import logging
 
 from ringserve.actors.common.model_source import check_servable, model_chat_template, resolve_model, resolved_config
+from ringserve.actors.common.reasoning import parser_for_template as reasoning_parser_for_template
 from ringserve.actors.engine.config import EngineConfig
 from ringserve.actors.engine.parallel.tp_checks import check_expert_parallel, check_shardable, check_tp_quantization
 from ringserve.actors.entry.settings import entry_argv
@@ -23,6 +25,8 @@ from ringserve.actors.launcher.supervisor import ActorSpec, Supervisor
 from ringserve.actors.launcher.trace_buffer import TraceBuffer, actor_tracing_argv, plan_trace_buffer, trace_exporter_specs
 from ringserve.actors.scheduler.admission import admission_argv
 from ringserve.actors.scheduler.tp_follower import follower_rank, tp_argv
+from ringserve.actors.tokenizer.chat_options import ChatOptions, chat_argv
+from ringserve.actors.tokenizer.generation_defaults import generation_defaults
 from ringserve.bus.credentials import CredentialsError, NatsCredentials
 from ringserve.bus.embedded_server import EmbeddedNatsServer, free_port
 from ringserve.bus.subjects import Subjects
@@ -48,8 +52,9 @@ def actor_specs(args: argparse.Namespace, served_name: str, trace: TraceBuffer |
                        [*common, "--model", args.model, "--rank", str(k), "--dp-replica-id", str(r), *tp[r],
                         *admission_argv(args), *engine], group=f"scheduler{r}" if args.tp > 1 else "")
              for r in range(args.dp) for k in range(args.tp)]
-    specs += [ActorSpec("tokenizer", i, "ringserve.actors.tokenizer", [*common, "--model", args.model,
-                                                             "--detokenizer-shards", str(args.detokenizer_shards)])
+    tokenizer = [*common, "--model", args.model, "--detokenizer-shards", str(args.detokenizer_shards),
+                 *chat_argv(ChatOptions.from_args(args))]
+    specs += [ActorSpec("tokenizer", i, "ringserve.actors.tokenizer", [*tokenizer])
               for i in range(args.tokenizer_workers)]
     specs += [ActorSpec("detokenizer", i, "ringserve.actors.detokenizer", [*common, "--model", args.model, "--shard", str(i)])
               for i in range(args.detokenizer_shards)]
@@ -72,6 +77,8 @@ class Ring:
             check_servable(self.source)  # weights and a tokenizer, before any actor starts
             self.subjects = Subjects(args.namespace)
             EngineConfig.from_args(args)
+            chat = ChatOptions.from_args(args)  # a bad --chat-template or kwargs JSON, before any actor starts
+            generation_defaults(self.source, args.generation_config)  # a generation_config.json no request takes
             if args.tp != 1 or args.ep != 1:  # heads that --tp does not divide: refused before any process starts
                 check_shardable(resolved_config(self.source), args.tp)
                 check_expert_parallel(resolved_config(self.source), args.tp, args.ep)
@@ -84,9 +91,16 @@ class Ring:
         if args.tokenizer_workers < 1 or args.detokenizer_shards < 1 or args.dp < 1:
             raise RingError("--dp, --tokenizer-workers and --detokenizer-shards must be >= 1")
         self.served_name: str = args.served_model_name or self.source.name
-        if args.tool_call_parser == AUTO:  # the format the model's own chat template asks for
-            args.tool_call_parser = parser_for_template(model_chat_template(self.source))
-            log_event(log, logging.INFO, "tool-call parser chosen from the chat template", parser=args.tool_call_parser)
+        if AUTO in (args.tool_call_parser, args.reasoning_parser):  # the formats the chat template asks for
+            template = chat.chat_template if chat.chat_template is not None else model_chat_template(self.source)
+            if args.tool_call_parser == AUTO:
+                args.tool_call_parser = parser_for_template(template)
+                log_event(log, logging.INFO, "tool-call parser chosen from the chat template",
+                          parser=args.tool_call_parser)
+            if args.reasoning_parser == AUTO:
+                args.reasoning_parser = reasoning_parser_for_template(template)
+                log_event(log, logging.INFO, "reasoning parser chosen from the chat template",
+                          parser=args.reasoning_parser)
         try:
             self.trace = plan_trace_buffer(args)
         except ValueError as exc:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 from ringserve.actors.common.model_source import DEFAULT_MODEL
@@ -14,6 +15,7 @@ from ringserve.actors.launcher.supervisor import DEFAULT_WATCHDOG_SECONDS
 from ringserve.actors.launcher.trace_buffer import add_trace_serve_arguments
 from ringserve.actors.scheduler.admission import add_admission_arguments
 from ringserve.actors.scheduler.tp_follower import add_tp_arguments
+from ringserve.actors.tokenizer.chat_options import add_chat_arguments
 
 
 def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
@@ -43,6 +45,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--detokenizer-shards", type=int, default=1, help="detokenizer processes; each request goes to one of the live ones (rendezvous hash of its rid)")
     EngineConfig.add_arguments(serve)
     add_entry_arguments(serve)  # HTTP limits and CORS; the API key comes from $RINGSERVE_API_KEY, never a flag
+    add_chat_arguments(serve)  # the tokenizers': reasoning parser and budget, chat template and its kwargs, defaults
     add_admission_arguments(serve)  # the scheduler's caps on live requests, in total and per NATS client
     serve.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for every actor")
     serve.add_argument("--watchdog-timeout", type=float, default=DEFAULT_WATCHDOG_SECONDS,
@@ -53,8 +56,9 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
 
 def serve_args(flags: dict[str, Any]) -> argparse.Namespace:
     """The serve flags as `ringserve serve` would parse them, with `flags` (Python names: `max_running_requests`,
-    `disable_radix_cache=True`, ...) set; raises TypeError for a name that is not a serve flag and ValueError
-    for a value argparse would refuse. Each value goes through the parser as its command line would."""
+    `disable_radix_cache=True`, a dict for a JSON flag, ...) set; raises TypeError for a name that is not a serve
+    flag and ValueError for a value argparse would refuse. Each value goes through the parser as its command line
+    would."""
     parser = argparse.ArgumentParser(prog="ringserve serve", add_help=False, exit_on_error=False)
     add_serve_arguments(parser)
     defaults = vars(parser.parse_args([]))
@@ -69,6 +73,8 @@ def serve_args(flags: dict[str, Any]) -> argparse.Namespace:
             if not isinstance(value, bool):
                 raise ValueError(f"{name} is a switch: True or False, got {value!r}")
             argv += [flag] if value else []
+        elif isinstance(value, dict):  # a JSON flag (--default-chat-template-kwargs)
+            argv += [flag, json.dumps(value)]
         elif isinstance(value, (list, tuple)):  # a repeatable flag
             for item in value:
                 argv += [flag, str(item)]

@@ -6,6 +6,7 @@ import argparse
 
 from ringserve.actors.common.runtime import add_bus_arguments, run_actor
 from ringserve.actors.common.torch_threads import limit_torch_threads
+from ringserve.actors.tokenizer.chat_options import ChatOptions, add_chat_arguments
 
 
 def build_parser(prog: str = "ringserve-tokenizer") -> argparse.ArgumentParser:
@@ -16,6 +17,7 @@ def build_parser(prog: str = "ringserve-tokenizer") -> argparse.ArgumentParser:
     parser.add_argument("--detokenizer-shards", type=int, default=1,
                         help="detokenizers the launcher starts (ids 0..N-1): chosen among until one has beat; "
                              "afterwards each request goes to one of the live detokenizers")
+    add_chat_arguments(parser)  # --reasoning-parser, --chat-template, --generation-config, ...
     return parser
 
 
@@ -25,10 +27,14 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.detokenizer_shards < 1:
         parser.error("--detokenizer-shards must be >= 1")
+    try:
+        options = ChatOptions.from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     limit_torch_threads()
     from ringserve.actors.tokenizer.actor import tokenizer_main
 
-    run_actor("tokenizer", args, lambda ctx: tokenizer_main(ctx, args.model, args.detokenizer_shards))
+    run_actor("tokenizer", args, lambda ctx: tokenizer_main(ctx, args.model, args.detokenizer_shards, options))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,12 @@ it, to any replica through the queue group on `{ns}.req.tokenized`. The router k
 cache holds from the replica's KV events (`{ns}.kv.events.{r}`), resynced from `{ns}.kv.snapshot.{r}` after a
 gap. Each request is also stamped with the detokenizer its rows go to, chosen among the live detokenizers
 (`actors/detokenizer/placement.py`).
+
+The chat flags (chat_options.py) shape each request here: `--chat-template` replaces the model's template,
+`--default-chat-template-kwargs` and the request's `chat_template_kwargs` reach it (prompt.py), the model's
+generation_config.json fills the sampling parameters a request leaves out (generation_defaults.py), and a chat
+request of a reasoning model gets its `ReasoningPlan` (reasoning.py). A `TokenizeQuery` with `model_info`
+answers the defaults in force and the reasoning parser (the entry's `/get_model_info`).
 """
 
 from __future__ import annotations
@@ -22,8 +28,11 @@ from ringserve.actors.common.model_source import UnservableModel, resolve_model
 from ringserve.actors.common.text_tokenizer import load_text_model
 from ringserve.actors.common.runtime import ActorContext, exit_now
 from ringserve.actors.detokenizer.placement import DetokenizerPlacement
+from ringserve.actors.tokenizer.chat_options import ChatOptions
+from ringserve.actors.tokenizer.generation_defaults import generation_defaults
 from ringserve.actors.tokenizer.images import VisionPrompts, image_handles, images_param, is_vision_model
 from ringserve.actors.tokenizer.prompt import PromptEncoder
+from ringserve.actors.tokenizer.reasoning import ReasoningPlanner
 from ringserve.actors.tokenizer.router import Router
 from ringserve.actors.tokenizer.grammar_check import GrammarChecker
 from ringserve.actors.tokenizer.validation import validate_sampling
@@ -50,13 +59,25 @@ KV_SNAPSHOT_TIMEOUT = 2.0
 class TokenizerActor:
     """Owns the prompt encoder and the validation rules; keeps no per-request state."""
 
-    def __init__(self, ctx: ActorContext, model: str, detokenizers: int = 1) -> None:
-        """`detokenizers`: how many the launcher starts (ids 0..n-1), chosen among until one has beat."""
+    def __init__(self, ctx: ActorContext, model: str, detokenizers: int = 1,
+                 options: ChatOptions | None = None) -> None:
+        """`detokenizers`: how many the launcher starts (ids 0..n-1), chosen among until one has beat;
+        `options`: the chat flags (default: all at their defaults)."""
         self._ctx = ctx
+        options = options or ChatOptions()
         source = resolve_model(model)
         text_model = load_text_model(source)
         self._tokenizer = text_model.tokenizer
-        self._encoder = PromptEncoder(text_model.tokenizer)
+        if options.chat_template is not None:
+            self._tokenizer.chat_template = options.chat_template
+        self._encoder = PromptEncoder(text_model.tokenizer, options.default_chat_template_kwargs)
+        self._reasoning = ReasoningPlanner(text_model.tokenizer, options.reasoning_parser, options.budget)
+        try:
+            self._defaults = generation_defaults(source, options.generation_config)
+        except ValueError as exc:
+            raise UnservableModel(str(exc)) from None
+        if self._defaults:
+            log_event(log, logging.INFO, "sampling defaults from generation_config.json", **self._defaults)
         self._context_length = text_model.context_length
         self._eos_ids = text_model.eos_token_ids
         self._grammars = GrammarChecker(text_model.tokenizer, text_model.vocab_size)
@@ -84,7 +105,8 @@ class TokenizerActor:
         self._ctx.on_drain.append(self._stop_intake)
         await self._ctx.bus.subscribe(self._ctx.subjects.heartbeat, Heartbeat, self._on_heartbeat)
         await self._ctx.bus.subscribe(self._ctx.subjects.kv_events_any, KvEvents, self._on_kv_events)
-        return {"context_length": self._context_length, "eos_token_ids": self._eos_ids}
+        return {"context_length": self._context_length, "eos_token_ids": self._eos_ids,
+                "reasoning_parser": self._reasoning.name, "default_sampling_params": self._defaults}
 
     async def _stop_intake(self) -> None:
         for sub in self._intake:
@@ -164,6 +186,8 @@ class TokenizerActor:
                              error=ApiError(f"malformed tokenize query: {error}"[:1000], param=where[:100]))
 
     async def _tokenize(self, query: TokenizeQuery) -> TokenizeReply:
+        if query.model_info:
+            return TokenizeReply(default_sampling_params=dict(self._defaults), reasoning_parser=self._reasoning.name)
         given = [name for name in ("text", "messages", "token_ids") if getattr(query, name) is not None]
         if len(given) != 1:
             raise ApiError("give exactly one of prompt, messages or tokens", param="prompt")
@@ -179,7 +203,8 @@ class TokenizerActor:
                                param="add_special_tokens")
             req = GenerateRequest(rid="tokenize", messages=query.messages, tools=query.tools,
                                   add_generation_prompt=query.add_generation_prompt,
-                                  continue_final_message=query.continue_final_message)
+                                  continue_final_message=query.continue_final_message,
+                                  chat_template_kwargs=query.chat_template_kwargs)
             if image_handles(req):  # as a generation would see them: each image's tokens expanded
                 return TokenizeReply(tokens=(await self._encode_images(req))[0])
             return TokenizeReply(tokens=self._encoder.encode(req))
@@ -188,14 +213,15 @@ class TokenizerActor:
         return TokenizeReply(tokens=list(self._tokenizer.encode(query.text, add_special_tokens=add_special)))
 
     async def _encode_images(self, req: GenerateRequest, options: dict[str, Any] | None = None,
-                             client: str | None = None) -> tuple[list[int], list[ImageRef]]:
+                             client: str | None = None) -> tuple[list[int], list[ImageRef], str | None]:
         """Token ids and image refs of a prompt with images (images.py), `options` for the image processor, its
-        files read from NATS client `client`'s bucket (None: the shared one); a 400 if the model takes none."""
+        files read from NATS client `client`'s bucket (None: the shared one), and the rendered chat prompt (None
+        for a text prompt); a 400 if the model takes none."""
         if self._vision is None:
             raise ApiError("this model takes no images: serve a vision-language model to send them",
                            param=images_param(req))
-        return await self._vision.encode(req, self._encoder.chat_text(req) if req.messages is not None else None,
-                                         options, client)
+        chat = self._encoder.chat_text(req) if req.messages is not None else None
+        return (*await self._vision.encode(req, chat, options, client), chat)
 
     def _processor_options(self, req: GenerateRequest) -> dict[str, Any]:
         """`req.mm_processor_kwargs` checked: declared (bus/params.py), and taken by the model's image processor
@@ -227,28 +253,37 @@ class TokenizerActor:
                                         delivery.traceparent)
         return Accepted(rid=req.rid)
 
+    async def tokenize_request(self, req: GenerateRequest) -> TokenizedRequest:
+        """`req` validated and tokenized, with its reasoning plan, for no scheduler replica yet (`detokenizer`
+        unset); ApiError for a request the client must change."""
+        images, options = image_handles(req), self._processor_options(req)
+        client = split_rid(req.rid)[0]  # a client's images are in its own bucket
+        if images:
+            input_ids, refs, chat = await self._encode_images(req, options, client)
+        else:
+            (input_ids, chat), refs = self._encoder.encode_prompt(req), []
+        if req.embed is not None and len(input_ids) > self._context_length:
+            raise ApiError(f"the input is {len(input_ids)} tokens; this model embeds at most "
+                           f"{self._context_length}", param="input")
+        keep = SPECS["truncate_prompt_tokens"].read(req.sampling, None)
+        if keep is not None and refs:
+            raise ApiError("truncate_prompt_tokens cannot cut a prompt with images", param="truncate_prompt_tokens")
+        if keep is not None:  # the side is checked again with the rest of the sampling parameters
+            right = SPECS["truncation_side"].read(req.sampling, "left") == "right"
+            input_ids = input_ids[:keep] if right else input_ids[-keep:]
+        sampling = validate_sampling(req.sampling, len(input_ids), self._context_length, self._encoder.vocab_size,
+                                     self._eos_ids, req.openai_names, self._defaults)
+        reasoning = self._reasoning.plan(chat, sampling, req.sampling, req.openai_names) \
+            if req.embed is None else None
+        await self._grammars.check(sampling, req.openai_names)
+        return TokenizedRequest(rid=req.rid, input_ids=input_ids, sampling=sampling, stream=req.stream,
+                                embed=req.embed, images=refs, reasoning=reasoning)
+
     async def _forward(self, req: GenerateRequest, traceparent: str) -> ApiError | Accepted:
         """Validate and tokenize `req` and hand it to a scheduler replica: the replica's `Accepted`, or why not."""
         with tracing.span("tokenize", attributes={"ringserve.rid": req.rid}) as span:
             try:
-                images, options = image_handles(req), self._processor_options(req)
-                client = split_rid(req.rid)[0]  # a client's images are in its own bucket
-                input_ids, refs = await self._encode_images(req, options, client) if images \
-                    else (self._encoder.encode(req), [])
-                if req.embed is not None and len(input_ids) > self._context_length:
-                    raise ApiError(f"the input is {len(input_ids)} tokens; this model embeds at most "
-                                   f"{self._context_length}", param="input")
-                keep = SPECS["truncate_prompt_tokens"].read(req.sampling, None)
-                if keep is not None and refs:
-                    raise ApiError("truncate_prompt_tokens cannot cut a prompt with images",
-                                   param="truncate_prompt_tokens")
-                if keep is not None:  # the side is checked again with the rest of the sampling parameters
-                    right = SPECS["truncation_side"].read(req.sampling, "left") == "right"
-                    input_ids = input_ids[:keep] if right else input_ids[-keep:]
-                sampling = validate_sampling(
-                    req.sampling, len(input_ids), self._context_length, self._encoder.vocab_size, self._eos_ids,
-                    req.openai_names)
-                await self._grammars.check(sampling, req.openai_names)
+                tokenized = await self.tokenize_request(req)
             except ApiError as exc:
                 tracing.set_error(span, f"invalid request: {exc}")
                 return exc
@@ -257,12 +292,11 @@ class TokenizerActor:
                 tracing.set_error(span, f"tokenizing failed: {exc!r}")
                 return server_error(f"tokenizing the request failed: {exc!r}"[:1000])
             if span is not None:
-                span.set_attribute("gen_ai.usage.input_tokens", len(input_ids))
-        detokenizer = self._detokenizers.choose(req.rid, time.monotonic())
-        tokenized = TokenizedRequest(rid=req.rid, input_ids=input_ids, sampling=sampling, detokenizer=detokenizer,
-                                     stream=req.stream, embed=req.embed, images=refs)
-        salt = cache_namespace(sampling.cache_salt, sampling.lora_name)
-        key_ids = image_key(input_ids, tokenized.images) if tokenized.images else input_ids  # as the cache keys it
+                span.set_attribute("gen_ai.usage.input_tokens", len(tokenized.input_ids))
+        tokenized.detokenizer = self._detokenizers.choose(req.rid, time.monotonic())
+        salt = cache_namespace(tokenized.sampling.cache_salt, tokenized.sampling.lora_name)
+        key_ids = image_key(tokenized.input_ids, tokenized.images) if tokenized.images \
+            else tokenized.input_ids  # as the cache keys it
         replica = self._router.route(key_ids, time.monotonic(), salt)
         if replica is not None:  # another replica holding more of the prompt: the chosen one may fetch it
             tokenized.kv_peer, tokenized.kv_peer_blocks = self._router.holder(key_ids, replica, time.monotonic(),
@@ -290,11 +324,12 @@ class TokenizerActor:
             return server_error(f"handing the request to a scheduler failed: {exc!r}"[:1000], 503)
 
 
-async def tokenizer_main(ctx: ActorContext, model: str, detokenizers: int = 1) -> dict[str, Any]:
+async def tokenizer_main(ctx: ActorContext, model: str, detokenizers: int = 1,
+                         options: ChatOptions | None = None) -> dict[str, Any]:
     """Entry point for the runtime: build the actor and subscribe. A model it cannot serve ends the process at
     once with one error line (exit code 1), before it reports ready."""
     try:
-        actor = TokenizerActor(ctx, model, detokenizers)
+        actor = TokenizerActor(ctx, model, detokenizers, options)
     except (UnservableModel, FileNotFoundError) as exc:
         log_event(log, logging.ERROR, "cannot serve this model", model=model, reason=str(exc))
         exit_now(1)

@@ -7,6 +7,10 @@ a `# Tools` section at the end of the system message (a new system message if th
 as JSON inside `<tools></tools>` and asks for each call as `<tool_call>{"name": ..., "arguments": {...}}
 </tool_call>`; an assistant turn's calls are written that way after its text, and a tool result's text is put
 inside `<tool_response></tool_response>`.
+
+A chat request's `chat_template_kwargs` (over the server's `--default-chat-template-kwargs`, key by key) reach the
+template as extra variables (Qwen3's `enable_thinking`); unknown keys too, as vLLM passes them; the names the
+renderer sets itself (`messages`, `tools`, `add_generation_prompt`, the special tokens, ...) are refused.
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ import json
 import re
 from typing import Any
 
+from ringserve.actors.tokenizer.chat_options import RESERVED_TEMPLATE_NAMES
 from ringserve.bus.errors import ApiError, quote
 from ringserve.bus.messages import ChatMessage, GenerateRequest
 
+TEMPLATE_KWARGS = "chat_template_kwargs"
 CHAT_ROLES = {"system", "user", "assistant", "tool", "developer"}
 # Other roles go to the chat template as given, for templates that know them (e.g. `ipython`, `observation`,
 # `function`); a template that does not accepts or refuses them itself (its error is a 400). Only names that
@@ -127,18 +133,30 @@ def tool_prompt_in_first_turn(turns: list[dict[str, Any]]) -> list[dict[str, Any
 class PromptEncoder:
     """Applies the model's chat template and tokenizes, with errors a client can act on."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, template_kwargs: dict[str, Any] | None = None) -> None:
+        """`template_kwargs`: the server's default chat template variables (checked by chat_options.py)."""
         self._tokenizer = tokenizer
         self.vocab_size = len(tokenizer)
         self.template_tools = template_uses_tools(getattr(tokenizer, "chat_template", None))
+        self.template_kwargs = dict(template_kwargs or {})
 
     def encode(self, req: GenerateRequest) -> list[int]:
         """Token ids for the one prompt form that `req` sets; raises ApiError otherwise."""
+        return self.encode_prompt(req)[0]
+
+    def encode_prompt(self, req: GenerateRequest) -> tuple[list[int], str | None]:
+        """`encode`'s token ids, and for a chat request the rendered prompt text (None for text and ids)."""
         given = [name for name in ("text", "messages", "input_ids") if getattr(req, name) is not None]
         if len(given) != 1:
             raise ApiError("give exactly one of text, messages or input_ids", param=given[-1] if given else "text")
         if req.messages is not None:
-            return self._encode_chat(req)
+            text = self.chat_text(req)
+            return self._tokenizer.encode(text, add_special_tokens=False), text
+        return self._encode_plain(req), None
+
+    def _encode_plain(self, req: GenerateRequest) -> list[int]:
+        if req.chat_template_kwargs:
+            raise ApiError(f"{TEMPLATE_KWARGS} needs a chat prompt (messages)", param=TEMPLATE_KWARGS)
         if req.continue_final_message:
             raise ApiError("continue_final_message needs a chat prompt (messages)", param="continue_final_message")
         if req.tools:
@@ -152,8 +170,20 @@ class PromptEncoder:
             raise ApiError("the prompt is empty", param="prompt")
         return self._tokenizer.encode(req.text)
 
-    def _encode_chat(self, req: GenerateRequest) -> list[int]:
-        return self._tokenizer.encode(self.chat_text(req), add_special_tokens=False)
+    def template_variables(self, req: GenerateRequest) -> dict[str, Any]:
+        """The extra chat template variables of `req`: its `chat_template_kwargs` over the server's defaults;
+        ApiError 400 naming `chat_template_kwargs` for a value that is not an object or a reserved name."""
+        given = req.chat_template_kwargs
+        if given is None:
+            return dict(self.template_kwargs)
+        if not isinstance(given, dict) or not all(isinstance(name, str) for name in given):
+            raise ApiError(f"{TEMPLATE_KWARGS} must be an object of chat template variables, got {quote(given)}",
+                           param=TEMPLATE_KWARGS)
+        clash = sorted(str(name) for name in RESERVED_TEMPLATE_NAMES & set(given))
+        if clash:
+            raise ApiError(f"{TEMPLATE_KWARGS} cannot set {quote(clash[0])}: the server passes it to the chat template "
+                           "itself", param=TEMPLATE_KWARGS)
+        return {**self.template_kwargs, **given}
 
     def chat_text(self, req: GenerateRequest) -> str:
         """The text of `req`'s messages through the chat template (with an image placeholder per image part);
@@ -180,7 +210,7 @@ class PromptEncoder:
                 raise ApiError(f"continue_final_message needs the last message to be the assistant's, not "
                                f"{req.messages[-1].role!r}", param="continue_final_message")
         tools = _check_tools(req.tools) if req.tools else None
-        extra: dict[str, Any] = {}
+        extra = self.template_variables(req)
         if self.template_tools:
             turns = [native_turn(m) for m in req.messages]
             if tools:
