@@ -1,12 +1,13 @@
-"""What every tool-call parser shares: the parsed call, the `consume(buffer, final)` contract, and the helpers
-that read a call out of decoded JSON and hold back text that may become a marker."""
+"""What every tool-call parser shares: the parsed call, the `consume(buffer, final)` contract, the binding of a
+parser to one request's tools (`for_tools`), and the helpers that read a call out of decoded JSON and hold back
+text that may become a marker."""
 
 from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Sequence, Union
 
 
 @dataclass(frozen=True)
@@ -58,13 +59,19 @@ def partial_suffix(text: str, marker: str) -> int:
     return 0
 
 
+def held_back(text: str, markers: Sequence[str]) -> int:
+    """The length of the longest end of `text` that may become one of `markers`."""
+    return max((partial_suffix(text, marker) for marker in markers), default=0)
+
+
 def content_or_calls(buffer: str, calls: list[ParsedCall] | None) -> tuple[list[Item], int]:
     """A whole output settled: its calls, or (none found) the output as content."""
     return (list(calls) if calls else [buffer] if buffer else []), len(buffer)
 
 
 class ToolCallParser(ABC):
-    """Finds tool calls in generated text; stateless (one instance serves every request)."""
+    """Finds tool calls in generated text; stateless. The registered instance (`PARSERS`) serves every request;
+    `for_tools` gives the one a request uses."""
 
     name: str = ""
     # whether the format's tags are special tokens the detokenizer must keep (a request with tools then decodes
@@ -74,6 +81,13 @@ class ToolCallParser(ABC):
     @abstractmethod
     def consume(self, buffer: str, final: bool) -> tuple[list[Item], int]:
         """The items settled in `buffer` and how many of its characters they took (all of them if `final`)."""
+
+    def for_tools(self, tools: list[dict[str, Any]]) -> ToolCallParser:
+        """This parser for one request's tools (OpenAI's `{"type": "function", "function": {...}}`, checked).
+
+        Formats whose arguments are text (qwen3_coder, glm45) return a parser that knows the tools' parameter
+        schemas, to type each value; the JSON formats need nothing and return themselves."""
+        return self
 
     def parse(self, text: str) -> list[Item]:
         """Every item of a whole output."""

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 
-from ringserve.actors.entry.tool_parsers.base import (
-    Item, ParsedCall, ToolCallParser, call_from_json, content_or_calls, partial_suffix)
+from ringserve.actors.entry.tool_parsers.base import Item, ParsedCall, ToolCallParser, call_from_json, content_or_calls
+from ringserve.actors.entry.tool_parsers.blocks import BlockParser, strip_tags
 
 
-class HermesParser(ToolCallParser):
+class HermesParser(BlockParser):
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks; text around them is content.
 
     A block the model left open at the end of its output still counts if its JSON is complete.
@@ -17,35 +17,14 @@ class HermesParser(ToolCallParser):
     name = "hermes"
     START = "<tool_call>"
     END = "</tool_call>"
+    BLOCKS = ((START, (END,)),)
 
-    def consume(self, buffer: str, final: bool) -> tuple[list[Item], int]:
-        items: list[Item] = []
-        pos = 0
-        while True:
-            start = buffer.find(self.START, pos)
-            if start < 0:
-                end = len(buffer) if final else len(buffer) - partial_suffix(buffer[pos:], self.START)
-                if end > pos:
-                    items.append(buffer[pos:end])
-                return items, end
-            if start > pos:
-                items.append(buffer[pos:start])
-            end = buffer.find(self.END, start)
-            if end < 0 and not final:
-                return items, start  # a call in progress
-            body_end = len(buffer) if end < 0 else end
-            after = len(buffer) if end < 0 else end + len(self.END)
-            items.append(self._call(buffer[start + len(self.START):body_end]) or buffer[start:after])
-            pos = after
-            if pos >= len(buffer):
-                return items, pos
-
-    @staticmethod
-    def _call(body: str) -> ParsedCall | None:
+    def read(self, block: str) -> list[ParsedCall] | None:
         try:
-            return call_from_json(json.loads(body))
-        except ValueError:
+            call = call_from_json(json.loads(strip_tags(block, self.START, (self.END,))))
+        except (ValueError, RecursionError):
             return None
+        return [call] if call else None
 
 
 class Llama3JsonParser(ToolCallParser):
