@@ -77,24 +77,31 @@ class Client(RingSession):
         return self._stream_with_images(requests, listed)
 
     async def chat(self, messages: list[dict[str, Any]], sampling_params: dict[str, Any] | None = None, *,
-                   rid: str | None = None, timeout: float | None = None, **openai_fields: Any) -> ChatResult:
+                   rid: str | None = None, timeout: float | None = None,
+                   chat_template_kwargs: dict[str, Any] | None = None, **openai_fields: Any) -> ChatResult:
         """A chat completion, as `/v1/chat/completions` answers it (`response`), with the chat template, tools
         (`tools`, `tool_choice`), structured output (`response_format`) and OpenAI's names (`max_tokens`,
-        `temperature`, ...); `sampling_params` adds native parameters."""
+        `temperature`, `reasoning_effort`, ...); `sampling_params` adds native parameters (`thinking_token_budget`,
+        ...); `chat_template_kwargs` are the template's extra variables (Qwen3's `enable_thinking`). A reasoning
+        model's thinking is the result's `reasoning_text`, apart from the answer's `text`."""
         from ringserve.actors.entry.openai_responses import full_response
 
-        request, options = chat_request(messages, rid, await self._model_name(), sampling_params, openai_fields)
+        request, options = chat_request(messages, rid, await self._model_name(), sampling_params, openai_fields,
+                                        chat_template_kwargs)
         await self.store_images([request])
         outputs = await self._with_timeout(self._collect_outputs(request), timeout, [request.rid])
         response = full_response(request.rid, options, [outputs])
         message = response["choices"][0]["message"]
         base = GenerateResult.from_outputs(request.rid, outputs, request.sampling)
-        return ChatResult(message.get("content") or "", base.output_ids, base.meta_info, message, response)
+        return ChatResult(text=message.get("content") or "", output_ids=base.output_ids, meta_info=base.meta_info,
+                          reasoning_text=base.reasoning_text, message=message, response=response)
 
     def chat_stream(self, messages: list[dict[str, Any]], sampling_params: dict[str, Any] | None = None, *,
-                    rid: str | None = None, model: str = "", **openai_fields: Any) -> AsyncIterator[GenerateDelta]:
-        """The text deltas of a chat completion as they arrive (tool calls are not parsed out of them)."""
-        request, _ = chat_request(messages, rid, model, sampling_params, openai_fields)
+                    rid: str | None = None, model: str = "", chat_template_kwargs: dict[str, Any] | None = None,
+                    **openai_fields: Any) -> AsyncIterator[GenerateDelta]:
+        """The text deltas of a chat completion as they arrive (tool calls are not parsed out of them); a reasoning
+        model's new thinking is each delta's `reasoning_text`, apart from its answer `text`."""
+        request, _ = chat_request(messages, rid, model, sampling_params, openai_fields, chat_template_kwargs)
         return self._stream_with_images([request])
 
     async def store_images(self, requests: list[GenerateRequest], batch: bool = False) -> None:

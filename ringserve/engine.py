@@ -173,24 +173,31 @@ class Engine:
 
     def chat(self, messages: list[dict[str, Any]], sampling_params: dict[str, Any] | None = None, *,
              stream: bool = False, rid: str | None = None, timeout: float | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None,
              **openai_fields: Any) -> ChatResult | SyncStream[GenerateDelta]:
         """A chat completion with the model's chat template, taking what `/v1/chat/completions` takes besides
-        `messages` (`max_tokens`, `temperature`, `tools`, `tool_choice`, `response_format`, ...; `image_url` content
-        parts for a vision-language model: data URLs or file URLs) and native
-        `sampling_params`; a ChatResult (`text`, `message` with any `tool_calls`, `response`: the OpenAI body).
-        `stream=True`: an iterator of text deltas."""
+        `messages` (`max_tokens`, `temperature`, `tools`, `tool_choice`, `response_format`, `reasoning_effort`, ...;
+        `image_url` content parts for a vision-language model: data URLs or file URLs) and native
+        `sampling_params` (`thinking_token_budget`, ...); `chat_template_kwargs`: the template's extra variables
+        (`{"enable_thinking": False}` turns Qwen3's thinking off). A ChatResult (`text`: the answer,
+        `reasoning_text`: a reasoning model's thinking, `message` with any `tool_calls`, `response`: the OpenAI
+        body). `stream=True`: an iterator of deltas (`text`, and `reasoning_text` for the thinking)."""
         client = self._live_client()
         if stream:
             return SyncStream(self._thread, client.chat_stream(messages, sampling_params, rid=rid,
-                                                               model=client.served_model or "", **openai_fields))
-        return self._thread.run(client.chat(messages, sampling_params, rid=rid, timeout=timeout, **openai_fields))
+                                                               model=client.served_model or "",
+                                                               chat_template_kwargs=chat_template_kwargs,
+                                                               **openai_fields))
+        return self._thread.run(client.chat(messages, sampling_params, rid=rid, timeout=timeout,
+                                            chat_template_kwargs=chat_template_kwargs, **openai_fields))
 
     def async_chat(self, messages: list[dict[str, Any]], sampling_params: dict[str, Any] | None = None, *,
-                   rid: str | None = None, timeout: float | None = None, **openai_fields: Any) -> Any:
+                   rid: str | None = None, timeout: float | None = None,
+                   chat_template_kwargs: dict[str, Any] | None = None, **openai_fields: Any) -> Any:
         """`chat` for async code: an awaitable of the ChatResult."""
         client = self._live_client()
         return run_on(self._thread, client.chat(messages, sampling_params, rid=rid, timeout=timeout,
-                                                **openai_fields))
+                                                chat_template_kwargs=chat_template_kwargs, **openai_fields))
 
     def embed(self, input: str | Sequence[str] | list[int] | list[list[int]], *, pooling: str | None = None,
               normalize: bool = True, dimensions: int | None = None,

@@ -1,7 +1,8 @@
 """Python arguments -> the ring's `GenerateRequest`s: the prompt forms `/generate` takes (one text or a list, one
 token-id list or a list of them), sampling parameters (one dict for all, or one per prompt), rids, and chat
 messages through the OpenAI chat parser the HTTP entry uses (`actors/entry/openai_protocol.py`), so chat has
-the same template, structured-output and tool options as `/v1/chat/completions`.
+the same template (`chat_template_kwargs`, `reasoning_effort`), structured-output and tool options as
+`/v1/chat/completions`.
 
 Only shapes are checked here (ApiError 400 naming the argument); the tokenizer validates the values, as it
 does for HTTP.
@@ -123,18 +124,22 @@ def generate_requests(prompt: str | Sequence[str] | None = None,
 
 
 def chat_request(messages: list[dict[str, Any]], rid: str | None, served_model: str,
-                 sampling_params: dict[str, Any] | None, openai_fields: dict[str, Any]) -> tuple[GenerateRequest, Any]:
+                 sampling_params: dict[str, Any] | None, openai_fields: dict[str, Any],
+                 chat_template_kwargs: dict[str, Any] | None = None) -> tuple[GenerateRequest, Any]:
     """The request of one chat completion and the response options the OpenAI shaping needs.
 
     `openai_fields`: anything a `/v1/chat/completions` body takes besides `messages` (`max_tokens`,
-    `temperature`, `tools`, `tool_choice`, `response_format`, ...), checked as the HTTP entry checks them;
-    `sampling_params`: native parameters on top (`max_new_tokens`, `regex`, ...).
+    `temperature`, `tools`, `tool_choice`, `response_format`, `reasoning_effort`, ...), checked as the HTTP entry
+    checks them; `sampling_params`: native parameters on top (`max_new_tokens`, `regex`, ...);
+    `chat_template_kwargs`: the chat template's extra variables, as the HTTP body's field.
     """
     from ringserve.actors.entry.openai_protocol import parse_chat
 
     if openai_fields.get("stream"):
         raise ApiError("use chat(..., stream=True) to stream", param="stream")
     body = {**openai_fields, "messages": messages}
+    if chat_template_kwargs is not None:
+        body["chat_template_kwargs"] = chat_template_kwargs
     body.pop("stream", None)
     try:
         rid = validate_rid(rid) if rid is not None else new_rid()

@@ -1,5 +1,6 @@
 """What a generation returns: `/generate`'s result shape (`text`, `output_ids`, `meta_info`), built from the ring's
-`RequestOutput` deltas, for one request, a streamed delta, and a chat completion.
+`RequestOutput` deltas, for one request, a streamed delta, and a chat completion; a chat request's thinking (the
+ring's `RequestOutput.reasoning_text`) is `reasoning_text`, apart from the answer's `text`.
 
 `meta_info` holds what `/generate` puts there: `id`, `finish_reason` (`{"type", "matched", "error"}`, None while
 unfinished), `prompt_tokens`, `completion_tokens`, `cached_tokens`; with `return_prompt_ids` the
@@ -20,11 +21,13 @@ from ringserve.bus.messages import RequestOutput, TokenLogprob
 @dataclass
 class GenerateResult:
     """One request's result, as `/generate` answers it. Also readable as a dict (`result["text"]`), as SGLang's
-    `Engine.generate` returns it."""
+    `Engine.generate` returns it. `reasoning_text`: a chat request's thinking (a reasoning model served with a
+    reasoning parser), apart from `text`, the answer; empty when the model did not think."""
 
     text: str
     output_ids: list[int]
     meta_info: dict[str, Any]
+    reasoning_text: str = ""
 
     @classmethod
     def from_outputs(cls, rid: str, outputs: list[RequestOutput], sampling: dict[str, Any]) -> "GenerateResult":
@@ -32,7 +35,8 @@ class GenerateResult:
         entries = [e for out in outputs for e in out.logprobs]
         return cls(text="".join(out.text for out in outputs),
                    output_ids=[t for out in outputs for t in out.token_ids],
-                   meta_info=meta_info(rid, outputs[-1], entries, outputs[0], sampling))
+                   meta_info=meta_info(rid, outputs[-1], entries, outputs[0], sampling),
+                   reasoning_text="".join(out.reasoning_text for out in outputs))
 
     @property
     def finish_reason(self) -> dict[str, Any] | None:
@@ -40,8 +44,9 @@ class GenerateResult:
         return self.meta_info["finish_reason"]
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON object `/generate` answers."""
-        return {"text": self.text, "output_ids": self.output_ids, "meta_info": self.meta_info}
+        """The JSON object `/generate` answers (with `reasoning_text` when there was thinking)."""
+        body = {"text": self.text, "output_ids": self.output_ids, "meta_info": self.meta_info}
+        return {**body, "reasoning_text": self.reasoning_text} if self.reasoning_text else body
 
     def __getitem__(self, key: str) -> Any:
         return self.to_dict()[key]
@@ -56,11 +61,13 @@ class GenerateDelta:
     output_ids: list[int]
     meta_info: dict[str, Any]
     index: int = 0
+    reasoning_text: str = ""  # a chat request's new thinking (`text` is then only the answer's)
 
     @classmethod
     def from_output(cls, rid: str, out: RequestOutput, sampling: dict[str, Any], index: int = 0) -> "GenerateDelta":
         """The delta of one output (as `/generate` streams it with `"stream_deltas": true`)."""
-        return cls(out.text, list(out.token_ids), meta_info(rid, out, out.logprobs, out, sampling), index)
+        return cls(out.text, list(out.token_ids), meta_info(rid, out, out.logprobs, out, sampling), index,
+                   out.reasoning_text)
 
     @property
     def finish_reason(self) -> dict[str, Any] | None:
@@ -74,7 +81,8 @@ class GenerateDelta:
         return self.finish_reason is not None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"text": self.text, "output_ids": self.output_ids, "meta_info": self.meta_info, "index": self.index}
+        body = {"text": self.text, "output_ids": self.output_ids, "meta_info": self.meta_info, "index": self.index}
+        return {**body, "reasoning_text": self.reasoning_text} if self.reasoning_text else body
 
     def __getitem__(self, key: str) -> Any:
         return self.to_dict()[key]
@@ -82,8 +90,9 @@ class GenerateDelta:
 
 @dataclass
 class ChatResult(GenerateResult):
-    """A chat completion: `text` is the assistant message's content, `message` the message (with `tool_calls`
-    when the model called tools), `response` the whole `/v1/chat/completions` body."""
+    """A chat completion: `text` is the assistant message's content, `reasoning_text` its thinking
+    (`message["reasoning_content"]`), `message` the message (with `tool_calls` when the model called tools),
+    `response` the whole `/v1/chat/completions` body."""
 
     message: dict[str, Any] = field(default_factory=dict)
     response: dict[str, Any] = field(default_factory=dict)

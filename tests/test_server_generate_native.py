@@ -112,3 +112,5 @@ def test_get_model_info(smollm_server: ServerHandle) -> None:
     assert model["is_generation"] is True
     assert isinstance(model["model_path"], str) and model["model_path"]
     assert isinstance(model["tokenizer_path"], str) and model["tokenizer_path"]
+    # a GGUF has no generation_config.json, and SmolLM2's template writes no thinking
+    assert model["default_sampling_params"] == {} and model["reasoning_parser"] == "none"

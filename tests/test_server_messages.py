@@ -163,7 +163,7 @@ def test_tool_use_streams_as_input_json(client: anthropic.Anthropic) -> None:
         "type": "base64", "media_type": "image/png",  # a 1x1 PNG, to a model without vision
         "data": "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNkYPhfDwAChwGA60e6kgAAAABJRU5ErkJggg=="}}]}]},
      "images"),
-    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, "thinking"),
+    ({"thinking": {"type": "enabled"}}, "thinking"),
     ({"extra": {"top_k": "many"}}, "top_k"),
     ({"stop_sequences": [""]}, "stop_sequences"),
 ])
@@ -175,7 +175,7 @@ def test_bad_input_is_a_400_in_anthropic_shape(client: anthropic.Anthropic, fiel
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
     assert named in body["error"]["message"]
     if named == "thinking":
-        assert "not supported" in body["error"]["message"]
+        assert "budget_tokens: Field required" in body["error"]["message"]
     if named == "images":
         assert "this model takes no images" in body["error"]["message"]
 

@@ -201,6 +201,7 @@ REFUSED_VALUES = {
     "prediction": {"type": "content", "content": "x"}, "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"], "reasoning_effort": "low", "verbosity": "low",
     "web_search_options": {}, "suffix": " and so on",
+    "chat_template_kwargs": {"enable_thinking": False}, "thinking_token_budget": 8,
 }
 NEUTRAL_VALUES = {"tools": [], "tool_choice": "none",
                   "modalities": ["text"], "suffix": ""}
@@ -264,7 +265,7 @@ def test_fields_that_change_nothing_are_accepted(smollm_server: ServerHandle, pa
     (CHAT, {"messages": MSG}, "prompt"),
     (COMPLETIONS, {"prompt": "hi"}, "messages"),  # a chat field
     (COMPLETIONS, {"prompt": "hi"}, "top_logprobs"),
-    (COMPLETIONS, {"prompt": "hi"}, "chat_template_kwargs"),
+    (COMPLETIONS, {"prompt": "hi"}, "add_generation_prompt"),
     (COMPLETIONS, {"prompt": "hi"}, "rid"),
 ], ids=lambda v: v if isinstance(v, str) and not v.startswith("/") else None)
 def test_unknown_fields_are_a_400_naming_them(smollm_server: ServerHandle, path: str, body: dict,

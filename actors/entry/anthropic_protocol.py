@@ -5,9 +5,12 @@ A Messages body becomes the GenerateRequest a chat completion would: `system` an
 assistant's `tool_use` blocks as its tool calls, a user's `tool_result` blocks as `tool` turns; a final assistant
 message is continued, Anthropic's prefill), `tools` and `tool_choice` as the chat path's ToolPlan
 (`tool_request.parse_tools`: rendered by the chat template, a forced call enforced by a grammar, calls read out of
-the text by the entry's tool parser), and the sampling fields under their native names, checked by Specs derived
-from `ringserve.bus.params`. Every top-level field is implemented, accepted without effect (`NO_EFFECT`),
-refused with its reason (`REFUSED`), or a 400 naming it.
+the text by the entry's tool parser), `thinking` as the chat template's `enable_thinking` and the thinking token
+budget (`parse_thinking`; the answer then opens with a `thinking` block: the ring's `reasoning_text`), vLLM's
+`chat_template_kwargs` as the template's variables, and the sampling fields under their native names, checked by
+Specs derived from `ringserve.bus.params`. An assistant's earlier `thinking` blocks are accepted, not rendered.
+Every top-level field is implemented, accepted without effect (`NO_EFFECT`), refused with its reason
+(`REFUSED`), or a 400 naming it.
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ from starlette.responses import JSONResponse
 
 from ringserve.actors.entry.field_checks import Refused, check_top_level
 from ringserve.actors.entry.openai_protocol import STREAM, adapter_of
+from ringserve.actors.entry.template_switches import (CHAT_TEMPLATE_KWARGS, THINKING_VARIABLE, template_kwargs,
+                                                      with_defaults)
 from ringserve.actors.entry.tool_parsers import DEFAULT_PARSER
-from ringserve.actors.entry.tool_request import NAME_PATTERN, ToolPlan, parse_tools
+from ringserve.actors.entry.tool_request import NAME_PATTERN, ToolPlan, output_constraint, parse_tools
 from ringserve.actors.entry.tool_response import tool_message
 from ringserve.bus.errors import ApiError, clip
 from ringserve.bus.messages import ChatMessage, FinishReason, GenerateRequest, RequestOutput
@@ -56,17 +61,25 @@ NO_EFFECT: dict[str, str] = {
     CACHE_HINT: "a prompt-caching breakpoint: the prefix cache is automatic",
 }
 REFUSED: dict[str, Refused] = {
-    "thinking": Refused("extended thinking is not supported", ({"type": "disabled"},)),
     "mcp_servers": Refused("MCP servers are not supported", ([],)),
     "container": Refused("code-execution containers are not supported"),
     "context_management": Refused("context management is not supported"),
 }
-IMPLEMENTED = {"model", "messages", "system", "stream", "tools", "tool_choice", *SAMPLING}
+THINKING = "thinking"
+# thinking.budget_tokens: the request's thinking_token_budget (bus.params), under its Messages name
+BUDGET = _renamed("thinking_token_budget", "thinking.budget_tokens", default_doc=None,
+                  doc="the most tokens the model may think before it must answer")
+DISPLAYS = (None, "summarized", "omitted")  # summarized: the thinking as it came (no summaries are written)
+IMPLEMENTED = {"model", "messages", "system", "stream", "tools", "tool_choice", THINKING, CHAT_TEMPLATE_KWARGS.name,
+               *SAMPLING}
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # Messages -> chat's; "tool" names one
 _BLOCK_FIELDS = {"text": {"type", "text", "citations", CACHE_HINT},
                  "tool_use": {"type", "id", "name", "input", CACHE_HINT},
                  "tool_result": {"type", "tool_use_id", "content", "is_error", CACHE_HINT},
-                 "image": {"type", "source", CACHE_HINT}}
+                 "image": {"type", "source", CACHE_HINT},
+                 "thinking": {"type", "thinking", "signature", CACHE_HINT},
+                 "redacted_thinking": {"type", "data", CACHE_HINT}}
+THINKING_BLOCKS = ("thinking", "redacted_thinking")  # an assistant's earlier thinking: accepted, not rendered
 _TOOL_FIELDS = {"type", "name", "description", "input_schema", CACHE_HINT}
 ERROR_PREFIX = "Error: "  # a tool_result with is_error: true reaches the model as this, then its content
 
@@ -117,6 +130,10 @@ def _block(value: Any, where: str, allowed_types: tuple[str, ...]) -> dict[str, 
         _string(block.get("text"), f"{where}.text")
         if block.get("citations"):
             raise invalid(f"{where}.citations", ": citations are not supported")
+    elif kind == "thinking":
+        _string(block.get("thinking"), f"{where}.thinking")
+    elif kind == "redacted_thinking":
+        _string(block.get("data"), f"{where}.data")
     return block
 
 
@@ -170,7 +187,7 @@ def parse_turns(system: Any, messages: Any) -> tuple[list[ChatMessage], bool]:
             content = [{"type": "text", "text": content}]
         if not isinstance(content, list) or (not content and not (last and role == "assistant")):
             raise invalid(f"{where}.content", " must be a string or a non-empty list of content blocks")
-        kinds = ("text", "tool_use") if role == "assistant" else ("text", "image", "tool_result")
+        kinds = ("text", "tool_use", *THINKING_BLOCKS) if role == "assistant" else ("text", "image", "tool_result")
         blocks = [_block(b, f"{where}.content.{j}", kinds) for j, b in enumerate(content)]
         if role == "assistant":
             calls = [_tool_call(b, f"{where}.content.{j}") for j, b in enumerate(blocks) if b["type"] == "tool_use"]
@@ -267,6 +284,48 @@ def parse_tool_plan(body: dict[str, Any], parser: str) -> ToolPlan | None:
     return parse_tools(chat, parser)
 
 
+def parse_thinking(value: Any) -> tuple[str | None, bool | None, int | None]:
+    """The body's `thinking` config: how the answer shows the thinking ("summarized": as it came, "omitted":
+    an empty thinking block; None: not at all), the template's `enable_thinking` (None: the template's
+    default), and the thinking token budget.
+
+    `{"type": "enabled", "budget_tokens": N}` turns thinking on with that budget; `{"type": "disabled"}` turns it
+    off; `{"type": "adaptive"}` leaves it to the model (its template's default); absent, the template's default
+    applies and the thinking is not returned (only the answer), as Anthropic's clients expect.
+    """
+    if value is None:
+        return None, None, None
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind not in ("enabled", "disabled", "adaptive"):
+        raise invalid(THINKING, ": must be {\"type\": \"enabled\", \"budget_tokens\": N}, {\"type\": \"disabled\"} or "
+                                "{\"type\": \"adaptive\"}")
+    if kind == "disabled":
+        _object(value, THINKING, {"type"})
+        return None, False, None
+    _object(value, THINKING, {"type", "display", "budget_tokens"} if kind == "enabled" else {"type", "display"})
+    display = value.get("display")
+    if display not in DISPLAYS:
+        raise invalid(f"{THINKING}.display", ": must be summarized or omitted")
+    if kind == "adaptive":
+        return display or "summarized", None, None
+    if value.get("budget_tokens") is None:
+        raise invalid(f"{THINKING}.budget_tokens", ": Field required")
+    try:
+        budget = BUDGET.check(value["budget_tokens"])
+    except ApiError as exc:
+        exc.param = THINKING
+        raise
+    return display or "summarized", True, budget
+
+
+def template_switches(body: dict[str, Any]) -> tuple[str | None, int | None, dict[str, Any] | None]:
+    """A body's `thinking` and `chat_template_kwargs`: the thinking's display, its token budget, and the chat
+    template's variables (`enable_thinking` from `thinking`, unless the kwargs set it)."""
+    display, enabled, budget = parse_thinking(body.get(THINKING))
+    switches = with_defaults(template_kwargs(body.get(CHAT_TEMPLATE_KWARGS.name)), **{THINKING_VARIABLE: enabled})
+    return display, budget, switches
+
+
 @dataclass
 class MessagesOptions:
     """How the entry shapes the answer to one Messages request."""
@@ -277,6 +336,7 @@ class MessagesOptions:
     tools: ToolPlan | None
     stop_sequences: list[str]
     lora_name: str | None = None  # the LoRA adapter `model` named (`adapter_of`), checked by the route
+    thinking: str | None = None  # the thinking's display (`parse_thinking`): None, "summarized" or "omitted"
 
     @property
     def message_id(self) -> str:
@@ -302,21 +362,26 @@ def parse_body(body: dict[str, Any], rid: str, served_model: str,
     tools = parse_tool_plan(body, tool_parser)
     if tools is not None and tools.choice == "auto" and tools.parser.keeps_special_tokens:
         sampling["skip_special_tokens"] = False  # the parser must see its tags
-    forced = tools.constraint() if tools is not None else None
-    if forced is not None:
-        sampling["json_schema"] = forced
+    constraint = output_constraint({}, tools)  # a forced call's schema, or auto's lazy grammar
+    if constraint is not None:
+        sampling[constraint[0]] = constraint[1]
     if lora_name is not None:
         sampling["lora_name"] = lora_name
-    options = MessagesOptions(rid, model, STREAM.read(body, False), tools, sampling.get("stop", []), lora_name)
+    display, budget, switches = template_switches(body)
+    if budget is not None:
+        sampling["thinking_token_budget"] = budget
+    options = MessagesOptions(rid, model, STREAM.read(body, False), tools, sampling.get("stop", []), lora_name,
+                              display)
     return GenerateRequest(rid=rid, messages=turns, sampling=sampling, openai_names=True, stream=options.stream,
                            tools=tools.tools if tools else None, add_generation_prompt=not prefill,
-                           continue_final_message=prefill), options
+                           continue_final_message=prefill, chat_template_kwargs=switches), options
 
 
 # --- answers ----------------------------------------------------------------------------------------------------
 
 # what the ring names (by OpenAI's names: a forced call's schema is response_format there), as this body names it
-RING_NAMES = {"stop": "stop_sequences", "response_format": "tools", "json_schema": "tools"}
+RING_NAMES = {"stop": "stop_sequences", "response_format": "tools", "json_schema": "tools", "structural_tag": "tools",
+              "thinking_token_budget": THINKING}
 
 
 def ring_error(exc: ApiError) -> ApiError:
@@ -355,11 +420,19 @@ def tool_use_block(name: str, arguments: str) -> dict[str, Any]:
     return {"type": "tool_use", "id": new_tool_use_id(), "name": name, "input": json.loads(arguments)}
 
 
+def thinking_block(options: MessagesOptions, thinking: str) -> dict[str, Any]:
+    """A `thinking` content block (its text left out when the request's display is "omitted"); the signature is
+    empty: the thinking is not signed (a block sent back is accepted as it is)."""
+    return {"type": "thinking", "thinking": "" if options.thinking == "omitted" else thinking, "signature": ""}
+
+
 def message_body(options: MessagesOptions, outputs: list[RequestOutput]) -> dict[str, Any]:
-    """The non-streamed answer, from every output of the request in order."""
+    """The non-streamed answer, from every output of the request in order: the thinking first (when the request
+    asked for it and the model thought), then the text and tool calls."""
     text, last = "".join(out.text for out in outputs), outputs[-1]
     finish_type = last.finish.type if last.finish else None
-    content: list[dict[str, Any]] = []
+    thinking = "".join(out.reasoning_text for out in outputs)
+    content = [thinking_block(options, thinking)] if options.thinking and thinking else []
     calls: list[dict[str, Any]] = []
     if options.tools is not None:
         message, _ = tool_message(options.tools, text, finish_type)

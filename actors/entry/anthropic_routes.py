@@ -2,8 +2,10 @@
 bodies): one request on the ring, answered whole or streamed as Anthropic's events, every failure in Anthropic's
 error shape (a failure after the stream began as an `error` event).
 
-Streamed, the text settles into content blocks as it comes: text as `text_delta`s, each tool call (read out of
-the text by the chat path's `ToolCallStream`) as a `tool_use` block whose input arrives as `input_json_delta`.
+Streamed, the text settles into content blocks as it comes: the thinking (when the request asked for it) as a
+`thinking` block of `thinking_delta`s closed by a `signature_delta`, text as `text_delta`s, each tool call (read
+out of the answer text by the chat path's `ToolCallStream`) as a `tool_use` block whose input arrives as
+`input_json_delta`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ringserve.actors.entry.field_checks import check_top_level
 from ringserve.actors.entry.openai_protocol import adapter_of
 from ringserve.actors.entry.request_flow import ClientDisconnected, EntryService
 from ringserve.actors.entry.tokenize_routes import ask_tokenizer
+from ringserve.actors.entry.template_switches import CHAT_TEMPLATE_KWARGS
 from ringserve.actors.entry.tool_parsers import DEFAULT_PARSER
 from ringserve.actors.entry.tool_response import ToolCallStream
 from ringserve.bus.errors import ApiError, clip, server_error
@@ -30,7 +33,8 @@ from ringserve.bus.messages import RequestOutput
 from ringserve.bus.subjects import new_rid
 from ringserve.bus.tokenize_messages import TokenizeQuery
 
-COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice"}  # /v1/messages/count_tokens' body
+# /v1/messages/count_tokens' body: what shapes the prompt (thinking and the template's variables included)
+COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", ap.THINKING, CHAT_TEMPLATE_KWARGS.name}
 
 log = logging.getLogger("entry")
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -55,10 +59,13 @@ class MessageEvents:
 
     def feed(self, out: RequestOutput) -> str:
         """The events one output settles; with its finish, the message's end. ApiError for an aborted request."""
+        deltas: list[dict[str, Any]] = []
+        if self.options.thinking and out.reasoning_text:
+            deltas.append({"reasoning": out.reasoning_text})
         if self.tool_stream is None:
-            deltas = [{"content": out.text}] if out.text else []
+            deltas += [{"content": out.text}] if out.text else []
         else:
-            deltas = self.tool_stream.feed(out.text)
+            deltas += self.tool_stream.feed(out.text)
             if out.finish is not None:
                 deltas += self.tool_stream.finish(out.finish.type)[0]
         events = [e for delta in deltas for e in self._delta(delta)]
@@ -71,7 +78,13 @@ class MessageEvents:
         return "".join(events)
 
     def _delta(self, delta: dict[str, Any]) -> list[str]:
-        """The events of one chat delta (`ToolCallStream`'s: content, or a call's head, then its arguments)."""
+        """The events of one chat delta (`ToolCallStream`'s: content, or a call's head, then its arguments; or
+        thinking, `reasoning`)."""
+        if "reasoning" in delta:
+            events = [] if self.open == "thinking" else self._start_block(ap.thinking_block(self.options, ""))
+            if self.options.thinking == "omitted":
+                return events
+            return events + [self._piece({"type": "thinking_delta", "thinking": delta["reasoning"]})]
         if "content" in delta:
             events = [] if self.open == "text" else self._start_block({"type": "text", "text": ""})
             return events + [self._piece({"type": "text_delta", "text": delta["content"]})]
@@ -92,10 +105,13 @@ class MessageEvents:
         return ap.event("content_block_delta", {"index": self.index, "delta": delta})
 
     def _close(self) -> list[str]:
+        """The end of the open block: a thinking block's (empty) signature comes just before its stop, as in
+        Anthropic's stream."""
         if self.open is None:
             return []
+        events = [self._piece({"type": "signature_delta", "signature": ""})] if self.open == "thinking" else []
         self.open = None
-        return [ap.event("content_block_stop", {"index": self.index})]
+        return events + [ap.event("content_block_stop", {"index": self.index})]
 
 
 async def stream_events(group: ChoiceGroup, options: ap.MessagesOptions) -> AsyncIterator[str]:
@@ -119,7 +135,8 @@ async def stream_events(group: ChoiceGroup, options: ap.MessagesOptions) -> Asyn
 
 def count_query(body: dict[str, Any], served_model: str, tool_parser: str) -> TokenizeQuery:
     """A `/v1/messages/count_tokens` body as the tokenizer's query: the prompt the same Messages body would
-    send (system, turns, tools rendered by the chat template)."""
+    send (system, turns, tools rendered by the chat template with the switches `thinking` and
+    `chat_template_kwargs` set)."""
     check_top_level(body, COUNT_FIELDS, ap.NO_EFFECT, ap.REFUSED, lambda name: ap.extra_field(clip(str(name))))
     model = body.get("model")
     if model is None:
@@ -128,7 +145,7 @@ def count_query(body: dict[str, Any], served_model: str, tool_parser: str) -> To
     turns, prefill = ap.parse_turns(body.get("system"), body.get("messages"))
     tools = ap.parse_tool_plan(body, tool_parser)
     return TokenizeQuery(messages=turns, tools=tools.tools if tools else None, add_generation_prompt=not prefill,
-                         continue_final_message=prefill)
+                         continue_final_message=prefill, chat_template_kwargs=ap.template_switches(body)[2])
 
 
 def anthropic_errors(endpoint: Endpoint) -> Endpoint:

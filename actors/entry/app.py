@@ -32,7 +32,8 @@ from ringserve.actors.entry.responses_routes import responses_routes
 from ringserve.bus.image_store import ImageStore
 from ringserve.bus.replica_replies import combined_info, replica_entry
 from ringserve.actors.entry.settings import EntrySettings
-from ringserve.actors.entry.tokenize_routes import tokenize_routes
+from ringserve.actors.entry.tokenize_routes import ask_tokenizer, tokenize_routes
+from ringserve.bus.tokenize_messages import TokenizeQuery
 
 
 
@@ -71,7 +72,10 @@ def build_app(service: EntryService, settings: EntrySettings | None = None) -> S
     async def model_info(request: Request) -> Response:
         info = await service.scheduler_info()
         path = info.model or service.served_model
-        return JSONResponse({"model_path": path, "tokenizer_path": path, "is_generation": True})
+        tokenizer = await ask_tokenizer(service, TokenizeQuery(model_info=True))  # what requests are served with
+        return JSONResponse({"model_path": path, "tokenizer_path": path, "is_generation": True,
+                             "default_sampling_params": tokenizer.default_sampling_params,
+                             "reasoning_parser": tokenizer.reasoning_parser})
 
     async def openapi(request: Request) -> Response:
         return JSONResponse(openapi_document(service.served_model))

@@ -10,7 +10,8 @@ a field that would change the output and that we do not implement (`REFUSED`: 40
 value that changes nothing). Anything else is a 400 naming the field, as OpenAI answers (field_checks.py checks
 a body against these tables, as every route does against its own). The output
 constraints (`response_format`, vLLM's `guided_*`) and the tool fields are read in `tool_request`, tool calls
-put into responses by `tool_response`.
+put into responses by `tool_response`; chat's template switches (`chat_template_kwargs`, `reasoning_effort`) are
+declared in `template_switches`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from ringserve.actors.entry.errors import model_not_found
 from ringserve.actors.entry.field_checks import Refused, check_top_level, unrecognized
 from ringserve.actors.entry.http_common import package_version
 from ringserve.actors.entry.openai_logprobs import LogprobFormatter
+from ringserve.actors.entry.template_switches import (CHAT_TEMPLATE_KWARGS, EFFORT_VARIABLE, REASONING_EFFORT,
+                                                      read_effort, template_kwargs, with_defaults)
 from ringserve.actors.entry.tool_parsers import DEFAULT_PARSER
 from ringserve.actors.entry.tool_request import GUIDED_FIELDS, ToolPlan, output_constraint, parse_messages, parse_tools
 from ringserve.bus.messages import GenerateRequest, RequestOutput, TokenLogprob
@@ -69,8 +72,9 @@ NO_EFFECT: dict[str, str] = {
 }
 _TOOLS = "tool calling is supported on /v1/chat/completions only"
 _FUNCTIONS = "the deprecated functions API is not supported: use tools and tool_choice"
-# Refused where a route does not implement them: the tool fields are chat's (ROUTE_FIELDS), so these entries
-# answer /v1/completions.
+_TEMPLATE = "only chat requests have a chat template: use /v1/chat/completions"
+# Refused where a route does not implement them: the tool and template fields are chat's (ROUTE_FIELDS), so these
+# entries answer /v1/completions.
 REFUSED: dict[str, Refused] = {
     "tools": Refused(_TOOLS, ([],)),
     "tool_choice": Refused(_TOOLS, ("none",)),
@@ -80,7 +84,10 @@ REFUSED: dict[str, Refused] = {
     "prediction": Refused("predicted outputs are not supported"),
     "audio": Refused("audio output is not supported"),
     "modalities": Refused("only text output is supported ([\"text\"])", (["text"],)),
-    "reasoning_effort": Refused("reasoning effort is not supported"),
+    "reasoning_effort": Refused(_TEMPLATE),
+    "chat_template_kwargs": Refused(_TEMPLATE),
+    "thinking_token_budget": Refused("a thinking budget needs a chat request (a reasoning model's thinking opens "
+                                     "in its chat template): use /v1/chat/completions"),
     "verbosity": Refused("verbosity is not supported"),
     "web_search_options": Refused("web search is not supported"),
     "suffix": Refused("text after the completion (insertion) is not supported", ("",)),
@@ -91,8 +98,9 @@ _COMMON_FIELDS = {"model", "n", "stream", "stream_options", "response_format", "
 ROUTE_FIELDS: dict[str, set[str]] = {
     "chat": _COMMON_FIELDS | {"messages", "logprobs", "top_logprobs", "add_generation_prompt",
                               "continue_final_message", "prompt_logprobs", "tools", "tool_choice",
-                              "parallel_tool_calls", PROCESSOR_KWARGS},
-    "completion": _COMMON_FIELDS | {"prompt", "logprobs", "echo", "best_of", "prompt_logprobs"},
+                              "parallel_tool_calls", PROCESSOR_KWARGS, CHAT_TEMPLATE_KWARGS.name,
+                              REASONING_EFFORT.name},
+    "completion": (_COMMON_FIELDS - set(REFUSED)) | {"prompt", "logprobs", "echo", "best_of", "prompt_logprobs"},
 }
 
 
@@ -269,9 +277,12 @@ def parse_chat(body: dict[str, Any], rid: str, served_model: str,
     template = {name: Spec(doc, kind="boolean", name=name).read(body, default) for name, doc, default in (
         ("add_generation_prompt", "end the prompt with the assistant's turn header", True),
         ("continue_final_message", "continue the final (assistant) message instead of opening a new turn", False))}
+    switches = with_defaults(template_kwargs(body.get(CHAT_TEMPLATE_KWARGS.name)),
+                             **{EFFORT_VARIABLE: read_effort(body.get(REASONING_EFFORT.name))})
     return GenerateRequest(rid=rid, messages=turns, sampling=sampling, openai_names=True, stream=options.stream,
                            tools=options.tools.tools if options.tools else None,
-                           mm_processor_kwargs=body.get(PROCESSOR_KWARGS), **template), options
+                           mm_processor_kwargs=body.get(PROCESSOR_KWARGS), chat_template_kwargs=switches,
+                           **template), options
 
 
 def _is_token_ids(value: Any) -> bool:

@@ -59,8 +59,9 @@ def full_response(rid: str, options: ApiOptions, choices: list[list[RequestOutpu
         text = "".join(out.text for out in outputs)
         if options.kind == "chat" and options.tools is not None:
             choice["message"], choice["finish_reason"] = tool_message(options.tools, text, choice["finish_reason"])
+            with_reasoning(choice["message"], outputs)
         elif options.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text}
+            choice["message"] = with_reasoning({"role": "assistant", "content": text}, outputs)
         else:
             choice["text"] = options.echo_text(index) + text
             if options.prompt_logprobs:
@@ -78,6 +79,16 @@ def full_response(rid: str, options: ApiOptions, choices: list[list[RequestOutpu
     if options.kind == "chat" and options.token_ids:
         body["prompt_token_ids"] = choices[0][0].prompt_token_ids
     return body
+
+
+def with_reasoning(message: dict[str, Any], outputs: list[RequestOutput]) -> dict[str, Any]:
+    """`message` with the choice's thinking as `reasoning_content` (vLLM's and SGLang's field), if it thought;
+    its `content` is then null unless there is answer text (a choice cut off while thinking has none)."""
+    reasoning = "".join(out.reasoning_text for out in outputs)
+    if reasoning:
+        message["content"] = message["content"] or None
+        message["reasoning_content"] = reasoning
+    return message
 
 
 def response_id(rid: str, options: ApiOptions) -> str:
@@ -108,6 +119,15 @@ def stream_chunk(rid: str, options: ApiOptions, text: str | None, finish: Finish
                              "system_fingerprint": options.fingerprint, "choices": [choice]}
     if options.include_usage:
         chunk["usage"] = None
+    return chunk
+
+
+def reasoning_chunk(rid: str, options: ApiOptions, out: RequestOutput, index: int, logprobs: dict[str, Any] | None,
+                    first: bool = False) -> dict[str, Any]:
+    """The chunk of one output's thinking, `delta.reasoning_content` (never in `content`), with the output's
+    logprobs and token ids (they cover its answer text too, which follows in chunks of its own)."""
+    chunk = stream_chunk(rid, options, None, None, first=first, index=index, logprobs=logprobs, out=out)
+    chunk["choices"][0]["delta"] = {"reasoning_content": out.reasoning_text}
     return chunk
 
 

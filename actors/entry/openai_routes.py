@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from typing import Any, AsyncIterator, Callable
 
 from starlette.requests import Request
@@ -14,61 +13,25 @@ from ringserve.actors.entry import openai_protocol as oai
 from ringserve.actors.entry import openai_responses as bodies
 from ringserve.actors.entry.choices import ChoiceGroup
 from ringserve.actors.entry.http_common import handles_errors, read_json, sse
+from ringserve.actors.entry.openai_stream import StreamChunks
 from ringserve.actors.entry.request_flow import EntryService
 from ringserve.actors.entry.tokenize_routes import ask_tokenizer
 from ringserve.actors.entry.tool_parsers import DEFAULT_PARSER
-from ringserve.actors.entry.tool_response import ToolCallStream
 from ringserve.bus.errors import ApiError
-from ringserve.bus.messages import GenerateRequest, RequestOutput
+from ringserve.bus.messages import GenerateRequest
 from ringserve.bus.subjects import new_rid
 from ringserve.bus.tokenize_messages import TokenizeQuery
 
 Parser = Callable[[dict[str, Any], str, str], tuple[list[GenerateRequest], oai.ApiOptions]]
-CONSTRAINT_PARAMS = {"response_format", "json_schema", "regex", "ebnf"}  # how the ring names a bad constraint
-
-
-def tool_chunks(rid: str, options: oai.ApiOptions, stream: ToolCallStream, out: RequestOutput, index: int,
-                logprobs: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """The chunks of one output of a chat choice that may call tools: its settled deltas (content, tool calls;
-    the output's logprobs and token ids on the first), then the finish on a chunk of its own."""
-    deltas = stream.feed(out.text)
-    finish = None
-    if out.finish is not None:
-        tail, finish_type = stream.finish(out.finish.type)
-        deltas += tail
-        finish = dataclasses.replace(out.finish, type=finish_type)
-    if not deltas and (logprobs is not None or (options.token_ids and out.token_ids)):
-        deltas = [{"content": ""}]
-    chunks = []
-    for i, delta in enumerate(deltas):
-        chunk = bodies.stream_chunk(rid, options, None, None, index=index, logprobs=None if i else logprobs,
-                                 out=None if i else out)
-        chunk["choices"][0]["delta"] = delta
-        chunks.append(chunk)
-    if finish is not None:
-        chunks.append(bodies.stream_chunk(rid, options, None, finish, index=index))
-    return chunks
+# how the ring names a bad constraint
+CONSTRAINT_PARAMS = {"response_format", "json_schema", "regex", "ebnf", "structural_tag"}
 
 
 async def stream_events(group: ChoiceGroup, options: oai.ApiOptions) -> AsyncIterator[str]:
-    """The SSE stream of a response: every choice's chunks merged, usage (if asked) once all finished, [DONE].
-
-    A chat choice starts with a chunk that carries only the role, as OpenAI's does; its content follows.
-    An error in any choice is sent as an error event and ends the stream (aborting the other choices). With
-    vLLM's `continuous_usage_stats`, every chunk carries the usage so far.
-    """
-    rid = group.rid
-    formatters = [options.logprob_formatter() for _ in group.choices]
-    tool_streams = {c.index: ToolCallStream(options.tools) for c in group.choices} if options.tools else {}
-    started: set[int] = set()
-    lasts: dict[int, RequestOutput] = {}
-    latest: dict[int, RequestOutput] = {}  # each choice's newest output: its counts so far
-
-    def event(chunk: dict[str, Any]) -> str:
-        if options.continuous_usage:
-            chunk["usage"] = bodies.running_usage(latest, options.n)
-        return sse(chunk)
-
+    """The SSE stream of a response: every choice's chunks merged (`StreamChunks`), usage (if asked) once all
+    finished, [DONE]. An error in any choice is sent as an error event and ends the stream (aborting the other
+    choices)."""
+    chunks = StreamChunks(group.rid, options, [choice.index for choice in group.choices])
     failed = False
     async with contextlib.aclosing(group.merged()) as outputs:
         async for index, out in outputs:
@@ -76,24 +39,10 @@ async def stream_events(group: ChoiceGroup, options: oai.ApiOptions) -> AsyncIte
                 yield sse(out.error.body())
                 failed = True
                 break
-            first = index not in started
-            started.add(index)
-            latest[index] = out
-            if first and options.kind == "chat":
-                yield event(bodies.role_chunk(rid, options, index))
-            entries = options.entries(out)
-            has_logprobs = options.logprobs and bool(entries)
-            if index in tool_streams:
-                for chunk in tool_chunks(rid, options, tool_streams[index], out, index,
-                                         formatters[index].format(entries) if has_logprobs else None):
-                    yield event(chunk)
-            elif (first and options.kind != "chat") or out.text or out.finish is not None or has_logprobs:
-                yield event(bodies.stream_chunk(rid, options, out.text, out.finish, first=first, index=index,
-                                             logprobs=formatters[index].format(entries), out=out))
-            if out.is_last:
-                lasts[index] = out
+            for chunk in chunks.feed(index, out):
+                yield sse(chunk)
     if not failed and options.include_usage:
-        yield sse(bodies.usage_chunk(rid, options, [lasts[i] for i in sorted(lasts)]))
+        yield sse(chunks.usage_chunk())
     yield sse("[DONE]")
 
 

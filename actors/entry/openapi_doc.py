@@ -12,10 +12,11 @@ from typing import Any
 from ringserve.actors.entry import anthropic_protocol as anthropic
 from ringserve.actors.entry import responses_protocol as responses
 from ringserve.actors.entry.openai_protocol import (BEST_OF, CHAT_LOGPROBS, COMPLETION_LOGPROBS, CONTINUOUS_USAGE, ECHO,
-                                         MAX_CHOICES, N, NO_EFFECT, PROMPT_LOGPROBS, STREAM, STREAM_OPTIONS_NO_EFFECT,
-                                         TOKENS_AS_IDS, TOP_LOGPROBS, Refused)
+                                         MAX_CHOICES, N, NO_EFFECT, PROMPT_LOGPROBS, REFUSED, STREAM,
+                                         STREAM_OPTIONS_NO_EFFECT, TOKENS_AS_IDS, TOP_LOGPROBS, Refused)
 from ringserve.actors.entry.control_routes import PAUSE_REFUSED, UPDATE_WEIGHTS_REFUSED
 from ringserve.actors.entry.embeddings_route import DIMENSIONS, EMBEDDINGS_PATH, ENCODING_FORMAT, USER
+from ringserve.actors.entry.template_switches import CHAT_TEMPLATE_KWARGS, REASONING_EFFORT
 from ringserve.bus.params import EMBED_SPECS, PROCESSOR_KWARGS, PROCESSOR_SPECS, SPECS
 
 JSON = "application/json"
@@ -58,6 +59,8 @@ _OPENAI_COMMON: dict[str, Any] = {
     # accepted and ignored; the refused fields (openai_protocol.REFUSED) and unknown ones are a 400
     **{name: {"description": f"accepted, no effect ({what})"} for name, what in NO_EFFECT.items()},
 }
+# the chat template's switches (actors/entry/template_switches.py), on every chat-shaped body
+_TEMPLATE_KWARGS = {CHAT_TEMPLATE_KWARGS.name: CHAT_TEMPLATE_KWARGS.json_schema()}
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}
 _IMAGE_URL_PART = {"type": "object", "required": ["type", "image_url"], "properties": {
@@ -98,6 +101,13 @@ _BLOCK = {"oneOf": [_TEXT_BLOCK, {
     "properties": {"type": {"enum": ["tool_result"]}, "tool_use_id": {"type": "string"},
                    "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": _TEXT_BLOCK}]},
                    "is_error": _BOOL, "cache_control": _CACHE_HINT}}, {
+    "type": "object", "required": ["type", "thinking"], "description": "assistant turns only: earlier thinking "
+                                                                       "(accepted, not rendered)",
+    "properties": {"type": {"enum": ["thinking"]}, "thinking": {"type": "string"}, "signature": {"type": "string"},
+                   "cache_control": _CACHE_HINT}}, {
+    "type": "object", "required": ["type", "data"], "description": "assistant turns only (accepted, not rendered)",
+    "properties": {"type": {"enum": ["redacted_thinking"]}, "data": {"type": "string"},
+                   "cache_control": _CACHE_HINT}}, {
     "type": "object", "required": ["type", "source"], "description": "user turns of a vision-language model only",
     "properties": {"type": {"enum": ["image"]}, "cache_control": _CACHE_HINT, "source": {"oneOf": [
         {"type": "object", "required": ["type", "media_type", "data"], "properties": {
@@ -120,6 +130,19 @@ _MESSAGES_REQUEST = {"type": "object", "required": ["model", "messages", "max_to
     "tool_choice": {"type": "object", "required": ["type"], "properties": {
         "type": {"enum": [*anthropic.TOOL_CHOICES, "tool"]}, "name": _FUNCTION_NAME,
         "disable_parallel_tool_use": _BOOL}},
+    anthropic.THINKING: {"description": "a reasoning model's thinking: enabled (the template's enable_thinking true, "
+                                        "with a token budget; the answer opens with a thinking block), disabled "
+                                        "(enable_thinking false), adaptive (the template's default, thinking "
+                                        "returned); absent: the template's default, thinking not returned",
+                         "oneOf": [
+        {"type": "object", "required": ["type", "budget_tokens"], "additionalProperties": False, "properties": {
+            "type": {"enum": ["enabled"]}, "budget_tokens": anthropic.BUDGET.json_schema(),
+            "display": {"enum": [d for d in anthropic.DISPLAYS if d]}}},
+        {"type": "object", "required": ["type"], "additionalProperties": False, "properties": {
+            "type": {"enum": ["adaptive"]}, "display": {"enum": [d for d in anthropic.DISPLAYS if d]}}},
+        {"type": "object", "required": ["type"], "additionalProperties": False, "properties": {
+            "type": {"enum": ["disabled"]}}}]},
+    **_TEMPLATE_KWARGS,
     **{name: {"description": f"accepted, no effect ({what})"} for name, what in anthropic.NO_EFFECT.items()}}}
 _TOOL = {"type": "object", "required": ["type", "function"], "properties": {
     "type": {"enum": ["function"]},
@@ -139,7 +162,14 @@ _RESPONSES_ITEM = {"oneOf": [
         "type": {"enum": ["function_call"]}, "call_id": {"type": "string"}, "name": _FUNCTION_NAME,
         "arguments": {"type": "string"}}},
     {"type": "object", "required": ["type", "call_id", "output"], "properties": {
-        "type": {"enum": ["function_call_output"]}, "call_id": {"type": "string"}, "output": _TEXT_CONTENT}}]}
+        "type": {"enum": ["function_call_output"]}, "call_id": {"type": "string"}, "output": _TEXT_CONTENT}},
+    {"type": "object", "required": ["type", "summary"], "description": "earlier thinking (accepted, not rendered)",
+     "properties": {
+        "type": {"enum": ["reasoning"]}, "id": {"type": "string"},
+        "summary": {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
+            "type": {"enum": ["summary_text"]}, "text": {"type": "string"}}}},
+        "content": {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {
+            "type": {"enum": ["reasoning_text"]}, "text": {"type": "string"}}}}}}]}
 _RESPONSES_REQUEST = {"type": "object", "required": ["input"], "properties": {
     "model": {"type": "string", "description": "the served model's id, if given"},
     "input": {"oneOf": [{"type": "string"}, {"type": "array", "items": _RESPONSES_ITEM}]},
@@ -161,6 +191,14 @@ _RESPONSES_REQUEST = {"type": "object", "required": ["input"], "properties": {
     "metadata": {"type": "object", "maxProperties": responses.MAX_METADATA,
                  "additionalProperties": {"type": "string", "maxLength": 512}},
     "truncation": {"enum": ["disabled"]},
+    responses.REASONING: {"type": "object", "additionalProperties": False, "properties": {
+        "effort": {**REASONING_EFFORT.json_schema(), "description": "passed to the chat template as "
+                                                                     "reasoning_effort, unless chat_template_kwargs "
+                                                                     "sets it"},
+        "summary": {"enum": [s for s in responses.SUMMARIES if s], "description": "no summaries are written: the "
+                                                                                  "reasoning item has the text"},
+        "generate_summary": {"enum": [s for s in responses.SUMMARIES if s]}}},
+    **_TEMPLATE_KWARGS,
     **{name: {"description": f"accepted, no effect ({what})"} for name, what in responses.NO_EFFECT.items()}}}
 
 _PROCESSOR_KWARGS = {"type": "object", "additionalProperties": False,
@@ -179,7 +217,8 @@ SCHEMAS: dict[str, Any] = {
     "ResponsesRequest": _RESPONSES_REQUEST,
     "CountTokensRequest": {"type": "object", "required": ["model", "messages"], "properties": {
         name: _MESSAGES_REQUEST["properties"][name] for name in ("model", "messages", "system", "tools",
-                                                                 "tool_choice")}},
+                                                                 "tool_choice", anthropic.THINKING,
+                                                                 CHAT_TEMPLATE_KWARGS.name)}},
     "ChatCompletionRequest": {"type": "object", "required": ["messages"], "properties": {
         "messages": {"type": "array", "minItems": 1, "items": _MESSAGE},
         "add_generation_prompt": {"type": "boolean", "description": "open the assistant's turn (default true)"},
@@ -194,6 +233,8 @@ SCHEMAS: dict[str, Any] = {
                 "function": {"type": "object", "required": ["name"], "properties": {"name": _FUNCTION_NAME}}}}]},
         "parallel_tool_calls": {"type": "boolean", "description": "more than one call per turn (default true)"},
         PROCESSOR_KWARGS: _PROCESSOR_KWARGS,
+        **_TEMPLATE_KWARGS,
+        REASONING_EFFORT.name: REASONING_EFFORT.json_schema(),
         **_OPENAI_COMMON}},
     "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": {
         "prompt": {"description": f"one prompt, or a list of prompts: n choices each, at most {MAX_CHOICES} in all",
@@ -203,7 +244,7 @@ SCHEMAS: dict[str, Any] = {
         "logprobs": COMPLETION_LOGPROBS.json_schema(),
         "echo": ECHO.json_schema(),
         "best_of": BEST_OF.json_schema(),
-        **_OPENAI_COMMON}},
+        **{name: schema for name, schema in _OPENAI_COMMON.items() if name not in REFUSED}}},
     "GenerateRequest": {"type": "object", "properties": {
         "text": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"type": "string"}}],
                  "description": "a prompt, or a list of prompts (a batch: a list of results)"},
@@ -318,7 +359,9 @@ def openapi_document(served_model: str | None = None) -> dict[str, Any]:
         "/health": _get("200 while every role heartbeats", "Object", 503, public=True),
         "/health_generate": _get("one token through the whole ring", "Object", 401, 503),
         "/get_server_info": _get("scheduler load, entry counters, actors", "Object", 401, 503),
-        "/get_model_info": _get("SGLang's model info: model_path, tokenizer_path, is_generation", "Object", 401, 503),
+        "/get_model_info": _get("SGLang's model info: model_path, tokenizer_path, is_generation; "
+                                "default_sampling_params (generation_config.json) and reasoning_parser",
+                                "Object", 401, 503),
         "/v1/tokenize": _post("token ids of a prompt or chat messages", "Object", "Object", *_BODY_ERRORS, 404),
         "/v1/detokenize": _post("text of token ids", "Object", "Object", *_BODY_ERRORS, 404),
         "/flush_cache": _post("drop cached prefixes no request uses", "Empty", "ControlReply", *_BODY_ERRORS, 500,

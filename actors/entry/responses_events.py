@@ -1,8 +1,11 @@
-"""One response's output as it comes, for the Responses API: the output items (a `message` with `output_text`,
-`function_call`s) and, streamed, OpenAI's events for them, each `event: <type>` with a `sequence_number`.
+"""One response's output as it comes, for the Responses API: the output items (a `reasoning` item with the
+model's thinking as `reasoning_text` content, a `message` with `output_text`, `function_call`s) and, streamed,
+OpenAI's events for them, each `event: <type>` with a `sequence_number`.
 
-The text is read by the chat path's `ToolCallStream` (tool calls never stream as text). The whole response is
-built by the same machine, so the streamed deltas joined are the non-streamed text.
+The thinking (`RequestOutput.reasoning_text`) opens a reasoning item before the answer's items; the answer text
+is read by the chat path's `ToolCallStream` (tool calls never stream as text). The whole response is built by
+the same machine, so the streamed deltas joined are the non-streamed text. An item still open when the output
+is cut short (max_output_tokens, an abort) ends `incomplete`.
 """
 
 from __future__ import annotations
@@ -40,12 +43,13 @@ class OutputItems:
         """The events `out` settles (with its finish: the items' ends, not the response's)."""
         self.last = out
         tools = self.tool_stream
-        deltas = tools.feed(out.text) if tools else [{"content": out.text}] * bool(out.text)
+        deltas = [{"reasoning": out.reasoning_text}] * bool(out.reasoning_text)
+        deltas += tools.feed(out.text) if tools else [{"content": out.text}] * bool(out.text)
         if tools and out.finish is not None:
             deltas += tools.finish(out.finish.type)[0]
         events = "".join(self._delta(delta) for delta in deltas)
         if out.finish is not None:
-            events += self._close()
+            events += self._close("incomplete" if out.finish.type in ("length", "abort") else "completed")
         return events
 
     def result(self) -> tuple[str, dict[str, Any]]:
@@ -73,17 +77,10 @@ class OutputItems:
         return self.event("response.failed", response=body), body
 
     def _delta(self, delta: dict[str, Any]) -> str:
+        if "reasoning" in delta:
+            return self._text(delta["reasoning"], "reasoning", "reasoning_text")
         if "content" in delta:
-            events = ""
-            if self.open is None or self.open["type"] != "message":
-                events += self._close() + self._add({"type": "message", "id": rp.new_item_id("msg"),
-                                                     "status": "in_progress", "role": "assistant", "content": []})
-                events += self.event("response.content_part.added", **self._where(), content_index=0,
-                                     part={"type": "output_text", "text": "", "annotations": []})
-                self.open["content"] = [{"type": "output_text", "text": "", "annotations": []}]
-            self.open["content"][0]["text"] += delta["content"]
-            return events + self.event("response.output_text.delta", **self._where(), content_index=0,
-                                       delta=delta["content"], logprobs=[])
+            return self._text(delta["content"], "message", "output_text")
         call = delta["tool_calls"][0]
         if "id" in call:
             return self._close() + self._add(rp.function_call_item(call["id"], call["function"]["name"], "",
@@ -92,6 +89,23 @@ class OutputItems:
         self.open["arguments"] += call["function"]["arguments"]
         return self.event("response.function_call_arguments.delta", **self._where(),
                           delta=call["function"]["arguments"])
+
+    def _text(self, text: str, item_type: str, part_type: str) -> str:
+        """The events of text for a `message` (output_text) or `reasoning` (reasoning_text) item, opening the
+        item and its one content part first unless it is the open item."""
+        events = ""
+        if self.open is None or self.open["type"] != item_type:
+            item = {"type": "message", "id": rp.new_item_id("msg"), "status": "in_progress", "role": "assistant",
+                    "content": []} if item_type == "message" else rp.reasoning_item("in_progress")
+            events += self._close() + self._add(item)
+            events += self.event("response.content_part.added", **self._where(), content_index=0,
+                                 part=_part(part_type, ""))
+            item["content"] = [_part(part_type, "")]
+        assert self.open is not None
+        self.open["content"][0]["text"] += text
+        kind = "response.output_text.delta" if item_type == "message" else "response.reasoning_text.delta"
+        extra = {"logprobs": []} if item_type == "message" else {}
+        return events + self.event(kind, **self._where(), content_index=0, delta=text, **extra)
 
     def _where(self) -> dict[str, Any]:
         assert self.open is not None
@@ -102,20 +116,31 @@ class OutputItems:
         self.open = item
         return self.event("response.output_item.added", output_index=len(self.items) - 1, item=item)
 
-    def _close(self) -> str:
+    def _close(self, status: str = "completed") -> str:
+        """The events that end the open item (if any), which ends with `status`."""
         item = self.open
         if item is None:
             return ""
         events = ""
-        if item["type"] == "message":
+        if item["type"] in ("message", "reasoning"):
             part = item["content"][0]
-            events += self.event("response.output_text.done", **self._where(), content_index=0, text=part["text"],
-                                 logprobs=[])
+            if item["type"] == "message":
+                events += self.event("response.output_text.done", **self._where(), content_index=0,
+                                     text=part["text"], logprobs=[])
+            else:
+                events += self.event("response.reasoning_text.done", **self._where(), content_index=0,
+                                     text=part["text"])
             events += self.event("response.content_part.done", **self._where(), content_index=0, part=part)
         else:
             events += self.event("response.function_call_arguments.done", **self._where(), name=item["name"],
                                  arguments=item["arguments"])
-        item["status"] = "completed"
+        item["status"] = status
         events += self.event("response.output_item.done", output_index=len(self.items) - 1, item=item)
         self.open = None
         return events
+
+
+def _part(part_type: str, text: str) -> dict[str, Any]:
+    """A content part: `output_text` (a message's, with its annotations) or `reasoning_text` (a reasoning item's)."""
+    return {"type": part_type, "text": text, "annotations": []} if part_type == "output_text" else {
+        "type": part_type, "text": text}

@@ -1,11 +1,12 @@
 """OpenAI Responses bodies (`POST /v1/responses`) -> a GenerateRequest on the chat path, and the response object.
 
-`input` (a string, or items: messages with text content, `function_call` and `function_call_output` items),
-after the conversation `previous_response_id` names, and after `instructions` as the system turn, becomes chat
-messages; `tools` (Responses' flat function tools) and `tool_choice` the chat path's ToolPlan
-(`tool_request.parse_tools`); `text.format` the output constraint chat's `response_format` would be
-(`tool_request.output_constraint`); the sampling fields their native names, checked by Specs derived from
-`ringserve.bus.params`. Every top-level field is implemented, accepted without effect (`NO_EFFECT`), refused with
+`input` (a string, or items: messages with text content, `function_call` and `function_call_output` items;
+`reasoning` items are kept but not rendered), after the conversation `previous_response_id` names, and after
+`instructions` as the system turn, becomes chat messages; `reasoning.effort` and `chat_template_kwargs` the chat
+template's switches (actors/entry/template_switches.py); `tools` (Responses' flat function tools) and
+`tool_choice` the chat path's ToolPlan (`tool_request.parse_tools`); `text.format` the output constraint chat's
+`response_format` would be (`tool_request.output_constraint`); the sampling fields their native names, checked
+by Specs derived from `ringserve.bus.params`. Every top-level field is implemented, accepted without effect (`NO_EFFECT`), refused with
 its reason (`REFUSED`, unless its value changes nothing), or a 400 naming it.
 """
 
@@ -19,6 +20,8 @@ from typing import Any
 
 from ringserve.actors.entry.field_checks import Refused, check_top_level
 from ringserve.actors.entry.openai_protocol import STREAM, adapter_of
+from ringserve.actors.entry.template_switches import (CHAT_TEMPLATE_KWARGS, EFFORT_VARIABLE, read_effort,
+                                                      template_kwargs, with_defaults)
 from ringserve.actors.entry.tool_request import ToolPlan, output_constraint, parse_tools
 from ringserve.bus.errors import ApiError, clip
 from ringserve.bus.messages import ChatMessage, GenerateRequest
@@ -38,6 +41,7 @@ SAMPLING: dict[str, tuple[str, Spec]] = {
     "max_output_tokens": ("max_new_tokens", _renamed("max_new_tokens", "max_output_tokens", low=1)),
     "temperature": ("temperature", _renamed("temperature", "temperature")),
     "top_p": ("top_p", _renamed("top_p", "top_p")),
+    "thinking_token_budget": ("thinking_token_budget", _renamed("thinking_token_budget", "thinking_token_budget")),
 }
 STORE = Spec("keep the response (and the conversation leading to it) for GET, previous_response_id and cancel",
              kind="boolean", name="store")
@@ -53,15 +57,17 @@ NO_EFFECT: dict[str, str] = {
 REFUSED: dict[str, Refused] = {
     "truncation": Refused("only \"disabled\" is supported: a conversation longer than the context is a 400",
                           ("disabled",)),
-    "include": Refused("no extra output data is available (logprobs, reasoning or tool results)", ([],)),
-    "reasoning": Refused("reasoning options are not supported", ({},)),
+    "include": Refused("no extra output data is available (logprobs, encrypted reasoning or tool results)", ([],)),
     "conversation": Refused("conversations objects are not supported: continue with previous_response_id"),
     "prompt": Refused("stored prompt templates are not supported"),
     "max_tool_calls": Refused("a limit on built-in tool calls is not supported (only function tools are)"),
     "top_logprobs": Refused("logprobs are not supported on /v1/responses", (0,)),
 }
+REASONING = "reasoning"  # {"effort", "summary"}: the effort reaches the chat template (`reasoning_options`)
+SUMMARIES = (None, "auto")  # reasoning.summary: no summaries are written; the item carries the whole text
 IMPLEMENTED = {"model", "input", "instructions", "previous_response_id", "tools", "tool_choice", "text", "stream",
-               "store", "background", "metadata", "parallel_tool_calls", *SAMPLING}
+               "store", "background", "metadata", "parallel_tool_calls", REASONING, CHAT_TEMPLATE_KWARGS.name,
+               *SAMPLING}
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -122,6 +128,51 @@ def _text(content: Any, where: str) -> str:
     return "".join(texts)
 
 
+def _reasoning_texts(parts: Any, kind: str, where: str) -> list[dict[str, str]]:
+    """A reasoning item's `summary` or `content`: a list of `{"type": kind, "text"}` parts."""
+    if not isinstance(parts, list) or not all(isinstance(p, dict) and p.get("type") == kind and set(p) <= {
+            "type", "text"} and isinstance(p.get("text"), str) for p in parts):
+        raise ApiError(f"{where} must be a list of {{\"type\": \"{kind}\", \"text\"}} parts", param="input")
+    return [{"type": kind, "text": p["text"]} for p in parts]
+
+
+def reasoning_input(item: dict[str, Any], where: str) -> dict[str, Any]:
+    """A `reasoning` input item (a client sending back a previous output), checked and normalized. It is kept
+    with the conversation but not rendered: the model's earlier thinking does not reach the template
+    (`chat_turns`)."""
+    unknown = next((k for k in item if k not in ("type", "id", "summary", "content", "encrypted_content",
+                                                  "status")), None)
+    if unknown is not None:
+        raise ApiError(f"{where}: unexpected field {clip(str(unknown))!r}", param="input")
+    if item.get("encrypted_content") is not None:
+        raise ApiError(f"{where}.encrypted_content: encrypted reasoning is not supported (this server returns the "
+                       "reasoning text as content)", param="input")
+    content = item.get("content")
+    return {"type": "reasoning", "id": item.get("id") or new_item_id("rs"),
+            "summary": _reasoning_texts(item.get("summary"), "summary_text", f"{where}.summary"),
+            "content": [] if content is None else _reasoning_texts(content, "reasoning_text", f"{where}.content")}
+
+
+def reasoning_options(value: Any) -> tuple[str | None, dict[str, Any] | None]:
+    """The body's `reasoning` object: the effort for the chat template, and the object the response repeats
+    (None when absent). `summary` (or the deprecated `generate_summary`) may be null or auto: the reasoning
+    item carries the whole thinking as `content`, with no summary (`summary: []`)."""
+    if value is None:
+        return None, None
+    if not isinstance(value, dict):
+        raise ApiError("reasoning must be an object", param=REASONING)
+    unknown = next((k for k in value if k not in ("effort", "summary", "generate_summary")), None)
+    if unknown is not None:
+        raise unknown_parameter(f"{REASONING}.{unknown}")
+    effort = read_effort(value.get("effort"), f"{REASONING}.effort")
+    for name in ("summary", "generate_summary"):
+        if value.get(name) not in SUMMARIES:
+            raise ApiError(f"{REASONING}.{name} {clip(str(value[name]))!r} is not supported: reasoning summaries are "
+                           "not written (only null or auto; the reasoning item's content has the whole thinking)",
+                           param=REASONING)
+    return effort, {"effort": effort, "summary": value.get("summary") or value.get("generate_summary")}
+
+
 def check_items(value: Any, where: str = "input") -> list[dict[str, Any]]:
     """`input` as a list of normalized items (a string is one user message); 400 naming the bad item."""
     if isinstance(value, str):
@@ -152,9 +203,11 @@ def check_items(value: Any, where: str = "input") -> list[dict[str, Any]]:
             items.append({"type": "function_call_output", "id": item.get("id") or new_item_id("fco"),
                           "call_id": item["call_id"],
                           "output": _text(output, f"{at}.output")})
+        elif kind == "reasoning":
+            items.append(reasoning_input(item, at))
         else:
-            raise ApiError(f"{at}: items of type {clip(str(kind))} are not supported (message, function_call and "
-                           "function_call_output are)", param="input")
+            raise ApiError(f"{at}: items of type {clip(str(kind))} are not supported (message, function_call, "
+                           "function_call_output and reasoning are)", param="input")
     return items
 
 
@@ -171,6 +224,8 @@ def chat_turns(instructions: str | None, items: list[dict[str, Any]]) -> list[Ch
                      if p["type"] == "input_image" else {"type": "text", "text": p["text"]}
                      for j, p in enumerate(content)] if any(p["type"] == "input_image" for p in content) else None
             turns.append(ChatMessage(role=ROLES[item["role"]], content=text, parts=parts))
+        elif item["type"] == "reasoning":
+            continue  # earlier thinking is not rendered (ChatMessage has no field for it)
         elif item["type"] == "function_call":
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
@@ -273,6 +328,8 @@ def parse_body(body: dict[str, Any], rid: str, served_model: str, parser: str,
         raise
     if constraint is not None:
         sampling[constraint[0]] = constraint[1]
+    effort, reasoning = reasoning_options(body.get(REASONING))
+    switches = with_defaults(template_kwargs(body.get(CHAT_TEMPLATE_KWARGS.name)), **{EFFORT_VARIABLE: effort})
     store, background = STORE.read(body, True), BACKGROUND.read(body, False)
     stream = STREAM.read(body, False)
     if background and not store:
@@ -283,13 +340,15 @@ def parse_body(body: dict[str, Any], rid: str, served_model: str, parser: str,
             "previous_response_id": body.get("previous_response_id"),
             "tool_choice": body.get("tool_choice") or ("auto" if tools else "none"),
             "tools": body.get("tools") or [], "text": body.get("text") or {"format": {"type": "text"}},
-            "truncation": "disabled", "user": body.get("user"), "store": store, "background": background}
+            "truncation": "disabled", "user": body.get("user"), "store": store, "background": background,
+            "reasoning": reasoning}
     if lora_name is not None:
         sampling["lora_name"] = lora_name
     options = ResponseOptions(f"resp_{rid}", rid, model if lora_name else served_model, stream, store, background,
                               tools, items, history, echo, lora_name=lora_name)
     gen_req = GenerateRequest(rid=rid, messages=chat_turns(instructions, history + items), sampling=sampling,
-                              openai_names=True, stream=stream, tools=tools.tools if tools else None)
+                              openai_names=True, stream=stream, tools=tools.tools if tools else None,
+                              chat_template_kwargs=switches)
     return gen_req, options
 
 
@@ -321,6 +380,12 @@ PRIVATE_FIELDS = ("history", "input_items", "owner", "rid")
 def public(stored: dict[str, Any]) -> dict[str, Any]:
     """A stored record as the response object."""
     return {k: v for k, v in stored.items() if k not in PRIVATE_FIELDS}
+
+
+def reasoning_item(status: str) -> dict[str, Any]:
+    """A new `reasoning` output item as OpenAI's client types it: no summary; the thinking goes into `content` as
+    one `reasoning_text` part (responses_events.py)."""
+    return {"type": "reasoning", "id": new_item_id("rs"), "summary": [], "content": [], "status": status}
 
 
 def function_call_item(call_id: str, name: str, arguments: str, status: str = "completed") -> dict[str, Any]:

@@ -139,8 +139,11 @@ def add_entry_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", default=AUTO, choices=[AUTO, *sorted(PARSERS)],
                         help="how chat output is read for tool calls with tool_choice auto: hermes "
                              "(<tool_call>{...}</tool_call>, Qwen's too), llama3_json (bare JSON objects), mistral "
-                             "([TOOL_CALLS]...), pythonic ([f(x=1)]), or auto: the one the model's chat template "
-                             "asks for (hermes when it says nothing)")
+                             "([TOOL_CALLS]...), pythonic ([f(x=1)]), qwen3_coder (Qwen3-Coder's and Qwen3.5's "
+                             "<function=...> XML), glm45 (GLM-4.5's <arg_key>/<arg_value>), deepseek_v3 (DeepSeek "
+                             "V3's, R1's and V3.1's), kimi_k2 (Kimi-K2's sections), openai (gpt-oss's harmony "
+                             "messages), or auto: the one the model's chat template asks for (hermes when it says "
+                             "nothing)")
     parser.add_argument("--responses-ttl", type=float, default=DEFAULT_TTL_SECONDS, metavar="SECONDS",
                         help="how long a stored /v1/responses response (and the conversation it continues) is kept "
                              "in the bus's JetStream bucket {namespace}-responses")

@@ -24,6 +24,7 @@ from starlette.routing import Route
 from ringserve.actors.entry.http_common import handles_errors, read_json
 from ringserve.actors.entry.openai_protocol import model_not_found, parse_chat
 from ringserve.actors.entry.request_flow import EntryService
+from ringserve.actors.entry.template_switches import CHAT_TEMPLATE_KWARGS, template_kwargs
 from ringserve.bus.codec import encode
 from ringserve.bus.errors import ApiError, server_error
 from ringserve.bus.messages import GenerateRequest
@@ -31,7 +32,7 @@ from ringserve.bus.tokenize_messages import TokenizeQuery, TokenizeReply
 
 TOKENIZE_TIMEOUT = 5.0
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_generation_prompt", "continue_final_message",
-                   "add_special_tokens"}
+                   "add_special_tokens", CHAT_TEMPLATE_KWARGS.name}
 DETOKENIZE_FIELDS = {"model", "tokens"}
 
 
@@ -63,7 +64,7 @@ def tokenize_query(body: dict[str, Any], served_model: str) -> TokenizeQuery:
     if prompt is not None:
         if not isinstance(prompt, str):
             raise ApiError("prompt must be a string", param="prompt")
-        for name in ("add_generation_prompt", "continue_final_message"):
+        for name in ("add_generation_prompt", "continue_final_message", CHAT_TEMPLATE_KWARGS.name):
             if body.get(name) is not None:
                 raise ApiError(f"{name} applies to messages only", param=name)
         return TokenizeQuery(text=prompt, add_special_tokens=add_special_tokens)
@@ -72,7 +73,8 @@ def tokenize_query(body: dict[str, Any], served_model: str) -> TokenizeQuery:
     add_generation_prompt = _optional_bool(body, "add_generation_prompt", not continue_final)
     return TokenizeQuery(messages=turns, add_special_tokens=add_special_tokens,
                          add_generation_prompt=bool(add_generation_prompt),
-                         continue_final_message=bool(continue_final))
+                         continue_final_message=bool(continue_final),
+                         chat_template_kwargs=template_kwargs(body.get(CHAT_TEMPLATE_KWARGS.name)))
 
 
 def detokenize_query(body: dict[str, Any], served_model: str) -> TokenizeQuery:

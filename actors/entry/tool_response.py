@@ -61,9 +61,10 @@ def tool_message(plan: ToolPlan, text: str, finish_type: str | None) -> tuple[di
     calls = [item for item in items if isinstance(item, ParsedCall)]
     if not plan.parallel:
         calls = calls[:1]
+    outside = "".join(item for item in items if isinstance(item, str))  # the text (harmony's: without headers)
     if not calls:
-        return {"role": "assistant", "content": text}, finish_type
-    content = "".join(item for item in items if isinstance(item, str)).strip() or None
+        return {"role": "assistant", "content": outside}, finish_type
+    content = outside.strip() or None
     return ({"role": "assistant", "content": content, "tool_calls": [tool_call_body(c) for c in calls]},
             final_finish(True, finish_type))
 
