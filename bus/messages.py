@@ -29,6 +29,9 @@ class ChatMessage:
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
     tool_call_id: str | None = None
     name: str | None = None  # the author's name (OpenAI's optional `name`)
+    # an assistant turn's thinking, as a client sent it back (chat's `reasoning_content`, an Anthropic thinking
+    # block): given to templates that render it (Qwen3's keeps the thinking of the turns after the last user turn)
+    reasoning_content: str | None = None
     # a turn with images: its content in order, {"type": "text", "text"} or {"type": "image", "handle"} (the image
     # file's object store key, bus/image_store.py); `content` is then its text parts joined
     parts: list[dict[str, str]] | None = None

@@ -26,7 +26,7 @@ MAX_SEED = 2**63 - 1
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_GRAMMAR_CHARS = 65536
-GRAMMAR_PARAMS = ("json_schema", "regex", "ebnf")  # the output constraints; a request takes at most one
+GRAMMAR_PARAMS = ("json_schema", "regex", "ebnf", "structural_tag")  # the output constraints; at most one a request
 
 
 @dataclass
@@ -85,6 +85,10 @@ class SamplingParams:
                               max_items=MAX_GRAMMAR_CHARS, openai=(), default_doc="none")
     ebnf: str | None = param(None, "constrain the output to this EBNF grammar (xgrammar's GBNF dialect, start rule "
                              "root)", max_items=MAX_GRAMMAR_CHARS, openai=(), default_doc="none")
+    structural_tag: str | None = param(None, "constrain the output to this xgrammar structural tag (its JSON text), "
+                                       "e.g. free text until a trigger, then a tag with constrained content; "
+                                       "chat's tool_choice auto sets it", max_items=MAX_GRAMMAR_CHARS, openai=(),
+                                       default_doc="none")
     return_prompt_ids: bool = param(False, "return the prompt's token ids with the first output",
                                     openai=("return_token_ids",))
     thinking_token_budget: int | None = param(None, "the most tokens a reasoning model may think before its "

@@ -363,3 +363,36 @@ def test_a_ring_serves_the_template_flags_and_the_generation_defaults(reasoning_
     reply = httpx.post(url + "/v1/chat/completions", json={**body, "chat_template_kwargs": thinking},
                        timeout=60).json()
     assert reply["usage"]["prompt_tokens"] == len(on)
+
+
+def test_earlier_thinking_sent_back_reaches_the_template(qwen3: TokenizerActor) -> None:
+    """A tool loop whose assistant turn comes back with its thinking apart (chat's `reasoning_content`, a
+    Responses reasoning item, an Anthropic thinking block): each route gives it to the template, which renders
+    it inside that turn as Qwen3's does."""
+    from ringserve.actors.entry.anthropic_protocol import parse_turns
+    from ringserve.actors.entry.responses_protocol import chat_turns, check_items
+    from ringserve.actors.entry.tool_request import parse_messages
+
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    chat_turns_ = parse_messages([
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call], "reasoning_content": "I should call it."},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}])
+    responses_turns = chat_turns(None, check_items([
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "I should call it."}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"}]))
+    anthropic_turns, _ = parse_turns(None, [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "I should call it.", "signature": ""},
+                                          {"type": "tool_use", "id": "c1", "name": "get_weather",
+                                           "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "sunny"}]}])
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    for turns in (chat_turns_, responses_turns, anthropic_turns):
+        assert [t.reasoning_content for t in turns if t.role == "assistant"] == ["I should call it."]
+        text = prompt_text(qwen3, GenerateRequest(rid="r", messages=turns, tools=tools))
+        assert "<|im_start|>assistant\n<think>\nI should call it.\n</think>\n\n<tool_call>" in text
+    with pytest.raises(ApiError, match="reasoning_content must be a string, on an assistant message"):
+        parse_messages([{"role": "user", "content": "hi", "reasoning_content": "no"}])

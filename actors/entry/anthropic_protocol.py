@@ -8,7 +8,7 @@ message is continued, Anthropic's prefill), `tools` and `tool_choice` as the cha
 the text by the entry's tool parser), `thinking` as the chat template's `enable_thinking` and the thinking token
 budget (`parse_thinking`; the answer then opens with a `thinking` block: the ring's `reasoning_text`), vLLM's
 `chat_template_kwargs` as the template's variables, and the sampling fields under their native names, checked by
-Specs derived from `ringserve.bus.params`. An assistant's earlier `thinking` blocks are accepted, not rendered.
+Specs derived from `ringserve.bus.params`. An assistant's earlier `thinking` blocks reach the template as its `reasoning_content`.
 Every top-level field is implemented, accepted without effect (`NO_EFFECT`), refused with its reason
 (`REFUSED`), or a 400 naming it.
 """
@@ -79,7 +79,9 @@ _BLOCK_FIELDS = {"text": {"type", "text", "citations", CACHE_HINT},
                  "image": {"type", "source", CACHE_HINT},
                  "thinking": {"type", "thinking", "signature", CACHE_HINT},
                  "redacted_thinking": {"type", "data", CACHE_HINT}}
-THINKING_BLOCKS = ("thinking", "redacted_thinking")  # an assistant's earlier thinking: accepted, not rendered
+# an assistant's earlier thinking: a thinking block reaches the template as the turn's reasoning_content; a
+# redacted one (encrypted by Anthropic) is accepted and left out
+THINKING_BLOCKS = ("thinking", "redacted_thinking")
 _TOOL_FIELDS = {"type", "name", "description", "input_schema", CACHE_HINT}
 ERROR_PREFIX = "Error: "  # a tool_result with is_error: true reaches the model as this, then its content
 
@@ -197,7 +199,9 @@ def parse_turns(system: Any, messages: Any) -> tuple[list[ChatMessage], bool]:
                 prefill = bool(text)  # an empty final assistant turn is just the turn to open
                 if not prefill:
                     break
-            turns.append(ChatMessage(role="assistant", content=text, tool_calls=calls))
+            thinking = [b["thinking"] for b in blocks if b["type"] == "thinking"]
+            turns.append(ChatMessage(role="assistant", content=text, tool_calls=calls,
+                                     reasoning_content="".join(thinking) if thinking else None))
             continue
         turns += _user_turns(blocks, where, names)
     return turns, prefill

@@ -102,10 +102,10 @@ _BLOCK = {"oneOf": [_TEXT_BLOCK, {
                    "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": _TEXT_BLOCK}]},
                    "is_error": _BOOL, "cache_control": _CACHE_HINT}}, {
     "type": "object", "required": ["type", "thinking"], "description": "assistant turns only: earlier thinking "
-                                                                       "(accepted, not rendered)",
+                                                                       "(the turn's reasoning_content)",
     "properties": {"type": {"enum": ["thinking"]}, "thinking": {"type": "string"}, "signature": {"type": "string"},
                    "cache_control": _CACHE_HINT}}, {
-    "type": "object", "required": ["type", "data"], "description": "assistant turns only (accepted, not rendered)",
+    "type": "object", "required": ["type", "data"], "description": "assistant turns only (accepted, left out)",
     "properties": {"type": {"enum": ["redacted_thinking"]}, "data": {"type": "string"},
                    "cache_control": _CACHE_HINT}}, {
     "type": "object", "required": ["type", "source"], "description": "user turns of a vision-language model only",
@@ -163,7 +163,8 @@ _RESPONSES_ITEM = {"oneOf": [
         "arguments": {"type": "string"}}},
     {"type": "object", "required": ["type", "call_id", "output"], "properties": {
         "type": {"enum": ["function_call_output"]}, "call_id": {"type": "string"}, "output": _TEXT_CONTENT}},
-    {"type": "object", "required": ["type", "summary"], "description": "earlier thinking (accepted, not rendered)",
+    {"type": "object", "required": ["type", "summary"], "description": "earlier thinking (the next assistant turn's "
+     "reasoning_content)",
      "properties": {
         "type": {"enum": ["reasoning"]}, "id": {"type": "string"},
         "summary": {"type": "array", "items": {"type": "object", "required": ["type", "text"], "properties": {

@@ -1,7 +1,7 @@
 """OpenAI Responses bodies (`POST /v1/responses`) -> a GenerateRequest on the chat path, and the response object.
 
 `input` (a string, or items: messages with text content, `function_call` and `function_call_output` items;
-`reasoning` items are kept but not rendered), after the conversation `previous_response_id` names, and after
+`reasoning` items the next assistant turn's `reasoning_content`), after the conversation `previous_response_id` names, and after
 `instructions` as the system turn, becomes chat messages; `reasoning.effort` and `chat_template_kwargs` the chat
 template's switches (actors/entry/template_switches.py); `tools` (Responses' flat function tools) and
 `tool_choice` the chat path's ToolPlan (`tool_request.parse_tools`); `text.format` the output constraint chat's
@@ -137,9 +137,8 @@ def _reasoning_texts(parts: Any, kind: str, where: str) -> list[dict[str, str]]:
 
 
 def reasoning_input(item: dict[str, Any], where: str) -> dict[str, Any]:
-    """A `reasoning` input item (a client sending back a previous output), checked and normalized. It is kept
-    with the conversation but not rendered: the model's earlier thinking does not reach the template
-    (`chat_turns`)."""
+    """A `reasoning` input item (a client sending back a previous output), checked and normalized. Its content
+    reaches the chat template as the `reasoning_content` of the assistant turn after it (`chat_turns`)."""
     unknown = next((k for k in item if k not in ("type", "id", "summary", "content", "encrypted_content",
                                                   "status")), None)
     if unknown is not None:
@@ -216,6 +215,7 @@ def chat_turns(instructions: str | None, items: list[dict[str, Any]]) -> list[Ch
     before them, each output a `tool` turn."""
     turns = [ChatMessage(role="system", content=instructions)] if instructions else []
     names: dict[str, str] = {}
+    thinking: list[str] = []  # reasoning items not yet given to the assistant turn they come before
     for item in items:
         if item["type"] == "message":
             content = item["content"]
@@ -225,18 +225,21 @@ def chat_turns(instructions: str | None, items: list[dict[str, Any]]) -> list[Ch
                      for j, p in enumerate(content)] if any(p["type"] == "input_image" for p in content) else None
             turns.append(ChatMessage(role=ROLES[item["role"]], content=text, parts=parts))
         elif item["type"] == "reasoning":
-            continue  # earlier thinking is not rendered (ChatMessage has no field for it)
+            thinking += [part["text"] for part in item["content"]]
+            continue
         elif item["type"] == "function_call":
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
             names[item["call_id"]] = item["name"]
-            if turns and turns[-1].role == "assistant":
+            if turns and turns[-1].role == "assistant" and not thinking:
                 turns[-1].tool_calls = [*(turns[-1].tool_calls or []), call]
             else:
                 turns.append(ChatMessage(role="assistant", content="", tool_calls=[call]))
         else:
             turns.append(ChatMessage(role="tool", content=item["output"], tool_call_id=item["call_id"],
                                      name=names.get(item["call_id"])))
+        if thinking and turns and turns[-1].role == "assistant":  # the thinking behind this assistant turn
+            turns[-1].reasoning_content, thinking = "".join(thinking), []
     return turns
 
 

@@ -4,8 +4,8 @@
   native output constraint (`json_schema`, `regex` or `ebnf` in `sampling`); at most one per request. The
   tokenizer parses it; the entry names the field it came from in the 400 (`constraint_param`).
 - `tools`, `tool_choice`, `parallel_tool_calls` become a `ToolPlan`: the tool definitions the tokenizer renders
-  (`GenerateRequest.tools`), the constraint that enforces a `required` or named call, and how the response
-  reads the calls out of the text.
+  (`GenerateRequest.tools`), the constraint that enforces a `required` or named call (for `auto`, the lazy
+  grammar of tool_grammar.py), and how the response reads the calls out of the text.
 - Chat `messages`, including assistant `tool_calls` and `role: "tool"` results, become `ChatMessage`s.
 """
 
@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ringserve.actors.entry.image_input import chat_image_parts
+from ringserve.actors.entry.tool_grammar import tool_call_tag
 from ringserve.actors.entry.tool_parsers import DEFAULT_PARSER, ToolCallParser, get_parser
 from ringserve.bus.errors import ApiError
 from ringserve.bus.messages import ChatMessage
@@ -30,6 +31,7 @@ GUIDED_FIELDS = {  # vLLM's extra fields, SGLang's `regex` and llama.cpp's `gram
     "regex": "regex", "grammar": "ebnf",
 }
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
+REASONING_KEYS = ("reasoning_content", "reasoning")  # an assistant message's earlier thinking
 
 
 def _content_text(content: Any, index: int) -> str:
@@ -68,9 +70,22 @@ def _history_call(call: Any, where: str) -> dict[str, Any]:
     return {"id": call_id or "", "type": "function", "function": {"name": function["name"], "arguments": arguments}}
 
 
+def _history_reasoning(message: dict[str, Any], index: int) -> str | None:
+    """An assistant message's earlier thinking: `reasoning_content` (vLLM's and DeepSeek's name) or `reasoning`
+    (vLLM's newer one), a string; other roles' are a 400."""
+    found = [key for key in REASONING_KEYS if message.get(key) is not None]
+    if not found:
+        return None
+    value = message[found[0]]
+    if message["role"] != "assistant" or not isinstance(value, str):
+        raise ApiError(f"messages[{index}].{found[0]} must be a string, on an assistant message", param="messages")
+    return value
+
+
 def parse_messages(messages: Any) -> list[ChatMessage]:
     """Chat `messages` as ChatMessages: text content, an assistant's `tool_calls`, a tool result's
-    `tool_call_id` (required on `role: "tool"`) and `name`. The tokenizer checks the roles."""
+    `tool_call_id` (required on `role: "tool"`), `name` and an assistant's `reasoning_content`. The tokenizer
+    checks the roles."""
     if not isinstance(messages, list) or not messages:
         raise ApiError("messages must be a non-empty list", param="messages")
     turns = []
@@ -91,6 +106,7 @@ def parse_messages(messages: Any) -> list[ChatMessage]:
             turn.tool_call_id = message["tool_call_id"]
         if isinstance(message.get("name"), str):
             turn.name = message["name"]
+        turn.reasoning_content = _history_reasoning(message, i)
         turns.append(turn)
     return turns
 
@@ -155,7 +171,8 @@ def output_constraint(body: dict[str, Any], tools: ToolPlan | None) -> tuple[str
     """The request's one output constraint as (native sampling name, value, the body field it came from).
 
     400 naming the second field when a body asks for two (response_format and guided_*, or either with a
-    tool_choice that forces a call)."""
+    tool_choice that forces a call). `tool_choice: "auto"` adds its lazy grammar (`ToolPlan.lazy_constraint`)
+    only when the body asks for no other constraint: it is dropped, not an error, beside one."""
     found: list[tuple[str, str, str]] = []
     if body.get("response_format") is not None:
         schema = _response_format(body["response_format"])
@@ -167,6 +184,9 @@ def output_constraint(body: dict[str, Any], tools: ToolPlan | None) -> tuple[str
     forced = tools.constraint() if tools is not None else None
     if forced is not None:
         found.append(("json_schema", forced, "tools"))  # a bad parameters schema is the tools' fault
+    lazy = tools.lazy_constraint() if tools is not None and not found else None
+    if lazy is not None:  # auto's lazy grammar gives way to any constraint the body asks for
+        found.append(("structural_tag", lazy, "tools"))
     if len(found) > 1:
         second = "tool_choice" if found[1][2] == "tools" else found[1][2]
         raise ApiError(f"{second} cannot be combined with {found[0][2]}: a request takes one output constraint",
@@ -185,7 +205,7 @@ class ToolPlan:
     choice: str = "auto"  # "auto", "required" or "function"
     function: str | None = None  # with choice "function": the one to call
     parallel: bool = True  # parallel_tool_calls: more than one call in a reply
-    parser: ToolCallParser = field(default_factory=lambda: get_parser(DEFAULT_PARSER))
+    parser: ToolCallParser = field(default_factory=lambda: get_parser(DEFAULT_PARSER))  # for_tools(tools)
 
     def parameters(self, name: str) -> dict[str, Any]:
         """The parameters schema of tool `name`."""
@@ -217,6 +237,14 @@ class ToolPlan:
         if defs:
             schema["$defs"] = defs
         return json.dumps(schema, ensure_ascii=False)
+
+    def lazy_constraint(self) -> str | None:
+        """For `auto`: the structural tag that leaves text free and makes every call the model starts valid, in
+        the parser's format (tool_grammar.py); None for other choices and formats with no usable trigger."""
+        if self.choice != "auto":
+            return None
+        return tool_call_tag(self.parser.name, [(t["function"]["name"], self.parameters(t["function"]["name"]))
+                                                for t in self.tools], self.parallel)
 
 
 def _has_ref(value: Any) -> bool:
@@ -283,4 +311,4 @@ def parse_tools(body: dict[str, Any], parser: str = DEFAULT_PARSER) -> ToolPlan 
         return None
     if choice == "none":
         return None
-    return ToolPlan(tools, choice or "auto", function, parallel is not False, get_parser(parser))
+    return ToolPlan(tools, choice or "auto", function, parallel is not False, get_parser(parser).for_tools(tools))

@@ -97,6 +97,8 @@ def native_turn(message: ChatMessage) -> dict[str, Any]:
         turn["tool_call_id"] = message.tool_call_id
     if message.name is not None:
         turn["name"] = message.name
+    if message.reasoning_content is not None:
+        turn["reasoning_content"] = message.reasoning_content
     return turn
 
 

@@ -1,6 +1,7 @@
 """Constrained decoding: one small interface for grammar backends (xgrammar by default).
 
-A `GrammarSpec` names a constraint (`json_object`, `json_schema`, `regex` or `ebnf`) and is the cache key.
+A `GrammarSpec` names a constraint (`json_object`, `json_schema`, `regex`, `ebnf`, or `structural_tag`: xgrammar's
+structural tag, e.g. free text until a trigger string, then a tag whose content is constrained) and is the cache key.
 One `GrammarCompiler` per engine (per tokenizer) checks and compiles specs into `CompiledGrammar`s, cached by
 spec and LRU-bounded, synchronously or on a small thread pool so that compilation stays off the step path; the
 xgrammar backend parses and compiles in worker processes bounded in memory and time (`compile_pool`).
@@ -26,11 +27,11 @@ import torch
 
 from ringserve.kernels.grammar.torch_bitmask import allocate_bitmask, apply_bitmask, bitmask_width, unpack_bitmask
 
-GrammarKind = Literal["json_object", "json_schema", "regex", "ebnf"]
-KINDS: tuple[str, ...] = ("json_object", "json_schema", "regex", "ebnf")
+GrammarKind = Literal["json_object", "json_schema", "regex", "ebnf", "structural_tag"]
+KINDS: tuple[str, ...] = ("json_object", "json_schema", "regex", "ebnf", "structural_tag")
 
 __all__ = [
-    "KINDS", "CompiledGrammar", "GrammarCompiler", "GrammarError", "GrammarMatcher", "GrammarSpec",
+    "KINDS", "CompiledGrammar", "GrammarCompiler", "GrammarError", "GrammarMatcher", "GrammarSpec", "UnreachableTag",
     "allocate_bitmask", "apply_bitmask", "bitmask_width", "fill_bitmasks", "make_compiler", "unpack_bitmask",
 ]
 
@@ -43,9 +44,15 @@ class GrammarError(ValueError):
         self.kind = kind
 
 
+class UnreachableTag(GrammarError):
+    """A structural tag whose trigger or tag text holds one of the model's special tokens: no grammar produces a
+    special token (the vocabulary the backend sees blanks them), so the tag could never be entered."""
+
+
 @dataclass(frozen=True)
 class GrammarSpec:
-    """A constraint: `kind` and its `source` (a JSON schema text, a regex, an EBNF grammar with `root`).
+    """A constraint: `kind` and its `source` (a JSON schema text, a regex, an EBNF grammar with `root`, a structural
+    tag's JSON text).
 
     `json_object` (any JSON object) takes no source. Specs are hashable and compare by value: the cache key.
     """

@@ -5,9 +5,10 @@ kernels.grammar.compile_worker`, started and spoken to by `ringserve.kernels.gra
 Protocol: one JSON object per line. The parent's first line is the setup (`tokenizer_info`: xgrammar's
 `TokenizerInfo.serialize_json()`, `memory_bytes`, `max_threads`, `any_whitespace`); once xgrammar is loaded the
 worker caps its address space (`RLIMIT_AS`) at what it uses then plus `memory_bytes` and answers `{"ready": ...}`.
-Then each request `{"op": "check" | "compile", "kind", "source"}` gets one reply: `{"grammar": text}` (compile:
-xgrammar's `CompiledGrammar.serialize_json()`; check: none) or `{"error": text, "reason": "invalid" | "memory" |
-"unbounded"}`, with `"stderr"`: what native code printed meanwhile (bounded; the parent decides what to log).
+Then each request `{"op": "check" | "compile", "kind", "source"}` (a `GrammarSpec`'s kind and source) gets one
+reply: `{"grammar": text}` (compile: xgrammar's `CompiledGrammar.serialize_json()`; check: none) or `{"error":
+text, "reason": "invalid" | "memory" | "unbounded"}`, with `"stderr"`: what native code printed meanwhile
+(bounded; the parent decides what to log).
 
 The compiled grammar travels back as xgrammar's own JSON serialization, checked by `deserialize_json` against
 the parent's tokenizer info; nothing is pickled. After compiling, the worker also computes the text the grammar
@@ -80,6 +81,8 @@ class Worker:
             return self.xgr.Grammar.from_regex(source)
         if kind == "ebnf":
             return self.xgr.Grammar.from_ebnf(source, root_rule_name="root")
+        if kind == "structural_tag":
+            return self.xgr.Grammar.from_structural_tag(source)
         return None
 
     def compile(self, kind: str, source: str) -> Any:
@@ -91,6 +94,8 @@ class Worker:
             return self.compiler.compile_json_schema(source, any_whitespace=self.any_whitespace, strict_mode=True)
         if kind == "regex":
             return self.compiler.compile_regex(source)
+        if kind == "structural_tag":
+            return self.compiler.compile_structural_tag(source)
         return self.compiler.compile_grammar(source, root_rule_name="root")
 
     def handle(self, request: dict[str, Any]) -> dict[str, Any]:

@@ -20,7 +20,12 @@
   compile in this process after all. What xgrammar prints meanwhile (its warnings quote client text) stays in
   the worker and is logged here escaped and bounded, at debug level.
 - A JSON schema that only an infinite value can satisfy (`schema_recursion`) is refused before any worker
-  sees it; the worker also refuses a grammar whose forced start text is unbounded (what jump-forward computes).
+  sees it (so is a structural tag holding one); the worker also refuses a grammar whose forced start text is
+  unbounded (what jump-forward computes).
+- `structural_tag` is xgrammar's structural tag (its JSON text), compiled as given; its JSON schemas use
+  xgrammar's structural-tag JSON (flexible whitespace unless the tag caps it with `max_whitespace_cnt`). A tag
+  whose literal text holds a special token of the model is refused (`UnreachableTag`): the vocabulary here never
+  produces one (`structural_tag`).
 """
 
 from __future__ import annotations
@@ -34,7 +39,9 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
-from ringserve.kernels.grammar import CompiledGrammar, GrammarCompiler, GrammarError, GrammarMatcher, GrammarSpec
+from ringserve.kernels.grammar import (CompiledGrammar, GrammarCompiler, GrammarError, GrammarMatcher, GrammarSpec,
+                                       UnreachableTag)
+from ringserve.kernels.grammar import structural_tag
 from ringserve.kernels.grammar.compile_pool import WorkerFailure, WorkerPool
 from ringserve.kernels.grammar.schema_recursion import infinite_subschema
 from ringserve.kernels.grammar.torch_bitmask import set_allowed
@@ -44,7 +51,8 @@ DEFAULT_MEMORY_BYTES = 1 << 30  # a worker's room beyond what it holds once load
 DEFAULT_TIME_LIMIT = 30.0
 QUOTE_CHARS = 200
 
-_LABELS = {"json_object": "JSON object", "json_schema": "JSON schema", "regex": "regex", "ebnf": "EBNF grammar"}
+_LABELS = {"json_object": "JSON object", "json_schema": "JSON schema", "regex": "regex", "ebnf": "EBNF grammar",
+           "structural_tag": "structural tag"}
 # xgrammar's C++ errors start with "[12:50:58] /project/cpp/file.cc:123: " and may carry a failed check.
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+:\d+:\s*")
 _CHECK_FAILED = re.compile(r"^Check failed: \(.*?\) is false:\s*")
@@ -60,11 +68,7 @@ def build_tokenizer_info(tokenizer: Any, vocab_size: int | None = None,
     stops = [int(t) for t in stop_token_ids] if stop_token_ids else [int(tokenizer.eos_token_id)]
     base = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops)
     size = base.vocab_size
-    specials = set(getattr(tokenizer, "all_special_ids", ()))
-    for token_id, added in getattr(tokenizer, "added_tokens_decoder", {}).items():
-        if getattr(added, "special", False):
-            specials.add(int(token_id))
-    specials = {t for t in specials if 0 <= t < size} - set(stops)
+    specials = {t for t in special_token_ids(tokenizer) if 0 <= t < size} - set(stops)
     if not specials:
         return base
     vocab = [""] * size
@@ -74,6 +78,21 @@ def build_tokenizer_info(tokenizer: Any, vocab_size: int | None = None,
     for token_id in specials:
         vocab[token_id] = ""
     return xgr.TokenizerInfo.from_vocab_and_metadata(vocab, base.dump_metadata())
+
+
+def special_token_ids(tokenizer: Any) -> set[int]:
+    """The ids of the tokenizer's special tokens (its special tokens map and the added tokens marked special)."""
+    specials = {int(t) for t in getattr(tokenizer, "all_special_ids", ())}
+    for token_id, added in getattr(tokenizer, "added_tokens_decoder", {}).items():
+        if getattr(added, "special", False):
+            specials.add(int(token_id))
+    return specials
+
+
+def special_token_texts(tokenizer: Any) -> tuple[str, ...]:
+    """The texts of the tokenizer's special tokens, stop tokens included (no grammar literal can produce one)."""
+    texts = tokenizer.convert_ids_to_tokens(sorted(special_token_ids(tokenizer)))
+    return tuple(sorted({t for t in texts if isinstance(t, str) and t}))
 
 
 def _grammar_error(spec: GrammarSpec, exc: Exception) -> GrammarError:
@@ -184,6 +203,7 @@ class XGrammarCompiler(GrammarCompiler):
                  memory_bytes: int = DEFAULT_MEMORY_BYTES, time_limit: float = DEFAULT_TIME_LIMIT) -> None:
         super().__init__(cache_size=cache_size, compile_threads=compile_threads)
         self.tokenizer_info = build_tokenizer_info(tokenizer, vocab_size, stop_token_ids)
+        self.special_texts = special_token_texts(tokenizer)
         self.any_whitespace = any_whitespace
         self.memory_bytes = memory_bytes
         setup = {"tokenizer_info": self.tokenizer_info.serialize_json(), "memory_bytes": memory_bytes,
@@ -209,13 +229,11 @@ class XGrammarCompiler(GrammarCompiler):
         return self._workers.time_limit
 
     def _check(self, spec: GrammarSpec) -> None:
-        if spec.kind == "json_schema":
-            self._schema_text(spec)
+        self._precheck(spec)
         self._ask("check", spec)
 
     def _compile(self, spec: GrammarSpec) -> XGrammarCompiled:
-        if spec.kind == "json_schema":
-            self._schema_text(spec)
+        self._precheck(spec)
         text = self._ask("compile", spec)["grammar"]
         try:
             compiled = xgr.CompiledGrammar.deserialize_json(text, self.tokenizer_info)
@@ -250,6 +268,14 @@ class XGrammarCompiler(GrammarCompiler):
             raise _grammar_error(spec, RuntimeError(reply["error"]))
         return reply
 
+    def _precheck(self, spec: GrammarSpec) -> None:
+        """What is checked here before a worker sees `spec`: a JSON schema's recursion, a structural tag's schemas
+        and literal texts."""
+        if spec.kind == "json_schema":
+            self._schema_text(spec)
+        elif spec.kind == "structural_tag":
+            self._tag_text(spec)
+
     @staticmethod
     def _schema_text(spec: GrammarSpec) -> str:
         """The schema, checked to be JSON here first (Python's message is clearer than xgrammar's) and to need no
@@ -258,12 +284,32 @@ class XGrammarCompiler(GrammarCompiler):
             schema = json.loads(spec.source)
         except ValueError as exc:
             raise GrammarError(f"invalid JSON schema: not valid JSON ({exc})", spec.kind) from None
-        where = infinite_subschema(schema)
-        if where is not None:
-            raise GrammarError(f"invalid JSON schema: only an infinitely nested value could match {quote(where)}: "
-                               "its required properties or items recurse into it with no way out; make the "
-                               "recursion optional", spec.kind)
+        _check_finite(schema, spec, "JSON schema")
         return spec.source
+
+    def _tag_text(self, spec: GrammarSpec) -> str:
+        """The structural tag, checked to be JSON, to hold no schema that needs an infinite value, and to hold no
+        special token in its literal texts (UnreachableTag)."""
+        try:
+            tag = structural_tag.parse_tag(spec.source)
+        except ValueError as exc:
+            raise GrammarError(f"invalid structural tag: not valid JSON ({exc})", spec.kind) from None
+        for schema in structural_tag.schemas(tag):
+            _check_finite(schema, spec, "structural tag: its JSON schema")
+        found = structural_tag.special_literal(tag, self.special_texts)
+        if found is not None:
+            raise UnreachableTag(f"invalid structural tag: its text {quote(found[0], 64)} holds the special token "
+                                 f"{quote(found[1], 64)}, which a grammar never produces", spec.kind)
+        return spec.source
+
+
+def _check_finite(schema: Any, spec: GrammarSpec, label: str) -> None:
+    """GrammarError when only an infinite value satisfies `schema` (a part of it)."""
+    where = infinite_subschema(schema)
+    if where is not None:
+        raise GrammarError(f"invalid {label}: only an infinitely nested value could match {quote(where)}: its "
+                           "required properties or items recurse into it with no way out; make the recursion "
+                           "optional", spec.kind)
 
 
 def _unbounded(spec: GrammarSpec, rule: str | None) -> GrammarError:
