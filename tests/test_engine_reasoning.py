@@ -204,15 +204,61 @@ def test_a_plan_the_engine_cannot_follow_is_refused(hf: Any) -> None:
 
 def test_the_gate_forces_only_the_rest_of_an_end_marker_the_thinking_already_began() -> None:
     gate = ReasoningGate(plan([5], [7, 8, 9], open=True, budget=3))
-    assert [gate.feed(t) for t in (11, 12, 7)] == ["thinking"] * 3
+    assert [gate.feed(t) for t in (11, 12, 7)] == ["taken"] * 3
     assert gate.phase == "closing" and gate.thought == 3
     mask = torch.zeros(1, 1, dtype=torch.int32)
     assert gate.masks(constrained=False)
     gate.fill_bitmask(None, mask, 0)
     assert int(mask[0, 0]) == 1 << 8, "only the marker's next token, 8"
     assert gate.feed(9) == "refused"
-    assert gate.feed(8) == "thinking" and gate.feed(9) == "thinking" and gate.answering
+    assert gate.feed(8) == "taken" and gate.feed(9) == "taken" and gate.answering
     assert gate.feed(13) == "answer"
+
+
+def allowed(gate: ReasoningGate, vocab: int) -> set[int]:
+    """The tokens `gate` lets through next, over `_Matcher`'s grammar."""
+    from ringserve.kernels.grammar import allocate_bitmask, unpack_bitmask
+
+    mask = allocate_bitmask(1, vocab)
+    gate.fill_bitmask(_Matcher(), mask, 0)
+    return set(torch.nonzero(unpack_bitmask(mask, vocab)[0]).flatten().tolist())
+
+
+class _Matcher:
+    """A grammar's first mask: token 40 only."""
+
+    def fill_bitmask(self, mask: torch.Tensor, row: int) -> None:
+        mask[row].zero_()
+        mask[row, 1] = 1 << 8
+
+
+def test_a_constrained_answer_may_open_with_whitespace_before_its_grammar() -> None:
+    """Qwen3 writes `</think>\n\n` before its answer: the whitespace-only tokens right after the end marker bypass
+    the grammar (at most MAX_LEADING_SPACE of them), and the first other token is the grammar's."""
+    from ringserve.actors.engine.scheduling.reasoning_gate import MAX_LEADING_SPACE, whitespace_tokens
+    from ringserve.actors.common.model_source import DEFAULT_MODEL, load_tokenizer, resolve_model
+
+    tokenizer = load_tokenizer(resolve_model(DEFAULT_MODEL))
+    vocab = len(tokenizer)
+    spacing = whitespace_tokens(tokenizer, vocab)
+    newline, space, letter = tokenizer.encode("\n")[0], tokenizer.encode(" ")[0], tokenizer.encode("a")[0]
+    assert {newline, space} <= spacing.ids and letter not in spacing.ids
+    assert all(tokenizer.decode([t]).isspace() for t in spacing.ids)
+
+    gate = reasoning_gate(plan([5], [7], open=True), constrained=True, spacing=spacing)
+    assert gate is not None and gate.feed(7) == "taken" and gate.phase == "spacing"
+    assert gate.masks(constrained=True)
+    assert allowed(gate, vocab) == spacing.ids | {40}
+    assert [gate.feed(newline), gate.feed(newline)] == ["taken", "taken"] and gate.phase == "spacing"
+    assert gate.feed(40) == "answer" and gate.answering
+
+    capped = reasoning_gate(plan([5], [7], open=True), constrained=True, spacing=spacing)
+    assert capped is not None and capped.feed(7) == "taken"
+    assert [capped.feed(space) for _ in range(MAX_LEADING_SPACE)] == ["taken"] * MAX_LEADING_SPACE
+    assert allowed(capped, vocab) == {40}, "past the cap the grammar alone decides"
+    assert capped.feed(40) == "answer"
+    unconstrained = reasoning_gate(plan([5], [7], open=True, budget=4), constrained=False, spacing=spacing)
+    assert unconstrained is not None and unconstrained.feed(7) == "taken" and unconstrained.answering
 
 
 # --- with a grammar (SmolLM2's tokenizer and vocabulary, random weights) ---------------------------------------

@@ -181,7 +181,8 @@ class Engine(LoraServing, KvShareMethods, EngineControl):
         req = Req(request.rid, len(request.input_ids), list(request.input_ids), params, seed)
         if request.reasoning is not None:
             req.reasoning = request.reasoning
-            req.gate = reasoning_gate(request.reasoning, params.grammar is not None)
+            constrained = params.grammar is not None
+            req.gate = reasoning_gate(request.reasoning, constrained, self.grammars.spacing() if constrained else None)
         req.lora_cache_name = self.lora_cache_name(params.lora_name)
         if self.rope_rule is not None:
             req.rope_floor, req.rope_cache_name = req.prompt_len, self.rope_rule.cache_name(req.prompt_len)

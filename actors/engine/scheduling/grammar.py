@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from ringserve.actors.engine.scheduling.reasoning_gate import Spacing, whitespace_tokens
 from ringserve.actors.engine.scheduling.request import Req
 from ringserve.bus.errors import ApiError, server_error
 from ringserve.kernels.grammar import GrammarCompiler, GrammarError, GrammarSpec, allocate_bitmask
@@ -53,6 +54,14 @@ class GrammarManager:
         self.compile_timeout = compile_timeout
         self._compiler: concurrent.futures.Future[GrammarCompiler] | None = None
         self.pending: dict[str, tuple[Req, concurrent.futures.Future[Any]]] = {}
+        self._spacing: Spacing | None = None
+
+    def spacing(self) -> Spacing | None:
+        """The vocabulary's whitespace-only tokens (found once, on first use), which a reasoning request's
+        constrained answer may open with (reasoning_gate.py); None without a tokenizer."""
+        if self._spacing is None and self._tokenizer is not None:
+            self._spacing = whitespace_tokens(self._tokenizer, self._vocab_size)
+        return self._spacing
 
     def __len__(self) -> int:
         return len(self.pending)
@@ -157,7 +166,7 @@ class GrammarManager:
             if gate.answering:
                 req.gate = None  # from now on an ordinary request, constrained or not
             if fed != "answer":
-                return fed == "thinking"
+                return fed == "taken"
         return req.matcher is None or req.matcher.accept_token(token)
 
     @staticmethod

@@ -11,6 +11,10 @@ A request whose plan matters to the engine (it has an output constraint or a thi
   (written by the model, or forced). Each token counts against the budget, the markers aside; once the
   budget is spent the rest of the end marker is forced ("closing"), one marker token a step, by a mask
   allowing only that token. A budget of 0 closes the thinking at once.
+- "spacing" (constrained requests whose engine knows its whitespace tokens: `Spacing`): right after the end
+  marker the answer may open with up to `MAX_LEADING_SPACE` whitespace-only tokens before its grammar applies,
+  as Qwen3 writes `</think>\n\n` before its answer (a compact JSON grammar would refuse the newlines and push
+  the model off its answer). Those tokens bypass the matcher; the detokenizer drops them from the answer.
 - "answer": the grammar applies as for any constrained request (mask, matcher, jump-forward, drafts). The gate
   is dropped then (`GrammarManager.accept` sets `Req.gate` to None), so an answering request costs nothing
   more than one without a plan.
@@ -21,22 +25,36 @@ detokenizer splits their text with the plan on their first row).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
 from ringserve.bus.reasoning import ReasoningPlan
-from ringserve.kernels.grammar.torch_bitmask import set_allowed
+from ringserve.kernels.grammar.torch_bitmask import allocate_bitmask, set_allowed
 
-Phase = Literal["before", "opening", "thinking", "closing", "answer"]
-Fed = Literal["refused", "thinking", "answer"]
+Phase = Literal["before", "opening", "thinking", "closing", "spacing", "answer"]
+Fed = Literal["refused", "taken", "answer"]  # refused: not the forced token; taken: the gate's, not the grammar's
+MAX_LEADING_SPACE = 8  # whitespace tokens an answer may open with before its grammar applies
+
+
+@dataclass(frozen=True)
+class Spacing:
+    """The vocabulary's whitespace-only tokens, as ids and as one packed bitmask row (kernels/grammar's layout)."""
+
+    ids: frozenset[int]
+    row: torch.Tensor
 
 
 class ReasoningGate:
     """One request's phase, the thinking tokens it has spent, and the marker tokens still to force."""
 
-    def __init__(self, plan: ReasoningPlan) -> None:
+    def __init__(self, plan: ReasoningPlan, spacing: Spacing | None = None) -> None:
+        """`spacing`: the whitespace tokens a constrained answer may open with (None: the grammar applies at
+        once after the end marker)."""
         self.plan = plan
+        self._spacing = spacing
+        self._spaced = 0  # whitespace tokens the answer opened with so far
         self.thought = 0  # tokens written while thinking, markers aside (the model's partial end marker counts)
         self._forced: list[int] = []  # the marker tokens still to write, next first ("opening", "closing")
         self._tail: list[int] = []  # the newest thinking tokens, as many as the end marker has
@@ -53,20 +71,24 @@ class ReasoningGate:
     def masks(self, constrained: bool) -> bool:
         """Whether the next token's row needs a mask: a forced marker token, or the grammar (`constrained`)
         with the start marker in "before"."""
-        return bool(self._forced) or (constrained and self.phase == "before")
+        return bool(self._forced) or (constrained and self.phase in ("before", "spacing"))
 
     def fill_bitmask(self, matcher: Any, mask: torch.Tensor, row: int) -> None:
         """Write the next token's allowed ids into `mask[row]` (only where `masks` says there is a mask)."""
         if self._forced:
             set_allowed(mask, row, self._forced[:1])
+        elif self.phase == "spacing":  # the grammar's first tokens, or whitespace before them while it may
+            matcher.fill_bitmask(mask, row)
+            if self._spaced < MAX_LEADING_SPACE:
+                mask[row] |= self._spacing.row  # type: ignore[union-attr]
         else:  # "before", constrained: the grammar's first tokens, or the start of the thinking
             matcher.fill_bitmask(mask, row)
             _allow(mask, row, self.plan.start_ids[0])
 
     def feed(self, token: int) -> Fed:
         """Advance past the request's next output `token`: "answer" when it belongs to the answer (the grammar
-        takes it), "thinking" when to the thinking or a marker, "refused" when it is not the marker token this
-        request was forced to write."""
+        takes it), "taken" when to the thinking, a marker or the answer's leading whitespace, "refused" when it is
+        not the marker token this request was forced to write."""
         if self._forced:
             if token != self._forced[0]:
                 return "refused"
@@ -75,8 +97,14 @@ class ReasoningGate:
                 if self.phase == "opening":
                     self._think()
                 else:
-                    self.phase = "answer"
-            return "thinking"
+                    self._answer()
+            return "taken"
+        if self.phase == "spacing":
+            if token in self._spacing.ids and self._spaced < MAX_LEADING_SPACE:  # type: ignore[union-attr]
+                self._spaced += 1
+                return "taken"
+            self.phase = "answer"
+            return "answer"
         if self.phase == "before":
             start = self.plan.start_ids
             if token != start[0]:
@@ -86,7 +114,7 @@ class ReasoningGate:
                 self.phase, self._forced = "opening", start[1:]
             else:
                 self._think()
-            return "thinking"
+            return "taken"
         if self.phase == "answer":
             return "answer"
         # thinking, the model's own token
@@ -94,11 +122,15 @@ class ReasoningGate:
         self._tail.append(token)
         del self._tail[:-len(end) or None]
         if end and self._tail == end:
-            self.phase = "answer"
-            return "thinking"
+            self._answer()
+            return "taken"
         self.thought += 1
         self._close_if_spent()
-        return "thinking"
+        return "taken"
+
+    def _answer(self) -> None:
+        """The thinking has ended: the answer follows, after its leading whitespace where that is allowed."""
+        self.phase = "spacing" if self._spacing is not None else "answer"
 
     def _think(self) -> None:
         self.phase = "thinking"
@@ -114,13 +146,28 @@ class ReasoningGate:
         self.phase, self._forced = "closing", end[written:]
 
 
-def reasoning_gate(plan: ReasoningPlan | None, constrained: bool) -> ReasoningGate | None:
-    """The gate of a request with `plan` and an output constraint or not (`constrained`); None when the engine
-    has nothing to do for it: no plan, neither a constraint nor a budget, or no way to open the thinking."""
+def reasoning_gate(plan: ReasoningPlan | None, constrained: bool,
+                   spacing: Spacing | None = None) -> ReasoningGate | None:
+    """The gate of a request with `plan` and an output constraint or not (`constrained`; `spacing`: the whitespace
+    its answer may open with); None when the engine has nothing to do for it: no plan, neither a constraint nor a
+    budget, or no way to open the thinking."""
     if plan is None or (not constrained and plan.budget is None):
         return None
-    gate = ReasoningGate(plan)
+    gate = ReasoningGate(plan, spacing if constrained else None)
     return None if gate.answering else gate
+
+
+def whitespace_tokens(tokenizer: Any, vocab_size: int) -> Spacing:
+    """The tokens of `tokenizer` whose text is only whitespace (decoded in one batch where the tokenizer has a
+    fast backend), for masks `vocab_size` wide."""
+    ids = [[token] for token in range(min(len(tokenizer), vocab_size))]
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    texts = backend.decode_batch(ids, skip_special_tokens=False) if backend is not None \
+        else [tokenizer.decode(token) for token in ids]
+    spaces = frozenset(token for token, text in enumerate(texts) if text and text.isspace())
+    row = allocate_bitmask(1, vocab_size)
+    set_allowed(row, 0, sorted(spaces))
+    return Spacing(spaces, row[0])
 
 
 def plan_error(plan: ReasoningPlan | None, vocab_size: int) -> str | None:
