@@ -22,6 +22,8 @@ class ReasoningPlan:
     """One request's thinking: the markers that open and close it, as text and as the token ids the model
     writes them with, whether the prompt already opened it, and its token budget.
 
+    `answer_prefix`: framing the model writes between the end marker and its answer, not part of the answer
+    (harmony's `<|start|>assistant<|channel|>final<|message|>`); dropped where the answer begins with it.
     `open`: the prompt ends inside the thinking (DeepSeek-R1's template writes the start marker itself), so the
     output starts as thinking. Otherwise the output is thinking only if it begins with `start` (leading
     whitespace aside); a model that answers at once has no thinking. `budget`: the most tokens the thinking may
@@ -35,3 +37,4 @@ class ReasoningPlan:
     end_ids: list[int] = field(default_factory=list)
     open: bool = False
     budget: int | None = None
+    answer_prefix: str = ""

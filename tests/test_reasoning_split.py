@@ -31,7 +31,8 @@ from tests.server_helpers import REPO
 
 QWEN3 = ReasoningPlan(parser="qwen3", start="<think>", end="</think>")
 R1_OPEN = ReasoningPlan(parser="deepseek_r1", start="<think>", end="</think>", open=True)
-GPT_OSS = ReasoningPlan(parser="gpt_oss", start="<|channel|>analysis<|message|>", end="<|end|>")
+GPT_OSS = ReasoningPlan(parser="gpt_oss", start="<|channel|>analysis<|message|>", end="<|end|>",
+                        answer_prefix="<|start|>assistant<|channel|>final<|message|>")
 PLANS = [QWEN3, R1_OPEN, GPT_OSS]
 
 
@@ -45,7 +46,8 @@ def one_shot(text: str, plan: ReasoningPlan) -> tuple[str, str]:
     thinking, found, answer = text.partition(plan.end)
     if not found:  # cut off while thinking
         return thinking.lstrip(), ""
-    return thinking.strip(), answer.lstrip()
+    answer = answer.lstrip()
+    return thinking.strip(), answer.removeprefix(plan.answer_prefix) if plan.answer_prefix else answer
 
 
 def texts(plan: ReasoningPlan) -> list[str]:
@@ -59,6 +61,9 @@ def texts(plan: ReasoningPlan) -> list[str]:
         f"{opening}Thinking that never ends, cut off mid-",
         f"{opening}Thinking cut off right before the end marker \n {e[:-1]}",
         f"{opening}Thinking cut off with trailing space  \n",
+        f"{opening}Framed answer{e}{plan.answer_prefix}The answer after its framing",
+        f"{opening}Framing cut short{e}{plan.answer_prefix[:-3]}",
+        f"{opening}Not the framing{e}<|start|>user: an answer",
         "No thinking at all: " + s + " is only text here " + e,
         "   \n  spaced answer without thinking",
         s[:-1] + "x: almost the start marker",
@@ -123,7 +128,9 @@ def test_gpt_oss_harmony_markers() -> None:
             "<|start|>assistant<|channel|>final<|message|>Hello!")
     reasoning, answer = ReasoningSplitter(GPT_OSS).feed(text, final=True)
     assert reasoning == "User says hi. Reply briefly."
-    assert answer == "<|start|>assistant<|channel|>final<|message|>Hello!"  # what follows the end marker
+    assert answer == "Hello!"  # the final channel's header after the end marker is framing, dropped
+    call = "<|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}"
+    assert ReasoningSplitter(GPT_OSS).feed(text.split("<|end|>")[0] + "<|end|>" + call, final=True)[1] == call
     # a multi-token end marker may span the answer's header too: the plan decides
     plan = ReasoningPlan(parser="gpt_oss", start=GPT_OSS.start,
                          end="<|end|><|start|>assistant<|channel|>final<|message|>")

@@ -10,6 +10,8 @@ The request's `ReasoningPlan` (bus/reasoning.py) says how the output opens:
 - The markers appear in neither part. Whitespace right after `start` (or at the start of an open plan's output)
   and right before `end` is dropped from the reasoning, and whitespace right after `end` from the answer
   (Qwen3 writes `</think>\\n\\n`).
+- Framing the plan names between the end marker and the answer (`answer_prefix`: gpt-oss's final-channel
+  header) is dropped where the answer begins with it, held back while it may still be it.
 - A request cut off while thinking (no `end` by its finish) gets everything held as reasoning and no answer.
 
 While streaming, text is held back only while it may still change part: a beginning that may be `start`, a
@@ -36,6 +38,8 @@ class ReasoningSplitter:
         self._state = THINKING if plan.open else OPENING
         self._held = ""  # text not yet sent: a possible start marker, or thinking that may precede `end`
         self._trim = plan.open  # drop the whitespace now at the head of the current part (thinking or answer)
+        self._prefix = ""  # the answer's framing still to look for at its head (set when the thinking ends)
+        self._answer_prefix = plan.answer_prefix
 
     @property
     def state(self) -> str:
@@ -51,7 +55,7 @@ class ReasoningSplitter:
         if self._state == THINKING:
             reasoning, text = self._thinking(text, final)
         if self._state == ANSWER:
-            answer += self._answer(text)
+            answer += self._answer(text, final)
         return reasoning, answer
 
     def _opening(self, text: str, final: bool) -> tuple[str, str]:
@@ -75,7 +79,7 @@ class ReasoningSplitter:
             self._trim = not held
         cut = held.find(self._end)
         if cut >= 0:
-            self._held, self._state, self._trim = "", ANSWER, True
+            self._held, self._state, self._trim, self._prefix = "", ANSWER, True, self._answer_prefix
             return held[:cut].rstrip(), held[cut + len(self._end):]
         if final:  # cut off while thinking: all of it is reasoning
             self._held = ""
@@ -85,11 +89,21 @@ class ReasoningSplitter:
         self._held = held[len(send):]
         return send, ""
 
-    def _answer(self, text: str) -> str:
+    def _answer(self, text: str, final: bool) -> str:
         if self._trim:
             text = text.lstrip()
             self._trim = not text
-        return text
+        if not self._prefix:
+            return text
+        held = self._held + text  # the answer's head: is it the framing to drop?
+        if held.startswith(self._prefix):
+            self._held, self._prefix = "", ""
+            return held[len(self._answer_prefix):]
+        if self._prefix.startswith(held) and not final:
+            self._held = held
+            return ""
+        self._held, self._prefix = "", ""
+        return held
 
 
 def _marker_prefix_suffix(text: str, marker: str) -> int:

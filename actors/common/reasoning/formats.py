@@ -6,6 +6,10 @@
 | `deepseek_r1` (`deepseek-r1`) | `<think>` | `</think>` | DeepSeek-R1 and its distills, Qwen3 *-Thinking-2507 |
 | `gpt_oss` (`gpt-oss`) | `<\\|channel\\|>analysis<\\|message\\|>` | `<\\|end\\|>` | gpt-oss (harmony) |
 
+gpt-oss's answer then opens with its final channel's header, `<|start|>assistant<|channel|>final<|message|>`,
+which the split drops (`answer_prefix`); a call on the commentary channel stays in the answer for the `openai`
+tool-call parser.
+
 `qwen3` and `deepseek_r1` share markers: whether the output starts inside the thinking is read from the rendered
 prompt (DeepSeek-R1's template ends it with `<think>\\n`), not from the name. `none` turns reasoning off; `auto`
 (the flag's default) is resolved from the chat template (detect.py).
@@ -26,13 +30,15 @@ class ReasoningFormat:
     name: str
     start: str
     end: str
+    answer_prefix: str = ""  # framing between the end marker and the answer (ReasoningPlan.answer_prefix)
 
 
 _THINK = ("<think>", "</think>")
 _CANONICAL = {
     "qwen3": ReasoningFormat("qwen3", *_THINK),
     "deepseek_r1": ReasoningFormat("deepseek_r1", *_THINK),
-    "gpt_oss": ReasoningFormat("gpt_oss", "<|channel|>analysis<|message|>", "<|end|>"),
+    "gpt_oss": ReasoningFormat("gpt_oss", "<|channel|>analysis<|message|>", "<|end|>",
+                               "<|start|>assistant<|channel|>final<|message|>"),
 }
 _ALIASES = {"qwen3-thinking": "qwen3", "glm45": "qwen3", "kimi_k2": "qwen3", "deepseek_v3": "qwen3",
             "deepseek-v3": "qwen3", "deepseek-r1": "deepseek_r1", "gpt-oss": "gpt_oss"}

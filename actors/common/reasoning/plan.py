@@ -57,4 +57,4 @@ def make_plan(fmt: ReasoningFormat, ids: MarkerIds, prompt: str, budget: int | N
     if state == CLOSED:
         return None
     return ReasoningPlan(parser=fmt.name, start=fmt.start, end=fmt.end, start_ids=list(ids.start),
-                         end_ids=list(ids.end), open=state == OPEN, budget=budget)
+                         end_ids=list(ids.end), open=state == OPEN, budget=budget, answer_prefix=fmt.answer_prefix)
