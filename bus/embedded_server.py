@@ -16,6 +16,7 @@ writes it into each node's config, and an `EmbeddedNatsServer` takes it as `extr
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import os
 import re
@@ -69,6 +70,29 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+class PortInUse(OSError):
+    """A TCP port another process listens on (or an address this host cannot listen on); the message says which
+    and what to do."""
+
+
+def check_port_free(host: str, port: int, remedy: str) -> None:
+    """PortInUse unless this process could listen on `host:port` now (with SO_REUSEADDR, as servers bind, so a
+    port whose old connections linger in TIME_WAIT counts as free); `remedy` ends the message ("pass --port")."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise PortInUse(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise PortInUse(f"port {port} is already in use on {host}: stop what holds it or {remedy}") from None
+            raise PortInUse(f"cannot listen on {host}:{port} ({exc.strerror}): {remedy}") from None
 
 
 def cluster_node_config(server_name: str, cluster_name: str, cluster_listen: str, routes: list[str],
@@ -128,7 +152,8 @@ class EmbeddedNatsServer:
         return self._proc
 
     def start(self, timeout: float = 10.0) -> "EmbeddedNatsServer":
-        """Start the server and wait until it accepts connections."""
+        """Start the server and wait until it accepts connections; PortInUse when its port is taken."""
+        check_port_free(self.host, self.port, "give nats-server another port")
         self._dir = tempfile.TemporaryDirectory(prefix="ringserve-nats-")  # mode 0700
         config = Path(self._dir.name) / "nats.conf"
         fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # may hold passwords

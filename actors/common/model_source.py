@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -20,6 +21,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from ringserve.actors.common.gguf_metadata import read_gguf_metadata
 from ringserve.actors.common.hub_cache import is_hub_id, resolve_hub_id
 from ringserve.actors.engine.models.chat_templates import fallback_template
 from ringserve.actors.engine.models.registry import (UnsupportedArchitecture, family_has_experts, family_of,
@@ -96,13 +98,22 @@ def check_architecture(directory: Path) -> None:
         raise UnservableModel(f"{directory} is an {exc}") from None
 
 
+def gguf_metadata(path: Path) -> dict[str, Any]:
+    """The scalar and string metadata of the GGUF at `path` (actors/common/gguf_metadata.py), read once per
+    version of the file in this process: the launcher's checks and its chat template share one read."""
+    return _gguf_metadata(str(path.resolve()), file_identity(path))
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_metadata(path: str, identity: str) -> dict[str, Any]:
+    return read_gguf_metadata(path)
+
+
 def check_gguf_architecture(path: Path) -> None:
     """UnservableModel unless the GGUF at `path` holds an architecture the model registry serves."""
-    import gguf
-
     try:
-        fields = gguf.GGUFReader(str(path)).fields
-        architecture = fields["general.architecture"].contents()
+        fields = gguf_metadata(path)
+        architecture = fields["general.architecture"]
     except (OSError, ValueError, KeyError) as exc:
         raise UnservableModel(f"{path} is not a readable GGUF file: {exc}") from exc
     try:
@@ -110,10 +121,10 @@ def check_gguf_architecture(path: Path) -> None:
     except UnsupportedArchitecture as exc:
         raise UnservableModel(f"{path} is an {exc}") from None
     experts = fields.get(f"{architecture}.expert_count")
-    if experts is not None and experts.contents() and not family_has_experts(family):
+    if experts and not family_has_experts(family):
         # llama.cpp writes Mixtral as "llama": its experts have no place in a dense family
         raise UnservableModel(f"{path} is a mixture-of-experts model written as {architecture!r} "
-                              f"({experts.contents()} experts, as llama.cpp writes Mixtral): not served from GGUF; "
+                              f"({experts} experts, as llama.cpp writes Mixtral): not served from GGUF; "
                               "serve its Hugging Face checkpoint")
 
 
@@ -204,10 +215,7 @@ def model_chat_template(source: ModelSource) -> str | None:
     `tokenizer.chat_template`, a directory's chat_template.jinja or tokenizer_config.json; else its family's."""
     template: Any = None
     if source.gguf_file is not None:
-        import gguf
-
-        field = gguf.GGUFReader(str(Path(source.directory) / source.gguf_file)).fields.get("tokenizer.chat_template")
-        template = field.contents() if field is not None else None
+        template = gguf_metadata(Path(source.directory) / source.gguf_file).get("tokenizer.chat_template")
     else:
         directory = Path(source.directory)
         if (directory / "chat_template.jinja").is_file():

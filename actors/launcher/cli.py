@@ -45,7 +45,11 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     url, subjects, plan, trace = ring.url, ring.subjects, ring.plan, ring.trace
     try:
-        ring.start_nats()
+        try:
+            ring.start_nats()
+        except (OSError, RuntimeError) as exc:  # its port taken meanwhile, or the binary missing or failing
+            print(f"ringserve: embedded nats-server: {exc}", file=sys.stderr)
+            return 1
 
         def on_ready() -> None:
             if trace.on:

@@ -1,8 +1,10 @@
 """One deployment as `ringserve serve` starts it, for the CLI and for `ringserve.Engine`.
 
-`Ring(args)` checks the serve flags and plans everything (the model, the NATS URL and every role's
-credentials, the span buffer, the actor processes; `--tool-call-parser auto` and `--reasoning-parser auto`
-resolved from the chat template, `--chat-template`'s or the model's); `start_nats` starts the embedded nats-server (unless
+`Ring(args)` checks the serve flags, that the HTTP port is free and `--nats-url` answers
+(actors/launcher/preflight.py), and plans everything (the model, read once: its GGUF header or config files,
+never its tensors; the NATS URL and every role's credentials, the span buffer, the actor processes;
+`--tool-call-parser auto` and `--reasoning-parser auto` resolved from the chat template, `--chat-template`'s or
+the model's), logging what it does from its first line; `start_nats` starts the embedded nats-server (unless
 `--nats-url` names one), `supervisor` builds the `Supervisor` that starts and watches the actors, and `close`
 stops the server and deletes the private credential and trace directories. With `http=False` the ring has no
 entry actor: the scheduler, tokenizers and detokenizers only, for a caller that talks to the ring over NATS
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 
 from ringserve.actors.common.model_source import check_servable, model_chat_template, resolve_model, resolved_config
 from ringserve.actors.common.reasoning import parser_for_template as reasoning_parser_for_template
@@ -21,6 +24,7 @@ from ringserve.actors.engine.parallel.tp_checks import check_expert_parallel, ch
 from ringserve.actors.entry.settings import entry_argv
 from ringserve.actors.entry.tool_parsers import AUTO, parser_for_template
 from ringserve.actors.launcher.nats_auth import NatsPlan, plan_nats
+from ringserve.actors.launcher.preflight import EndpointError, check_endpoints, check_http_port
 from ringserve.actors.launcher.supervisor import ActorSpec, Supervisor
 from ringserve.actors.launcher.trace_buffer import TraceBuffer, actor_tracing_argv, plan_trace_buffer, trace_exporter_specs
 from ringserve.actors.scheduler.admission import admission_argv
@@ -72,7 +76,11 @@ class Ring:
         """Check `args` (the serve flags) and plan; raises RingError saying what is wrong."""
         self.args = args
         self.http = http
+        started = time.perf_counter()
         try:
+            if http:  # before the model is read: a clash is the first and only line
+                check_http_port(args.host, args.port)
+            log_event(log, logging.INFO, "reading the model", model=args.model)
             self.source = resolve_model(args.model)
             check_servable(self.source)  # weights and a tokenizer, before any actor starts
             self.subjects = Subjects(args.namespace)
@@ -91,6 +99,8 @@ class Ring:
         if args.tokenizer_workers < 1 or args.detokenizer_shards < 1 or args.dp < 1:
             raise RingError("--dp, --tokenizer-workers and --detokenizer-shards must be >= 1")
         self.served_name: str = args.served_model_name or self.source.name
+        # the model is read once: check_servable and the chat template share one read of a GGUF's header
+        # (model_source.gguf_metadata, never its tensors), and what it tells goes to the actors as flags
         if AUTO in (args.tool_call_parser, args.reasoning_parser):  # the formats the chat template asks for
             template = chat.chat_template if chat.chat_template is not None else model_chat_template(self.source)
             if args.tool_call_parser == AUTO:
@@ -110,6 +120,15 @@ class Ring:
         except (ValueError, CredentialsError) as exc:
             self.trace.cleanup()
             raise RingError(str(exc)) from exc
+        try:
+            check_endpoints(args, self.plan.url, self.plan.external, http=False)  # the HTTP port was checked first
+        except EndpointError as exc:
+            self.plan.cleanup()
+            self.trace.cleanup()
+            raise RingError(str(exc)) from exc
+        log_event(log, logging.INFO, "model read and serve flags checked", model=self.served_name,
+                  format="gguf" if self.source.gguf_file else "safetensors",
+                  seconds=round(time.perf_counter() - started, 2))
         self.nats: EmbeddedNatsServer | None = None
 
     @property

@@ -182,6 +182,9 @@ class Supervisor:
                 "--namespace", self._subjects.namespace, *spec.args]
         # secrets meant for one role stay out of the others' environments
         env = {k: v for k, v in os.environ.items() if k not in ROLE_SECRETS or spec.role in ROLE_SECRETS[k]}
+        # every actor writes to the launcher's terminal: a redrawn progress bar (tqdm's, as transformers draws one
+        # converting a GGUF) would corrupt the other actors' log lines, so actors show progress as log lines only
+        env["TQDM_DISABLE"] = "1"
         # own session: a terminal's Ctrl-C reaches only the launcher, which then stops actors in order
         self._procs[spec.name] = subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent,
                                                   start_new_session=True, env=env)

@@ -17,9 +17,11 @@ running model's tensors in place, so CUDA graphs and kernels that hold them see 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import tempfile
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +29,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from tqdm import tqdm
 
 from ringserve.actors.common.model_source import (
     ModelSource, cache_root, converting, gguf_cache_key, publish_directory, resolve_model, resolved_config,
@@ -35,6 +36,9 @@ from ringserve.actors.common.model_source import (
 from ringserve.actors.engine.models.causal_lm import CausalLM
 from ringserve.actors.engine.models.registry import build_model
 from ringserve.actors.engine.models.spec import head_dim_of
+from ringserve.observability.logging import log_event
+
+log = logging.getLogger("engine.weights")
 
 WEIGHTS_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
@@ -44,20 +48,29 @@ FP8_SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")  # block-scaled FP8 
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: str | torch.device) -> CausalLM:
     """Load `source` in `dtype` onto `device`: a safetensors directory directly, a GGUF from the weight cache
-    (converted by transformers at its first load)."""
+    (converted by transformers at its first load). Logs a line as it starts and one with the seconds taken."""
+    started = time.perf_counter()
     cached = weight_cache_dir(source, dtype)
+    model: CausalLM | None = None
     if cached is None:
-        return model_from_hf(resolved_config(source), read_safetensors(Path(source.directory), dtype), device)
-    if not (cached / WEIGHTS_FILE).is_file():
+        log_event(log, logging.INFO, "loading weights", model=source.name, source="safetensors", device=str(device))
+        model = model_from_hf(resolved_config(source), read_safetensors(Path(source.directory), dtype), device)
+    elif not (cached / WEIGHTS_FILE).is_file():
         with converting(cached) as needed:
             if needed:
                 from transformers import AutoModelForCausalLM
 
+                log_event(log, logging.INFO, "converting the GGUF's weights (first start only; cached for the next)",
+                          model=source.name, cache=str(cached))
                 hf_model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=dtype, **source.hf_kwargs())
                 model = model_from_hf(hf_model.config, hf_model.state_dict(), device)
                 save_weights(model, cached)
-                return model
-    return model_from_hf(resolved_config(source), read_safetensors(cached, dtype), device)
+    if model is None:
+        assert cached is not None
+        log_event(log, logging.INFO, "loading weights", model=source.name, source="cache", device=str(device))
+        model = model_from_hf(resolved_config(source), read_safetensors(cached, dtype), device)
+    log_event(log, logging.INFO, "weights loaded", model=source.name, seconds=round(time.perf_counter() - started, 1))
+    return model
 
 
 def _safetensors_files(directory: Path) -> list[Path]:
@@ -138,7 +151,7 @@ def model_from_hf(
         tensors = model.spec.prepare_weights(tensors, config)
     if getattr(config, "tie_word_embeddings", False):
         tensors.setdefault("lm_head.weight", tensors["model.embed_tokens.weight"])
-    moved = {name: t.to(device) for name, t in tqdm(tensors.items(), desc="Loading weights into engine", unit="t")}
+    moved = {name: t.to(device) for name, t in tensors.items()}
     model.load_state_dict(moved, strict=True, assign=True)
     model.tie_weights()
     return model.to(device).eval().requires_grad_(False)

@@ -13,7 +13,8 @@ knows nothing of a particular backend.
 
 What "capture" means depends on the device (`mode`):
 - `cuda_graph` (the default on a GPU): every size is captured at start, largest first, sharing one memory
-  pool, with a progress bar; the capture's dummy forwards run on the scratch row, so a runner may be built
+  pool, with a log line as it starts and one as it ends (a bar would interleave with the other actors' log
+  lines); the capture's dummy forwards run on the scratch row, so a runner may be built
   while requests hold KV. Every graph writes its logits into one shared `[max_bs, vocab]` buffer.
 - `compile` (the default on a CPU): each size is compiled in the background (actors/engine/runner/graphs/graph_compiler.py)
   when a decode batch first needs it, size 1 as soon as `start_compiling` is called; until a size is ready,
@@ -28,19 +29,23 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import logging
 import os
+import time
 from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
-from tqdm import tqdm
 
 from ringserve.actors.engine.runner.graphs.graph_compiler import BackgroundCompiler
 from ringserve.actors.engine.models.causal_lm import CausalLM
 from ringserve.actors.engine.runner.token_table import TokenTable
 from ringserve.kernels.attention import AttentionBackend, AttentionMetadata, ForwardInfo
 from ringserve.kernels.host_copy import to_device
+from ringserve.observability.logging import log_event
+
+log = logging.getLogger("engine.graphs")
 
 
 def batch_size_ladder(max_bs: int) -> list[int]:
@@ -109,7 +114,8 @@ class DecodeGraphRunner:
         mode: str | None = None,
         progress: bool = True,
     ) -> None:
-        """`mode`: `cuda_graph`, `compile`, `eager` (module docstring), or None for the device's default."""
+        """`mode`: `cuda_graph`, `compile`, `eager` (module docstring), or None for the device's default;
+        `progress`: the capture's and the compiles' log lines at INFO (else DEBUG)."""
         if not backend.supports_cuda_graph:
             raise ValueError(f"{type(backend).__name__} does not implement the graph hooks")
         self.model = model
@@ -272,9 +278,10 @@ class DecodeGraphRunner:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         sizes = list(reversed(self.sizes))  # largest first: smaller graphs fit in the memory it leaves
-        bar = tqdm(sizes, desc="Capturing CUDA graphs", unit="graph", disable=not progress)
-        for bs in bar:
-            bar.set_postfix(bs=bs)
+        level = logging.INFO if progress else logging.DEBUG
+        log_event(log, level, "capturing CUDA graphs", graphs=len(sizes), largest_bs=sizes[0])
+        started = time.perf_counter()
+        for bs in sizes:
             self._fill_inputs(bs, [], [])  # every row padding: the dummy forwards touch only the scratch slot
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
@@ -286,3 +293,5 @@ class DecodeGraphRunner:
                 self._forward(bs)
             self.graphs[bs] = graph
         torch.cuda.synchronize(self.device)
+        log_event(log, level, "captured CUDA graphs", graphs=len(sizes),
+                  seconds=round(time.perf_counter() - started, 1))

@@ -40,7 +40,6 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from ringserve.actors.engine.runner.graphs.graph_store import GraphStore
 from ringserve.kernels.cpu import cache_dir
@@ -127,6 +126,9 @@ class BackgroundCompiler:
     `bs` padding rows for warming up and timing. Graphs that measure slower than the eager forward are recorded
     as eager (`ready` returns `module.forward` itself for them), unless `choose` is False (tests: keep every
     compiled forward). Graphs are loaded from and saved to a `GraphStore` (`RINGSERVE_GRAPH_STORE=0`: neither).
+    Progress is log lines, one as each compile starts (with `progress`; DEBUG without) and one as it ends, never
+    a redrawn bar: the compiles run for minutes after the ring is ready, in an actor that shares its terminal
+    with every other actor's log lines.
     """
 
     def __init__(self, module: torch.nn.Module, dummy_inputs: Callable[[int], tuple[Any, ...]],
@@ -147,7 +149,6 @@ class BackgroundCompiler:
         self._changes = 0  # bumped whenever what some size runs changes (changes())
         self._closed = False
         self._thread: threading.Thread | None = None
-        self._bar: tqdm | None = None
 
     def request(self, key: GraphKey) -> None:
         """Queue `(bs, threads)` for compiling (once; a no-op when it is queued, compiling or done)."""
@@ -157,9 +158,6 @@ class BackgroundCompiler:
             self._requested.add(key)
             self._queue.append(key)
             self._queue.sort()
-            if self._bar is not None:
-                self._bar.total += 1
-                self._bar.refresh()
             if self._thread is None:
                 self._start()
             self._wake.notify()
@@ -225,9 +223,6 @@ class BackgroundCompiler:
             self._compiled.clear()
             self._report.clear()
             self._queue = sorted(self._requested)
-            if self._bar is not None:
-                self._bar.total = self._bar.n + len(self._queue)
-                self._bar.refresh()
             if self._thread is None and self._queue:
                 self._start()
             self._wake.notify_all()
@@ -245,9 +240,6 @@ class BackgroundCompiler:
         cores libgomp stops spinning between parallel regions, so every op of the serving thread then waits for
         its workers to wake (a q8_0 GEMV at one row: 16.6 µs, 62.7 µs while an idle compile thread lived)."""
         configure_inductor()
-        if self._bar is None:
-            self._bar = tqdm(total=len(self._requested), desc="Compiling decode graphs", unit="graph",
-                             disable=not self.progress)
         self._thread = threading.Thread(target=self._run, name="decode-graph-compiler", daemon=True)
         self._thread.start()
 
@@ -262,6 +254,10 @@ class BackgroundCompiler:
                 key = self._queue.pop(0)
                 self._report[key] = {"state": "compiling"}
                 generation = self._generation
+                queued = len(self._queue)
+            log_event(log, logging.INFO if self.progress else logging.DEBUG,
+                      "compiling decode graph in the background (steps run eagerly until it is ready)",
+                      graph=label(key), queued_after=queued)
             try:
                 chosen, state = self._compile(key)
                 entry: dict[str, Any] = {"state": state}
@@ -276,9 +272,6 @@ class BackgroundCompiler:
                 self._report[key] = entry
                 self._changes += 1
                 self._wake.notify_all()
-            if self._bar is not None:
-                self._bar.set_postfix(graph=label(key))
-                self._bar.update(1)
 
     def _graph_store(self) -> GraphStore:
         """The store for the module's current weights' layout."""
