@@ -72,3 +72,32 @@ def test_overlap_schedule_is_on_for_cuda_only_unless_asked() -> None:
     assert not EngineConfig(device="cuda", overlap_schedule="off").overlap_enabled()
     with pytest.raises(ValueError, match="overlap_schedule"):
         EngineConfig(overlap_schedule="sometimes")
+
+
+@pytest.mark.parametrize("argv", [
+    ["--lora-modules", "a1=/x", "a2=/y"],  # vLLM's form: several arguments after one flag
+    ["--lora-modules", "a1=/x,a2=/y"],  # ours: one argument, comma-separated
+    ["--lora-modules", "a1=/x", "--lora-modules", "a2=/y"],  # repeated
+    ["--lora-modules", '{"name": "a1", "path": "/x"}', "a2=/y"],  # vLLM's JSON objects, one an argument
+])
+def test_lora_modules_take_vllms_forms(argv: list[str]) -> None:
+    config = parse(argv)
+    assert config.lora_module_map() == {"a1": "/x", "a2": "/y"} and config.lora_enabled()
+    assert parse(config.to_argv()) == config  # the scheduler's command line carries each argument as given
+    assert EngineConfig(lora_modules="a1=/x,a2=/y").lora_module_map() == config.lora_module_map()  # Python callers
+
+
+@pytest.mark.parametrize("argument, message", [
+    ('{"name": "a", "path": "/x", "base_model_name": "m"}', "base_model_name"),  # a key we do not honour
+    ('{"name": "a"}', "name and a path"), ('{"name": "a", "path": /x}', "not a JSON object"),
+    ("a", "name=path"), ("a=/x,a=/y", "twice"),
+])
+def test_lora_modules_refuse_what_they_cannot_serve(argument: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse(["--lora-modules", argument])
+
+
+def test_vllm_and_sglang_spellings_of_shared_flags() -> None:
+    config = parse(["--dtype", "half", "--speculative-algorithm", "NGRAM"])
+    assert (config.dtype, config.speculative_algorithm) == ("float16", "ngram")
+    assert parse(["--dtype", "float"]).dtype == EngineConfig(dtype="float").dtype == "float32"

@@ -1,4 +1,5 @@
-"""`ringserve serve` as a whole: a model that cannot be found fails fast with a message. Serving a safetensors
+"""`ringserve serve` as a whole: a model that cannot be found fails fast with a message; the flag spellings vLLM's
+and SGLang's users paste are taken, or refused saying what to pass instead. Serving a safetensors
 directory on the embedded NATS, and fail-stop when an actor or that NATS server dies, are tested on real rings
 in tests/faults/test_actor_faults.py."""
 
@@ -7,6 +8,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.server_helpers import REPO
 
 
@@ -14,3 +17,53 @@ def test_bad_model_fails_fast_with_a_message() -> None:
     result = subprocess.run([sys.executable, "-m", "ringserve.actors.launcher.cli", "serve", "--model", "/no/such/model"],
                             cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "/no/such/model" in result.stderr
+
+
+def _serve(argv: list[str]):
+    import argparse
+
+    from ringserve.actors.launcher.serve_flags import add_serve_arguments
+
+    parser = argparse.ArgumentParser(prog="ringserve serve", exit_on_error=False)
+    add_serve_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_serve_takes_the_spellings_vllm_and_sglang_users_paste() -> None:
+    from ringserve.actors.engine.config import EngineConfig
+    from ringserve.actors.entry.settings import parse_origins
+
+    args = _serve(["--model-path", "m", "--served-model-name", "name", "--tensor-parallel-size", "2",
+                   "--data-parallel-size", "3", "--lora-modules", "a1=/x", "a2=/y", "--dtype", "half",
+                   "--allowed-origins", '["https://a.example", "https://b.example"]', "--port", "9000"])
+    assert (args.model, args.served_model_name, args.tp, args.dp, args.port) == ("m", "name", 2, 3, 9000)
+    assert EngineConfig.from_args(args).lora_module_map() == {"a1": "/x", "a2": "/y"}
+    assert parse_origins(args.cors_allow_origins) == ["https://a.example", "https://b.example"]
+    assert _serve(["--tp-size", "4"]).tp == 4
+    assert parse_origins(_serve(["--cors-allow-origins", "https://a,https://b"]).cors_allow_origins) == \
+        ["https://a", "https://b"]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--served-model-name", "a", "b"], "one model name"),
+    (["--served-model-name", "a", "--served-model-name", "b"], "one model name"),
+    (["--api-key", "secret"], "RINGSERVE_API_KEY"),
+    (["--api-key"], "RINGSERVE_API_KEY"),
+    (["--max-model-len", "4096"], "--max-total-tokens"),
+    (["--context-length", "4096"], "max_tokens"),
+    (["--allowed-origins", '["https://a", 1]'], "strings"),
+])
+def test_serve_refuses_other_servers_forms_saying_what_to_pass(argv: list[str], says: str) -> None:
+    import argparse
+
+    with pytest.raises(argparse.ArgumentError, match=says) as err:
+        _serve(argv)
+    assert argv[0] in str(err.value)  # the message names the flag
+
+
+def test_a_refused_flag_fails_at_once_on_the_command_line() -> None:
+    """`--api-key` is refused by the parser, before the model is read: exit 2 and one line saying where the key
+    goes, the secret never echoed."""
+    result = subprocess.run([sys.executable, "-m", "ringserve.actors.launcher.cli", "serve", "--api-key", "s3cr3t"],
+                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "export RINGSERVE_API_KEY" in result.stderr and "s3cr3t" not in result.stderr

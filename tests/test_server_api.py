@@ -86,6 +86,9 @@ MSG = [{"role": "user", "content": "hello"}]
     (CHAT, {"messages": MSG, "top_k": 1.5}, "top_k"),
     (CHAT, {"messages": MSG, "max_tokens": -1}, "max_tokens"),
     (CHAT, {"messages": MSG, "max_tokens": 10_000_000}, "max_tokens"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi " * 10_000}], "max_tokens": 5}, "messages"),  # > context
+    ("/v1/completions", {"prompt": "hi " * 10_000, "max_tokens": 5}, "prompt"),
+    ("/generate", {"text": "hi " * 10_000}, "text"),
     (CHAT, {"messages": []}, "messages"),
     (CHAT, {"messages": MSG, "stream": True, "top_k": "x"}, "top_k"),
     (CHAT, {"messages": MSG, "n": 99}, "n"),

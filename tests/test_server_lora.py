@@ -7,6 +7,7 @@ too; /metrics counts an adapter's requests and tokens under its name; the reques
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -38,7 +39,7 @@ def setup(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
     receiver = OtlpReceiver().__enter__()
     with pytest.MonkeyPatch.context() as env:
         env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
-        server = start_server(str(tiny_model_dir), extra=["--lora-modules", f"a={adapters['a'][0]}",
+        server = start_server(str(tiny_model_dir), extra=["--lora-modules", json.dumps({"name": "a", "path": str(adapters['a'][0])}),
                                                            "--lora-dir", str(root), "--otlp-endpoint", receiver.url])
     adapters["spans"] = receiver
     try:

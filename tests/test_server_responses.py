@@ -187,6 +187,13 @@ def test_bad_input_is_a_400_naming_the_field(client: openai.OpenAI, fields: dict
     assert caught.value.param == param and param in caught.value.message
 
 
+def test_a_prompt_longer_than_the_context_names_input(client: openai.OpenAI) -> None:
+    """The tokenizer names a chat prompt that does not fit `messages`; a Responses body's prompt is `input`."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        greedy(client, input="hi " * 10_000)
+    assert caught.value.param == "input" and "context length" in caught.value.message
+
+
 def test_the_entry_user_keeps_responses_and_a_full_bucket_drops_the_oldest(tmp_path: Any) -> None:
     namespace = f"r{secrets.token_hex(5)}"
     auth = generate_auth(namespace, tmp_path / "creds")

@@ -45,9 +45,39 @@ def test_invalid_parameters_name_the_parameter(raw: dict, param: str) -> None:
     assert err.value.param == param
 
 
-def test_prompt_that_fills_the_context_is_rejected_without_max_tokens() -> None:
-    with pytest.raises(ApiError):
-        check({}, prompt_tokens=CTX)
+@pytest.mark.parametrize("prompt_tokens, raw", [(CTX, {}), (CTX * 1000, {}), (CTX, {"max_new_tokens": 1}),
+                                                (CTX + 1, {"max_new_tokens": 5}), (CTX + 1, {"max_new_tokens": 0})])
+@pytest.mark.parametrize("field", ["messages", "prompt", "text", "input_ids", "input"])
+def test_a_prompt_too_long_for_the_context_names_its_field(prompt_tokens: int, raw: dict, field: str) -> None:
+    """A prompt that does not fit the context, or leaves no room for output, is the prompt's fault whatever
+    max_tokens says: the error names the field it came in and says how long it is and the limit."""
+    with pytest.raises(ApiError) as err:
+        validate_sampling(raw, prompt_tokens, CTX, VOCAB, EOS, prompt_field=field)
+    assert err.value.param == field
+    assert f"{prompt_tokens} tokens" in str(err.value) and f"context length of {CTX} tokens" in str(err.value)
+
+
+def test_a_prompt_that_fits_is_never_blamed() -> None:
+    """Only when the prompt fits but prompt + max_tokens does not is max_tokens named; a prompt that exactly fills
+    the context may still be prefilled alone (max_tokens 0, as embeddings are)."""
+    with pytest.raises(ApiError) as err:
+        validate_sampling({"max_new_tokens": 2}, CTX - 1, CTX, VOCAB, EOS, prompt_field="messages")
+    assert err.value.param == "max_tokens" and f"{CTX - 1} in the prompt" in str(err.value)
+    assert validate_sampling({"max_new_tokens": 0}, CTX, CTX, VOCAB, EOS, prompt_field="input").max_new_tokens == 0
+    assert validate_sampling({}, CTX - 1, CTX, VOCAB, EOS).max_new_tokens == 1
+
+
+def test_prompt_param_is_the_field_the_prompt_came_in() -> None:
+    from ringserve.actors.tokenizer.validation import prompt_param
+    from ringserve.bus.messages import ChatMessage, GenerateRequest
+    from ringserve.bus.params import EmbedParams
+
+    chat = [ChatMessage("user", "hi")]
+    assert prompt_param(GenerateRequest(rid="r", messages=chat, openai_names=True)) == "messages"
+    assert prompt_param(GenerateRequest(rid="r", text="hi", openai_names=True)) == "prompt"  # /v1/completions
+    assert prompt_param(GenerateRequest(rid="r", text="hi")) == "text"  # /generate
+    assert prompt_param(GenerateRequest(rid="r", input_ids=[1, 2], openai_names=True)) == "input_ids"
+    assert prompt_param(GenerateRequest(rid="r", text="hi", openai_names=True, embed=EmbedParams())) == "input"
 
 
 def test_defaults_and_normalisation() -> None:

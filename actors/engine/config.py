@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,8 @@ from ringserve.kernels.attention import backend_names
 from ringserve.observability.logging import log_event
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's and SGLang's other names of the same dtypes
+LORA_JSON_KEYS = ("name", "path")  # the keys of a --lora-modules JSON object (vLLM's form) that we honour
 QUANTIZATION_CHOICES = ("none", "int8", "int4", "gguf", "auto")
 FLOAT_KERNEL_CHOICES = ("auto", "float32")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
@@ -32,10 +35,20 @@ GPU_MEM_FRACTION = 0.85  # of free GPU memory after the weights are loaded
 POOL_ROUNDING = 4096
 # A CPU pool never takes more than this share of the memory available at start (it is halved until it fits).
 POOL_SAFE_SHARE = 0.5
+# What a graceful stop may spend saving the cached prefix blocks to --kv-tier-dir: the launcher kills an actor 10 s
+# after it starts stopping the ring (actors/launcher/supervisor.py), the runtime waits 10 s per stop hook.
+KV_TIER_STOP_SAVE_SECONDS = 5.0
 
 
 def _flag(help: str, **argparse_kwargs: Any) -> dict[str, Any]:
+    """A field's flag: its help and argparse keywords (`nargs="+"`: a tuple field taking several values, also
+    over repeated flags; `type`: a converter applied before `choices` are checked)."""
     return {"help": help, **argparse_kwargs}
+
+
+def dtype_name(value: str) -> str:
+    """`--dtype` as we name it: vLLM's and SGLang's `half` and `float` are float16 and float32."""
+    return DTYPE_ALIASES.get(value, value)
 
 
 @dataclass
@@ -45,7 +58,8 @@ class EngineConfig:
     device: str = field(default="auto", metadata=_flag(
         "device for weights and KV cache: auto (cuda when available, else cpu), cpu, cuda or cuda:N"))
     dtype: str = field(default="auto", metadata=_flag(
-        "weight and KV dtype: auto (float32 on cpu, bfloat16 on cuda)", choices=DTYPE_CHOICES))
+        "weight and KV dtype: auto (float32 on cpu, bfloat16 on cuda); half and float are float16 and float32",
+        choices=DTYPE_CHOICES, type=dtype_name))
     attention_backend: str = field(default="auto", metadata=_flag(
         "attention kernels over the paged KV cache: auto (triton on cuda when installed, else torch)",
         choices=("auto",) + backend_names()))
@@ -85,6 +99,11 @@ class EngineConfig:
     kv_tier_dir: str = field(default="", metadata=_flag(
         "with --kv-tier-bytes: keep the tier's blocks as files in this directory (a restarted replica loads "
         "what an earlier one kept, for the same weights); default: host memory"))
+    kv_tier_write_through: bool = field(default=False, metadata=_flag(
+        "with --kv-tier-bytes: save each prefix block to the tier as soon as it is cached, not only when the pool "
+        "evicts it, so a crash loses nothing already cached (a copy and, with --kv-tier-dir, a file write per "
+        "block on the step path); without it, a graceful stop saves the cached blocks, most recently used first, "
+        f"within --kv-tier-bytes and {KV_TIER_STOP_SAVE_SECONDS:g} s"))
     kv_share: bool = field(default=False, metadata=_flag(
         "with --kv-tier-bytes and --dp: a replica lacking a prompt's prefix that another replica holds fetches its "
         "blocks over NATS (and serves its own to the others) instead of computing them"))
@@ -126,7 +145,8 @@ class EngineConfig:
         "speculative decoding: ngram drafts each greedy request's next tokens from where its last tokens occurred "
         "before (its own prompt and output, then earlier requests) and verifies them in one forward, keeping the "
         "output token for token; draft takes the drafts from a smaller model with the same tokenizer "
-        "(--speculative-draft-model-path); none decodes one token per step", choices=SPECULATIVE_ALGORITHMS))
+        "(--speculative-draft-model-path); none decodes one token per step; any case (SGLang's NGRAM)",
+        choices=SPECULATIVE_ALGORITHMS, type=str.lower))
     speculative_draft_model_path: str = field(default="", metadata=_flag(
         "with --speculative-algorithm draft: the draft model (a .gguf, a directory or a hub id, as --model), run "
         "beside the served one in the scheduler's process"))
@@ -137,8 +157,11 @@ class EngineConfig:
     enable_lora: bool = field(default=False, metadata=_flag(
         "serve LoRA adapters (on by itself with --lora-modules or --lora-dir): loaded at start or at run time "
         "(/v1/load_lora_adapter), chosen per request by OpenAI's model field or lora_name"))
-    lora_modules: str = field(default="", metadata=_flag(
-        "LoRA adapters (PEFT directories) to load at start, as name=path, several separated by commas or spaces"))
+    lora_modules: tuple[str, ...] = field(default=(), metadata=_flag(
+        "LoRA adapters (PEFT directories) to load at start: name=path arguments (several after one flag, as "
+        "vLLM takes them, or within one argument separated by commas), or vLLM's JSON objects, one an argument: "
+        "'{\"name\": \"a1\", \"path\": \"/x\"}' (other keys, base_model_name among them, are refused)",
+        nargs="+", metavar="NAME=PATH|JSON"))
     max_loras_per_batch: int = field(default=8, metadata=_flag(
         "distinct LoRA adapters in one step at most (requests of other adapters wait)"))
     max_loaded_loras: int = field(default=0, metadata=_flag(
@@ -150,6 +173,11 @@ class EngineConfig:
         "with LoRA: /v1/load_lora_adapter loads only adapters under this directory (empty = any path)"))
 
     def __post_init__(self) -> None:
+        self.dtype = dtype_name(self.dtype)
+        if isinstance(self.lora_modules, str):  # one argument, as Python callers and the comma form give it
+            self.lora_modules = (self.lora_modules,) if self.lora_modules else ()
+        self.lora_modules = tuple(self.lora_modules)
+        self.lora_module_map()  # a malformed entry is a start-up error
         for name in ("max_prefill_tokens", "max_running_requests", "cuda_graph_max_bs", "stream_interval",
                      "speculative_num_draft_tokens", "max_loras_per_batch", "max_lora_rank"):
             if getattr(self, name) < 1:
@@ -161,6 +189,8 @@ class EngineConfig:
             raise ValueError("--speculative-algorithm draft and --speculative-draft-model-path go together")
         if self.kv_tier_dir and not self.kv_tier_bytes:
             raise ValueError("--kv-tier-dir needs --kv-tier-bytes (the tier's bound)")
+        if self.kv_tier_write_through and not self.kv_tier_bytes:
+            raise ValueError("--kv-tier-write-through needs --kv-tier-bytes (the tier it writes to)")
         roles = self.replica_role.split(",")
         if any(r not in ROLES for r in roles):
             raise ValueError(f"--replica-role takes {', '.join(ROLES)} (or a comma list of them), got {self.replica_role!r}")
@@ -193,13 +223,15 @@ class EngineConfig:
         return self.enable_lora or bool(self.lora_modules) or bool(self.lora_dir)
 
     def lora_module_map(self) -> dict[str, str]:
-        """`--lora-modules` as name -> path; ValueError on an entry that is not name=path."""
-        out = {}
-        for entry in self.lora_modules.replace(",", " ").split():
-            name, sep, path = entry.partition("=")
-            if not sep or not name or not path:
-                raise ValueError(f"--lora-modules takes name=path entries, got {entry!r}")
-            out[name] = path
+        """`--lora-modules` as name -> path. Each argument is vLLM's JSON object (`{"name", "path"}`) or name=path
+        entries separated by commas or spaces; ValueError for an entry that is neither, a JSON key we do not
+        honour, or a name given twice."""
+        out: dict[str, str] = {}
+        for argument in self.lora_modules:
+            for name, path in _lora_entries(argument):
+                if name in out:
+                    raise ValueError(f"--lora-modules names adapter {name!r} twice")
+                out[name] = path
         return out
 
     @property
@@ -303,8 +335,11 @@ class EngineConfig:
             kwargs = dict(f.metadata)
             if f.type in (bool, "bool"):
                 group.add_argument(flag, action="store_true", **kwargs)
+            elif "nargs" in kwargs:  # several values after one flag, and over repeated flags
+                group.add_argument(flag, action="extend", type=str, default=[], **kwargs)
             else:
-                group.add_argument(flag, type=type(f.default), default=f.default, **kwargs)
+                kwargs.setdefault("type", type(f.default))
+                group.add_argument(flag, default=f.default, **kwargs)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
@@ -319,8 +354,39 @@ class EngineConfig:
             if value == f.default:
                 continue
             flag = "--" + f.name.replace("_", "-")
-            argv += [flag] if isinstance(value, bool) else [flag, str(value)]
+            if isinstance(value, bool):
+                argv += [flag]
+            elif isinstance(value, tuple):
+                argv += [flag, *value]
+            else:
+                argv += [flag, str(value)]
         return argv
+
+
+def _lora_entries(argument: str) -> list[tuple[str, str]]:
+    """One `--lora-modules` argument's (name, path) pairs: vLLM's JSON object, or name=path entries separated by
+    commas or spaces."""
+    if argument.lstrip().startswith("{"):
+        try:
+            spec = json.loads(argument)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"--lora-modules: {argument!r} is not a JSON object ({exc})") from None
+        if not isinstance(spec, dict):
+            raise ValueError(f"--lora-modules: {argument!r} is not a JSON object")
+        unknown = sorted(set(spec) - set(LORA_JSON_KEYS))
+        if unknown:
+            raise ValueError(f"--lora-modules: key {unknown[0]!r} is not taken (an adapter always applies to the "
+                             f"served model); give only {' and '.join(LORA_JSON_KEYS)}")
+        if not all(isinstance(spec.get(key), str) and spec[key] for key in LORA_JSON_KEYS):
+            raise ValueError(f"--lora-modules: a JSON adapter needs a name and a path (strings), got {argument!r}")
+        return [(spec["name"], spec["path"])]
+    entries = []
+    for entry in argument.replace(",", " ").split():
+        name, sep, path = entry.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes name=path entries or JSON objects, got {entry!r}")
+        entries.append((name, path))
+    return entries
 
 
 def stable_pool_tokens(budget_bytes: float, fits_bytes: float, bytes_per_token: int, cap: int) -> tuple[int, int]:

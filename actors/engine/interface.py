@@ -56,6 +56,10 @@ class EngineInterface(Protocol):
     def flush_cache(self) -> int:
         """Drop every cached prefix no live request uses; the number of KV slots freed."""
 
+    def keep_prefix_cache(self) -> dict[str, Any]:
+        """Stopping gracefully: save the cached prefix blocks to the on-disk KV tier, so a restart answers them
+        from disk; what was saved ({} without such a tier)."""
+
     def kv_events(self) -> tuple[list[bytes], list[bytes]]:
         """`(stored, removed)`: hashes (`ringserve.bus.kv_blocks`) of the whole blocks the prefix cache stored and evicted
         since the last call, netted; the scheduler publishes them as `KvEvents`."""

@@ -37,7 +37,7 @@ log = logging.getLogger("entry")
 RUNNING = ("queued", "in_progress")
 RESPONSE_ID = re.compile(r"^resp_[A-Za-z0-9_-]{1,64}$")
 # what the ring names (by OpenAI's chat names), as a Responses body names it
-RING_NAMES = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+RING_NAMES = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens", "messages": "input",
               "response_format": "text", "json_schema": "text", "structural_tag": "tools"}
 MAX_LIST = 100
 

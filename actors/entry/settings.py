@@ -7,9 +7,11 @@ and the entry read `RINGSERVE_API_KEY` and `RINGSERVE_ADMIN_API_KEY` from their 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass, field
 
+from ringserve.actors.common.cli_forms import add_refused
 from ringserve.actors.entry.tool_parsers import AUTO, DEFAULT_PARSER, PARSERS
 from ringserve.actors.entry.image_input import (
     DEFAULT_MAX_IMAGE_BYTES, DEFAULT_MAX_IMAGES, DEFAULT_REMOTE_TIMEOUT, ImageLimits,
@@ -111,8 +113,27 @@ class EntrySettings:
 
 
 def parse_origins(value: str | None) -> list[str]:
-    """A comma-separated flag (`--cors-allow-origins a,b`, `--allowed-hosts`) as a list."""
-    return [origin.strip() for origin in (value or "").split(",") if origin.strip()]
+    """A comma-separated flag (`--cors-allow-origins a,b`, `--allowed-hosts`) as a list; vLLM's JSON list form
+    (`--allowed-origins '["https://a"]'`) too. ValueError for a JSON list that is not of strings."""
+    text = (value or "").strip()
+    if text.startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{text!r} is neither a comma-separated list nor a JSON list ({exc})") from None
+        if not all(isinstance(item, str) for item in items):
+            raise ValueError(f"{text!r}: a JSON list of origins or hosts must hold strings")
+        return [item.strip() for item in items if item.strip()]
+    return [origin.strip() for origin in text.split(",") if origin.strip()]
+
+
+def _list_flag(value: str) -> str:
+    """A list flag's value, checked at parse time (argparse's error names the flag); kept as given."""
+    try:
+        parse_origins(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
 
 
 def add_entry_arguments(parser: argparse.ArgumentParser) -> None:
@@ -129,9 +150,12 @@ def add_entry_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds without a heartbeat before a running scheduler or detokenizer counts as lost "
                              "and the streams it holds end with a 503 (heartbeats come from a thread of their own, "
                              "so a busy actor still beats; an actor whose process ended is known at once)")
-    parser.add_argument("--cors-allow-origins", default="",
-                        help="comma-separated origins allowed by CORS (default: CORS off)")
-    parser.add_argument("--allowed-hosts", default="",
+    parser.add_argument("--cors-allow-origins", "--allowed-origins", default="", type=_list_flag,
+                        help="origins allowed by CORS, comma-separated or as vLLM's JSON list (default: CORS off)")
+    add_refused(parser, "--api-key", f"the API key is read from ${API_KEY_ENV} (and the operator routes' from "
+                                     f"${ADMIN_API_KEY_ENV}), never from a flag, which every local user can read in "
+                                     f"ps: export {API_KEY_ENV}=... instead")
+    parser.add_argument("--allowed-hosts", default="", type=_list_flag,
                         help="comma-separated Host names requests may carry, or * for any (default: the loopback "
                              "names when --host is a loopback address, else any); others get 421")
     parser.add_argument("--body-read-timeout", type=float, default=DEFAULT_BODY_READ_TIMEOUT,

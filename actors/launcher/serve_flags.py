@@ -1,5 +1,9 @@
 """The flags of `ringserve serve`, declared once: the CLI's parser, `ringserve.Engine`'s keyword arguments
-(`serve_args`) and the generated flags table (scripts/gen_docs.py) all come from `add_serve_arguments`."""
+(`serve_args`) and the generated flags table (scripts/gen_docs.py) all come from `add_serve_arguments`.
+
+A flag vLLM or SGLang users pass takes their spelling where we share it (`--model-path`, `--data-parallel-size`,
+`--tensor-parallel-size`, several `--lora-modules`, ...); one we do not take is refused with what to pass instead
+(`FOREIGN_FLAGS`), never "unrecognized arguments"."""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ import argparse
 import json
 from typing import Any
 
+from ringserve.actors.common.cli_forms import OneOfSeveral, add_refused
 from ringserve.actors.common.model_source import DEFAULT_MODEL
 from ringserve.actors.common.runtime import add_nats_auth_arguments
 from ringserve.actors.engine.config import EngineConfig
@@ -17,14 +22,26 @@ from ringserve.actors.scheduler.admission import add_admission_arguments
 from ringserve.actors.scheduler.tp_follower import add_tp_arguments
 from ringserve.actors.tokenizer.chat_options import add_chat_arguments
 
+# vLLM's and SGLang's flags that ringserve does not take -> what to pass instead
+FOREIGN_FLAGS = {
+    "--max-model-len": "ringserve serves the model's own context length (its config's); bound a request's output "
+                       "with max_tokens, and the KV cache with --max-total-tokens",
+    "--context-length": "ringserve serves the model's own context length (its config's); bound a request's output "
+                        "with max_tokens, and the KV cache with --max-total-tokens",
+}
+
 
 def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     """The flags of `ringserve serve` (also the keyword arguments of `ringserve.Engine`)."""
-    serve.add_argument("--model", default=DEFAULT_MODEL,
+    serve.add_argument("--model", "--model-path", default=DEFAULT_MODEL,
                        help="model to serve: the packaged default, a .gguf file, a directory with config.json "
                             "and safetensors weights, or a Hugging Face hub id (org/name) from the local Hugging "
                             "Face cache, downloaded where the hub is reachable")
-    serve.add_argument("--served-model-name", default=None, help="model id in the API (default: derived from --model)")
+    serve.add_argument("--served-model-name", default=None, action=OneOfSeveral, metavar="NAME",
+                       refusal="ringserve answers to one model name: pass one (LoRA adapters are served under "
+                               "their own names, see --lora-modules)",
+                       help="model id in the API (default: derived from --model); one name (vLLM's several are "
+                            "refused)")
     serve.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="HTTP port")
     serve.add_argument("--nats-url", default=None,
@@ -38,7 +55,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--namespace", default="ringserve",
                        help="subject prefix; deployments with different namespaces can share one NATS")
     serve.add_argument("--tokenizer-workers", type=int, default=1, help="tokenizer processes (a NATS queue group)")
-    serve.add_argument("--dp", type=int, default=1,
+    serve.add_argument("--dp", "--data-parallel-size", type=int, default=1,
                        help="scheduler replicas, each with its own engine and KV cache; the tokenizers route each "
                             "request to the replica holding its longest prefix unless it is overloaded")
     add_tp_arguments(serve)  # --tp: scheduler processes per replica (tensor parallelism), --tp-timeout
@@ -52,6 +69,8 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        help="fail-stop when a running actor sends no heartbeat for this many seconds")
     serve.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     add_trace_serve_arguments(serve)  # OpenTelemetry: --otlp-endpoint, --otlp-protocol, --trace-buffer, --trace-store
+    for flag, instead in FOREIGN_FLAGS.items():
+        add_refused(serve, flag, instead)
 
 
 def serve_args(flags: dict[str, Any]) -> argparse.Namespace:

@@ -114,6 +114,7 @@ class SchedulerActor(RowPublisher):
             await self._share.start()
         self._loop_task = asyncio.get_running_loop().create_task(self._run())
         self._ctx.on_stop.append(self._close_spans)
+        self._ctx.on_stop.append(self._keep_prefix_cache)
         return {"kv_total_tokens": self._info.kv_total_tokens, "context_length": self._info.context_length}
 
     async def _on_request(self, req: TokenizedRequest, delivery: Delivery) -> Accepted | None:
@@ -158,6 +159,12 @@ class SchedulerActor(RowPublisher):
 
     async def _close_spans(self) -> None:
         self._spans.close_all("the scheduler stopped")
+
+    async def _keep_prefix_cache(self) -> None:
+        """A graceful stop (drained or timed out, not failed): the cached prefixes go to the disk KV tier, after
+        any step in flight, so the next start answers them from disk."""
+        if self._ctx.draining.is_set() and self._ctx.exit_code == 0:
+            await on_engine_thread(self._engine.keep_prefix_cache)
 
     async def _stop_intake(self) -> None:
         """Draining: take no new request (one already on its way is still taken and served)."""
@@ -384,7 +391,16 @@ async def scheduler_main(ctx: ActorContext, model: str, config: EngineConfig,
     if engine is None:
         engine = await on_engine_thread(Engine.from_source, resolve_model(model), config)
         engine.start_decode_graphs()
+    grammars = getattr(engine, "grammars", None)  # Engine's GrammarManager; warmed before ready (grammar.py)
+    if grammars is not None:
+        grammars.warm_up()
     serial_torch_on_this_thread()
-    return await SchedulerActor(ctx, engine, admission, load_weights, config.stream_interval,
-                                config.kv_fetch_timeout if config.kv_share else None, config.role_of(ctx.rank),
-                                config.prefill_timeout).start()
+    actor = SchedulerActor(ctx, engine, admission, load_weights, config.stream_interval,
+                           config.kv_fetch_timeout if config.kv_share else None, config.role_of(ctx.rank),
+                           config.prefill_timeout)
+    if grammars is not None:
+        grammars.on_wait = actor._spans.grammar_waited  # a request's wait for its grammar, on its trace
+    detail = await actor.start()
+    if grammars is not None:
+        detail["grammars"] = await on_passing_thread(grammars.wait_warm, name="grammar-warm-wait")
+    return detail

@@ -4,7 +4,10 @@ span per engine step in a trace of its own, linked to the requests the step serv
 A request's `generate` span (child of its `process req.tokenized` span) runs from arrival to finish and has
 three children: `queue` (arrival to first admission), `prefill` (admission to the first token; one
 `prefill chunk` event per step that computed part of the prompt) and `decode` (first token to finish; the
-token count as an attribute, not a span per token). Its context travels to the detokenizer on the request's
+token count as an attribute, not a span per token). A constrained request that waited for its grammar (longer
+than actors/engine/scheduling/grammar.py's `WAIT_NOTE_SECONDS`: the compiler being made, a compile worker, a long
+compile) gets a `grammar wait` event on its `queue` span saying where the time went, and the wait in seconds as
+`ringserve.grammar.wait_s` on `generate`. Its context travels to the detokenizer on the request's
 first TokenRow. A step serves many requests, so it is not a child of any; its links name them all. Aborts and
 errors mark the spans failed. A prefix fetched from another replica before the request reached the engine is a
 `kv fetch` span beside `generate`. With tracing off, `create()` returns `NoSpans`, whose methods do nothing.
@@ -45,6 +48,9 @@ class NoSpans:
 
     def rejected(self, rid: str, message: str) -> None:
         """The engine refused the request."""
+
+    def grammar_waited(self, rid: str, fields: dict[str, Any]) -> None:
+        """The request waited for its grammar; `fields`: where the time went (called on the engine's thread)."""
 
     def step(self, plan: StepPlan | None, step: int, start_ns: int, end_ns: int) -> str | None:
         """One engine step ran; the traceparent of its span (None: no span)."""
@@ -90,6 +96,14 @@ class RequestSpans(NoSpans):
 
     def rejected(self, rid: str, message: str) -> None:
         self._end(rid, tracing.now_ns(), f"rejected: {message}")
+
+    def grammar_waited(self, rid: str, fields: dict[str, Any]) -> None:
+        r = self._live.get(rid)  # read only: the loop's thread may add others meanwhile
+        if r is None:
+            return
+        r.generate.set_attribute("ringserve.grammar.wait_s", float(fields.get("waited_s", 0.0)))
+        span = r.queue if r.queue is not None else r.generate
+        span.add_event("grammar wait", {f"ringserve.grammar.{key}": value for key, value in fields.items()})
 
     def step(self, plan: StepPlan | None, step: int, start_ns: int, end_ns: int) -> str | None:
         if plan is None:

@@ -32,7 +32,7 @@ def add_tp_arguments(parser: argparse.ArgumentParser) -> None:
     """`--tp` and `--tp-timeout` (`ringserve serve` and the scheduler take them)."""
     from ringserve.actors.engine.parallel.tp_checks import DEFAULT_TIMEOUT_S
 
-    parser.add_argument("--tp", type=int, default=1,
+    parser.add_argument("--tp", "--tensor-parallel-size", "--tp-size", type=int, default=1,
                         help="tensor-parallel ranks per scheduler replica: one scheduler process per rank, each "
                              "with 1/tp of the attention heads and MLP (heads must divide by it)")
     parser.add_argument("--tp-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",

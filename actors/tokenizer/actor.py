@@ -35,7 +35,7 @@ from ringserve.actors.tokenizer.prompt import PromptEncoder
 from ringserve.actors.tokenizer.reasoning import ReasoningPlanner
 from ringserve.actors.tokenizer.router import Router
 from ringserve.actors.tokenizer.grammar_check import GrammarChecker
-from ringserve.actors.tokenizer.validation import validate_sampling
+from ringserve.actors.tokenizer.validation import prompt_param, validate_sampling
 from ringserve.bus.params import PROCESSOR_KWARGS, SPECS, processor_kwargs
 from ringserve.bus.codec import DecodeError, encode, peek_field
 from ringserve.bus.connection import Delivery
@@ -53,6 +53,7 @@ from ringserve.observability.logging import log_event
 
 log = logging.getLogger("tokenizer")
 SCHEDULER_ACCEPT_TIMEOUT = 10.0
+WARM_UP_SECONDS = 30.0  # the most the grammar checker's warm-up holds back the tokenizer's ready
 KV_SNAPSHOT_TIMEOUT = 2.0
 
 
@@ -105,8 +106,22 @@ class TokenizerActor:
         self._ctx.on_drain.append(self._stop_intake)
         await self._ctx.bus.subscribe(self._ctx.subjects.heartbeat, Heartbeat, self._on_heartbeat)
         await self._ctx.bus.subscribe(self._ctx.subjects.kv_events_any, KvEvents, self._on_kv_events)
-        return {"context_length": self._context_length, "eos_token_ids": self._eos_ids,
+        grammars = await self._warm_grammars()
+        return {"context_length": self._context_length, "eos_token_ids": self._eos_ids, "grammars": grammars,
                 "reasoning_parser": self._reasoning.name, "default_sampling_params": self._defaults}
+
+    async def _warm_grammars(self) -> str:
+        """Warm the grammar checker before ready, at most `WARM_UP_SECONDS` (it goes on warming past that): "warm",
+        or "warming"."""
+        started = time.monotonic()
+        warming = asyncio.get_running_loop().run_in_executor(None, self._grammars.warm_up)
+        try:
+            await asyncio.wait_for(asyncio.shield(warming), WARM_UP_SECONDS)
+        except asyncio.TimeoutError:
+            log_event(log, logging.WARNING, "grammar checker still warming at ready", seconds=WARM_UP_SECONDS)
+            return "warming"
+        log_event(log, logging.INFO, "grammar checker warm", seconds=round(time.monotonic() - started, 2))
+        return "warm"
 
     async def _stop_intake(self) -> None:
         for sub in self._intake:
@@ -272,7 +287,7 @@ class TokenizerActor:
             right = SPECS["truncation_side"].read(req.sampling, "left") == "right"
             input_ids = input_ids[:keep] if right else input_ids[-keep:]
         sampling = validate_sampling(req.sampling, len(input_ids), self._context_length, self._encoder.vocab_size,
-                                     self._eos_ids, req.openai_names, self._defaults)
+                                     self._eos_ids, req.openai_names, self._defaults, prompt_param(req))
         reasoning = self._reasoning.plan(chat, sampling, req.sampling, req.openai_names) \
             if req.embed is None else None
         await self._grammars.check(sampling, req.openai_names)

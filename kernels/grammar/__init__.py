@@ -4,7 +4,8 @@ A `GrammarSpec` names a constraint (`json_object`, `json_schema`, `regex`, `ebnf
 structural tag, e.g. free text until a trigger string, then a tag whose content is constrained) and is the cache key.
 One `GrammarCompiler` per engine (per tokenizer) checks and compiles specs into `CompiledGrammar`s, cached by
 spec and LRU-bounded, synchronously or on a small thread pool so that compilation stays off the step path; the
-xgrammar backend parses and compiles in worker processes bounded in memory and time (`compile_pool`).
+xgrammar backend parses and compiles in worker processes bounded in memory and time (`compile_pool`). A server
+warms a compiler before its first request: `warm_up` compiles a tiny grammar, `start_workers` starts every worker.
 Each constrained request owns a `GrammarMatcher`: per step it fills its row of a packed int32 bitmask
 (`torch_bitmask`, xgrammar's layout), `apply_bitmask` masks the constrained rows of the batch's logits in one
 vectorised pass, and the sampled token is fed back with `accept_token`.
@@ -252,6 +253,16 @@ class GrammarCompiler(ABC):
             self._pending[spec] = future
         future.add_done_callback(lambda _: self._forget_pending(spec))
         return future
+
+    def warm_up(self) -> None:
+        """Compile a tiny grammar now (any JSON object, then cached like any other) so that the first request's
+        compile finds the backend loaded; raises what that compile raises."""
+        self.compile(GrammarSpec("json_object"))
+
+    def start_workers(self) -> int:
+        """Start every compile worker process this compiler may use at once (so compiles that come together find
+        none cold); how many run then. 0: this backend compiles in-process."""
+        return 0
 
     def cache_len(self) -> int:
         """How many compiled grammars (and cached failures) are held."""

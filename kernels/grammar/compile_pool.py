@@ -1,9 +1,11 @@
 """The parent's side of the grammar compile workers (`ringserve.kernels.grammar.compile_worker`): up to `size` child
 processes, each capped in memory, each request bounded in CPU time.
 
-A worker is started lazily (and the first one eagerly by the compiler) and kept for the next request. A request
-whose worker spends more than `time_limit` seconds of CPU on it gets the worker killed (SIGKILL: a native compile
-cannot be interrupted any other way) and a `WorkerFailure`; so does a worker that dies or hits its memory cap.
+A worker is started lazily (the first one eagerly by the compiler, the rest by `fill`, which the scheduler's
+warm-up calls so that compiles coming together after start-up find none cold) and kept for the next request. A
+request whose worker spends more than `time_limit` seconds of CPU on it gets the worker killed (SIGKILL: a native
+compile cannot be interrupted any other way) and a `WorkerFailure`; so does a worker that dies or hits its memory
+cap.
 CPU time, not wall time, is what a constraint costs: on a busy host a worker gets a fraction of a core, and a
 schema that compiles in 5 s alone must not fail there. Where the worker's CPU time cannot be read (no
 /proc), wall time counts instead; either way `WALL_GUARD` times the limit in wall time ends a request whatever
@@ -136,13 +138,30 @@ class WorkerPool:
         self.time_limit = time_limit
         self._on_stderr = on_stderr
         self._idle: list[CompileWorker] = []
-        self._count = 0
+        self._count = 0  # workers started or starting
+        self._starting = 0
         self._closed = False
         self._cond = threading.Condition()
 
     def start(self) -> None:
         """Start one worker now (so the first request does not pay for it)."""
         self._release(self._acquire())
+
+    def fill(self) -> int:
+        """Start workers until `size` run (each a cold start: seconds of CPU importing torch and xgrammar); how
+        many run or start then. WorkerFailure when one cannot be started (the next request tries again)."""
+        while True:
+            with self._cond:
+                if self._closed or self._count >= self._size:
+                    return self._count
+                self._count += 1
+            self._release(self._start_worker())
+
+    def running(self) -> int:
+        """How many worker processes have started and run (idle or compiling; not those still starting)."""
+        with self._cond:
+            busy = self._count - len(self._idle) - self._starting
+            return sum(1 for worker in self._idle if worker.alive()) + busy
 
     def request(self, message: dict[str, Any], time_limit: float | None = None) -> dict[str, Any]:
         """A worker's reply to `message` (see compile_worker's protocol); WorkerFailure when it has none.
@@ -182,11 +201,22 @@ class WorkerPool:
                     self._count += 1
                     break
                 self._cond.wait()
+        return self._start_worker()
+
+    def _start_worker(self) -> CompileWorker:
+        """A new worker, counted already (forgotten again when it cannot start)."""
+        with self._cond:
+            self._starting += 1
         try:
-            return CompileWorker(self._setup_line, self._on_stderr)
+            worker = CompileWorker(self._setup_line, self._on_stderr)
         except BaseException:
+            with self._cond:
+                self._starting -= 1
             self._forget(None)
             raise
+        with self._cond:
+            self._starting -= 1
+        return worker
 
     def _release(self, worker: CompileWorker) -> None:
         with self._cond:

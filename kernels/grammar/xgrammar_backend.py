@@ -228,6 +228,9 @@ class XGrammarCompiler(GrammarCompiler):
         """CPU seconds a worker may spend on one request before it is killed (compile_pool's docstring)."""
         return self._workers.time_limit
 
+    def start_workers(self) -> int:
+        return self._workers.fill()
+
     def _check(self, spec: GrammarSpec) -> None:
         self._precheck(spec)
         self._ask("check", spec)

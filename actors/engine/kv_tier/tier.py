@@ -5,8 +5,11 @@ A block is `block` tokens of one prefix, identified by the chained hash the radi
 the weights (sampled bytes of every parameter and buffer, so an update of the weights, another checkpoint or
 another quantization keys apart), the kernel each quantized linear shape and row count runs (kernels round
 differently: a plan measured again after a restart may choose others), and the pool's layout and dtype.
-A block's K/V is saved when the prefix cache evicts it and loaded into fresh pool slots when a request's
-prompt continues past its cached prefix with blocks the store holds (`CacheManager.admit`).
+A block's K/V is saved when the prefix cache evicts it (with `--kv-tier-write-through`, already when it becomes
+a cached prefix block) and loaded into fresh pool slots when a request's prompt continues past its cached prefix
+with blocks the store holds (`CacheManager.admit`). A graceful stop saves the blocks still cached (`save_cached`:
+most recently used first, within the store's bound and `KV_TIER_STOP_SAVE_SECONDS` of actors/engine/config.py), so
+a restart on the same directory answers them from disk.
 
 Loading is used while it is faster than computing: after `JUDGE_AFTER` loads, their average seconds per token
 is compared with the engine's prefill seconds per token (`note_prefill`); a tier slower than prefill on this
@@ -18,11 +21,12 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from ringserve.actors.engine.kv_tier.store import BlockStore
+from ringserve.actors.engine.kv_tier.store import CHECKSUM_BYTES, BlockStore
 from ringserve.observability.logging import log_event
 
 log = logging.getLogger("engine.kv_tier")
@@ -45,8 +49,10 @@ def weights_fingerprint(model: torch.nn.Module, extra: str = "") -> str:
 class KVTier:
     """Saves evicted blocks of `pool` to `store` and loads them back, under `namespace`."""
 
-    def __init__(self, pool: Any, store: BlockStore, block: int, namespace: str) -> None:
+    def __init__(self, pool: Any, store: BlockStore, block: int, namespace: str, write_through: bool = False) -> None:
+        """`write_through`: save each block as it becomes a cached prefix block (`keep`), not only when evicted."""
         self.pool, self.store, self.block, self.namespace = pool, store, block, namespace
+        self.write_through = write_through
         self.saved_blocks = self.loaded_blocks = self.loaded_bytes = 0
         self.load_seconds = 0.0
         self._loads = self._loaded_tokens = 0
@@ -60,8 +66,52 @@ class KVTier:
     def save(self, blocks: list[tuple[bytes, torch.Tensor]]) -> None:
         """Keep each `(hash, slots)` block's K/V (`block` slots of the pool, in token order)."""
         for block_hash, slots in blocks:
-            self.store.put(self.key(block_hash), self.payload(slots))
-            self.saved_blocks += 1
+            self.saved_blocks += self.store.put(self.key(block_hash), self.payload(slots))
+
+    def keep(self, blocks: list[tuple[bytes, torch.Tensor]]) -> None:
+        """Write-through: save each `(hash, slots)` block the store lacks (one loaded from it is there already)."""
+        for block_hash, slots in blocks:
+            key = self.key(block_hash)
+            if key in self.store:
+                self.store.touch([key])
+            else:
+                self.saved_blocks += self.store.put(key, self.payload(slots))
+
+    def save_cached(self, blocks: Iterable[tuple[bytes, torch.Tensor]], seconds: float) -> dict[str, Any]:
+        """Save `blocks` (the prefix cache's, most recently used first, each after the blocks of its prefix) until
+        the store's bound is full of them or `seconds` have passed; blocks the store holds already are kept, not
+        written again. Older blocks of the store make room, and the first of `blocks` ends the most recently used
+        (the last out). Returns what was done (logged)."""
+        started = time.monotonic()
+        room = self.store.max_bytes // (self.block_bytes + CHECKSUM_BYTES)
+        kept: list[str] = []
+        seen: set[str] = set()
+        written, complete = 0, True
+        for block_hash, slots in blocks:
+            key = self.key(block_hash)
+            if key in seen:
+                continue
+            if len(kept) >= room or time.monotonic() - started >= seconds:
+                complete = False
+                break
+            seen.add(key)
+            if key in self.store:
+                self.store.touch([key])  # kept now: never the least recently used while the others are written
+            elif self.store.put(key, self.payload(slots)):
+                written += 1
+            else:  # the disk refused it (logged by the store): its descendants could never load
+                complete = False
+                break
+            kept.append(key)
+        self.store.touch(reversed(kept))
+        self.saved_blocks += written
+        report = {"written_blocks": written, "kept_blocks": len(kept), "complete": complete,
+                  "seconds": round(time.monotonic() - started, 3)}
+        log_event(log, logging.INFO if complete else logging.WARNING,
+                  "saved the cached prefix blocks to the KV tier" if complete else
+                  "saved the most recently used cached prefix blocks to the KV tier; the rest did not fit its "
+                  "bound or time limit", **report)
+        return report
 
     def present(self, hashes: list[bytes]) -> int:
         """How many of `hashes`, from the first, the store holds (nothing while loading is off)."""
@@ -150,14 +200,14 @@ class KVTier:
 
 
 def make_tier(pool: Any, model: torch.nn.Module, config: Any) -> KVTier:
-    """The tier `config` asks for (`--kv-tier-bytes`, `--kv-tier-dir`) over `pool`, keyed by `model`'s weights,
-    its quantization and the pool's layout."""
+    """The tier `config` asks for (`--kv-tier-bytes`, `--kv-tier-dir`, `--kv-tier-write-through`) over `pool`,
+    keyed by `model`'s weights, its quantization and the pool's layout."""
     from pathlib import Path
 
     from ringserve.bus.kv_blocks import BLOCK
 
     store = BlockStore(config.kv_tier_bytes, Path(config.kv_tier_dir) if config.kv_tier_dir else None)
-    return KVTier(pool, store, BLOCK, namespace_of(pool, model))
+    return KVTier(pool, store, BLOCK, namespace_of(pool, model), config.kv_tier_write_through)
 
 
 def namespace_of(pool: Any, model: torch.nn.Module) -> str:

@@ -4,7 +4,8 @@ Every pool slot is in exactly one place: free, held by the prefix cache (evictab
 running request uses it), or held privately by one request (its table-row slots past its cached prefix).
 `check_integrity` asserts that partition; the engine runs it in tests and when idle.
 
-With a KV tier (`tier`, actors/engine/kv_tier/), blocks the prefix cache evicts are saved there, and admitting a
+With a KV tier (`tier`, actors/engine/kv_tier/), blocks the prefix cache evicts are saved there (with write-through,
+already when they are cached), a graceful stop saves the blocks still cached (`save_to_tier`), and admitting a
 request loads the tier's blocks that continue its cached prefix into free slots, which join the prefix cache
 as if computed.
 """
@@ -12,6 +13,7 @@ as if computed.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -34,9 +36,20 @@ class CacheManager:
         self.tier: KVTier | None = None
 
     def use_tier(self, tier: KVTier) -> None:
-        """Save evicted blocks to `tier` and load from it on admission (needs the radix prefix cache)."""
+        """Save evicted blocks to `tier` (and each new cached block, if it writes through) and load from it on
+        admission (needs the radix prefix cache)."""
         self.tier = tier
-        self.prefix_cache.on_evict = tier.save  # type: ignore[attr-defined]  # the radix cache's hook
+        # the radix cache's hooks; written through, an evicted block is on disk already (unless the bound dropped it)
+        self.prefix_cache.on_evict = tier.keep if tier.write_through else tier.save  # type: ignore[attr-defined]
+        if tier.write_through:
+            self.prefix_cache.on_store = tier.keep  # type: ignore[attr-defined]
+
+    def save_to_tier(self, seconds: float) -> dict[str, Any]:
+        """Save the cached prefix blocks to an on-disk tier, most recently used first, within its bound and
+        `seconds` (`KVTier.save_cached`); {} without a tier in files (one in memory ends with the process)."""
+        if self.tier is None or self.tier.store.directory is None:
+            return {}
+        return self.tier.save_cached(self.prefix_cache.cached_blocks(), seconds)
 
     @property
     def num_free(self) -> int:

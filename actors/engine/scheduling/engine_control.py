@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable
 
+from ringserve.actors.engine.config import KV_TIER_STOP_SAVE_SECONDS
 from ringserve.actors.engine.models.weight_swap import swap_engine_weights
 from ringserve.bus.messages import SchedulerInfo
 from ringserve.observability.logging import log_event
@@ -53,6 +54,11 @@ class EngineControl:
     def flush_cache(self) -> int:
         """Drop every cached prefix no live request uses; returns the number of KV slots freed."""
         return self.cache.flush()
+
+    def keep_prefix_cache(self) -> dict[str, Any]:
+        """Stopping gracefully: save the cached prefix blocks to the KV tier's directory, most recently used first,
+        within its bound and `KV_TIER_STOP_SAVE_SECONDS`, so a restart answers them from disk; {} without one."""
+        return self.cache.save_to_tier(KV_TIER_STOP_SAVE_SECONDS)
 
     def kv_events(self) -> tuple[list[bytes], list[bytes]]:
         """Block hashes the prefix cache stored and evicted since the last call (`BasePrefixCache.take_block_events`)."""

@@ -5,12 +5,30 @@ wait in the prefill queue until its grammar is compiled: `submit` starts the com
 thread pool (cached per constraint, so repeated schemas cost microseconds) and `collect` hands the request on
 once it is ready, or fails it when the grammar is invalid, too large or took more than `compile_timeout` CPU
 seconds to compile. No step ever waits for a compilation; when nothing else can run, `wait` sleeps until one
-finishes. The compiler itself (xgrammar, and transformers' tokenizer that it reads) is made on a thread of its
-own with the first constrained request, so no step waits for that either. The compilation itself runs in a
-compile worker process capped in memory and killed past `compile_timeout` CPU seconds
-(kernels/grammar/compile_pool.py, which also bounds its wall time), so no grammar can grow the scheduler's
-memory or keep its request waiting without end. Making the compiler and queueing for a worker do not count
-against a request: on a busy host they can take longer than the compile itself.
+finishes. The compilation itself runs in a compile worker process capped in memory and killed past
+`compile_timeout` CPU seconds (kernels/grammar/compile_pool.py, which also bounds its wall time), so no grammar
+can grow the scheduler's memory or keep its request waiting without end. Making the compiler and queueing for a
+worker do not count against a request: on a busy host they can take longer than the compile itself.
+
+Warm-up (`warm_up`, which the scheduler calls as soon as its engine is built): making the compiler (xgrammar,
+transformers' tokenizer that it reads, the tokenizer info) and starting a compile worker (a process that imports
+torch and xgrammar) cost seconds of CPU, and tens of seconds on a loaded 2-core host; made lazily they fell on
+the first constrained request, and every chat with tools is one (its lazy tool-call grammar). So they are made
+on a thread of their own while the scheduler starts, off the step path, and one tiny grammar (`json_object`) is
+compiled to load the rest. The scheduler's `ready` waits for that (`wait_warm`), at most `WARM_READY_SECONDS`,
+and its ready detail says `grammars: warm` (or "warming" past the bound). Waiting is the faster start for a
+client: the entry opens its port only once the scheduler is ready, so a warm-up behind `ready` would overlap
+little but the entry's start, and the first request would then wait for it instead (a "ready" ring that is not).
+Before `ready` it runs beside the tokenizer's and detokenizer's start and the decode graphs' background compile:
+a few seconds on a quiet host, 25 s measured on a 2-core host at load 7. Past the bound `ready` goes out anyway
+(an overloaded host is not held for minutes) and the first request waits for the rest, saying so. The other
+workers (one per compile thread) start after that, in the background: only compiles that come together need
+them, and `ready` need not wait for their imports. Without a warm-up (an engine outside the scheduler) the first
+constrained request still makes the compiler, as before.
+
+A request whose grammar took longer than `WAIT_NOTE_SECONDS` (for the compiler, a worker or its compile) says so
+in one log line with its rid and where the time went, and through `on_wait` (the scheduler's request spans: an
+event on its trace).
 
 Each admitted constrained request owns a `GrammarMatcher` (`Req.matcher`). Before sampling, `bitmask` fills
 one packed row per constrained sampling row from its matcher; the sampler masks those rows only, so
@@ -32,7 +50,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,8 +62,21 @@ from ringserve.actors.engine.scheduling.reasoning_gate import Spacing, whitespac
 from ringserve.actors.engine.scheduling.request import Req
 from ringserve.bus.errors import ApiError, server_error
 from ringserve.kernels.grammar import GrammarCompiler, GrammarError, GrammarSpec, allocate_bitmask
+from ringserve.observability.logging import log_event
 
 log = logging.getLogger("engine.grammar")
+WAIT_NOTE_SECONDS = 1.0  # a request whose grammar took longer than this says why (log line, `on_wait`)
+WARM_READY_SECONDS = 30.0  # the most the scheduler's ready waits for the warm-up (`wait_warm`)
+
+
+@dataclass
+class _Timing:
+    """When a request asked for its grammar, when its compiler was there, and when the grammar was
+    (time.monotonic)."""
+
+    submitted: float
+    compiler_at: float | None = None
+    done_at: float | None = None
 
 
 class GrammarManager:
@@ -54,7 +88,11 @@ class GrammarManager:
         self.compile_timeout = compile_timeout
         self._compiler: concurrent.futures.Future[GrammarCompiler] | None = None
         self.pending: dict[str, tuple[Req, concurrent.futures.Future[Any]]] = {}
+        self._timings: dict[str, _Timing] = {}
+        self._warm: concurrent.futures.Future[str] | None = None
         self._spacing: Spacing | None = None
+        # told `(rid, where its time went)` of a request that waited for its grammar (on the engine's thread)
+        self.on_wait: Callable[[str, dict[str, Any]], None] | None = None
 
     def spacing(self) -> Spacing | None:
         """The vocabulary's whitespace-only tokens (found once, on first use), which a reasoning request's
@@ -71,14 +109,61 @@ class GrammarManager:
         kind, source = req.params.grammar  # type: ignore[misc]  # only constrained requests come here
         if self._tokenizer is None:
             return server_error("output constraints need a tokenizer, and this engine has none")
+        timing = self._timings[req.rid] = _Timing(time.monotonic())
+        self.pending[req.rid] = (req, _then_compile(self._start_compiler(), GrammarSpec(kind, source), timing))
+        return None
+
+    def warm_up(self) -> concurrent.futures.Future[str]:
+        """Make the compiler and warm it now, off the step path (the module's docstring): a future of "warm", or
+        of why not ("failed: ...", "off: ..."). Calling it again returns the same future."""
+        if self._warm is None:
+            self._warm = concurrent.futures.Future()
+            if self._tokenizer is None:
+                self._warm.set_result("off: this engine has no tokenizer")
+            else:
+                threading.Thread(target=self._warm_compiler, args=(self._start_compiler(), self._warm),
+                                 name="grammar-warm", daemon=True).start()
+        return self._warm
+
+    def warm_state(self) -> str:
+        """"warm", "warming", "cold" (no warm-up asked for), or why not ("failed: ...", "off: ...")."""
+        if self._warm is None:
+            return "cold"
+        return self._warm.result() if self._warm.done() else "warming"
+
+    def wait_warm(self, timeout: float = WARM_READY_SECONDS) -> str:
+        """Block until the warm-up is done, at most `timeout` seconds; `warm_state()` then."""
+        if self._warm is not None:
+            concurrent.futures.wait([self._warm], timeout=timeout)
+        return self.warm_state()
+
+    def _start_compiler(self) -> concurrent.futures.Future[GrammarCompiler]:
         if self._compiler is None:
-            # the first constrained request makes the compiler (xgrammar and transformers' tokenizer, which it
-            # reads: seconds) on a thread of its own, so no step waits for that either
+            # xgrammar and transformers' tokenizer, which it reads: seconds, on a thread of its own
             setup = concurrent.futures.ThreadPoolExecutor(1, "grammar-setup")
             self._compiler = setup.submit(self._make_compiler)
             setup.shutdown(wait=False)  # the thread ends when the compiler is made
-        self.pending[req.rid] = (req, _then_compile(self._compiler, GrammarSpec(kind, source)))
-        return None
+        return self._compiler
+
+    @staticmethod
+    def _warm_compiler(compiler: concurrent.futures.Future[GrammarCompiler],
+                       warm: concurrent.futures.Future[str]) -> None:
+        started = time.monotonic()
+        try:
+            made = compiler.result()
+            made_s = time.monotonic() - started
+            made.warm_up()
+        except Exception as exc:  # the first request tries again (and fails with the reason if it must)
+            log_event(log, logging.WARNING, "warming the grammar compiler failed", error=repr(exc)[:300])
+            warm.set_result(f"failed: {exc!r}"[:300])
+            return
+        log_event(log, logging.INFO, "grammar compiler warm", seconds=round(time.monotonic() - started, 2),
+                  compiler_s=round(made_s, 2))
+        warm.set_result("warm")
+        try:
+            made.start_workers()
+        except Exception as exc:  # a compile that needs one starts it (and says so if it fails)
+            log_event(log, logging.WARNING, "starting the grammar compile workers failed", error=repr(exc)[:300])
 
     def _make_compiler(self) -> GrammarCompiler:
         from ringserve.actors.common.text_tokenizer import transformers_tokenizer
@@ -95,6 +180,7 @@ class GrammarManager:
         for rid, (req, future) in list(self.pending.items()):
             if future.done():
                 del self.pending[rid]
+                self._note_wait(rid, self._timings.pop(rid, None))
                 try:
                     req.matcher = future.result().matcher()
                     ready.append(req)
@@ -107,7 +193,29 @@ class GrammarManager:
 
     def remove(self, req: Req) -> bool:
         """Forget a request still compiling (an abort); False if it is not here."""
+        self._timings.pop(req.rid, None)
         return self.pending.pop(req.rid, None) is not None
+
+    def _note_wait(self, rid: str, timing: _Timing | None) -> None:
+        """Say where the time went (log, `on_wait`) when `rid` waited longer than WAIT_NOTE_SECONDS."""
+        if timing is None:
+            return
+        done = timing.done_at if timing.done_at is not None else time.monotonic()
+        if done - timing.submitted <= WAIT_NOTE_SECONDS:
+            return
+        compiler_at = timing.compiler_at if timing.compiler_at is not None else done
+        compiler_s, compile_s = compiler_at - timing.submitted, done - compiler_at
+        fields: dict[str, Any] = {
+            "waited_s": round(done - timing.submitted, 2),
+            "waited_for": "the compiler being made" if compiler_s >= compile_s
+            else "a compile worker or the compile itself",
+            "compiler_s": round(compiler_s, 2), "compile_s": round(compile_s, 2), "warm_up": self.warm_state()}
+        log_event(log, logging.INFO, "constrained request waited for its grammar", rid=rid, **fields)
+        if self.on_wait is not None:
+            try:
+                self.on_wait(rid, fields)
+            except Exception:  # the trace's loss, never the step's
+                log.exception("noting the grammar wait of %s failed", rid)
 
     def wait(self, timeout: float) -> None:
         """Block until a compilation finishes, at most `timeout` seconds (when nothing else can run)."""
@@ -184,12 +292,14 @@ class GrammarManager:
         return forced
 
 
-def _then_compile(compiler: concurrent.futures.Future[GrammarCompiler],
-                  spec: GrammarSpec) -> concurrent.futures.Future[Any]:
-    """A future of `spec` compiled once `compiler` is made (at once when it is); its error when it failed."""
+def _then_compile(compiler: concurrent.futures.Future[GrammarCompiler], spec: GrammarSpec,
+                  timing: _Timing) -> concurrent.futures.Future[Any]:
+    """A future of `spec` compiled once `compiler` is made (at once when it is); its error when it failed.
+    `timing` is told when the compiler was there and when the grammar was."""
     out: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
     def copy(done: concurrent.futures.Future[Any]) -> None:
+        timing.done_at = time.monotonic()
         error = done.exception()
         if error is not None:
             out.set_exception(error)
@@ -197,6 +307,7 @@ def _then_compile(compiler: concurrent.futures.Future[GrammarCompiler],
             out.set_result(done.result())
 
     def compile_with(made: concurrent.futures.Future[GrammarCompiler]) -> None:
+        timing.compiler_at = time.monotonic()
         if made.exception() is not None:
             copy(made)
         else:

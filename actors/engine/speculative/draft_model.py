@@ -54,7 +54,8 @@ def load_draft_engine(engine_class: Any, config: Any, tokenizer: Any) -> Any:
     draft = engine_class.from_source(source, dataclasses.replace(
         config, quantization=quantization, speculative_algorithm="none", speculative_draft_model_path="",
         overlap_schedule="off", enable_lora=False, lora_modules="", lora_dir="",  # adapters fit the target only
-        kv_tier_bytes=0, kv_tier_dir=""))  # the tier (one bound, one directory) is the served model's alone
+        kv_tier_bytes=0, kv_tier_dir="",  # the tier (one bound, one directory) is the served model's alone
+        kv_tier_write_through=False))
     check_same_tokenizer(tokenizer, draft.tokenizer, config.speculative_draft_model_path)
     return draft
 

@@ -8,7 +8,7 @@ eviction. It knows nothing about requests; callers pin what they use through han
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -91,3 +91,8 @@ class BasePrefixCache(ABC):
     def held_blocks(self) -> list[bytes]:
         """The hashes of every whole block the cache holds now (what `take_block_events` adds up to)."""
         return []
+
+    def cached_blocks(self) -> Iterator[tuple[bytes, torch.Tensor]]:
+        """Every whole block the cache holds as `(hash, slots)`, the most recently used first, each after the
+        blocks of its prefix (what a graceful stop saves to the KV tier); none by default."""
+        return iter(())

@@ -75,6 +75,8 @@ class RadixPrefixCache(BasePrefixCache):
         self._protected = 0
         # told each evicted node's whole blocks, `(hash, slots)`, before their slots are freed (the KV tier)
         self.on_evict: Callable[[list[tuple[bytes, torch.Tensor]]], None] | None = None
+        # told each new leaf's whole blocks, `(hash, slots)`, once inserted (the KV tier's write-through)
+        self.on_store: Callable[[list[tuple[bytes, torch.Tensor]]], None] | None = None
 
     # --- matching and inserting -------------------------------------------------------------------------
 
@@ -96,6 +98,8 @@ class RadixPrefixCache(BasePrefixCache):
             node.children[ids[present]] = leaf
             self._evictable += len(leaf.key)
             self._store_blocks(leaf, ids)
+            if self.on_store is not None and leaf.blocks:
+                self.on_store(self._block_slots(leaf))
         return present
 
     def _store_blocks(self, leaf: RadixNode, ids: list[int]) -> None:
@@ -131,6 +135,13 @@ class RadixPrefixCache(BasePrefixCache):
 
     def held_blocks(self) -> list[bytes]:
         return [h for node in self._nodes() for h in node.blocks]
+
+    def cached_blocks(self) -> Iterator[tuple[bytes, torch.Tensor]]:
+        # A walk touches every node it passes, so a node is never used more recently than its parent: ordered by
+        # last use, then depth, a node's blocks come after those of its whole prefix.
+        nodes = sorted((n for n in self._nodes() if n.blocks), key=lambda n: (-n.last_access, n.depth, n.uid))
+        for node in nodes:
+            yield from self._block_slots(node)
 
     def _root_for(self, salt: str | None) -> RadixNode:
         """The root of `salt`'s tree (made on first use); the shared root without one."""
