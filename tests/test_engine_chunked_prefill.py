@@ -169,3 +169,27 @@ def test_a_prompt_too_long_to_run_beside_the_chunked_one_is_chunked_too(referenc
     assert admitted["medium"] == 1 and admitted["short"] == 2, admitted
     engine.abort_all()
     engine.check_integrity()
+
+
+def test_long_prompts_that_together_overfill_the_pool_all_finish(reference: dict[str, Any]) -> None:
+    """Six 1,556-token prompts at once in a 4,096-slot pool, prefilled in 256-token chunks: a prompt becomes
+    chunked only when all of it fits beside what the chunked prompts still have to compute, so chunked prompts
+    never fill the pool between them with none able to go on (it deadlocked: every slot held by four
+    half-prefilled prompts, nothing running to free one)."""
+    hf = reference["hf"]
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 512, (1556,), generator=gen).tolist() for _ in range(6)]
+    engine = engine_for(hf, chunked_prefill_size=256, max_prefill_tokens=256, max_total_tokens=4096)
+    for i, prompt in enumerate(prompts):
+        assert engine.add_request(TokenizedRequest(f"r{i}", prompt, greedy(4, stop_token_ids=[EOS]))) is None
+    rows: dict[str, list[Any]] = {}
+    for _ in range(500):  # about 6 × 1556 / 256 prefill steps and the decodes: far fewer; a deadlock never ends
+        if not engine.has_work():
+            break
+        for row in engine.step():
+            rows.setdefault(row.rid, []).append(row)
+        engine.check_integrity()
+    assert not engine.has_work(), f"stuck: {engine.stats()}"
+    for i, prompt in enumerate(prompts):
+        assert_greedy_matches(hf, prompt, hf_greedy(hf, prompt, 4, EOS), tokens_of(rows[f"r{i}"]))
+    assert engine.stats().kv_running_tokens == 0

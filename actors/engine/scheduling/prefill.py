@@ -10,8 +10,11 @@ step's budget goes to waiting requests in policy order; whatever of the budget t
 all) goes back to the chunked requests. A waiting prompt that does not fit whole in what is left becomes
 chunked itself; with `MAX_CHUNKED` already chunked, or when a chunked prompt shares half a chunk or more of it
 beyond what is cached (it waits for that prefix to be cached, not computing it twice), it is passed over for
-this step, never holding up the prompts behind it (it used to wait, with everything behind it, until the chunked prompt was done: a 4-token
-prompt behind a 1,000-token one waited 31 steps, the whole prefill of the 1,000-token prompt beside them).
+this step, never holding up the prompts behind it (it used to wait, with everything behind it, until the chunked
+prompt was done: a 4-token prompt behind a 1,000-token one waited 31 steps, the whole prefill of the 1,000-token
+prompt beside them). A prompt becomes chunked only when all of it fits in the KV slots beside what the chunked
+prompts still have to compute; otherwise it waits for memory, in order: chunked prompts could else fill the pool
+between them, none able to finish and nothing left to free a slot (six 3k-token prompts in an 8k pool did).
 
 The bound: every step starts with at least C//2 tokens of budget for the waiting queue, so at least its head
 is admitted (whole or as a first chunk) or passed over, unless the KV slots, the free rows or the running cap
@@ -121,6 +124,11 @@ class PrefillManager:
             if not fits:
                 self.cache.cache_req(req, finished=True)  # undo the admission: unlock, give the row back
                 break
+            if n < need and need + self._chunked_left() + running_after > self.cache.available:
+                # chunked, it would share the pool with the chunked prompts until they all could hold it no more,
+                # none able to go on and nothing running to free a slot: it waits for memory, in order
+                self.cache.cache_req(req, finished=True)
+                break
             if n < need and (len(self.chunking) >= MAX_CHUNKED or self._shares_a_chunk(req, cap)):
                 self.cache.cache_req(req, finished=True)  # passed over: the prompts behind it may still fit
                 continue
@@ -157,6 +165,10 @@ class PrefillManager:
             else:
                 index[id(req)] = len(planned)
                 planned.append((req, extra))
+
+    def _chunked_left(self) -> int:
+        """Tokens the chunked prompts have still to compute (each a slot they will take)."""
+        return sum(req.uncached_len for req in self.chunking)
 
     def _fit(self, req: Req, n: int, room: int) -> int:
         """`n` tokens of `req`'s next chunk moved off the inside of an image that must be computed whole
