@@ -86,7 +86,7 @@ def _kernels_build() -> dict:
 
         def run(self) -> None:
             if self.inplace and all(_is_current(self._inplace_file(ext), torch.__version__) for ext in self.extensions):
-                return  # an editable install over a current build (setup.sh run again): no 30 s rebuild
+                return  # an editable install over a current build (setup.sh run again): no rebuild of minutes
             try:
                 super().run()
             except Exception as exc:  # no compiler, a failed compile or link: install without the library

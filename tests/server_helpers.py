@@ -105,7 +105,8 @@ def start_server(model: str, nats_url: str | None = None, extra: list[str] | Non
         try:
             return _start_server(model, nats_url, extra, timeout)
         except RuntimeError as exc:
-            if "address already in use" not in str(exc) or attempt == PORT_TRIES - 1:
+            # taken before the launcher's check (its one line) or before the entry bound it (uvicorn's error)
+            if "already in use" not in str(exc) or attempt == PORT_TRIES - 1:
                 raise
     raise AssertionError("unreachable")
 

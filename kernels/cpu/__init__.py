@@ -13,7 +13,7 @@ they trace into a `torch.compile` graph. Their CPU implementation is the C++ lib
 1. built at `pip install` (setup.py) as `_ringserve_cpu.so` beside this file; it loads only when its record
    (`_ringserve_cpu.json`) names the current sources' hash and torch version, so an edited .cpp never runs
    a stale build;
-2. else JIT-built on first use with `torch.utils.cpp_extension.load` (about 30 s, once per host, sources
+2. else JIT-built on first use with `torch.utils.cpp_extension.load` (minutes on 2 cores, once per host, sources
    and torch version) into `~/.cache/ringserve/torch_extensions` (or `$RINGSERVE_CACHE/torch_extensions`), one
    directory per torch version and sources' digest;
 3. else, when it cannot be built (no compiler, no ninja, a CPU without AVX2), the torch reference of the
