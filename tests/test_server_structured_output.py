@@ -1,5 +1,4 @@
-"""Structured output against the real ring: the scheduler's grammar compiler and the tokenizer's grammar checker
-are warm before they report ready;
+"""Structured output against the real ring:
 `response_format` (json_object, json_schema), vLLM's `guided_*`, and native `json_schema`, `regex`, `ebnf` on
 /generate give output that parses and validates every time (greedy, sampled, streamed, n > 1, warm prefix
 cache); max_tokens cutting JSON short finishes with `length`; an unconstrained request batched beside a
@@ -50,17 +49,6 @@ def chat(server: ServerHandle, **body: Any) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def client(smollm_server: ServerHandle) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{smollm_server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-def test_grammars_are_warm_before_the_scheduler_is_ready(smollm_server: ServerHandle) -> None:
-    """The scheduler made its grammar compiler, started a compile worker and compiled a first grammar before it
-    reported ready (actors/engine/scheduling/grammar.py's warm-up), and the tokenizer its grammar checker
-    (actors/tokenizer/grammar_check.py): no first request pays for either."""
-    log = smollm_server.log()
-    warm, ready = log.find("grammar compiler warm"), log.find("actor ready actor=scheduler0")
-    assert 0 <= warm < ready, log[-3000:]
-    checked, tokenizer_ready = log.find("grammar checker warm"), log.find("actor ready actor=tokenizer0")
-    assert 0 <= checked < tokenizer_ready, log[-3000:]
 
 
 def test_json_object_and_json_schema_greedy(smollm_server: ServerHandle) -> None:

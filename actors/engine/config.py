@@ -139,6 +139,9 @@ class EngineConfig:
     grammar_compile_timeout: float = field(default=30.0, metadata=_flag(
         "CPU seconds an output constraint (json_schema, regex, ebnf) may take to compile before its request fails "
         "(on a busy host its wall time may reach 10 times that); compiling never delays other requests"))
+    grammar_warm_up: bool = field(default=False, metadata=_flag(
+        "make the grammar compiler and start a compile worker before the scheduler reports ready, so the first "
+        "constrained request (a JSON schema, a tool call) does not wait for them (a worker holds about 280 MB)"))
     disable_jump_forward: bool = field(default=False, metadata=_flag(
         "decode the tokens an output constraint forces one step each, instead of appending them at once"))
     speculative_algorithm: str = field(default="none", metadata=_flag(

@@ -391,8 +391,9 @@ async def scheduler_main(ctx: ActorContext, model: str, config: EngineConfig,
     if engine is None:
         engine = await on_engine_thread(Engine.from_source, resolve_model(model), config)
         engine.start_decode_graphs()
-    grammars = getattr(engine, "grammars", None)  # Engine's GrammarManager; warmed before ready (grammar.py)
-    if grammars is not None:
+    grammars = getattr(engine, "grammars", None)  # Engine's GrammarManager (grammar.py)
+    warm = grammars is not None and config.grammar_warm_up  # --grammar-warm-up: warmed before ready
+    if warm:
         grammars.warm_up()
     serial_torch_on_this_thread()
     actor = SchedulerActor(ctx, engine, admission, load_weights, config.stream_interval,
@@ -401,6 +402,6 @@ async def scheduler_main(ctx: ActorContext, model: str, config: EngineConfig,
     if grammars is not None:
         grammars.on_wait = actor._spans.grammar_waited  # a request's wait for its grammar, on its trace
     detail = await actor.start()
-    if grammars is not None:
+    if warm:
         detail["grammars"] = await on_passing_thread(grammars.wait_warm, name="grammar-warm-wait")
     return detail

@@ -53,7 +53,6 @@ from ringserve.observability.logging import log_event
 
 log = logging.getLogger("tokenizer")
 SCHEDULER_ACCEPT_TIMEOUT = 10.0
-WARM_UP_SECONDS = 30.0  # the most the grammar checker's warm-up holds back the tokenizer's ready
 KV_SNAPSHOT_TIMEOUT = 2.0
 
 
@@ -106,22 +105,8 @@ class TokenizerActor:
         self._ctx.on_drain.append(self._stop_intake)
         await self._ctx.bus.subscribe(self._ctx.subjects.heartbeat, Heartbeat, self._on_heartbeat)
         await self._ctx.bus.subscribe(self._ctx.subjects.kv_events_any, KvEvents, self._on_kv_events)
-        grammars = await self._warm_grammars()
-        return {"context_length": self._context_length, "eos_token_ids": self._eos_ids, "grammars": grammars,
+        return {"context_length": self._context_length, "eos_token_ids": self._eos_ids,
                 "reasoning_parser": self._reasoning.name, "default_sampling_params": self._defaults}
-
-    async def _warm_grammars(self) -> str:
-        """Warm the grammar checker before ready, at most `WARM_UP_SECONDS` (it goes on warming past that): "warm",
-        or "warming"."""
-        started = time.monotonic()
-        warming = asyncio.get_running_loop().run_in_executor(None, self._grammars.warm_up)
-        try:
-            await asyncio.wait_for(asyncio.shield(warming), WARM_UP_SECONDS)
-        except asyncio.TimeoutError:
-            log_event(log, logging.WARNING, "grammar checker still warming at ready", seconds=WARM_UP_SECONDS)
-            return "warming"
-        log_event(log, logging.INFO, "grammar checker warm", seconds=round(time.monotonic() - started, 2))
-        return "warm"
 
     async def _stop_intake(self) -> None:
         for sub in self._intake:

@@ -4,9 +4,8 @@ admission.
 The constraint is parsed by the same grammar backend the engine compiles it with (`ringserve.kernels.grammar`), so an
 invalid one is a 400 naming its parameter and never reaches the scheduler. Parsing is cached per constraint
 and runs off the event loop, in the backend's compile worker process (bounded in memory and time, and what
-xgrammar prints about a client's grammar never reaches this actor's log raw); the backend is loaded and its
-worker started before the actor reports ready (`warm_up`, bounded by `WARM_UP_SECONDS` in the actor), off the
-event loop, so the first constrained request does not wait for them.
+xgrammar prints about a client's grammar never reaches this actor's log raw); the backend is loaded, also off
+the event loop, on the first constrained request.
 
 A `structural_tag` in a request with OpenAI names can only be the lazy grammar of `tool_choice: "auto"` (OpenAI
 bodies cannot set the parameter): its errors name `tools`, and a tag this model's vocabulary cannot enter (its
@@ -60,13 +59,6 @@ class GrammarChecker:
                 detail = message.removeprefix("invalid structural tag: ").removeprefix("its JSON schema: ")
                 message = f"a tool's parameters schema cannot be enforced (tool_choice auto enforces it): {detail}"
             raise ApiError(message[:1000], param=_param(kind, openai_names)) from exc
-
-    def warm_up(self) -> None:
-        """Make the compiler and check a first constraint (its worker process started and loaded), so that the
-        first constrained request after ready does not wait for either (blocking: run it off the event loop)."""
-        from ringserve.kernels.grammar import GrammarSpec
-
-        self._compiler_for().check(GrammarSpec("json_object"))
 
     def _compiler_for(self) -> Any:
         with self._lock:  # two first requests at once make one compiler (and one worker process)

@@ -10,7 +10,9 @@ finishes. The compilation itself runs in a compile worker process capped in memo
 can grow the scheduler's memory or keep its request waiting without end. Making the compiler and queueing for a
 worker do not count against a request: on a busy host they can take longer than the compile itself.
 
-Warm-up (`warm_up`, which the scheduler calls as soon as its engine is built): making the compiler (xgrammar,
+Warm-up (`warm_up`, which the scheduler calls as soon as its engine is built with `--grammar-warm-up`; off by
+default, since each compile worker holds about 280 MB and a host running many small rings, as the test suite
+does, ran out of memory with every ring's workers started): making the compiler (xgrammar,
 transformers' tokenizer that it reads, the tokenizer info) and starting a compile worker (a process that imports
 torch and xgrammar) cost seconds of CPU, and tens of seconds on a loaded 2-core host; made lazily they fell on
 the first constrained request, and every chat with tools is one (its lazy tool-call grammar). So they are made
@@ -23,8 +25,8 @@ Before `ready` it runs beside the tokenizer's and detokenizer's start and the de
 a few seconds on a quiet host, 25 s measured on a 2-core host at load 7. Past the bound `ready` goes out anyway
 (an overloaded host is not held for minutes) and the first request waits for the rest, saying so. The other
 workers (one per compile thread) start after that, in the background: only compiles that come together need
-them, and `ready` need not wait for their imports. Without a warm-up (an engine outside the scheduler) the first
-constrained request still makes the compiler, as before.
+them, and `ready` need not wait for their imports. Without a warm-up the first constrained request makes the
+compiler, and says so in the log and on its trace.
 
 A request whose grammar took longer than `WAIT_NOTE_SECONDS` (for the compiler, a worker or its compile) says so
 in one log line with its rid and where the time went, and through `on_wait` (the scheduler's request spans: an
