@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ringserve.actors.detokenizer.held_text import held_suffix
 from ringserve.actors.detokenizer.reasoning_split import ReasoningSplitter
 from ringserve.bus.messages import DecodeParams, FinishReason
 
@@ -129,13 +130,3 @@ class IncrementalDecoder:
         if start < 0:
             return text
         return text[: start + len(matched)] if self._params.no_stop_trim else text[:start]
-
-
-def held_suffix(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
-    longest = max((len(s) for s in stops), default=1) - 1
-    for k in range(min(len(text), longest), 0, -1):
-        tail = text[-k:]
-        if any(s.startswith(tail) for s in stops):
-            return k
-    return 0

@@ -22,6 +22,7 @@ is held is bounded by the markers' length plus a run of whitespace.
 
 from __future__ import annotations
 
+from ringserve.actors.detokenizer.held_text import held_suffix
 from ringserve.bus.reasoning import ReasoningPlan
 
 OPENING = "opening"  # a closed plan's output before it is known whether it begins with the start marker
@@ -84,7 +85,7 @@ class ReasoningSplitter:
         if final:  # cut off while thinking: all of it is reasoning
             self._held = ""
             return held, ""
-        keep = len(held) - _marker_prefix_suffix(held, self._end)
+        keep = len(held) - held_suffix(held, [self._end])
         send = held[:keep].rstrip()  # trailing whitespace is dropped if the end marker follows it
         self._held = held[len(send):]
         return send, ""
@@ -104,11 +105,3 @@ class ReasoningSplitter:
             return ""
         self._held, self._prefix = "", ""
         return held
-
-
-def _marker_prefix_suffix(text: str, marker: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `marker`."""
-    for k in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-k:]):
-            return k
-    return 0
