@@ -157,6 +157,10 @@ class SchedulerActor(RowPublisher):
                 log.exception("fetching the KV of %s failed; computing it", req.rid)
         self._enqueue(req)
 
+    def grammar_waited(self, rid: str, fields: dict[str, Any]) -> None:
+        """Put a request's wait for its grammar on its trace (the engine's `GrammarManager.on_wait`)."""
+        self._spans.grammar_waited(rid, fields)
+
     async def _close_spans(self) -> None:
         self._spans.close_all("the scheduler stopped")
 
@@ -400,7 +404,7 @@ async def scheduler_main(ctx: ActorContext, model: str, config: EngineConfig,
                            config.kv_fetch_timeout if config.kv_share else None, config.role_of(ctx.rank),
                            config.prefill_timeout)
     if grammars is not None:
-        grammars.on_wait = actor._spans.grammar_waited  # a request's wait for its grammar, on its trace
+        grammars.on_wait = actor.grammar_waited  # a request's wait for its grammar, on its trace
     detail = await actor.start()
     if warm:
         detail["grammars"] = await on_passing_thread(grammars.wait_warm, name="grammar-warm-wait")
