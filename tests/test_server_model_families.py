@@ -212,7 +212,8 @@ def test_two_tensor_parallel_ranks_give_transformers_tokens(case: str, rings: Ri
 
 def test_an_unsupported_architecture_is_refused_in_one_line(rings: Rings, tmp_path: Path) -> None:
     """A complete directory (weights, tokenizer) whose config.json names an architecture no family serves:
-    `ringserve serve` exits before any actor starts, in one line naming it and every served architecture."""
+    `ringserve serve` exits before any actor starts: after the progress line saying the model is being read, one
+    line naming it and every served architecture."""
     directory = tmp_path / "falcon"
     rings.model("qwen3")
     shutil.copytree(rings.dirs["qwen3"], directory)
@@ -221,6 +222,8 @@ def test_an_unsupported_architecture_is_refused_in_one_line(rings: Rings, tmp_pa
     (directory / "config.json").write_text(json.dumps(config))
     done = ringserve_cmd("serve", "--model", str(directory), "--port", "1")
     assert done.returncode == 2, (done.stdout, done.stderr)
-    assert done.stderr.startswith(f"ringserve: {directory} ") and done.stderr.count("\n") == 1, done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 2 and "reading the model" in lines[0], done.stderr
+    assert lines[1].startswith(f"ringserve: {directory} "), done.stderr
     assert f"unsupported architecture FalconForCausalLM; served are: {', '.join(SERVED)}" in done.stderr, done.stderr
     assert "started actor" not in done.stdout + done.stderr
