@@ -87,8 +87,14 @@ def test_lora_modules_take_vllms_forms(argv: list[str]) -> None:
     assert EngineConfig(lora_modules="a1=/x,a2=/y").lora_module_map() == config.lora_module_map()  # Python callers
 
 
+def test_lora_modules_json_names_its_base_model() -> None:
+    config = parse(["--lora-modules", '{"name": "a1", "path": "/x", "base_model_name": "m"}', "a2=/y"])
+    assert config.lora_module_map() == {"a1": "/x", "a2": "/y"} and config.lora_base_models() == {"a1": "m"}
+
+
 @pytest.mark.parametrize("argument, message", [
-    ('{"name": "a", "path": "/x", "base_model_name": "m"}', "base_model_name"),  # a key we do not honour
+    ('{"name": "a", "path": "/x", "base_model": "m"}', "base_model"),  # a key we do not take
+    ('{"name": "a", "path": "/x", "base_model_name": 3}', "base_model_name is a string"),
     ('{"name": "a"}', "name and a path"), ('{"name": "a", "path": /x}', "not a JSON object"),
     ("a", "name=path"), ("a=/x,a=/y", "twice"),
 ])

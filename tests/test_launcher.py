@@ -67,3 +67,15 @@ def test_a_refused_flag_fails_at_once_on_the_command_line() -> None:
     result = subprocess.run([sys.executable, "-m", "ringserve.actors.launcher.cli", "serve", "--api-key", "s3cr3t"],
                             cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "export RINGSERVE_API_KEY" in result.stderr and "s3cr3t" not in result.stderr
+
+
+def test_an_adapter_for_another_base_model_is_refused_before_any_actor_starts(tiny_model_dir) -> None:
+    """vLLM's `--lora-modules` JSON may name the adapter's `base_model_name`: it must be the model served (its
+    served name or --model); another is refused in one line before anything starts."""
+    adapter = '{"name": "a1", "path": "/nowhere", "base_model_name": "other-model"}'
+    result = subprocess.run([sys.executable, "-m", "ringserve.actors.launcher.cli", "serve", "--model",
+                             str(tiny_model_dir), "--served-model-name", "tiny", "--port", "1", "--lora-modules",
+                             adapter], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert "adapter 'a1' is for base model 'other-model', but this server serves 'tiny'" in result.stderr
+    assert "started" not in result.stdout + result.stderr

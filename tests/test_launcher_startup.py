@@ -1,5 +1,5 @@
 """What `ringserve serve` shows in its first seconds: a port in use or an unreachable `--nats-url` is one line and a
-non-zero exit before any model is read or actor started; the model is read once (its GGUF header, never its
+non-zero exit before any model is read or actor started (and one taken later, by a race, one line from the entry); the model is read once (its GGUF header, never its
 tensors); a ring's log shows each step as a line, with no progress bar redrawn in it."""
 
 from __future__ import annotations
@@ -35,6 +35,19 @@ def test_a_port_in_use_is_one_line_and_an_exit_before_the_model_is_read(held_por
     lines = result.stderr.strip().splitlines()
     assert lines == [f"ringserve: port {held_port} is already in use on 127.0.0.1: stop what holds it or pass --port"]
     assert "reading the model" not in result.stdout + result.stderr
+
+
+def test_a_port_taken_after_the_check_is_one_line_from_the_entry(held_port: int, nats_server) -> None:
+    """The port taken between the launcher's check and the entry's bind (a race): the entry logs uvicorn's
+    reason and one line of its own, with no traceback, and exits non-zero."""
+    result = subprocess.run([sys.executable, "-m", "ringserve.actors.entry", "--nats-url", nats_server.url,
+                             "--host", "127.0.0.1", "--port", str(held_port), "--served-model-name", "m"],
+                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 2 and "address already in use" in lines[0], result.stderr
+    assert "could not start" in lines[1] and f"127.0.0.1:{held_port}" in lines[1], result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
 
 
 def test_an_unreachable_nats_url_is_one_line_and_an_exit_before_any_actor() -> None:

@@ -242,11 +242,19 @@ async def _refresh_beats(ctx: ActorContext) -> None:
         await asyncio.sleep(HEARTBEAT_SECONDS)
 
 
+class StartFailed(RuntimeError):
+    """An actor cannot start for a reason its message says in full (a port in use): logged as one line, no
+    traceback, and the process exits 1."""
+
+
 def run_actor(role: str, args: argparse.Namespace, main: ActorMain, rank: int = 0) -> None:
     """Run `main` as this process's actor and exit with its code."""
     setup_logging(f"{role}{rank if role == 'scheduler' else ''}", args.log_level)
     try:
         code = asyncio.run(_serve(role, rank, args, main))
+    except StartFailed as exc:
+        log_event(log, logging.ERROR, "could not start", role=role, reason=str(exc))
+        code = 1
     except Exception:
         log.exception("%s crashed", role)
         code = 1

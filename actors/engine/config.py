@@ -21,7 +21,8 @@ from ringserve.observability.logging import log_event
 
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}  # vLLM's and SGLang's other names of the same dtypes
-LORA_JSON_KEYS = ("name", "path")  # the keys of a --lora-modules JSON object (vLLM's form) that we honour
+LORA_JSON_KEYS = ("name", "path")  # the keys a --lora-modules JSON object (vLLM's form) must have
+LORA_JSON_OPTIONAL = ("base_model_name",)  # and may have: the launcher checks it names the served model
 QUANTIZATION_CHOICES = ("none", "int8", "int4", "gguf", "auto")
 FLOAT_KERNEL_CHOICES = ("auto", "float32")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
@@ -163,7 +164,8 @@ class EngineConfig:
     lora_modules: tuple[str, ...] = field(default=(), metadata=_flag(
         "LoRA adapters (PEFT directories) to load at start: name=path arguments (several after one flag, as "
         "vLLM takes them, or within one argument separated by commas), or vLLM's JSON objects, one an argument: "
-        "'{\"name\": \"a1\", \"path\": \"/x\"}' (other keys, base_model_name among them, are refused)",
+        "'{\"name\": \"a1\", \"path\": \"/x\", \"base_model_name\": \"m\"}' (base_model_name, if given, must be the "
+        "served model's name or --model; other keys are refused)",
         nargs="+", metavar="NAME=PATH|JSON"))
     max_loras_per_batch: int = field(default=8, metadata=_flag(
         "distinct LoRA adapters in one step at most (requests of other adapters wait)"))
@@ -231,11 +233,16 @@ class EngineConfig:
         honour, or a name given twice."""
         out: dict[str, str] = {}
         for argument in self.lora_modules:
-            for name, path in _lora_entries(argument):
+            for name, path, _ in _lora_entries(argument):
                 if name in out:
                     raise ValueError(f"--lora-modules names adapter {name!r} twice")
                 out[name] = path
         return out
+
+    def lora_base_models(self) -> dict[str, str]:
+        """The `base_model_name` each `--lora-modules` JSON object gives (adapter name -> base), for the launcher
+        to check against the served model: an adapter always applies to the one model served."""
+        return {name: base for argument in self.lora_modules for name, _, base in _lora_entries(argument) if base}
 
     @property
     def chunking(self) -> bool:
@@ -366,9 +373,9 @@ class EngineConfig:
         return argv
 
 
-def _lora_entries(argument: str) -> list[tuple[str, str]]:
-    """One `--lora-modules` argument's (name, path) pairs: vLLM's JSON object, or name=path entries separated by
-    commas or spaces."""
+def _lora_entries(argument: str) -> list[tuple[str, str, str]]:
+    """One `--lora-modules` argument's (name, path, base model name or "") triples: vLLM's JSON object, or
+    name=path entries separated by commas or spaces."""
     if argument.lstrip().startswith("{"):
         try:
             spec = json.loads(argument)
@@ -376,19 +383,22 @@ def _lora_entries(argument: str) -> list[tuple[str, str]]:
             raise ValueError(f"--lora-modules: {argument!r} is not a JSON object ({exc})") from None
         if not isinstance(spec, dict):
             raise ValueError(f"--lora-modules: {argument!r} is not a JSON object")
-        unknown = sorted(set(spec) - set(LORA_JSON_KEYS))
+        unknown = sorted(set(spec) - set(LORA_JSON_KEYS) - set(LORA_JSON_OPTIONAL))
         if unknown:
-            raise ValueError(f"--lora-modules: key {unknown[0]!r} is not taken (an adapter always applies to the "
-                             f"served model); give only {' and '.join(LORA_JSON_KEYS)}")
+            raise ValueError(f"--lora-modules: key {unknown[0]!r} is not taken; give "
+                             f"{', '.join(LORA_JSON_KEYS + LORA_JSON_OPTIONAL)}")
         if not all(isinstance(spec.get(key), str) and spec[key] for key in LORA_JSON_KEYS):
             raise ValueError(f"--lora-modules: a JSON adapter needs a name and a path (strings), got {argument!r}")
-        return [(spec["name"], spec["path"])]
+        base = spec.get("base_model_name", "")
+        if not isinstance(base, str):
+            raise ValueError(f"--lora-modules: base_model_name is a string, got {argument!r}")
+        return [(spec["name"], spec["path"], base)]
     entries = []
     for entry in argument.replace(",", " ").split():
         name, sep, path = entry.partition("=")
         if not sep or not name or not path:
             raise ValueError(f"--lora-modules takes name=path entries or JSON objects, got {entry!r}")
-        entries.append((name, path))
+        entries.append((name, path, ""))
     return entries
 
 

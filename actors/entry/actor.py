@@ -14,7 +14,7 @@ from typing import Any, Iterator
 
 import uvicorn
 
-from ringserve.actors.common.runtime import ActorContext
+from ringserve.actors.common.runtime import ActorContext, StartFailed
 from ringserve.actors.entry.app import build_app
 from ringserve.actors.entry.liveness import LivenessMonitor
 from ringserve.actors.entry.request_flow import EntryService
@@ -109,12 +109,19 @@ async def entry_main(ctx: ActorContext, settings: EntrySettings) -> dict[str, An
                             log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5,
                             log_config=None)  # uvicorn logs through our formatter (escaped), not its own
     server = _EmbeddedUvicorn(config)
-    task = loop.create_task(server.serve())
+
+    async def serve() -> None:
+        try:
+            await server.serve()
+        except SystemExit:  # uvicorn exits when it cannot bind, after logging why: the wait below says it once
+            pass
+
+    task = loop.create_task(serve())
     while not server.started:
         if task.done():
             watcher.cancel()
-            raise RuntimeError(f"the HTTP server could not start on {settings.host}:{settings.port} "
-                               "(is the port in use?)")
+            raise StartFailed(f"the HTTP server could not start on {settings.host}:{settings.port}: see the line "
+                              "above (a port in use: stop what holds it or pass another --port)")
         await asyncio.sleep(0.05)
 
     def on_done(_: asyncio.Task[None]) -> None:

@@ -84,7 +84,7 @@ class Ring:
             self.source = resolve_model(args.model)
             check_servable(self.source)  # weights and a tokenizer, before any actor starts
             self.subjects = Subjects(args.namespace)
-            EngineConfig.from_args(args)
+            engine_config = EngineConfig.from_args(args)
             chat = ChatOptions.from_args(args)  # a bad --chat-template or kwargs JSON, before any actor starts
             generation_defaults(self.source, args.generation_config)  # a generation_config.json no request takes
             if args.tp != 1 or args.ep != 1:  # heads that --tp does not divide: refused before any process starts
@@ -99,6 +99,10 @@ class Ring:
         if args.tokenizer_workers < 1 or args.detokenizer_shards < 1 or args.dp < 1:
             raise RingError("--dp, --tokenizer-workers and --detokenizer-shards must be >= 1")
         self.served_name: str = args.served_model_name or self.source.name
+        for adapter, base in engine_config.lora_base_models().items():
+            if base not in (self.served_name, args.model):
+                raise RingError(f"--lora-modules: adapter {adapter!r} is for base model {base!r}, but this server "
+                                f"serves {self.served_name!r} ({args.model}); an adapter applies to the served model")
         # the model is read once: check_servable and the chat template share one read of a GGUF's header
         # (model_source.gguf_metadata, never its tensors), and what it tells goes to the actors as flags
         if AUTO in (args.tool_call_parser, args.reasoning_parser):  # the formats the chat template asks for
