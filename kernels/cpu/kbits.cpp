@@ -187,11 +187,72 @@ void half_avx2(const BitsRef& p, int64_t t, int h, const ringserve_cpu::QuantRow
   }
 }
 
+// One activation row, the whole 16-row tile in one pass over K: half_avx2<BITS, 1, MIN>'s per-row arithmetic
+// (the same exact integer sums, then the same float operations in the same order), each activation quad
+// broadcast once for 16 rows, each block prefetched once, the two halves' float chains interleaved.
+template <int BITS, bool MIN>
+__attribute__((target("avx2,fma")))
+void tile1_avx2(const BitsRef& p, int64_t t, const ringserve_cpu::QuantRows& a, int64_t m0, float* y, int nvalid,
+                const float* bias) {
+  constexpr int SC = BITS == 6 ? 2 * TILE : TILE;
+  const uint8_t* w = p.w + t * p.kb * p.block_bytes;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t b = 0; b < p.kb; ++b) {
+    const uint8_t* wb = w + b * p.block_bytes;
+    for (int64_t line = 0; line < 64 * BITS; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(wb + 2048 + line), _MM_HINT_T0);
+    const int8_t* aq = a.q + m0 * a.kp + b * QK;
+    __m256i h0[2], h1[2];
+    for (int r = 0; r < 2; ++r) h0[r] = h1[r] = _mm256_setzero_si256();
+    for (int q = 0; q < 4; q += 2) {
+      const __m256i a0 = _mm256_set1_epi32(quad(aq + q * 4)), a1 = _mm256_set1_epi32(quad(aq + q * 4 + 4));
+      const __m256i a2 = _mm256_set1_epi32(quad(aq + q * 4 + 16)), a3 = _mm256_set1_epi32(quad(aq + q * 4 + 20));
+      for (int r = 0; r < 2; ++r) {
+        __m256i lo0, hi0, lo1, hi1;
+        codes_avx2<BITS>(wb + r * 32, q, lo0, hi0);
+        codes_avx2<BITS>(wb + r * 32, q + 1, lo1, hi1);
+        const __m256i l = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, a0), _mm256_maddubs_epi16(lo1, a1));
+        const __m256i u = _mm256_add_epi16(_mm256_maddubs_epi16(hi0, a2), _mm256_maddubs_epi16(hi1, a3));
+        h0[r] = _mm256_add_epi32(h0[r], _mm256_madd_epi16(l, ones));
+        h1[r] = _mm256_add_epi32(h1[r], _mm256_madd_epi16(u, ones));
+      }
+    }
+    const int64_t row = m0 * a.kb + b;
+    const __m256 d = _mm256_set1_ps(a.d[row]);
+    for (int r = 0; r < 2; ++r) {
+      const float* sc = p.scales + (t * p.kb + b) * SC + r * 8;
+      __m256 part;
+      if constexpr (BITS == 6) {
+        const __m256i c0 = _mm256_sub_epi32(h0[r], _mm256_set1_epi32(32 * p.half_sums[2 * row]));
+        const __m256i c1 = _mm256_sub_epi32(h1[r], _mm256_set1_epi32(32 * p.half_sums[2 * row + 1]));
+        part = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c1), _mm256_loadu_ps(sc + TILE),
+                               _mm256_mul_ps(_mm256_cvtepi32_ps(c0), _mm256_loadu_ps(sc)));
+      } else {
+        part = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(h0[r], h1[r])), _mm256_loadu_ps(sc));
+      }
+      acc[r] = _mm256_fmadd_ps(part, d, acc[r]);
+      if constexpr (MIN)
+        acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(p.mins + (t * p.kb + b) * TILE + r * 8),
+                                 _mm256_set1_ps(a.d[row] * (float)a.s[row]), acc[r]);
+    }
+  }
+  alignas(32) float out[TILE];
+  _mm256_store_ps(out, acc[0]);
+  _mm256_store_ps(out + 8, acc[1]);
+  float* dst = y + m0 * p.out_features;
+  for (int j = 0; j < nvalid; ++j) dst[j] = out[j] + (bias ? bias[j] : 0.0f);
+}
+
 template <int BITS, int MB, bool MIN>
 void tile(const BitsRef& p, int64_t t, const ringserve_cpu::QuantRows& a, int64_t m0, float* y, int nvalid,
           const float* bias) {
   if (ringserve_cpu::isa_is_avx512()) {
     tile_vnni<BITS, MB, MIN>(p, t, a, m0, y, nvalid, bias);
+    return;
+  }
+  if constexpr (MB == 1) {
+    tile1_avx2<BITS, MIN>(p, t, a, m0, y, nvalid, bias);
     return;
   }
   for (int h = 0; h < 2 && h * 8 < nvalid; ++h)

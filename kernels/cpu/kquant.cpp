@@ -138,11 +138,64 @@ void half_avx2(const KRef& p, int64_t t, int h, const ringserve_cpu::QuantRows& 
   }
 }
 
+// One activation row, the whole 16-row tile in one pass over K: half_avx2<1, MIN>'s per-row arithmetic (exact
+// integer half-block sums, then the same float operations in the same order), each activation quad broadcast
+// and sign-applied once per pair of weight vectors, each block prefetched once.
+template <bool MIN>
+__attribute__((target("avx2,fma")))
+void tile1_avx2(const KRef& p, int64_t t, const ringserve_cpu::QuantRows& a, int64_t m0, float* y, int nvalid,
+                const float* bias) {
+  const int8_t* w = p.w + t * p.kb * BLOCK_BYTES;
+  const float* sc = p.scales + t * p.kb * 2 * TILE;
+  const float* mn = MIN ? p.mins + t * p.kb * TILE : nullptr;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* aq_row = a.q + m0 * a.kp;
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (int64_t b = 0; b < p.kb; ++b) {
+    const int8_t* wb = w + b * BLOCK_BYTES;
+    for (int64_t line = 0; line < BLOCK_BYTES; line += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(wb + 2048 + line), _MM_HINT_T0);
+    __m256i h[2][2];  // [rows 0-7, 8-15][first, second half block]
+    for (int r = 0; r < 2; ++r) h[r][0] = h[r][1] = _mm256_setzero_si256();
+    for (int qd = 0; qd < 8; ++qd) {
+      const __m256i av = _mm256_set1_epi32(quad(aq_row + b * QK + qd * 4));
+      for (int r = 0; r < 2; ++r) {
+        const __m256i ws = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + qd * 64 + r * 32));
+        const __m256i prod = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(ws), _mm256_sign_epi8(av, ws)),
+                                               ones);
+        h[r][qd / 4] = _mm256_add_epi32(h[r][qd / 4], prod);
+      }
+    }
+    const float d = a.d[m0 * a.kb + b];
+    const float* sb = sc + b * 2 * TILE;
+    const __m256 part0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h[0][1]), _mm256_loadu_ps(sb + TILE),
+                                         _mm256_mul_ps(_mm256_cvtepi32_ps(h[0][0]), _mm256_loadu_ps(sb)));
+    const __m256 part1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h[1][1]), _mm256_loadu_ps(sb + TILE + 8),
+                                         _mm256_mul_ps(_mm256_cvtepi32_ps(h[1][0]), _mm256_loadu_ps(sb + 8)));
+    acc0 = _mm256_fmadd_ps(part0, _mm256_set1_ps(d), acc0);
+    acc1 = _mm256_fmadd_ps(part1, _mm256_set1_ps(d), acc1);
+    if constexpr (MIN) {
+      const __m256 dm = _mm256_set1_ps(d * (float)a.s[m0 * a.kb + b]);
+      acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(mn + b * TILE), dm, acc0);
+      acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(mn + b * TILE + 8), dm, acc1);
+    }
+  }
+  alignas(32) float out[TILE];
+  _mm256_store_ps(out, acc0);
+  _mm256_store_ps(out + 8, acc1);
+  float* dst = y + m0 * p.out_features;
+  for (int j = 0; j < nvalid; ++j) dst[j] = out[j] + (bias ? bias[j] : 0.0f);
+}
+
 template <int MB, bool MIN>
 void tile(const KRef& p, int64_t t, const ringserve_cpu::QuantRows& a, int64_t m0, float* y, int nvalid,
           const float* bias) {
   if (ringserve_cpu::isa_is_avx512()) {
     tile_vnni<MB, MIN>(p, t, a, m0, y, nvalid, bias);
+    return;
+  }
+  if constexpr (MB == 1) {
+    tile1_avx2<MIN>(p, t, a, m0, y, nvalid, bias);
     return;
   }
   for (int h = 0; h < 2 && h * 8 < nvalid; ++h)

@@ -15,6 +15,9 @@
 // Two ISA paths, chosen at run time (compiled with per-function target attributes, so one build serves any
 // x86-64 host): AVX-512 VNNI (vpdpbusd: u8 x s8 -> i32, 4 products per lane in one instruction) and AVX2
 // (vpmaddubsw u8 x s8 -> saturating i16 pairs, then vpmaddwd to i32), for hosts without VNNI (AMD Zen 2/3).
+// At one activation row (a decode step at batch 1) AVX2 runs the whole 16-row tile in one pass over K
+// (tile1_avx2; kquant.cpp and kbits.cpp likewise), with the multi-row kernel's per-row arithmetic: every path,
+// row count and register block gives a row the same bits (tests/test_kernels_one_row.py).
 
 // Only the headers the kernels need (not torch/extension.h, which takes 4x longer to compile): the ops are
 // registered with the dispatcher, and Python calls them through torch.ops, no pybind module.
@@ -247,11 +250,88 @@ void half_avx2(const uint8_t* w, const uint16_t* sc, const uint16_t* mn, const Q
   }
 }
 
+// ---- AVX2, one activation row: the whole 16-row tile in one pass -----------------------------------------
+// The same per-row arithmetic as half_avx2<KIND, 1> (exact integer sums, then per block the same float
+// operations in the same order on each output), so a row's result does not depend on how many rows share the
+// call. One pass over K for both halves instead of two: each activation quad is broadcast once for 16 rows,
+// each block's lines are prefetched once, and the halves' two float chains interleave (at one row the
+// half-tile loop waited on its single chain of dependent FMAs).
+template <int KIND>
+__attribute__((target("avx2,fma,f16c")))
+void tile1_avx2(const uint8_t* w, const uint16_t* sc, const uint16_t* mn, const QuantRows& a, int64_t m0,
+                float* y, int nvalid, const float* bias) {
+  constexpr int64_t BLOCK_BYTES = KIND == Q8_0 ? 512 : 256;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  const __m256i flip = _mm256_set1_epi8((char)0x80);
+  const int8_t* aq_row = a.q + m0 * a.kp;
+  const float* ad_row = a.d + m0 * a.kb;
+  const int32_t* as_row = a.s + m0 * a.kb;
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  for (int64_t b = 0; b < a.kb; ++b) {
+    const uint8_t* wb = w + b * BLOCK_BYTES;
+    prefetch_ahead<BLOCK_BYTES>(wb);
+    const int8_t* aq = aq_row + b * QK;
+    __m256i i0, i1;  // the block's exact integer dot products, rows 0-7 and 8-15
+    if constexpr (KIND == Q8_0) {
+      __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+      for (int qd = 0; qd < 8; ++qd) {
+        const __m256i av = _mm256_set1_epi32(quad(aq + qd * 4));
+        const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + qd * 64)), flip);
+        const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + qd * 64 + 32)),
+                                            flip);
+        s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w0), _mm256_sign_epi8(av, w0)),
+                                                    ones));
+        s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w1), _mm256_sign_epi8(av, w1)),
+                                                    ones));
+      }
+      i0 = s0, i1 = s1;
+    } else {
+      __m256i p0 = _mm256_setzero_si256(), p1 = _mm256_setzero_si256();  // int16 sums, as half_avx2's
+      for (int p = 0; p < 4; ++p) {
+        const __m256i alo = _mm256_set1_epi32(quad(aq + p * 4)), ahi = _mm256_set1_epi32(quad(aq + (p + 4) * 4));
+        const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * 64));
+        const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * 64 + 32));
+        p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(_mm256_and_si256(r0, low4), alo));
+        p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(_mm256_and_si256(r1, low4), alo));
+        p0 = _mm256_add_epi16(p0, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(r0, 4), low4), ahi));
+        p1 = _mm256_add_epi16(p1, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(r1, 4), low4), ahi));
+      }
+      i0 = _mm256_madd_epi16(p0, ones), i1 = _mm256_madd_epi16(p1, ones);
+      if constexpr (KIND == Q4_0) {
+        const __m256i off = _mm256_set1_epi32(8 * as_row[b]);
+        i0 = _mm256_sub_epi32(i0, off), i1 = _mm256_sub_epi32(i1, off);
+      }
+    }
+    const float da = ad_row[b];
+    const __m256 vda = _mm256_set1_ps(da);
+    const __m256i sc16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + b * TILE));
+    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(sc16)), vda),
+                           acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1),
+                           _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(sc16, 1)), vda), acc1);
+    if constexpr (KIND == Q4_1) {
+      const __m256i mn16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(mn + b * TILE));
+      const __m256 dm = _mm256_set1_ps(da * (float)as_row[b]);
+      acc0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(mn16)), dm, acc0);
+      acc1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(mn16, 1)), dm, acc1);
+    }
+  }
+  alignas(32) float out[TILE];
+  _mm256_store_ps(out, acc0);
+  _mm256_store_ps(out + 8, acc1);
+  for (int j = 0; j < nvalid; ++j) y[j] = out[j] + (bias ? bias[j] : 0.0f);
+}
+
 template <int KIND, int MB>
 void tile(const uint8_t* w, const uint16_t* sc, const uint16_t* mn, const QuantRows& a, int64_t m0,
           float* y, int64_t ldy, int nvalid, const float* bias) {
   if (g_isa == ISA_AVX512VNNI) {
     tile_vnni<KIND, MB>(w, sc, mn, a, m0, y, ldy, nvalid, bias);
+    return;
+  }
+  if constexpr (MB == 1) {
+    tile1_avx2<KIND>(w, sc, mn, a, m0, y + m0 * ldy, nvalid, bias);
     return;
   }
   for (int h = 0; h < 2 && h * 8 < nvalid; ++h)

@@ -21,7 +21,8 @@ from typing import Any, Callable
 
 import torch
 
-from ringserve.kernels.cpu import _SOURCE, cache_dir, isa
+from ringserve.kernels.cpu import cache_dir, isa
+from ringserve.kernels.cpu.build_record import sources_digest
 from ringserve.kernels.cpu.host import cpu_info, load_per_core
 from ringserve.kernels.linear_plan.plan import Times
 
@@ -33,7 +34,7 @@ def host_key(extra: dict[str, Any]) -> dict[str, Any]:
     """Everything a measured plan depends on, plus `extra` (shapes, rows, candidates)."""
     cpu = cpu_info()
     return {"version": PLAN_VERSION, "cpu": cpu["model"], "flags": sorted(cpu["flags"].split()),
-            "torch": torch.__version__, "kernels": source_digest(_SOURCE),
+            "torch": torch.__version__, "kernels": sources_digest()[:16],  # every kernel source: the K-quants' too
             "isa": isa(), "threads": torch.get_num_threads(), **extra}
 
 
