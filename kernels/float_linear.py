@@ -21,6 +21,10 @@ bfloat16 weight (as its `weight` Parameter, which a weight update copies into, r
 float32 kernel, or shares its weight (a tied LM head), keeps a bfloat16 copy beside it (`refresh` after a weight
 update). oneDNN's bf16 matmul measured as fast as torch's `F.linear` on bfloat16 (which reaches oneDNN too)
 or up to 5% faster.
+
+`onednn_pad` is oneDNN's matmul with a one-row call run as two rows: oneDNN gives a row the same bits at every row
+count from two up, so the row-invariant plans of `--enable-deterministic-inference` run it at every row count
+(kernels/linear_plan/invariant.py).
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ from torch import nn
 import ringserve.kernels.cpu as cpu_kernels
 from ringserve.kernels.linear_plan.plan import KernelPlan, ShapePlan, kernel_for
 
-FLOAT_KERNELS = ("float32", "f32_gemv", "onednn", "bf16")  # "float32" is torch's F.linear, the one the others must beat
+# "float32" is torch's F.linear, the one the others must beat; "onednn_pad" is oneDNN's with a one-row call run as
+# two rows, which makes its rows' bits the same at every row count (the row-invariant plan's, linear_plan/invariant.py)
+FLOAT_KERNELS = ("float32", "f32_gemv", "onednn", "bf16", "onednn_pad")
 BF16 = torch.bfloat16
 
 # Declared with the low-level Library API (kernels/attention/kv_store.py says why): a compiled graph calls it
@@ -121,10 +127,12 @@ class FloatLinear(nn.Linear):
             if compiling:
                 return torch.ops.ringserve.bf16_linear(x, weight, bias)
             return bf16_linear(x, weight, bias)
-        if kernel == "onednn":
-            if compiling:
-                return torch.ops.ringserve.onednn_linear(x, self.weight, self.bias)
-            return onednn_linear(x, self.weight, self.bias)
+        if kernel in ("onednn", "onednn_pad"):
+            one_row = kernel == "onednn_pad" and rows == 1
+            x2 = x.reshape(1, self.in_features).expand(2, self.in_features).contiguous() if one_row else x
+            op = torch.ops.ringserve.onednn_linear if compiling else onednn_linear
+            y = op(x2, self.weight, self.bias)
+            return y[:1].reshape(*x.shape[:-1], self.out_features) if one_row else y
         if kernel == "f32_gemv":
             flat = x.reshape(rows, self.in_features).contiguous()
             if compiling:

@@ -22,7 +22,8 @@ cached and chosen by `ringserve.kernels.linear_plan` (the fastest kernel not slo
 `--quantization` never makes a step slower); a layer only runs it (`kernel_for`, `run`). Within one kernel a
 token's output never depends on the other rows of its batch (every kernel scales activations per row, or per
 row and block); but the plan may choose another kernel for another row count, so a token computed in a batch
-of 4 may differ slightly from the same token computed alone.
+of 4 may differ slightly from the same token computed alone, unless the plan is row-invariant
+(`--enable-deterministic-inference`, kernels/linear_plan/invariant.py).
 """
 
 from __future__ import annotations

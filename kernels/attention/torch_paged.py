@@ -16,8 +16,10 @@ two sets, a Llama one). With a window a row gathers only the keys its queries ca
 `2 * window - 1` keys, so a long sliding prefill never builds a full-length score matrix.
 
 On a CPU with float32 KV and our C++ kernels built (kernels/cpu), the decode rows skip the gather: the paged
-decode attention kernel reads each request's K/V where it lies in the pool (`DecodeRows`). Extend rows always
-take the gather path.
+decode attention kernel reads each request's K/V where it lies in the pool (`DecodeRows`). Extend rows take the
+gather path, except under `--enable-deterministic-inference` (`row_invariant`): then every query is a row of the
+decode kernel (the rows of one request share its table row, each seeing its causal prefix), so a row's attention
+is computed alike in a decode, a verify and a prefill step.
 
 Graph decode (`init_graph_buffers` and the two prepare hooks) uses static shapes. Where the CPU kernel runs,
 the static buffers are the rows, KV lengths and output slots the kernel reads, so a compiled CPU decode graph
@@ -95,6 +97,8 @@ class TorchPagedBackend(AttentionBackend):
         self.window_index = [self.windows.index(spec.window) for spec in self.layers]
         self._graph: dict[str, Any] = {}
         self.in_place_decode = _in_place_decode(k_pool)
+        # --enable-deterministic-inference: every query (an extend's too) is a row of the paged decode kernel
+        self.row_invariant = False
 
     def compiles_decode(self) -> bool:
         return self.in_place_decode
@@ -161,6 +165,9 @@ class TorchPagedBackend(AttentionBackend):
         decode = [b for b, q_len in enumerate(q_lens_cpu) if q_len == 1]
         extend = [b for b, q_len in enumerate(q_lens_cpu) if q_len > 1]
         rows = None
+        if self.row_invariant and self.in_place_decode:
+            return TorchPagedMetadata(out_slots=info.out_slots, groups=[[] for _ in self.windows],
+                                      decode=_every_query_a_row(info, starts))
         if decode and self.in_place_decode:
             rows = DecodeRows(table=info.token_table, tokens=torch.tensor([starts[b] for b in decode]),
                               rows=info.req_rows[torch.tensor(decode)],
@@ -260,3 +267,17 @@ def _in_place_decode(k_pool: torch.Tensor) -> bool:
     from ringserve.kernels import cpu as cpu_kernels
 
     return cpu_kernels.compiled()
+
+
+def _every_query_a_row(info: ForwardInfo, starts: list[int]) -> DecodeRows:
+    """Every query token of the step as a row of the paged decode kernel: query i of a request with q_len
+    queries and kv_len keys sees the first kv_len - q_len + i + 1 keys (its causal prefix; the kernel applies a
+    layer's window). One kernel whose rows are computed alone, so a row's attention has the same bits whether
+    it is a decode, a verify or a prefill query, whatever else runs in the step."""
+    tokens, table_rows, kv_lens = [], [], []
+    for b, (q_len, kv_len) in enumerate(zip(info.q_lens_cpu, info.kv_lens_cpu)):
+        tokens.extend(range(starts[b], starts[b] + q_len))
+        table_rows.extend([b] * q_len)
+        kv_lens.extend(range(kv_len - q_len + 1, kv_len + 1))
+    rows = info.req_rows[torch.tensor(table_rows, device=info.req_rows.device)]
+    return DecodeRows(table=info.token_table, tokens=torch.tensor(tokens), rows=rows, kv_lens=torch.tensor(kv_lens))

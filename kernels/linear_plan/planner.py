@@ -10,6 +10,9 @@ layers in (`quantize_linears`, `use_float_plan`) and logs what it got.
   auto`) oneDNN's bfloat16 matmul too.
 - `auto`: the `int8` plan, taken if it is at least `AUTO_MIN_SPEEDUP` times faster than the fastest float32
   kernels at every batch of `AUTO_BATCHES`; else the `none` plan (with `bf16` as for `none`).
+
+With `deterministic` (`--enable-deterministic-inference`) every shape runs one row-invariant kernel at every
+row count instead (`invariant.py`), nothing measured (auto still measures, to choose its method).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from torch import nn
 from ringserve.kernels.cpu.packing import PackedWeight
 from ringserve.kernels.float_linear import float_linears
 from ringserve.kernels.linear_plan.candidates import float_plan_possible
+from ringserve.kernels.linear_plan.invariant import invariant_plan
 from ringserve.kernels.linear_plan.measure import ShapeRows, measure_float, measure_quantized
 from ringserve.kernels.linear_plan.plan import KernelPlan, Measured
 from ringserve.kernels.linear_plan.report import speedup
@@ -48,11 +52,16 @@ def linear_shapes(model: nn.Module) -> list[tuple[int, int]]:
 
 
 def plan_linears(model: nn.Module, rows: ShapeRows, method: str,
-                 packed: dict[str, PackedWeight] | None = None, bf16: bool = False) -> LinearPlan:
+                 packed: dict[str, PackedWeight] | None = None, bf16: bool = False,
+                 deterministic: bool = False) -> LinearPlan:
     """The kernel plan of `model`'s linears for `method` ("none", "int8", "int4", "gguf" or "auto"), each shape
     measured at its `rows` (shape -> row counts). With "gguf", `packed` holds every linear's GGUF blocks.
     `bf16`: the unquantized layers may also run the bfloat16 kernel (their weights are a bfloat16
-    checkpoint's)."""
+    checkpoint's). `deterministic`: one row-invariant kernel per shape at every row count, unmeasured."""
+    if deterministic:
+        chosen = plan_linears(model, rows, method, packed) if method == "auto" else LinearPlan(method, {})
+        return LinearPlan(chosen.method, invariant_plan(_shape_kinds(model, chosen.method, packed), rows),
+                          chosen.passes, chosen.auto_speedups)
     if method == "gguf":
         blocks = _one_pass("gguf", _gguf_groups(rows, packed or {}))
         return LinearPlan("gguf", blocks.plan, [blocks])
@@ -67,6 +76,21 @@ def plan_linears(model: nn.Module, rows: ShapeRows, method: str,
         return LinearPlan("int8", quantized.plan, [quantized], speedups)
     unquantized = _float_plan(model, rows, bf16)
     return LinearPlan("none", unquantized.plan, [quantized, *unquantized.passes], speedups)
+
+
+def _shape_kinds(model: nn.Module, method: str, packed: dict[str, PackedWeight] | None) -> dict[tuple[int, int], str]:
+    """Each linear shape's kind for a row-invariant plan: its block format ("gguf": a shape the file stores as
+    floats is "none"), its `layer_method` (int8, int4), or "none"."""
+    if method == "gguf":
+        kinds = {shape: "none" for shape in linear_shapes(model)}
+        kinds.update(_gguf_formats(packed or {}))
+        return kinds
+    kinds: dict[tuple[int, int], str] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear):  # a shape both int4's layers and its int8 head have runs int4's kernel
+            shape = (m.out_features, m.in_features)
+            kinds[shape] = method if kinds.get(shape) == method else layer_method(name, method)
+    return kinds
 
 
 def _float_plan(model: nn.Module, rows: ShapeRows, bf16: bool) -> LinearPlan:
@@ -91,16 +115,21 @@ def _quantized_groups(model: nn.Module, rows: ShapeRows, method: str) -> dict[st
     return dict(sorted(groups.items(), key=lambda item: item[0] != method))  # the method's own shapes first
 
 
-def _gguf_groups(rows: ShapeRows, packed: dict[str, PackedWeight]) -> dict[str, ShapeRows]:
-    """Shapes to measure per GGUF block format (one format per shape, else the file cannot be run so)."""
+def _gguf_formats(packed: dict[str, PackedWeight]) -> dict[tuple[int, int], str]:
+    """Each packed shape's GGUF block format (one format per shape, else the file cannot be run so)."""
     formats: dict[tuple[int, int], set[str]] = {}
     for p in packed.values():
         formats.setdefault((p.out_features, p.in_features), set()).add(p.format)
     mixed = {shape: sorted(f) for shape, f in formats.items() if len(f) > 1}
     if mixed:
         raise ValueError(f"--quantization gguf: layers of one shape hold different block types {mixed}")
+    return {shape: fmt for shape, (fmt,) in formats.items()}
+
+
+def _gguf_groups(rows: ShapeRows, packed: dict[str, PackedWeight]) -> dict[str, ShapeRows]:
+    """Shapes to measure per GGUF block format."""
     groups: dict[str, ShapeRows] = {}
-    for shape, (fmt,) in formats.items():
+    for shape, fmt in _gguf_formats(packed).items():
         groups.setdefault(fmt, {})[shape] = rows[shape]
     return dict(sorted(groups.items()))
 

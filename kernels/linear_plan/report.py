@@ -7,6 +7,7 @@ from torch import nn
 
 import ringserve.kernels.cpu as cpu_kernels
 from ringserve.kernels.float_linear import FloatLinear
+from ringserve.kernels.linear_plan.invariant import is_row_invariant
 from ringserve.kernels.linear_plan.plan import KernelPlan, Measured, Times, entries, plan_report
 from ringserve.kernels.quantization import FLOAT_WEIGHT_KERNELS, QuantLinear
 
@@ -17,12 +18,32 @@ def float_report(model: nn.Module) -> dict[str, str]:
     return plan_report({(m.out_features, m.in_features): m.plan for m in model.modules() if isinstance(m, FloatLinear)})
 
 
-def quantization_report(model: nn.Module) -> dict[str, str]:
+def quantization_report(model: nn.Module, deterministic: bool = False) -> dict[str, str]:
     """What `/get_server_info` shows as `quantization`: the method, the kernels' ISA path and the kernel each
     linear shape runs per row count, e.g. {"method": "int8", "isa": "avx2", "576->960 1-31 rows": "q8_0",
     "576->960 32+ rows": "float32", …}; unquantized, the shapes that run another float32 kernel than torch's
     ({"method": "none", "isa": ..., "576->1536 1-3 rows": "f32_gemv", "576->1536 4+ rows": "onednn", …}),
-    else {}."""
+    else {}. With `deterministic` (`--enable-deterministic-inference`), `deterministic_inference` says "on"
+    when every linear follows a plan of row-invariant kernels (kernels/linear_plan/invariant.py), else names
+    the first layer that does not."""
+    if deterministic:
+        return {**_report(model), "deterministic_inference": _invariance(model)}
+    return _report(model)
+
+
+def _invariance(model: nn.Module) -> str:
+    """"on", or what breaks row invariance: a linear without a plan, or a plan with another kernel."""
+    for name, m in model.named_modules():
+        if isinstance(m, (QuantLinear, FloatLinear)):
+            kernels = set(m.plan.values()) or {getattr(m, "default", "float32")}
+            if not all(is_row_invariant(k) for k in kernels):
+                return f"off: {name} runs {sorted(kernels)}"
+        elif isinstance(m, nn.Linear):
+            return f"off: {name} runs torch's float32"
+    return "on"
+
+
+def _report(model: nn.Module) -> dict[str, str]:
     layer = next((m for m in model.modules() if isinstance(m, QuantLinear)), None)
     if layer is None:
         chosen = float_report(model)

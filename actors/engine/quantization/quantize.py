@@ -7,7 +7,9 @@ bucket, measured at start-up and cached on disk per host) at the row counts the 
 swaps the layers that follow it in, and logs what it chose. A bucket where no quantized kernel is faster on
 this CPU runs the float32 weights, so `--quantization` never makes a step slower; unquantized, each float32
 linear shape runs the float32 kernel measured fastest (kernels/float_linear.py), and for a bfloat16 checkpoint
-(`checkpoint_dtype`) with `--float-kernels auto` the bfloat16 kernel is measured among them.
+(`checkpoint_dtype`) with `--float-kernels auto` the bfloat16 kernel is measured among them. With
+`--enable-deterministic-inference` every linear runs one row-invariant kernel instead, unmeasured
+(kernels/linear_plan/invariant.py).
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ import torch
 from torch import nn
 
 import ringserve.kernels.cpu as cpu_kernels
+from ringserve.actors.common import startup_cache
 from ringserve.actors.common.model_source import ModelSource
 from ringserve.actors.engine.config import EngineConfig
 from ringserve.actors.engine.models.weights import checkpoint_dtype
 from ringserve.kernels.cpu.packing import PackedWeight
-from ringserve.kernels.float_linear import BF16, FloatLinear, use_float_plan
-from ringserve.kernels.linear_plan.plan import KernelPlan
+from ringserve.kernels.float_linear import BF16, FLOAT_KERNELS, FloatLinear, use_float_plan
+from ringserve.kernels.linear_plan.plan import KernelPlan, plan_report
 from ringserve.kernels.linear_plan.planner import LinearPlan, linear_shapes, plan_linears
 from ringserve.kernels.linear_plan.report import choices, quantization_report
 from ringserve.kernels.quantization import quantize_linears
@@ -84,20 +87,27 @@ def apply_quantization(model: nn.Module, config: EngineConfig, source: ModelSour
     "gguf") and the kernel chosen per shape and row-count bucket. `source`: where `model` was loaded from (the
     gguf method reads its file's blocks; a bfloat16 checkpoint may run the bfloat16 kernel, `bf16_allowed`)."""
     method = config.quantization
+    deterministic = config.enable_deterministic_inference
     on_cpu = config.resolved_device() == "cpu" and config.resolved_dtype() == "float32"
     if not on_cpu:
         if method not in ("none", "auto"):
             raise ValueError(f"--quantization {method} needs --device cpu and float32 weights")
+        if deterministic:
+            raise ValueError("--enable-deterministic-inference runs on a CPU with float32 weights only")
         return "none", {}
     start = time.perf_counter()
     packed = load_gguf_blocks(model, source) if method == "gguf" else None
-    chosen = plan_linears(model, plan_rows(model, config), method, packed, bf16_allowed(config, source))
+    chosen = plan_linears(model, plan_rows(model, config), method, packed, bf16_allowed(config, source),
+                          deterministic)
     _log(chosen, time.perf_counter() - start, packed)
-    if chosen.method == "none":
-        use_float_plan(model, chosen.plan)
-        _log_bf16(model)
-    else:
+    if chosen.method != "none":
         quantize_linears(model, chosen.method, chosen.plan, packed)
+    if chosen.method == "none" or deterministic:  # deterministic: a gguf file's float layers follow it too
+        use_float_plan(model, {shape: p for shape, p in chosen.plan.items() if set(p.values()) <= set(FLOAT_KERNELS)})
+        _log_bf16(model)
+    if deterministic:
+        log_event(log, logging.INFO, "row-invariant kernels (--enable-deterministic-inference)", isa=cpu_kernels.isa(),
+                  choices=", ".join(f"{k}: {v}" for k, v in plan_report(chosen.plan).items()))
     return chosen.method, chosen.plan
 
 
@@ -107,9 +117,11 @@ def _log(chosen: LinearPlan, seconds: float, packed: dict[str, PackedWeight] | N
     a warning where quantized layers run without our group kernels."""
     isa = cpu_kernels.isa()
     for i, measured in enumerate(chosen.passes):
+        startup_cache.note(f"{measured.kind} kernel plan", measured.cached)
         if packed is not None:
             log_event(log, logging.INFO, "gguf blocks per linear shape and step size", isa=isa,
-                      formats=", ".join(sorted({p.format for p in packed.values()})), seconds=round(seconds, 2),
+                      formats=", ".join(sorted({p.format for p in packed.values()})), cached=measured.cached,
+                      seconds=round(seconds, 2),
                       choices=choices(measured))
             continue
         timed = {"candidates": ", ".join(measured.candidates)} if measured.kind == "float32" else {}
