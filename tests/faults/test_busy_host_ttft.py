@@ -15,13 +15,12 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
 
 from tests.conftest import DEFAULT_MODEL
-from tests.server_helpers import ServerHandle, server_info, sse_events, start_server, wait_until_idle
+from tests.server_helpers import ServerHandle, poll_server_info, server_info, sse_events, start_server, wait_until_idle
 
 CHUNK = 256
 LONG_LEN = 8000
@@ -56,14 +55,6 @@ def _stream(base: str, ids: list[int], first: dict[str, float], name: str, stop:
         pass
 
 
-def _wait(base: str, condition: Any, what: str) -> dict[str, Any]:
-    deadline = time.monotonic() + GUARD
-    while True:
-        info = server_info(base)
-        if condition(info):
-            return info
-        assert time.monotonic() < deadline, f"never saw {what}: {info}"
-        time.sleep(0.02)
 
 
 def test_a_short_prompt_beside_an_8k_prompt_gets_its_first_token_within_a_few_chunks(
@@ -78,13 +69,15 @@ def test_a_short_prompt_beside_an_8k_prompt_gets_its_first_token_within_a_few_ch
     threads[0].start()
     try:
         # one chunk's duration, the long prompt alone in the engine (its KV grows a chunk per step)
-        start = _wait(base, lambda i: i["kv_running_tokens"] >= 2 * CHUNK, "the long prompt's first chunks")
+        start = poll_server_info(base, lambda i: i["kv_running_tokens"] >= 2 * CHUNK,
+                                 "the long prompt's first chunks", GUARD, interval=0.02)
         t0 = time.monotonic()
-        end = _wait(base, lambda i: i["kv_running_tokens"] >= start["kv_running_tokens"] + 3 * CHUNK, "3 chunks")
+        end = poll_server_info(base, lambda i: i["kv_running_tokens"] >= start["kv_running_tokens"] + 3 * CHUNK,
+                               "3 chunks", GUARD, interval=0.02)
         chunk_s = (time.monotonic() - t0) / ((end["kv_running_tokens"] - start["kv_running_tokens"]) / CHUNK)
         threads.append(threading.Thread(target=_stream, args=(base, medium_ids, first, "medium", stop)))
         threads[1].start()
-        _wait(base, lambda i: i["num_waiting_reqs"] >= 2, "the medium prompt queued")
+        poll_server_info(base, lambda i: i["num_waiting_reqs"] >= 2, "the medium prompt queued", GUARD, interval=0.02)
         step_before = server_info(base)["step"]
         sent = time.monotonic()
         _stream(base, [200, 300, 400, 500], first, "short", threading.Event())

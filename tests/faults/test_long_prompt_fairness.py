@@ -9,13 +9,12 @@ order of the two streams' events then follows from the scheduler's steps alone, 
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.server_helpers import ServerHandle, server_info, sse_events, wait_until_idle
+from tests.server_helpers import ServerHandle, poll_server_info, server_info, sse_events, wait_until_idle
 from tests.shared_rings import PREFILL_CHUNK
 
 CHUNK = PREFILL_CHUNK
@@ -33,14 +32,6 @@ def post(base: str, path: str) -> dict[str, Any]:
     return httpx.post(base + path, json={}, timeout=60).json()
 
 
-def poll(base: str, condition: Any, what: str) -> dict[str, Any]:
-    deadline = time.monotonic() + DEADLINE
-    while True:
-        info = server_info(base)
-        if condition(info):
-            return info
-        assert time.monotonic() < deadline, f"never saw {what}: {info}"
-        time.sleep(0.005)
 
 
 def test_a_short_prompt_is_answered_while_a_long_prompt_is_still_prefilling(server: ServerHandle) -> None:
@@ -75,14 +66,15 @@ def test_a_short_prompt_is_answered_while_a_long_prompt_is_still_prefilling(serv
     short_thread = threading.Thread(target=stream, args=("short", short_ids))
     long_thread.start()
     try:
-        poll(base, lambda i: i["kv_running_tokens"] >= CHUNK, "the long prompt's first chunks")
+        poll_server_info(base, lambda i: i["kv_running_tokens"] >= CHUNK, "the long prompt's first chunks", DEADLINE)
         assert post(base, "/pause_generation")["success"] is True
         paused = server_info(base)
         # caught mid-prefill: still waiting (the chunked request), not running, with most of its chunks to go
         assert paused["num_running_reqs"] == 0 and paused["num_waiting_reqs"] == 1, paused
         assert paused["kv_running_tokens"] < LONG_LEN - 8 * CHUNK, paused
         short_thread.start()
-        poll(base, lambda i: i["num_waiting_reqs"] == 2, "the short prompt queued beside the long one")
+        poll_server_info(base, lambda i: i["num_waiting_reqs"] == 2,
+                         "the short prompt queued beside the long one", DEADLINE)
     finally:
         assert post(base, "/continue_generation")["success"] is True
     short_thread.join(DEADLINE)

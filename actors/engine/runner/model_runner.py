@@ -63,10 +63,10 @@ class ModelRunner:
         if graph_max_bs > 0 and (mode != "compile" or self.backend.compiles_decode()):
             self.graphs = DecodeGraphRunner(model, self.backend, table, graph_max_bs, mode)
 
-    def set_thread_policy(self, options: tuple[int, ...], fixed_from_tokens: int) -> None:
+    def set_thread_policy(self, options: tuple[int, ...], large_from_tokens: int) -> None:
         """Run each step on one of `options` torch threads, learned per step size from measured step times
-        (actors/engine/runner/graphs/thread_tuner.py); steps of `fixed_from_tokens` tokens or more use the most."""
-        self.thread_tuner = ThreadTuner(options, fixed_from_tokens)
+        (actors/engine/runner/graphs/thread_tuner.py); steps of `large_from_tokens` tokens or more are chunks."""
+        self.thread_tuner = ThreadTuner(options, large_from_tokens)
 
     def forward(self, batch: Batch, mask: tuple[torch.Tensor, list[int]] | None = None) -> ForwardOutput:
         """Compute the batch's tokens and sample the next token of each sampling row (recorded in

@@ -21,7 +21,10 @@ is admitted (whole or as a first chunk) or passed over, unless the KV slots, the
 are exhausted (then the queue waits for memory, in order). A prompt with k prompts ahead of it in the queue
 samples its first token within k + 1 steps (k + 2 in the overlap loop); with nothing ahead, in the next step.
 A step's prefill is at most B tokens, of which the chunked prompts take at most C, so with B = C the wait is
-at most k + 1 chunk-sized steps (tests/test_engine_hol.py, tests/faults/test_busy_host_ttft.py).
+at most k + 1 chunk-sized steps (tests/test_engine_hol.py, tests/faults/test_busy_host_ttft.py). With a
+`pace` (step_pace.py), C is cut to what a step of about a second prefills at the recent steps' cost while other
+requests share the steps, so those steps stay short on a busy host too (issue 53); a prompt alone is cut only
+past a few seconds a step (its time to first token).
 Admission locks the request's
 cached prefix, writes its token ids to its row of the id table and allocates its slots here, before the
 forward. Every token of an admitted request is known on the host (new, or retracted after its last step was
@@ -37,6 +40,7 @@ from collections.abc import Callable
 from ringserve.actors.engine.scheduling.cache_manager import CacheManager
 from ringserve.actors.engine.scheduling.images import chunk_tokens
 from ringserve.actors.engine.scheduling.request import Req
+from ringserve.actors.engine.scheduling.step_pace import StepPace
 
 LPM_MAX_QUEUE = 128  # beyond this many waiting requests, sorting by prefix match costs more than it saves
 MAX_CHUNKED = 4  # prompts prefilled in chunks at once (each holds a row and its KV so far)
@@ -59,6 +63,7 @@ class PrefillManager:
         self.running_adapters: Callable[[], set[str | None]] = set
         # the model's images attend both ways (Gemma 3): a chunk never ends inside one (images.chunk_tokens)
         self.whole_images = False
+        self.pace: StepPace | None = None  # cuts the chunk to keep steps short (None: the chunk is C always)
 
     @property
     def chunked(self) -> Req | None:
@@ -94,7 +99,7 @@ class PrefillManager:
         """
         planned: list[tuple[Req, int]] = []
         budget = self.max_prefill_tokens
-        cap = min(self._chunk_cap(), budget)
+        cap = min(self._chunk_cap(num_running), budget)
         continuing = list(self.chunking)
         # while others wait, half of the chunk is held back for them (topped up below if they leave it)
         share = cap - self._reserve(cap, num_running)
@@ -116,7 +121,7 @@ class PrefillManager:
                 continue  # another adapter's requests run: this one waits for a step with room for its own
             self.cache.admit(req)
             need = req.uncached_len
-            n = min(need, budget, self._chunk_cap()) if self.chunk_size > 0 else need
+            n = min(need, budget, self._chunk_cap(num_running)) if self.chunk_size > 0 else need
             n = self._fit(req, n, need)
             fits = n + running_after <= self.cache.available
             if self.chunk_size <= 0 and planned and n > budget:
@@ -204,8 +209,12 @@ class PrefillManager:
             return 0
         return cap // 2
 
-    def _chunk_cap(self) -> int:
-        return self.chunk_size if self.chunk_size > 0 else self.max_prefill_tokens
+    def _chunk_cap(self, num_running: int) -> int:
+        if self.chunk_size <= 0:
+            return self.max_prefill_tokens
+        if self.pace is None:
+            return self.chunk_size
+        return self.pace.chunk(self.chunk_size, shared=num_running + len(self.waiting) + len(self.chunking) > 1)
 
     def _ordered(self) -> list[Req]:
         if self.policy == "lpm" and 1 < len(self.waiting) <= LPM_MAX_QUEUE:

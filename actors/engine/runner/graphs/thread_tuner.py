@@ -16,8 +16,12 @@ counted: it pays for the switch (measured in serving: single re-tries kept a one
 threads at 22 ms per token, against 14 ms on one). When a decode graph becomes ready the runner makes the
 tuner forget (`forget`): what it learnt timed the eager forward, under the compile's load (in one serving
 run, steps timed during the warm-up's compiles kept one stream on one thread at 15 ms per step, against 9.5
-on two). Steps of `fixed_from_tokens` tokens or more (prefill-sized, compute-bound) always use the most
-threads.
+on two). Steps of `large_from_tokens` tokens or more (prefill chunks) are learned too, but each count is
+tried once and a re-try lasts one step, counted though it follows a switch: a switch costs little beside a
+chunk, while a chunk on the slower count costs a whole chunk's time. A chunk runs on the fewest threads unless
+more measured `LARGE_MARGIN` cheaper, since the two mistakes differ in cost. They used to run on every core always,
+which is fastest on a quiet host and far slowest on a busy one (issue 53: SmolLM2, one 512-token chunk at a
+load average of 14 on 2 cores took 37 s on two threads and 7 s on one; bench/head_of_line.py).
 """
 
 from __future__ import annotations
@@ -30,7 +34,10 @@ WARMUP_STEPS = 3  # samples of each option before trusting the averages
 EXPLORE_EVERY = 50  # steps of a group between re-tries of the option not in use
 EXPLORE_RUN = 4  # steps a re-try lasts
 SMOOTHING = 0.3  # weight of the newest sample in the moving averages
-LARGE_STEP_TOKENS = 64  # steps with at least this many tokens (prefill chunks) run on every core
+LARGE_STEP_TOKENS = 64  # steps with at least this many tokens (prefill chunks): one try each, one-step re-tries
+# a chunk runs on more than the fewest threads only when that measured this much cheaper: a wrong choice of
+# more threads costs a busy host several times a chunk, a wrong choice of fewer at most the thread ratio
+LARGE_MARGIN = 0.8
 
 
 def startup_threads(config: Any) -> int:
@@ -39,10 +46,10 @@ def startup_threads(config: Any) -> int:
 
 
 def tuner_for(config: Any, cores: int | None = None) -> ThreadTuner | None:
-    """The thread policy `--torch-threads` asks for: with 0 on a multi-core CPU, decode-sized steps run on all
-    cores or all but one, whichever this tuner measures faster per step size (the other actors work on every
-    token, and a torch thread that loses its core stalls every parallel region); prefill-sized steps always
-    use every core. Any other value fixes the count (None: no tuner)."""
+    """The thread policy `--torch-threads` asks for: with 0 on a multi-core CPU, steps run on all cores or all
+    but one, whichever this tuner measures faster per step size (the other actors work on every token, and a
+    torch thread that loses its core stalls every parallel region). Any other value fixes the count (None: no
+    tuner)."""
     cores = cores or os.cpu_count() or 1
     if config.torch_threads != 0 or cores < 2 or config.resolved_device() != "cpu":
         return None
@@ -60,12 +67,13 @@ class _Group:
 class ThreadTuner:
     """Chooses a thread count per step (`choose`) and learns from how long it took (`record`)."""
 
-    def __init__(self, options: tuple[int, ...], fixed_from_tokens: int, explore_every: int = EXPLORE_EVERY,
+    def __init__(self, options: tuple[int, ...], large_from_tokens: int, explore_every: int = EXPLORE_EVERY,
                  warmup: int = WARMUP_STEPS) -> None:
+        """`large_from_tokens`: steps of this many tokens or more are prefill chunks (the module docstring)."""
         if not options or min(options) < 1:
             raise ValueError(f"thread options must be positive, got {options}")
         self.options = tuple(sorted(set(options)))
-        self.fixed_from_tokens = fixed_from_tokens
+        self.large_from_tokens = large_from_tokens
         self.explore_every = explore_every
         self.warmup = warmup
         self._groups: dict[int, _Group] = {}
@@ -73,16 +81,17 @@ class ThreadTuner:
 
     def choose(self, num_tokens: int) -> int:
         """The thread count for a step of `num_tokens` tokens."""
-        if num_tokens >= self.fixed_from_tokens or len(self.options) == 1:
-            return self.options[-1]
+        if len(self.options) == 1:
+            return self.options[0]
+        large = num_tokens >= self.large_from_tokens
         group = self._groups.setdefault(num_tokens.bit_length(), _Group())
         group.steps += 1
         for option in self.options:
-            if group.samples.get(option, 0) < self.warmup:
+            if group.samples.get(option, 0) < (1 if large else self.warmup):
                 return option
-        ranked = sorted(self.options, key=lambda o: group.cost[o])
+        ranked = self._ranked(group, large)
         if group.steps % self.explore_every == 0:
-            group.exploring = EXPLORE_RUN
+            group.exploring = 1 if large else EXPLORE_RUN
         if group.exploring:
             group.exploring -= 1
             return ranked[1]
@@ -91,9 +100,7 @@ class ThreadTuner:
     def record(self, num_tokens: int, threads: int, seconds: float) -> None:
         """A step of `num_tokens` tokens took `seconds` on `threads` threads."""
         switched, self._last_threads = threads != self._last_threads, threads
-        if switched:
-            return
-        if num_tokens <= 0 or num_tokens >= self.fixed_from_tokens or threads not in self.options:
+        if (switched and num_tokens < self.large_from_tokens) or num_tokens <= 0 or threads not in self.options:
             return
         group = self._groups.setdefault(num_tokens.bit_length(), _Group())
         per_token = seconds / num_tokens
@@ -101,6 +108,13 @@ class ThreadTuner:
         group.samples[threads] = seen + 1
         old = group.cost.get(threads)
         group.cost[threads] = per_token if old is None else old + SMOOTHING * (per_token - old)
+
+    def _ranked(self, group: _Group, large: bool) -> list[int]:
+        """The options, the one to run first (cheapest; for a chunk, the fewest threads unless clearly beaten)."""
+        ranked = sorted(self.options, key=lambda o: group.cost[o])
+        if large and group.cost[ranked[0]] > LARGE_MARGIN * group.cost[self.options[0]]:
+            ranked = [self.options[0], *[o for o in ranked if o != self.options[0]]]
+        return ranked
 
     def forget(self) -> None:
         """Drop what was learnt (every size tries every count again): the steps it came from ran another
@@ -111,7 +125,8 @@ class ThreadTuner:
         """The thread count each learned step size runs on, e.g. {"16-31 tokens": 2} (for logs and stats)."""
         out = {}
         for bits, group in sorted(self._groups.items()):
-            if all(group.samples.get(o, 0) >= self.warmup for o in self.options):
-                low, high = 1 << (bits - 1), (1 << bits) - 1
-                out[f"{low}-{high} tokens"] = min(self.options, key=lambda o: group.cost[o])
+            low, high = 1 << (bits - 1), (1 << bits) - 1
+            if all(group.samples.get(o, 0) >= (1 if low >= self.large_from_tokens else self.warmup)
+                   for o in self.options):
+                out[f"{low}-{high} tokens"] = self._ranked(group, low >= self.large_from_tokens)[0]
         return out
