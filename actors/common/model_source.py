@@ -21,6 +21,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from ringserve.actors.common import startup_cache
 from ringserve.actors.common.gguf_metadata import read_gguf_metadata
 from ringserve.actors.common.hub_cache import is_hub_id, resolve_hub_id
 from ringserve.actors.engine.models.chat_templates import fallback_template
@@ -198,8 +199,10 @@ def metadata_directory(source: ModelSource) -> str:
         return source.directory
     cached = cache_root() / "gguf-metadata" / gguf_cache_key(source)
     if (cached / "config.json").is_file():
+        startup_cache.note("gguf metadata", True)
         return str(cached)
     with converting(cached) as needed:
+        startup_cache.note("gguf metadata", not needed)
         if needed:
             from transformers import AutoConfig, AutoTokenizer
 

@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
+from ringserve.actors.common import startup_cache
 from ringserve.actors.common.heartbeat import HeartbeatThread
 from ringserve.actors.common.tracing_setup import start_tracing, stop_tracing
 from ringserve.bus.connection import BusConnection
@@ -44,6 +45,7 @@ from ringserve.observability.tracing_config import add_tracing_arguments
 
 log = logging.getLogger("actor")
 HEARTBEAT_SECONDS = 0.5
+HOLD_ENV = "RINGSERVE_HOLD_START"  # set by the launcher: wait for its line on stdin before starting (wait_for_release)
 DEFAULT_DRAIN_SECONDS = 30.0
 DRAIN_POLL_SECONDS = 0.05
 # How long an orphan (its parent died) may take to stop before it exits hard: the NATS server died with the
@@ -160,7 +162,7 @@ async def _serve(role: str, rank: int, args: argparse.Namespace, main: ActorMain
     detail = await main(ctx)
     await bus.publish(ctx.subjects.ready, ActorReady(role=role, rank=rank, pid=os.getpid(), detail=detail))
     await bus.flush()
-    log_event(log, logging.INFO, "ready", role=role, rank=rank, pid=os.getpid())
+    log_event(log, logging.INFO, "ready", role=role, rank=rank, pid=os.getpid(), **startup_cache.report())
     serving = True
     _refresh(ctx)
     ctx.heartbeat.start()
@@ -249,6 +251,7 @@ class StartFailed(RuntimeError):
 
 def run_actor(role: str, args: argparse.Namespace, main: ActorMain, rank: int = 0) -> None:
     """Run `main` as this process's actor and exit with its code."""
+    wait_for_release()
     setup_logging(f"{role}{rank if role == 'scheduler' else ''}", args.log_level)
     try:
         code = asyncio.run(_serve(role, rank, args, main))
@@ -259,6 +262,16 @@ def run_actor(role: str, args: argparse.Namespace, main: ActorMain, rank: int = 
         log.exception("%s crashed", role)
         code = 1
     exit_now(code)
+
+
+def wait_for_release() -> None:
+    """An actor the launcher started held (`HOLD_ENV` set: the entry, while the scheduler loads its model) has
+    imported its code by now; it waits here for the launcher's line on stdin before it starts (the entry's port
+    opens only once the ring behind it is ready). A stdin closed without that line (the launcher gone) ends it."""
+    if os.environ.pop(HOLD_ENV, None) is None:
+        return
+    if not sys.stdin.readline():
+        exit_now(0)
 
 
 def exit_now(code: int) -> None:

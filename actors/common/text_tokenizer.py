@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ringserve.actors.common import startup_cache
 from ringserve.actors.common.chat_template import TemplateRejected, render_chat, select_template
 from ringserve.actors.common.model_source import (
     ModelSource, cache_root, check_tokenizer_files, converting, gguf_cache_key, publish_directory,
@@ -145,10 +146,13 @@ def load_text_model(source: ModelSource) -> TextModel:
     tokenizer of it, which encodes every prompt as no tokens)."""
     check_tokenizer_files(source)
     directory = cache_root() / "text-model" / export_key(source)
-    if not (directory / EXPORT_FILE).is_file():
+    found = (directory / EXPORT_FILE).is_file()
+    if not found:
         with converting(directory) as needed:
+            found = not needed  # another actor made it meanwhile
             if needed:
                 _export(source, directory)
+    startup_cache.note("tokenizer export", found)
     meta = json.loads((directory / EXPORT_FILE).read_text())
     if meta["tokenizer"] is not None:
         from tokenizers import Tokenizer

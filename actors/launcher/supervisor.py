@@ -4,6 +4,11 @@ exception is an actor of a role in `RESTARTABLE_ROLES` (a scheduler replica, a d
 actor of its role runs: the others serve on (the entry ends only the dead one's requests), and it is started
 again after a backoff.
 
+Actors start in stages (`ActorSpec.stage`): the entry only once every other actor is ready, so its port opens
+on a ready ring. It is started held before that, once all but one actor of the stage before are ready (the
+scheduler still loading its model): it imports its code meanwhile and starts when told (`_release`), which
+takes its seconds of imports off the start-up's critical path.
+
 A stall is an actor whose heartbeats stop for `watchdog_timeout` seconds while its process still exists
 (stopped, or cut off from NATS: beats come from a thread of their own, so a busy actor still beats).
 
@@ -25,6 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from ringserve.actors.common.runtime import HOLD_ENV
 from ringserve.bus.connection import BusConnection, Delivery
 from ringserve.bus.credentials import NatsCredentials
 from ringserve.bus.embedded_server import die_with_parent
@@ -145,11 +151,18 @@ class Supervisor:
         await bus.subscribe(self._subjects.heartbeat, Heartbeat, on_heartbeat)
         await bus.flush()
         deadline = time.monotonic() + startup_timeout
-        for stage in sorted({spec.stage for spec in self._specs}):
+        stages = sorted({spec.stage for spec in self._specs})
+        for i, stage in enumerate(stages):
             stage_specs = [spec for spec in self._specs if spec.stage == stage]
             for spec in stage_specs:
-                self._spawn(spec)
-            code = await self._wait_ready(ready, {(s.role, s.rank) for s in stage_specs}, deadline)
+                if spec.name in self._procs:  # started held while the stage before loaded: it may go on now
+                    self._release(spec)
+                else:
+                    self._spawn(spec)
+            later = [spec for spec in self._specs if i + 1 < len(stages) and spec.stage == stages[i + 1]]
+            code = await self._wait_ready(ready, {(s.role, s.rank) for s in stage_specs}, deadline,
+                                          lambda: [self._spawn(spec, held=True) for spec in later
+                                                   if spec.name not in self._procs])
             if code is not None:
                 return code
         return None
@@ -177,18 +190,33 @@ class Supervisor:
         """Actor name (`scheduler0`, ...) -> process id, for the actors started."""
         return {name: proc.pid for name, proc in self._procs.items()}
 
-    def _spawn(self, spec: ActorSpec) -> None:
+    def _spawn(self, spec: ActorSpec, held: bool = False) -> None:
+        """Start `spec`'s process; `held`: it imports its code, then waits for `_release` (runtime.HOLD_ENV)."""
         argv = [sys.executable, "-m", spec.module, "--nats-url", self._nats_url,
                 "--namespace", self._subjects.namespace, *spec.args]
         # secrets meant for one role stay out of the others' environments
         env = {k: v for k, v in os.environ.items() if k not in ROLE_SECRETS or spec.role in ROLE_SECRETS[k]}
+        if held:
+            env[HOLD_ENV] = "1"
         # every actor writes to the launcher's terminal: a redrawn progress bar (tqdm's, as transformers draws one
         # converting a GGUF) would corrupt the other actors' log lines, so actors show progress as log lines only
         env["TQDM_DISABLE"] = "1"
         # own session: a terminal's Ctrl-C reaches only the launcher, which then stops actors in order
-        self._procs[spec.name] = subprocess.Popen(argv, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent,
-                                                  start_new_session=True, env=env)
-        log_event(log, logging.INFO, "started actor", actor=spec.name, pid=self._procs[spec.name].pid)
+        self._procs[spec.name] = subprocess.Popen(argv, stdin=subprocess.PIPE if held else subprocess.DEVNULL,
+                                                  preexec_fn=die_with_parent, start_new_session=True, env=env)
+        log_event(log, logging.INFO, "started actor", actor=spec.name, pid=self._procs[spec.name].pid,
+                  **({"held": "until the stage before is ready"} if held else {}))
+
+    def _release(self, spec: ActorSpec) -> None:
+        """Let an actor started held go on (a line on its stdin); one that died meanwhile is found by the caller."""
+        proc = self._procs[spec.name]
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write(b"go\n")
+            proc.stdin.close()
+        except OSError:  # it is gone: `_wait_ready` says so
+            return
+        log_event(log, logging.INFO, "released actor", actor=spec.name, pid=proc.pid)
 
     def _dead_actor(self) -> str | None:
         for name, proc in {**self._watched, **self._procs}.items():
@@ -196,9 +224,15 @@ class Supervisor:
                 return describe_exit(name, proc.pid, proc.returncode)
         return None
 
-    async def _wait_ready(self, ready: set[tuple[str, int]], wanted: set[tuple[str, int]],
-                          deadline: float) -> int | None:
+    async def _wait_ready(self, ready: set[tuple[str, int]], wanted: set[tuple[str, int]], deadline: float,
+                          prestart: Callable[[], object] | None = None) -> int | None:
+        """None once every actor of `wanted` is ready, else the exit code. `prestart` is called once at most one
+        of them is still not ready (the stage's slowest, the scheduler loading its model): the next stage's
+        processes then import their code beside it, held (`_spawn`), off the start-up's critical path."""
         while not wanted <= ready:
+            if prestart is not None and len(wanted - ready) <= 1:
+                prestart()
+                prestart = None
             if self._stop.is_set():
                 return 0
             dead = self._dead_actor()

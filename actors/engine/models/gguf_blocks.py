@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ringserve.actors.common import startup_cache
 from ringserve.actors.common.model_source import ModelSource, cache_root, gguf_cache_key, publish_directory
 from ringserve.actors.engine.models.registry import family_of_gguf, spec_of
 from ringserve.kernels.cpu.gguf_formats import (
@@ -136,7 +137,9 @@ def load_packed_linears(source: ModelSource, num_layers: int, tied_head: bool) -
         raise ValueError(f"--quantization gguf needs a .gguf model; {source.name} is a safetensors checkpoint "
                          "(use int8 or int4)")
     cached = cache_root() / "weights" / f"{gguf_cache_key(source)}-blocks-v{PACKED_VERSION}"
-    if (cached / PACKED_FILE).is_file():
+    found = (cached / PACKED_FILE).is_file()
+    startup_cache.note("gguf blocks", found)
+    if found:
         out: dict[str, PackedWeight] = {}
         with safe_open(str(cached / PACKED_FILE), "pt") as f:
             meta = f.metadata()

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ringserve.actors.common import startup_cache
 from ringserve.actors.common.model_source import (
     ModelSource, cache_root, converting, gguf_cache_key, publish_directory, resolve_model, resolved_config,
 )
@@ -63,8 +64,12 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: str | torch.devi
                 log_event(log, logging.INFO, "converting the GGUF's weights (first start only; cached for the next)",
                           model=source.name, cache=str(cached))
                 hf_model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=dtype, **source.hf_kwargs())
-                model = model_from_hf(hf_model.config, hf_model.state_dict(), device)
+                # the config a warm start loads the cached weights with, not transformers' object: a stored
+                # decode graph is named by the module's attributes, so this start's graph serves the next ones
+                model = model_from_hf(resolved_config(source), hf_model.state_dict(), device)
                 save_weights(model, cached)
+    if cached is not None:
+        startup_cache.note("gguf weights", model is None)  # None: read from the cache, not converted now
     if model is None:
         assert cached is not None
         log_event(log, logging.INFO, "loading weights", model=source.name, source="cache", device=str(device))

@@ -260,10 +260,10 @@ class DecodeGraphRunner:
         buffers (which the serving thread fills meanwhile)."""
         self._fill_inputs(bs, [], [])
         meta = self.meta[bs]
+        # the token table is read, never written: shared, not copied (it is the real one, tens of MB, and a copy
+        # per batch size cost seconds of every start)
         copies = {f.name: getattr(meta, f.name).clone() for f in dataclasses.fields(meta)
-                  if isinstance(getattr(meta, f.name), torch.Tensor)}
-        if "table" in copies:  # the token table is read, never written: share it (it is the real one)
-            copies["table"] = getattr(meta, "table")
+                  if isinstance(getattr(meta, f.name), torch.Tensor) and f.name != "table"}
         i = self.inputs
         return (i.input_ids[:bs].clone(), i.positions[:bs].clone(), dataclasses.replace(meta, **copies),
                 i.logits_index[:bs].clone())

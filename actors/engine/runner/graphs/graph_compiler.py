@@ -239,11 +239,13 @@ class BackgroundCompiler:
         another: an idle thread that ran torch ops keeps its own OpenMP team, and with more OpenMP threads than
         cores libgomp stops spinning between parallel regions, so every op of the serving thread then waits for
         its workers to wake (a q8_0 GEMV at one row: 16.6 µs, 62.7 µs while an idle compile thread lived)."""
-        configure_inductor()
         self._thread = threading.Thread(target=self._run, name="decode-graph-compiler", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        # on this thread, not the caller's: importing Inductor and Dynamo takes 2-7 s on a 2-core host, which
+        # the scheduler spent before it was ready when `_start` did it
+        configure_inductor()
         give_way_to_steps(True)
         while True:
             with self._wake:
