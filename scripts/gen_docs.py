@@ -87,6 +87,8 @@ def _installable_backends() -> list[str]:
 
 
 def _flag_default(action: argparse.Action) -> str:
+    if isinstance(action, argparse.BooleanOptionalAction):
+        return "on" if action.default else "off"
     if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
         return "off" if isinstance(action, argparse._StoreTrueAction) else "on"
     default = action.default

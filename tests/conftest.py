@@ -89,6 +89,16 @@ def torch_single_thread() -> Iterator[None]:
     torch.set_num_threads(previous)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def end_idle_compile_workers() -> Iterator[None]:
+    """After each module, end the grammar compile workers its in-process engines left idle (about 200 MB each:
+    kept to the session's end, they added up to gigabytes in each pytest worker)."""
+    yield
+    from ringserve.kernels.grammar.compile_pool import shed_idle_workers
+
+    shed_idle_workers()
+
+
 @pytest.fixture(scope="module")
 def hf() -> Any:
     """A tiny random transformers Llama (tests/engine_helpers.py `tiny_hf_llama`), the engine tests' reference."""

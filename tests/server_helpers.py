@@ -117,6 +117,8 @@ def _start_server(model: str, nats_url: str | None, extra: list[str] | None, tim
     log_path = Path(tempfile.mkstemp(prefix="ringserve-test-", suffix=".log")[1])
     argv = [sys.executable, "-m", "ringserve.actors.launcher.cli", "serve", "--model", model, "--port", str(port),
             "--namespace", namespace, *(["--nats-url", nats_url] if nats_url else []), *(extra or [])]
+    if "--grammar-warm-up" not in argv:  # each ring's warm compile workers hold ~200 MB apiece: only the rings
+        argv.append("--no-grammar-warm-up")  # of the tests of the warm-up warm them (many rings run at once)
     if "--max-total-tokens" not in argv:  # SmolLM2's default pool; a tiny model's default is gigabytes of KV, and
         argv += ["--max-total-tokens", str(TEST_POOL_TOKENS)]  # two workers' rings then exhausted CI's memory
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -158,6 +160,18 @@ def sse_events(response: httpx.Response) -> Iterator[Any]:
 
 def server_info(base_url: str) -> dict[str, Any]:
     return httpx.get(f"{base_url}/get_server_info", timeout=10).json()
+
+
+def poll_server_info(base_url: str, condition: Any, what: str, timeout: float, interval: float = 0.005) -> dict[str, Any]:
+    """Poll /get_server_info until `condition(info)` holds; returns that info, or fails saying `what` it waited
+    for once `timeout` seconds passed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = server_info(base_url)
+        if condition(info):
+            return info
+        assert time.monotonic() < deadline, f"never saw {what}: {info}"
+        time.sleep(interval)
 
 
 def wait_until_idle(base_url: str, timeout: float = 20.0) -> dict[str, Any]:

@@ -19,7 +19,8 @@ CLIENTS = ("alice", "bob", "c")
 CLIENT_CAP = 8
 TOTAL_CAP = 12
 
-# The small ring: a bounded entry queue, a short body-read timeout, small prefill chunks, and tracing on.
+# The small ring: a bounded entry queue, a short body-read timeout, small prefill chunks, tracing on, and the
+# grammar warm-up on (test_grammar_warm_up_ring.py; the other rings of the suite start without it).
 QUEUE_CAPACITY = 3
 BODY_READ_TIMEOUT = 1.5
 PREFILL_CHUNK = 32
@@ -34,15 +35,17 @@ def start_clients_ring(model_dir: Path) -> ServerHandle:
 
 def start_small_ring(model_dir: Path, otlp_endpoint: str) -> ServerHandle:
     """A ring with an 8192-token KV pool, at most `QUEUE_CAPACITY` queued requests at the entry, a
-    `BODY_READ_TIMEOUT` for request bodies, prefill in `PREFILL_CHUNK`-token chunks and steps, and its spans
-    exported to `otlp_endpoint` (within 0.1 s of their end, so tests reading them do not wait)."""
+    `BODY_READ_TIMEOUT` for request bodies, prefill in `PREFILL_CHUNK`-token chunks and steps, its spans
+    exported to `otlp_endpoint` (within 0.1 s of their end, so tests reading them do not wait), and its grammar
+    compilers warm before ready (`--grammar-warm-up`, which `start_server` otherwise turns off)."""
     with pytest.MonkeyPatch.context() as env:
         env.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
         return start_server(str(model_dir), extra=["--otlp-endpoint", otlp_endpoint, "--max-total-tokens", "8192",
                                                    "--max-queued-requests", str(QUEUE_CAPACITY),
                                                    "--body-read-timeout", str(BODY_READ_TIMEOUT),
                                                    "--chunked-prefill-size", str(PREFILL_CHUNK),
-                                                   "--max-prefill-tokens", str(PREFILL_CHUNK)])
+                                                   "--max-prefill-tokens", str(PREFILL_CHUNK),
+                                                   "--grammar-warm-up"])
 
 
 def logged(server: ServerHandle, pattern: str) -> str:

@@ -89,7 +89,7 @@ def test_a_generate_delta_has_its_finish_reason() -> None:
 def test_engine_progress_false_shows_no_bar(tiny_model_dir: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """`Engine(progress=False)`, as docs/python.md says: no weight-loading bar from the actors, none for a list
     (even with `progress=True` a bar shows for a list)."""
-    with ringserve.Engine(model=str(tiny_model_dir), progress=False) as engine:
+    with ringserve.Engine(model=str(tiny_model_dir), progress=False, grammar_warm_up=False) as engine:
         results = engine.generate(["a", "b"], {"max_new_tokens": 2})
         assert len(results) == 2
         capfd.readouterr()

@@ -76,7 +76,8 @@ def ring(tiny_model_dir: Path) -> Iterator[ClusterRing]:
     auth = generate_auth(NS, workdir / "creds")
     cluster = NatsCluster.loopback(3, authorization=auth.authorization()).start()
     port = free_port()
-    args = serve_args({"model": str(tiny_model_dir), "port": port, "namespace": NS, "max_total_tokens": 8192})
+    args = serve_args({"model": str(tiny_model_dir), "port": port, "namespace": NS, "max_total_tokens": 8192,
+                       "grammar_warm_up": False})  # no warm compile workers (~200 MB each) for this ring
     procs: dict[str, subprocess.Popen[bytes]] = {}
     logs: dict[str, Path] = {}
     handle = ClusterRing(cluster, procs, logs, f"http://127.0.0.1:{port}")

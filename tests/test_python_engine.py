@@ -31,7 +31,7 @@ CHAT = [{"role": "user", "content": "Name a fruit."}]
 @pytest.fixture(scope="module")
 def engine() -> Iterator[ringserve.Engine]:
     """The Engine, started as `ringserve serve` would start the same model (same default flags)."""
-    with ringserve.Engine(model=MODEL) as started:
+    with ringserve.Engine(model=MODEL, grammar_warm_up=False) as started:  # no warm compile workers (~200 MB)
         pids = started.pids()
         yield started
     assert set(pids) == {"scheduler0", "tokenizer0", "detokenizer0", "nats-server"}
@@ -153,7 +153,7 @@ SCRIPT = """
 import json, signal, sys, time
 import ringserve
 signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal, even when launched in the background
-engine = ringserve.Engine(model=sys.argv[1])
+engine = ringserve.Engine(model=sys.argv[1], grammar_warm_up=False)
 print(json.dumps(engine.pids()), flush=True)
 while True:  # interrupted in a generate, however fast the machine makes each one
     engine.generate(["a", "b", "c"], {"max_new_tokens": 3000, "ignore_eos": True})
@@ -186,7 +186,7 @@ def test_operator_commands_reach_every_replica(tiny_model_dir: Path) -> None:
     """With `dp=2` the Python Engine's info and commands go to both replicas and combine their answers, as the
     HTTP routes do: both listed, the cache of both flushed, the load counters summed."""
     prompts = [f"{word} " * 70 for word in ("alpha", "beta", "gamma", "delta")]  # four distinct 64-token blocks
-    with ringserve.Engine(model=str(tiny_model_dir), dp=2) as engine:
+    with ringserve.Engine(model=str(tiny_model_dir), dp=2, grammar_warm_up=False) as engine:
         engine.generate(prompts, {"max_new_tokens": 2, "temperature": 0})
         info = engine.get_server_info()
         assert sorted(r["id"] for r in info["replicas"]) == [0, 1]

@@ -68,6 +68,8 @@ def start_worker(nats_url: str, namespace: str, role: str, *flags: str) -> Worke
     log_path = Path(tempfile.mkstemp(prefix=f"ringserve-worker-{role}-", suffix=".log")[1])
     argv = [sys.executable, "-m", "ringserve.actors.launcher.cli", "worker", "--role", role, "--nats-url", nats_url,
             "--namespace", namespace, *flags]
+    if role in ("scheduler", "tokenizer"):  # no warm grammar compile workers (~200 MB each) for these rings
+        argv.append("--no-grammar-warm-up")
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(argv, cwd=REPO, stdout=log_file, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)

@@ -76,6 +76,12 @@ class EngineConfig:
         "fastest here, which for a bfloat16 checkpoint may be bfloat16: the checkpoint's own weights, activations "
         "rounded to bfloat16, as transformers computes in bfloat16), float32 (float32 kernels only)",
         choices=FLOAT_KERNEL_CHOICES))
+    enable_deterministic_inference: bool = field(default=False, metadata=_flag(
+        "make a row's result independent of the rows beside it (SGLang's name; CPU): greedy output is then the same "
+        "alone, in any batch and under speculation. Every linear runs one kernel whose rows' bits do not depend on "
+        "the row count (quantized: its group kernel; float32: oneDNN's, a one-row call run as two), every query "
+        "row attends through the paged decode kernel, and no fused decode layer or compiled decode graph runs "
+        "(docs/engine.md, \"Deterministic inference\": what it costs)"))
     max_total_tokens: int = field(default=0, metadata=_flag(
         "KV cache size in tokens (0 = sized from memory, see --mem-fraction-static)"))
     mem_fraction_static: float = field(default=0.0, metadata=_flag(
@@ -120,8 +126,8 @@ class EngineConfig:
     schedule_policy: str = field(default="fcfs", metadata=_flag(
         "order of admission: fcfs (arrival) or lpm (longest cached prefix first)", choices=SCHEDULE_POLICIES))
     torch_threads: int = field(default=0, metadata=_flag(
-        "threads for the scheduler's torch compute (0 on a CPU = every core for prefill-sized steps; for "
-        "decode-sized steps all cores or all but one, whichever the scheduler measures faster as it serves)"))
+        "threads for the scheduler's torch compute (0 on a CPU = all cores or all but one per step size, "
+        "whichever the scheduler measures faster as it serves)"))
     cuda_graph_max_bs: int = field(default=160, metadata=_flag(
         "largest decode batch run from a graph (sizes 1, 2, 4, 8, then steps of 8; a batch pads to the next): "
         "CUDA graphs captured at start on a GPU, torch.compile graphs on a CPU, each compiled in the background "
@@ -140,9 +146,11 @@ class EngineConfig:
     grammar_compile_timeout: float = field(default=30.0, metadata=_flag(
         "CPU seconds an output constraint (json_schema, regex, ebnf) may take to compile before its request fails "
         "(on a busy host its wall time may reach 10 times that); compiling never delays other requests"))
-    grammar_warm_up: bool = field(default=False, metadata=_flag(
-        "make the grammar compiler and start a compile worker before the scheduler reports ready, so the first "
-        "constrained request (a JSON schema, a tool call) does not wait for them (a worker holds about 280 MB)"))
+    grammar_warm_up: bool = field(default=True, metadata=_flag(
+        "make the grammar compilers and start one compile worker each in the scheduler and the tokenizer as they "
+        "start (the worker before the weights load), before they report ready, so the first constrained request "
+        "(a JSON schema, a tool call) does not wait for them; --no-grammar-warm-up leaves them to that request "
+        "(each worker holds about 200 MB)"))
     disable_jump_forward: bool = field(default=False, metadata=_flag(
         "decode the tokens an output constraint forces one step each, instead of appending them at once"))
     speculative_algorithm: str = field(default="none", metadata=_flag(
@@ -279,8 +287,8 @@ class EngineConfig:
     def graph_max_bs(self) -> int:
         """Largest decode batch run from a graph (CUDA graphs on a GPU, compiled on a CPU): 0 (none) with
         --disable-cuda-graph, else `cuda_graph_max_bs` capped at `max_running_requests`."""
-        if self.disable_cuda_graph:
-            return 0
+        if self.disable_cuda_graph or (self.enable_deterministic_inference and self.resolved_device() == "cpu"):
+            return 0  # a compiled CPU graph's norms and activations are Inductor's sums, not the eager step's
         return min(self.cuda_graph_max_bs, self.max_running_requests)
 
     def kv_pool_tokens(self, bytes_per_token: int, context_length: int,
@@ -341,15 +349,14 @@ class EngineConfig:
         """Add one `--flag` per field to `parser`."""
         group = parser.add_argument_group("engine")
         for f in dataclasses.fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            kwargs = dict(f.metadata)
-            if f.type in (bool, "bool"):
-                group.add_argument(flag, action="store_true", **kwargs)
-            elif "nargs" in kwargs:  # several values after one flag, and over repeated flags
-                group.add_argument(flag, action="extend", type=str, default=[], **kwargs)
-            else:
-                kwargs.setdefault("type", type(f.default))
-                group.add_argument(flag, default=f.default, **kwargs)
+            _add_field_argument(group, f)
+
+    @classmethod
+    def add_argument(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup, name: str) -> None:
+        """Add the flag of field `name` alone: another actor that honours it too (the tokenizer's
+        --grammar-warm-up) takes it as declared here."""
+        [f] = [f for f in dataclasses.fields(cls) if f.name == name]
+        _add_field_argument(parser, f)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
@@ -365,12 +372,28 @@ class EngineConfig:
                 continue
             flag = "--" + f.name.replace("_", "-")
             if isinstance(value, bool):
-                argv += [flag]
+                argv += [flag if value else "--no-" + flag[2:]]
             elif isinstance(value, tuple):
                 argv += [flag, *value]
             else:
                 argv += [flag, str(value)]
         return argv
+
+
+def _add_field_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup, f: dataclasses.Field[Any]) -> None:
+    """One field's flag: a switch for a bool (on by default: --flag and --no-flag), else a value."""
+    flag = "--" + f.name.replace("_", "-")
+    kwargs = dict(f.metadata)
+    if f.type in (bool, "bool") and f.default is True:
+        action = parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=True, **kwargs)
+        action.help = kwargs.get("help")  # without the "(default: True)" some Pythons append
+    elif f.type in (bool, "bool"):
+        parser.add_argument(flag, action="store_true", **kwargs)
+    elif "nargs" in kwargs:  # several values after one flag, and over repeated flags
+        parser.add_argument(flag, action="extend", type=str, default=[], **kwargs)
+    else:
+        kwargs.setdefault("type", type(f.default))
+        parser.add_argument(flag, default=f.default, **kwargs)
 
 
 def _lora_entries(argument: str) -> list[tuple[str, str, str]]:

@@ -57,7 +57,8 @@ def actor_specs(args: argparse.Namespace, served_name: str, trace: TraceBuffer |
                         *admission_argv(args), *engine], group=f"scheduler{r}" if args.tp > 1 else "")
              for r in range(args.dp) for k in range(args.tp)]
     tokenizer = [*common, "--model", args.model, "--detokenizer-shards", str(args.detokenizer_shards),
-                 *chat_argv(ChatOptions.from_args(args))]
+                 *chat_argv(ChatOptions.from_args(args)),
+                 *([] if args.grammar_warm_up else ["--no-grammar-warm-up"])]  # its checker's, as the scheduler's
     specs += [ActorSpec("tokenizer", i, "ringserve.actors.tokenizer", [*tokenizer])
               for i in range(args.tokenizer_workers)]
     specs += [ActorSpec("detokenizer", i, "ringserve.actors.detokenizer", [*common, "--model", args.model, "--shard", str(i)])

@@ -91,7 +91,7 @@ def serve_args(flags: dict[str, Any]) -> argparse.Namespace:
         if isinstance(defaults[name], bool):  # a switch: present or not
             if not isinstance(value, bool):
                 raise ValueError(f"{name} is a switch: True or False, got {value!r}")
-            argv += [flag] if value else []
+            argv += [flag] if value else ["--no-" + flag[2:]] if defaults[name] else []  # on by default: --no-X
         elif isinstance(value, dict):  # a JSON flag (--default-chat-template-kwargs)
             argv += [flag, json.dumps(value)]
         elif isinstance(value, (list, tuple)):  # a repeatable flag

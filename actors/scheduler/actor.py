@@ -36,6 +36,7 @@ from ringserve.actors.scheduler.admission import Admission
 from ringserve.actors.scheduler.image_fetch import ImageFetcher
 from ringserve.actors.scheduler.kv_share import KvSharing
 from ringserve.actors.scheduler.engine_thread import on_engine_thread, on_passing_thread, serial_torch_on_this_thread
+from ringserve.actors.scheduler.grammar_warm import early_grammars
 from ringserve.actors.scheduler.kv_events import KvEventPublisher
 from ringserve.actors.scheduler.step_messages import StepNumbering
 from ringserve.actors.scheduler.row_publisher import RowPublisher
@@ -392,13 +393,19 @@ async def scheduler_main(ctx: ActorContext, model: str, config: EngineConfig,
     def load_weights(path: str) -> Any:
         return load_checkpoint(path, DTYPES[config.resolved_dtype()])
 
+    warm = config.grammar_warm_up  # --grammar-warm-up: warmed before ready, started before the weights load
     if engine is None:
-        engine = await on_engine_thread(Engine.from_source, resolve_model(model), config)
+        source = resolve_model(model)
+        early = await on_engine_thread(early_grammars, source, config) if warm else None  # grammar_warm.py
+        engine = await on_engine_thread(Engine.from_source, source, config,
+                                         early.tokenizer if early is not None else None)
         engine.start_decode_graphs()
+        if early is not None:
+            early.hand_to(getattr(engine, "grammars", None))
     grammars = getattr(engine, "grammars", None)  # Engine's GrammarManager (grammar.py)
-    warm = grammars is not None and config.grammar_warm_up  # --grammar-warm-up: warmed before ready
+    warm = warm and grammars is not None
     if warm:
-        grammars.warm_up()
+        grammars.warm_up()  # the early one's, when it took it over
     serial_torch_on_this_thread()
     actor = SchedulerActor(ctx, engine, admission, load_weights, config.stream_interval,
                            config.kv_fetch_timeout if config.kv_share else None, config.role_of(ctx.rank),

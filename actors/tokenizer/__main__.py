@@ -6,6 +6,7 @@ import argparse
 
 from ringserve.actors.common.runtime import add_bus_arguments, run_actor
 from ringserve.actors.common.torch_threads import limit_torch_threads
+from ringserve.actors.engine.config import EngineConfig
 from ringserve.actors.tokenizer.chat_options import ChatOptions, add_chat_arguments
 
 
@@ -18,6 +19,7 @@ def build_parser(prog: str = "ringserve-tokenizer") -> argparse.ArgumentParser:
                         help="detokenizers the launcher starts (ids 0..N-1): chosen among until one has beat; "
                              "afterwards each request goes to one of the live detokenizers")
     add_chat_arguments(parser)  # --reasoning-parser, --chat-template, --generation-config, ...
+    EngineConfig.add_argument(parser, "grammar_warm_up")  # its grammar checker's, as the scheduler's compiler's
     return parser
 
 
@@ -34,7 +36,8 @@ def main(argv: list[str] | None = None) -> None:
     limit_torch_threads()
     from ringserve.actors.tokenizer.actor import tokenizer_main
 
-    run_actor("tokenizer", args, lambda ctx: tokenizer_main(ctx, args.model, args.detokenizer_shards, options))
+    run_actor("tokenizer", args, lambda ctx: tokenizer_main(ctx, args.model, args.detokenizer_shards, options,
+                                                                args.grammar_warm_up))
 
 
 if __name__ == "__main__":

@@ -88,6 +88,11 @@ class TokenizerActor:
         self._vision = VisionPrompts(source, ImageStore(lambda: ctx.bus.client, ctx.subjects.namespace)) \
             if is_vision_model(source) else None
 
+    @property
+    def grammar_checker(self) -> GrammarChecker:
+        """The checker of requests' output constraints (`tokenizer_main` warms it with --grammar-warm-up)."""
+        return self._grammars
+
     async def start(self) -> dict[str, Any]:
         namespace = self._ctx.subjects.namespace
         self._intake = [  # unsubscribed when draining; the requests being handed over finish (`live_rids`)
@@ -275,7 +280,7 @@ class TokenizerActor:
                                      self._eos_ids, req.openai_names, self._defaults, prompt_param(req))
         reasoning = self._reasoning.plan(chat, sampling, req.sampling, req.openai_names) \
             if req.embed is None else None
-        await self._grammars.check(sampling, req.openai_names)
+        await self._grammars.check(sampling, req.openai_names, req.rid)
         return TokenizedRequest(rid=req.rid, input_ids=input_ids, sampling=sampling, stream=req.stream,
                                 embed=req.embed, images=refs, reasoning=reasoning)
 
@@ -325,13 +330,24 @@ class TokenizerActor:
 
 
 async def tokenizer_main(ctx: ActorContext, model: str, detokenizers: int = 1,
-                         options: ChatOptions | None = None) -> dict[str, Any]:
+                         options: ChatOptions | None = None, grammar_warm_up: bool = True) -> dict[str, Any]:
     """Entry point for the runtime: build the actor and subscribe. A model it cannot serve ends the process at
-    once with one error line (exit code 1), before it reports ready."""
+    once with one error line (exit code 1), before it reports ready. `grammar_warm_up` (--grammar-warm-up):
+    warm the grammar checker from the start and report ready once it is warm (grammar_check.py)."""
+    if grammar_warm_up:
+        from ringserve.kernels.grammar.compile_pool import prestart
+
+        prestart()  # the checker's worker process imports torch and xgrammar while the tokenizer loads
     try:
         actor = TokenizerActor(ctx, model, detokenizers, options)
     except (UnservableModel, FileNotFoundError) as exc:
         log_event(log, logging.ERROR, "cannot serve this model", model=model, reason=str(exc))
         exit_now(1)
         raise  # not reached: exit_now ended the process
-    return await actor.start()
+    if not grammar_warm_up:
+        return await actor.start()
+    checker = actor.grammar_checker
+    checker.warm_up()
+    detail = await actor.start()
+    detail["grammars"] = await asyncio.to_thread(checker.wait_warm)
+    return detail

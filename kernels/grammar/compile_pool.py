@@ -1,8 +1,12 @@
 """The parent's side of the grammar compile workers (`ringserve.kernels.grammar.compile_worker`): up to `size` child
 processes, each capped in memory, each request bounded in CPU time.
 
-A worker is started lazily (the first one eagerly by the compiler, the rest by `fill`, which the scheduler's
-warm-up calls so that compiles coming together after start-up find none cold) and kept for the next request. A
+A worker is started lazily (the first one eagerly by the compiler, the rest when compiles come together, or by
+`fill`) and kept for the next request. Its cold start is mostly importing torch and xgrammar (seconds of CPU),
+which needs no tokenizer: `prestart` starts one worker process at once, before the tokenizer is loaded (an
+actor calls it first thing, so the import overlaps the actor's own start and its model load), and the next
+pool to start a worker in this process adopts it and sends it the setup. A request that had to start a worker
+says so in one log line (`WORKER_WAIT_NOTE`), so a cold first compile is never silent. A
 request whose worker spends more than `time_limit` seconds of CPU on it gets the worker killed (SIGKILL: a native
 compile cannot be interrupted any other way) and a `WorkerFailure`; so does a worker that dies or hits its memory
 cap.
@@ -15,15 +19,20 @@ pipe, never unpickled.
 
 from __future__ import annotations
 
+import atexit
 import json
+import logging
 import os
 import selectors
 import subprocess
 import sys
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
+log = logging.getLogger("grammar.workers")
+WORKER_WAIT_NOTE = "a grammar request waited for a compile worker to start"
 START_TIMEOUT = 120.0  # importing torch and xgrammar on a loaded host
 WALL_GUARD = 10.0  # a request's wall time may reach this many times its CPU limit (a starved or stuck worker)
 POLL_S = 0.1  # how often a compiling worker's CPU time is read
@@ -40,6 +49,57 @@ def process_cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime, stime: fields 14 and 15 of proc(5)
 
 
+_spare: subprocess.Popen[bytes] | None = None  # `prestart`'s process, until a pool adopts it
+_spare_lock = threading.Lock()
+
+
+def _spawn() -> subprocess.Popen[bytes]:
+    """A new compile worker process; it imports xgrammar at once, then waits for its setup line."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, "-m", "ringserve.kernels.grammar.compile_worker"], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+
+
+def prestart() -> None:
+    """Start one compile worker process now, before any pool exists (the module's docstring); the next worker a
+    pool of this process starts is this one. Idempotent while it waits; it ends with this process."""
+    global _spare
+    with _spare_lock:
+        if _spare is None or _spare.poll() is not None:
+            _spare = _spawn()
+
+
+def _take_spare() -> subprocess.Popen[bytes] | None:
+    global _spare
+    with _spare_lock:
+        spare, _spare = _spare, None
+    return spare if spare is not None and spare.poll() is None else None
+
+
+def _end_spare() -> None:
+    spare = _take_spare()
+    if spare is not None:
+        spare.kill()
+        spare.wait()
+
+
+atexit.register(_end_spare)  # a spare no pool adopted ends with this process (it also watches for that itself)
+_pools: weakref.WeakSet[WorkerPool] = weakref.WeakSet()
+
+
+def shed_idle_workers() -> int:
+    """End every idle compile worker of this process's pools, and a spare no pool took: about 200 MB each. The
+    pools stay open and start a worker again when a request needs one (the test suite calls this after each
+    module, whose engines would otherwise keep their workers to its end). How many ended."""
+    ended = sum(pool.shed_idle() for pool in list(_pools))
+    spare = _take_spare()
+    if spare is not None:
+        spare.kill()
+        spare.wait()
+        ended += 1
+    return ended
+
+
 class WorkerFailure(Exception):
     """A request the worker could not answer: `reason` is "timeout", "memory", "unbounded", "crashed" or
     "unavailable" (no worker could be started)."""
@@ -52,12 +112,12 @@ class WorkerFailure(Exception):
 class CompileWorker:
     """One child process and its pipes; one request at a time."""
 
-    def __init__(self, setup_line: bytes, on_stderr: Callable[[str], None]) -> None:
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+    def __init__(self, setup_line: bytes, on_stderr: Callable[[str], None],
+                 proc: subprocess.Popen[bytes] | None = None) -> None:
+        """Start a worker process (or set up `proc`, one `prestart` began) and wait until it is ready."""
         self._on_stderr = on_stderr
         self._buffer = b""
-        self.proc = subprocess.Popen([sys.executable, "-m", "ringserve.kernels.grammar.compile_worker"], env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self.proc = proc if proc is not None else _spawn()
         try:
             self.limit_bytes = int(self._exchange(setup_line, START_TIMEOUT, cpu=False).get("limit_bytes", 0))
         except WorkerFailure as exc:  # not the grammar's fault: no request is failed as if it were
@@ -142,6 +202,7 @@ class WorkerPool:
         self._starting = 0
         self._closed = False
         self._cond = threading.Condition()
+        _pools.add(self)
 
     def start(self) -> None:
         """Start one worker now (so the first request does not pay for it)."""
@@ -167,7 +228,7 @@ class WorkerPool:
         """A worker's reply to `message` (see compile_worker's protocol); WorkerFailure when it has none.
 
         A reply with `fatal` (the worker hit its cap and exits) is turned into a WorkerFailure as well."""
-        worker = self._acquire()
+        worker = self._acquire(note=str(message.get("op", "")))
         try:
             reply = worker.request(message, self.time_limit if time_limit is None else time_limit)
         except BaseException:
@@ -190,7 +251,18 @@ class WorkerPool:
         for worker in idle:
             worker.kill()
 
-    def _acquire(self) -> CompileWorker:
+    def shed_idle(self) -> int:
+        """Kill the idle workers and leave the pool open (a request starts one again); how many."""
+        with self._cond:
+            idle, self._idle = self._idle, []
+            self._count -= len(idle)
+            self._cond.notify_all()
+        for worker in idle:
+            worker.kill()
+        return len(idle)
+
+    def _acquire(self, note: str = "") -> CompileWorker:
+        """An idle worker, or a new one; with `note` (a request's op), a new one's start is logged."""
         with self._cond:
             while True:
                 if self._closed:
@@ -201,14 +273,18 @@ class WorkerPool:
                     self._count += 1
                     break
                 self._cond.wait()
-        return self._start_worker()
+        started = time.monotonic()
+        worker = self._start_worker()
+        if note:
+            log.info("%s (op %s, %.2f s)", WORKER_WAIT_NOTE, note, time.monotonic() - started)
+        return worker
 
     def _start_worker(self) -> CompileWorker:
         """A new worker, counted already (forgotten again when it cannot start)."""
         with self._cond:
             self._starting += 1
         try:
-            worker = CompileWorker(self._setup_line, self._on_stderr)
+            worker = CompileWorker(self._setup_line, self._on_stderr, _take_spare())
         except BaseException:
             with self._cond:
                 self._starting -= 1

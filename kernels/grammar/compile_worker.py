@@ -148,6 +148,8 @@ def main() -> int:
     os.dup2(capture.fileno(), 2)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     _exit_with_parent()
+    import xgrammar  # noqa: F401  # the cold start, before the setup: a prestarted worker does it while it waits
+
     setup = json.loads(sys.stdin.readline())
     worker = Worker(setup)
     limit = _vm_size() + int(setup["memory_bytes"])

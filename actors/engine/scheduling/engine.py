@@ -49,8 +49,10 @@ from ringserve.actors.engine.models.causal_lm import CausalLM
 from ringserve.actors.engine.runner.model_runner import ModelRunner
 from ringserve.actors.engine.scheduling.output_rows import StepLogprobs, output_row
 from ringserve.actors.engine.scheduling.prefill import PrefillManager
+from ringserve.actors.engine.scheduling.step_pace import StepPace
 from ringserve.actors.engine.scheduling.reasoning_gate import reasoning_gate
 from ringserve.actors.engine.quantization.quantize import apply_quantization, quantization_report
+from ringserve.actors.engine.runner.row_invariant import make_row_invariant
 from ringserve.actors.engine.scheduling.prefix_cache import create_prefix_cache
 from ringserve.actors.engine.kv_tier.share import KvShareMethods
 from ringserve.actors.engine.kv_tier.tier import make_tier
@@ -105,6 +107,9 @@ class Engine(LoraServing, KvShareMethods, EngineControl):
         # a vision-language model: the token its images' runs repeat (None: it takes no images)
         self.image_token_id: int | None = getattr(model, "image_token_id", None)
         self.prefill.whole_images = bool(getattr(model, "bidirectional_images", False))
+        # chunks cut to keep steps short on a busy host (step_pace.py); never where outputs must not depend on timing
+        if not config.enable_deterministic_inference:
+            self.prefill.pace = StepPace()
         # LoRA wraps the linears after quantization (from_source) and before the runner captures the model
         self.lora = LoraPool(model, config.max_loras_per_batch, config.max_lora_rank, config.max_loaded_loras,
                              config.max_prefill_tokens + config.max_running_requests
@@ -114,7 +119,9 @@ class Engine(LoraServing, KvShareMethods, EngineControl):
         if self.lora is not None:
             self._start_lora(model)
         self.runner.thread_tuner = tuner_for(config)
-        self._quantization = quantization_report(model)
+        if config.enable_deterministic_inference:
+            make_row_invariant(self.runner)
+        self._quantization = quantization_report(model, config.enable_deterministic_inference)
         self._thread_choices: dict[str, int] = {}
         self.paused = False
         self.steps = 0
@@ -218,6 +225,7 @@ class Engine(LoraServing, KvShareMethods, EngineControl):
         If the forward fails, every request of the batch ends with an "error" finish and the engine goes on.
         """
         self.steps += 1
+        started = time.perf_counter()
         with self.runner.graphs.serving() if self.runner.graphs is not None else nullcontext():
             rows = self._admit_compiled()
             if self.overlap:
@@ -225,7 +233,6 @@ class Engine(LoraServing, KvShareMethods, EngineControl):
             else:
                 batch = self._last_batch = self.schedule()
                 if batch is not None:
-                    started = time.perf_counter()
                     try:
                         out = self.launch(batch)
                     except Exception as exc:
@@ -235,6 +242,8 @@ class Engine(LoraServing, KvShareMethods, EngineControl):
                         self.cache.tier.note_prefill(time.perf_counter() - started, batch.num_tokens)
         if self._last_batch is None and self._inflight is None:  # idle but for grammars still compiling
             self.grammars.wait(IDLE_COMPILE_WAIT)
+        elif self.prefill.pace is not None and self._last_batch is not None:  # (overlap: about the step launched)
+            self.prefill.pace.record(self._last_batch.num_tokens, time.perf_counter() - started)
         return rows
 
     def _admit_compiled(self) -> list[TokenRow]:

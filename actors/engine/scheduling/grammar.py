@@ -10,23 +10,24 @@ finishes. The compilation itself runs in a compile worker process capped in memo
 can grow the scheduler's memory or keep its request waiting without end. Making the compiler and queueing for a
 worker do not count against a request: on a busy host they can take longer than the compile itself.
 
-Warm-up (`warm_up`, which the scheduler calls as soon as its engine is built with `--grammar-warm-up`; off by
-default, since each compile worker holds about 280 MB and a host running many small rings, as the test suite
-does, ran out of memory with every ring's workers started): making the compiler (xgrammar,
-transformers' tokenizer that it reads, the tokenizer info) and starting a compile worker (a process that imports
-torch and xgrammar) cost seconds of CPU, and tens of seconds on a loaded 2-core host; made lazily they fell on
-the first constrained request, and every chat with tools is one (its lazy tool-call grammar). So they are made
-on a thread of their own while the scheduler starts, off the step path, and one tiny grammar (`json_object`) is
-compiled to load the rest. The scheduler's `ready` waits for that (`wait_warm`), at most `WARM_READY_SECONDS`,
-and its ready detail says `grammars: warm` (or "warming" past the bound). Waiting is the faster start for a
+Warm-up (`--grammar-warm-up`, on by default; the test suite's many rings turn it off, since each compile
+worker holds about 200 MB): making the compiler (xgrammar, transformers' tokenizer that it reads, the tokenizer
+info: about 10 s of CPU on a loaded 2-core host) and starting a compile worker (a process that imports torch
+and xgrammar: 4 s) made lazily fell on the first constrained request, and every chat with tools is one (its
+lazy tool-call grammar). So the scheduler starts the worker process first thing (compile_pool's `prestart`)
+and a manager of its own for the model's tokenizer, warming (`warm_up`) on a thread of its own while the
+weights load, off the step path; one tiny grammar (`json_object`) is compiled to load the rest, and the engine's
+manager takes that compiler over once it is built (`adopt`). The scheduler's `ready` waits for that
+(`wait_warm`), at most `WARM_READY_SECONDS`, and its ready detail says `grammars: warm` (or "warming" past the
+bound). Waiting is the faster start for a
 client: the entry opens its port only once the scheduler is ready, so a warm-up behind `ready` would overlap
 little but the entry's start, and the first request would then wait for it instead (a "ready" ring that is not).
-Before `ready` it runs beside the tokenizer's and detokenizer's start and the decode graphs' background compile:
-a few seconds on a quiet host, 25 s measured on a 2-core host at load 7. Past the bound `ready` goes out anyway
-(an overloaded host is not held for minutes) and the first request waits for the rest, saying so. The other
-workers (one per compile thread) start after that, in the background: only compiles that come together need
-them, and `ready` need not wait for their imports. Without a warm-up the first constrained request makes the
-compiler, and says so in the log and on its trace.
+Before `ready` it runs beside the weights' load, the tokenizer's and detokenizer's start and the decode graphs'
+background compile. Past the bound `ready` goes out anyway (an overloaded host is not held for minutes) and the
+first request waits for the rest, saying so. The other worker (one per compile thread) is started only when two
+compiles come together (and that start is logged): a second warm worker would hold its memory for a case most
+rings never meet. Without a warm-up the first constrained request makes the compiler, and says so in the log
+and on its trace.
 
 A request whose grammar took longer than `WAIT_NOTE_SECONDS` (for the compiler, a worker or its compile) says so
 in one log line with its rid and where the time went, and through `on_wait` (the scheduler's request spans: an
@@ -133,6 +134,21 @@ class GrammarManager:
             return "cold"
         return self._warm.result() if self._warm.done() else "warming"
 
+    def adopt(self, early: GrammarManager) -> bool:
+        """Take over `early`'s compiler and warm-up: a manager for the same tokenizer made before this one (the
+        scheduler warms one while the weights load). False, leaving `early` alone, where this one has a compiler
+        already or the vocabularies differ."""
+        if self._compiler is not None or early._compiler is None or early._vocab_size != self._vocab_size:
+            return False
+        self._compiler, self._warm = early._compiler, early._warm
+        return True
+
+    def close(self) -> None:
+        """Close the compiler once it is made, and with it its compile worker processes (an early manager the
+        engine's could not take over)."""
+        if self._compiler is not None:
+            self._compiler.add_done_callback(lambda made: made.exception() is None and made.result().close())
+
     def wait_warm(self, timeout: float = WARM_READY_SECONDS) -> str:
         """Block until the warm-up is done, at most `timeout` seconds; `warm_state()` then."""
         if self._warm is not None:
@@ -162,10 +178,6 @@ class GrammarManager:
         log_event(log, logging.INFO, "grammar compiler warm", seconds=round(time.monotonic() - started, 2),
                   compiler_s=round(made_s, 2))
         warm.set_result("warm")
-        try:
-            made.start_workers()
-        except Exception as exc:  # a compile that needs one starts it (and says so if it fails)
-            log_event(log, logging.WARNING, "starting the grammar compile workers failed", error=repr(exc)[:300])
 
     def _make_compiler(self) -> GrammarCompiler:
         from ringserve.actors.common.text_tokenizer import transformers_tokenizer
