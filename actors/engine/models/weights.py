@@ -61,8 +61,9 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: str | torch.devi
             if needed:
                 from transformers import AutoModelForCausalLM
 
-                log_event(log, logging.INFO, "converting the GGUF's weights (first start only; cached for the next)",
-                          model=source.name, cache=str(cached))
+                log_event(log, logging.INFO, "loading weights", model=source.name, device=str(device),
+                          source="gguf, converted by transformers (first start only; cached for the next)",
+                          cache=str(cached))
                 hf_model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=dtype, **source.hf_kwargs())
                 # the config a warm start loads the cached weights with, not transformers' object: a stored
                 # decode graph is named by the module's attributes, so this start's graph serves the next ones
