@@ -2,7 +2,8 @@
 has it; tests/shared_rings.py): the scheduler's compiler and the tokenizer's checker are warm before the ring
 reports ready, so a JSON-schema request after ready neither makes a compiler or checker nor starts a compile
 worker (each of which says so in the log, and the scheduler's wait on the request's trace), and its answer
-follows the schema."""
+follows the schema. Each compiler's vocabulary comes from ringserve's cache or is made for it
+(actors/common/grammar_vocab.py), as both actors' ready lines say."""
 
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ def test_the_first_schema_request_after_ready_waits_for_no_compiler_and_no_worke
     before_ready = small_ring.log().partition("ringserve is ready")[0]
     assert re.search(r"\[scheduler0\] grammar compiler warm", before_ready), before_ready[-3000:]
     assert re.search(r"\[tokenizer\] grammar checker warm", before_ready), before_ready[-3000:]
+    for actor in ("scheduler0", "tokenizer"):  # each compiler's vocabulary: read from the cache, or made for it
+        ready = re.search(rf"\[{actor}\] ready .*", before_ready)
+        assert ready and "grammar vocabulary" in ready.group(0), before_ready[-3000:]
 
     schema = {**SCHEMA, "title": f"t{uuid.uuid4().hex}"}  # a schema no request compiled before
     body = {"messages": [{"role": "user", "content": "A colour?"}], "max_tokens": 24, "temperature": 0,

@@ -55,6 +55,11 @@ class TextTokenizer:
     def __len__(self) -> int:
         return self._length
 
+    @property
+    def source(self) -> ModelSource | None:
+        """The model this tokenizer was exported from (None: not known)."""
+        return self._source
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`, with the model's BOS/EOS when `add_special_tokens`."""
         return list(self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)

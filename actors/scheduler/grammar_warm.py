@@ -2,7 +2,8 @@
 
 The compile worker process (compile_pool's `prestart`: importing torch and xgrammar, about 4 s of CPU) starts
 first, then the model's tokenizer is loaded (under a second) and a `GrammarManager` for it starts making the
-compiler (xgrammar, transformers' tokenizer, the tokenizer info: about 10 s of CPU on a loaded 2-core host) and
+compiler (xgrammar, transformers' tokenizer, the tokenizer info: about 10 s of CPU on a loaded 2-core host, or,
+from the second start on, the tokenizer info read from the cache: actors/common/grammar_vocab.py) and
 compiling a tiny grammar on a thread of its own. All of it overlaps the weights' load and the engine's build
 instead of following them; the engine's own manager then takes the warm compiler over (`hand_to`), and the
 scheduler's ready waits for what is left of the warm-up as before (actors/engine/scheduling/grammar.py).

@@ -8,7 +8,9 @@ xgrammar prints about a client's grammar never reaches this actor's log raw). Wi
 default) the backend is loaded and its worker warmed as the tokenizer starts (`warm_up`: the worker process is
 started first thing, compile_pool's `prestart`, and a tiny schema checked once the compiler is made), and the
 tokenizer's ready waits for that (`wait_warm`, at most `WARM_READY_SECONDS`), which on a ring is hidden behind
-the scheduler's weight load; without it the first constrained request loads it, also off the event loop. A
+the scheduler's weight load; without it the first constrained request loads it, also off the event loop. The
+checker's view of the vocabulary is cached per model (actors/common/grammar_vocab.py): after the first start,
+transformers' tokenizer is not loaded for it. A
 request whose check took longer than `WAIT_NOTE_SECONDS` because the checker was being made says so in one log
 line with its rid.
 
@@ -121,10 +123,9 @@ class GrammarChecker:
 
     def _make_once(self) -> Any:
         if self._compiler is None:
-            from ringserve.actors.common.text_tokenizer import transformers_tokenizer
-            from ringserve.kernels.grammar import make_compiler
+            from ringserve.actors.common.grammar_vocab import grammar_compiler
 
-            self._compiler = make_compiler(transformers_tokenizer(self._tokenizer), self._vocab_size, compile_threads=1)
+            self._compiler = grammar_compiler(self._tokenizer, self._vocab_size, compile_threads=1)
         return self._compiler
 
 

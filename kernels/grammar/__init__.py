@@ -33,7 +33,8 @@ KINDS: tuple[str, ...] = ("json_object", "json_schema", "regex", "ebnf", "struct
 
 __all__ = [
     "KINDS", "CompiledGrammar", "GrammarCompiler", "GrammarError", "GrammarMatcher", "GrammarSpec", "UnreachableTag",
-    "allocate_bitmask", "apply_bitmask", "bitmask_width", "fill_bitmasks", "make_compiler", "unpack_bitmask",
+    "allocate_bitmask", "apply_bitmask", "bitmask_width", "fill_bitmasks", "make_compiler", "prepare_vocabulary",
+    "unpack_bitmask",
 ]
 
 
@@ -295,11 +296,23 @@ def make_compiler(tokenizer: Any, vocab_size: int | None = None, *, backend: str
                   **options: Any) -> GrammarCompiler:
     """A compiler for a Hugging Face `tokenizer` and the model's `vocab_size` (the logits' width).
 
-    `options` go to the backend (xgrammar: `stop_token_ids`, `any_whitespace`, `cache_size`,
-    `compile_threads`, `max_threads`, and the compile workers' `memory_bytes` and `time_limit`).
+    `options` go to the backend (xgrammar: `prepared`, what `prepare_vocabulary` made of this tokenizer before,
+    in which case `tokenizer` may be None; `stop_token_ids`, `any_whitespace`, `cache_size`, `compile_threads`,
+    `max_threads`, and the compile workers' `memory_bytes` and `time_limit`).
     """
     if backend != "xgrammar":
         raise ValueError(f"unknown grammar backend {backend!r}; available: xgrammar")
     from ringserve.kernels.grammar.xgrammar_backend import XGrammarCompiler
 
     return XGrammarCompiler(tokenizer, vocab_size, **options)
+
+
+def prepare_vocabulary(tokenizer: Any, vocab_size: int | None = None, *, backend: str = "xgrammar",
+                       stop_token_ids: Sequence[int] | None = None) -> dict[str, Any]:
+    """What a compiler derives from a Hugging Face `tokenizer` (xgrammar: its tokenizer info, seconds for a
+    large vocabulary), as plain JSON data to keep and hand to `make_compiler(None, vocab_size, prepared=...)`."""
+    if backend != "xgrammar":
+        raise ValueError(f"unknown grammar backend {backend!r}; available: xgrammar")
+    from ringserve.kernels.grammar.xgrammar_backend import prepare_vocabulary as prepare
+
+    return prepare(tokenizer, vocab_size, stop_token_ids)

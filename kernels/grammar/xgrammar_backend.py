@@ -80,6 +80,15 @@ def build_tokenizer_info(tokenizer: Any, vocab_size: int | None = None,
     return xgr.TokenizerInfo.from_vocab_and_metadata(vocab, base.dump_metadata())
 
 
+def prepare_vocabulary(tokenizer: Any, vocab_size: int | None = None,
+                       stop_token_ids: Sequence[int] | None = None) -> dict[str, Any]:
+    """What `XGrammarCompiler` derives from `tokenizer`, as JSON data (`prepared`): the tokenizer info
+    (`build_tokenizer_info`, serialized) and the special tokens' texts."""
+    info = build_tokenizer_info(tokenizer, vocab_size, stop_token_ids)
+    return {"tokenizer_info": info.serialize_json(),
+            "special_texts": list(special_token_texts(tokenizer))}
+
+
 def special_token_ids(tokenizer: Any) -> set[int]:
     """The ids of the tokenizer's special tokens (its special tokens map and the added tokens marked special)."""
     specials = {int(t) for t in getattr(tokenizer, "all_special_ids", ())}
@@ -197,16 +206,24 @@ class XGrammarCompiler(GrammarCompiler):
     workers) run at once.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int | None = None, *,
+    def __init__(self, tokenizer: Any, vocab_size: int | None = None, *, prepared: dict[str, Any] | None = None,
                  stop_token_ids: Sequence[int] | None = None, any_whitespace: bool = False,
                  cache_size: int = 256, compile_threads: int = 2, max_threads: int = 2,
                  memory_bytes: int = DEFAULT_MEMORY_BYTES, time_limit: float = DEFAULT_TIME_LIMIT) -> None:
+        """`prepared`: `prepare_vocabulary`'s result for this tokenizer, vocabulary width and stops, made
+        before (then `tokenizer` is not read and may be None); without it, it is made here."""
         super().__init__(cache_size=cache_size, compile_threads=compile_threads)
-        self.tokenizer_info = build_tokenizer_info(tokenizer, vocab_size, stop_token_ids)
-        self.special_texts = special_token_texts(tokenizer)
+        if prepared is None:
+            self.tokenizer_info = build_tokenizer_info(tokenizer, vocab_size, stop_token_ids)
+            self.special_texts = special_token_texts(tokenizer)
+            info_json = self.tokenizer_info.serialize_json()
+        else:
+            info_json = prepared["tokenizer_info"]
+            self.tokenizer_info = xgr.TokenizerInfo.deserialize_json(info_json)
+            self.special_texts = tuple(prepared["special_texts"])
         self.any_whitespace = any_whitespace
         self.memory_bytes = memory_bytes
-        setup = {"tokenizer_info": self.tokenizer_info.serialize_json(), "memory_bytes": memory_bytes,
+        setup = {"tokenizer_info": info_json, "memory_bytes": memory_bytes,
                  "max_threads": max_threads, "any_whitespace": any_whitespace}
         self._workers = WorkerPool(setup, size=compile_threads, time_limit=time_limit, on_stderr=_log_printed)
         try:

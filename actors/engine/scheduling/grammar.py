@@ -12,7 +12,8 @@ worker do not count against a request: on a busy host they can take longer than 
 
 Warm-up (`--grammar-warm-up`, on by default; the test suite's many rings turn it off, since each compile
 worker holds about 200 MB): making the compiler (xgrammar, transformers' tokenizer that it reads, the tokenizer
-info: about 10 s of CPU on a loaded 2-core host) and starting a compile worker (a process that imports torch
+info: about 10 s of CPU on a loaded 2-core host; from the second start on, the tokenizer info is read from
+ringserve's cache instead, actors/common/grammar_vocab.py) and starting a compile worker (a process that imports torch
 and xgrammar: 4 s) made lazily fell on the first constrained request, and every chat with tools is one (its
 lazy tool-call grammar). So the scheduler starts the worker process first thing (compile_pool's `prestart`)
 and a manager of its own for the model's tokenizer, warming (`warm_up`) on a thread of its own while the
@@ -180,12 +181,10 @@ class GrammarManager:
         warm.set_result("warm")
 
     def _make_compiler(self) -> GrammarCompiler:
-        from ringserve.actors.common.text_tokenizer import transformers_tokenizer
-        from ringserve.kernels.grammar import make_compiler
+        from ringserve.actors.common.grammar_vocab import grammar_compiler
 
         # a worker overrunning its CPU limit is killed, so a runaway compile stops costing CPU and memory then
-        return make_compiler(transformers_tokenizer(self._tokenizer), self._vocab_size,
-                             time_limit=self.compile_timeout)
+        return grammar_compiler(self._tokenizer, self._vocab_size, time_limit=self.compile_timeout)
 
     def collect(self) -> tuple[list[Req], list[tuple[Req, ApiError]]]:
         """Requests whose grammar is compiled (each with its matcher), and those that failed, with why."""
