@@ -29,8 +29,8 @@ def make_row_invariant(runner: ModelRunner) -> None:
     if not isinstance(backend, TorchPagedBackend) or not backend.in_place_decode:
         raise ValueError("--enable-deterministic-inference needs the CPU's paged attention kernel (a CPU, float32 KV "
                          "and our CPU kernels built)")
+    if runner.graphs is not None:
+        raise ValueError("--enable-deterministic-inference runs no compiled decode graphs (EngineConfig.graph_max_bs)")
     backend.row_invariant = True
     for layer in runner.model.decoder_layers():
         layer.fused_decode = False
-    if runner.graphs is not None:
-        raise ValueError("--enable-deterministic-inference runs no compiled decode graphs (EngineConfig.graph_max_bs)")
