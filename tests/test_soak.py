@@ -360,8 +360,8 @@ def test_mixed_traffic_leaves_the_ring_as_it_was(ring: Ring) -> None:
     def grown_now() -> dict[str, int]:
         return {name: resident_bytes(pid) - warm_rss[name] for name, pid in pids.items()}
 
-    # the scheduler's large transient buffers (a step of several long prefills) go back to the system a moment
-    # after the traffic ends: memory still over the bound some seconds later is kept
+    # what the scheduler's steps freed goes back to the system a second after the traffic ends
+    # (actors/common/heap_trim.py): memory still over the bound some seconds later is kept
     wait_for(lambda: all(growth <= RSS_TOLERANCE for growth in grown_now().values()), timeout=10)
     grown = grown_now()
     print(f"soak: resident memory after warm-up { {n: f'{b / 2**20:.0f} MiB' for n, b in warm_rss.items()} }, "

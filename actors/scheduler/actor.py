@@ -27,6 +27,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
+from ringserve.actors.common.heap_trim import HEAP_TRIM_IDLE_SECONDS, HeapTrimmer
 from ringserve.actors.common.model_source import resolve_model
 from ringserve.actors.common.runtime import HEARTBEAT_SECONDS, ActorContext
 from ringserve.actors.engine.config import EngineConfig
@@ -85,6 +86,7 @@ class SchedulerActor(RowPublisher):
         # aborts that arrived before their request (the two travel on different subjects)
         self._early_aborts: OrderedDict[str, float] = OrderedDict()
         self._checked_idle = True
+        self._heap = HeapTrimmer()  # what the steps freed goes back to the system once idle a moment
         self._routed = 0  # requests handed to this replica since it started
         self._images = ImageFetcher(ImageStore(lambda: ctx.bus.client, ctx.subjects.namespace))
         self._image_tensors: dict[str, dict[str, Any]] = {}  # rid -> its images' tensors, fetched, until it is added
@@ -248,9 +250,10 @@ class SchedulerActor(RowPublisher):
                     self._check_when_idle()
                     self._wake.clear()
                     if not self._inbox:
-                        await self._wake.wait()
+                        await self._until_woken()
                     continue
                 self._checked_idle = False
+                self._heap.note_work()
                 started = tracing.now_ns()
                 rows = await on_engine_thread(self._engine.step)
                 self._info = self._snapshot()
@@ -260,6 +263,16 @@ class SchedulerActor(RowPublisher):
         except Exception as exc:
             log.exception("engine loop crashed")
             self._ctx.fail(f"engine loop crashed: {exc!r}")
+
+    async def _until_woken(self) -> None:
+        """Wait for a request or command; idle `HEAP_TRIM_IDLE_SECONDS` after steps, trim the heap meanwhile."""
+        if self._heap.pending:
+            try:
+                await asyncio.wait_for(self._wake.wait(), HEAP_TRIM_IDLE_SECONDS)
+                return
+            except TimeoutError:
+                self._heap.trim_in_background()
+        await self._wake.wait()
 
     def _check_when_idle(self) -> None:
         if not self._checked_idle:
