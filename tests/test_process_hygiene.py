@@ -196,3 +196,14 @@ def test_a_jit_build_killed_midway_does_not_hold_the_next_one(tmp_path: Path) ->
         waited = time.monotonic() - started
     holder.wait()
     assert waited > 0.5, "a build running in another process is waited for"
+
+
+def test_each_checkout_jit_builds_in_a_folder_of_its_own(tmp_path: Path) -> None:
+    """Two checkouts of the same sources used to share one JIT build folder, whose ninja file names the sources
+    by path, and rebuilt the library in turn; the same checkout finds its own folder again."""
+    from ringserve.kernels.cpu import SOURCES, jit_build_dir
+
+    here = jit_build_dir(SOURCES[0].parent)
+    assert jit_build_dir(SOURCES[0].parent) == here
+    other = jit_build_dir(tmp_path / "another-clone" / "kernels" / "cpu")
+    assert other != here and other.parent == here.parent

@@ -29,6 +29,7 @@ run time).
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -166,12 +167,19 @@ def _load_prebuilt() -> bool:
     return True
 
 
+def jit_build_dir(source_folder: Path) -> Path:
+    """Where the sources in `source_folder` are JIT-built. torch's JIT versioning hashes the .cpp files only: the
+    digest in the name covers their headers too. Its ninja file names the sources by absolute path, so two
+    checkouts sharing one folder rebuilt the library in turn (4 minutes each): each checkout has its own."""
+    checkout = hashlib.sha256(str(source_folder.resolve()).encode()).hexdigest()[:8]
+    return cache_dir() / "torch_extensions" / f"torch-{torch.__version__}-{sources_digest()[:12]}-{checkout}"
+
+
 def _jit_build() -> None:
     """JIT-build (or find built in the cache) and load the library; raises when it cannot be built."""
     from torch.utils import cpp_extension
 
-    # torch's JIT versioning hashes the .cpp files only: the digest in the path covers their headers too
-    build_dir = cache_dir() / "torch_extensions" / f"torch-{torch.__version__}-{sources_digest()[:12]}"
+    build_dir = jit_build_dir(SOURCES[0].parent)
     build_dir.mkdir(parents=True, exist_ok=True)
     # the flags (build_record.py) are setup.py's too: one build serves every x86 host
     start = time.perf_counter()
