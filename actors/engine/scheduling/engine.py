@@ -54,7 +54,7 @@ from ringserve.actors.engine.scheduling.reasoning_gate import reasoning_gate
 from ringserve.actors.engine.quantization.quantize import apply_quantization, quantization_report
 from ringserve.actors.engine.runner.row_invariant import make_row_invariant
 from ringserve.actors.engine.scheduling.prefix_cache import create_prefix_cache
-from ringserve.actors.engine.kv_tier.share import KvShareMethods
+from ringserve.actors.engine.scheduling.kv_sharing import KvShareMethods
 from ringserve.actors.engine.kv_tier.tier import make_tier
 from ringserve.actors.engine.scheduling.request import Req
 from ringserve.actors.engine.scheduling.images import request_images, step_override

@@ -7,7 +7,7 @@ import logging
 from typing import Any, Callable
 
 from ringserve.actors.engine.config import KV_TIER_STOP_SAVE_SECONDS
-from ringserve.actors.engine.models.weight_swap import swap_engine_weights
+from ringserve.actors.engine.scheduling.weight_swap import swap_engine_weights
 from ringserve.bus.messages import SchedulerInfo
 from ringserve.observability.logging import log_event
 
@@ -112,9 +112,10 @@ class EngineControl:
 
     def update_weights(self, checkpoint: Any, model_name: str, check_only: bool = False) -> int:
         """Swap in the weights of `checkpoint` (a `Checkpoint` of the same architecture) in place; requests
-        holding KV recompute it with them (actors/engine/models/weight_swap.py). `model_name` is what `stats()` reports
-        from then on. Raises `WeightMismatch` and changes nothing when it does not fit; `check_only` only checks.
-        Call between steps, with none in flight. Returns the KV slots the prefix-cache flush freed."""
+        holding KV recompute it with them (actors/engine/scheduling/weight_swap.py). `model_name` is what
+        `stats()` reports from then on. Raises `WeightMismatch` and changes nothing when it does not fit;
+        `check_only` only checks. Call between steps, with none in flight. Returns the KV slots the prefix-cache
+        flush freed."""
         if self.lora is not None:  # the wrapped linears hold the base under other names; not yet swapped
             raise ValueError("swapping weights while LoRA adapters are served is not supported yet; restart with the "
                              "new weights instead")

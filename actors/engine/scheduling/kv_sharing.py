@@ -75,7 +75,7 @@ class KvShareMethods:
 
     def kv_share_namespace(self) -> str | None:
         """The KV tier's namespace (what this replica's KV depends on), None without a tier: blocks cross
-        replicas only between equal namespaces (actors/engine/kv_tier/share.py, run on the engine thread)."""
+        replicas only between equal namespaces (actors/engine/scheduling/kv_sharing.py, run on the engine thread)."""
         return self.cache.tier.namespace if self.cache.tier is not None else None
 
     def kv_cache_key(self, request: TokenizedRequest) -> str | None:
