@@ -118,7 +118,7 @@ def test_jump_forward_appends_forced_text_in_fewer_steps(model: Any, tokenizer: 
 
 def test_forced_tokens_spell_the_forced_text(tokenizer: Any) -> None:
     from ringserve.actors.engine.scheduling.grammar import GrammarManager
-    from ringserve.actors.engine.scheduling.request import Req
+    from ringserve.actors.engine.core.request import Req
 
     manager = GrammarManager(tokenizer, 49152, 30.0)
     req = Req("r", 1, [5], constrained(json_schema=json.dumps(SCHEMA)), seed=0)

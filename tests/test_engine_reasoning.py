@@ -1,4 +1,4 @@
-"""Reasoning requests in the engine (bus/reasoning.py's `ReasoningPlan`, actors/engine/scheduling/reasoning_gate.py):
+"""Reasoning requests in the engine (bus/reasoning.py's `ReasoningPlan`, actors/engine/core/reasoning_gate.py):
 the thinking budget forces the end marker, an output constraint applies only after the thinking, "before" lets
 the model open its thinking or answer under the grammar, several-token markers, the overlap loop, the prefix
 cache and speculative decoding. Random-weight models with token ids picked as fake markers: the thinking tokens
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from ringserve.actors.engine.scheduling.reasoning_gate import ReasoningGate, reasoning_gate
+from ringserve.actors.engine.core.reasoning_gate import ReasoningGate, reasoning_gate
 from ringserve.bus.messages import TokenizedRequest
 from ringserve.bus.params import SamplingParams
 from ringserve.bus.reasoning import ReasoningPlan
@@ -235,7 +235,7 @@ class _Matcher:
 def test_a_constrained_answer_may_open_with_whitespace_before_its_grammar() -> None:
     """Qwen3 writes `</think>\n\n` before its answer: the whitespace-only tokens right after the end marker bypass
     the grammar (at most MAX_LEADING_SPACE of them), and the first other token is the grammar's."""
-    from ringserve.actors.engine.scheduling.reasoning_gate import MAX_LEADING_SPACE, whitespace_tokens
+    from ringserve.actors.engine.core.reasoning_gate import MAX_LEADING_SPACE, whitespace_tokens
     from ringserve.actors.common.model_source import DEFAULT_MODEL, load_tokenizer, resolve_model
 
     tokenizer = load_tokenizer(resolve_model(DEFAULT_MODEL))

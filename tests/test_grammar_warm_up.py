@@ -34,7 +34,7 @@ def tokenizer() -> Any:
 
 
 def schema_request(rid: str, title: str) -> Any:
-    from ringserve.actors.engine.scheduling.request import Req
+    from ringserve.actors.engine.core.request import Req
 
     params = SamplingParams(max_new_tokens=8, json_schema=json.dumps({**SCHEMA, "title": title}))
     return Req(rid, 1, [5], params, seed=0)

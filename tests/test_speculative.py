@@ -144,7 +144,7 @@ def test_requests_that_opt_out_or_are_under_a_ban_do_not_speculate(hf: Any, para
 def test_a_request_whose_drafts_miss_stops_drafting_for_a_while_then_tries_again() -> None:
     """Fully rejected drafts halve the draft length; the second miss in a row skips 2 steps, the third 4; a fully
     accepted draft grows it again."""
-    from ringserve.actors.engine.scheduling.request import Req
+    from ringserve.actors.engine.core.request import Req
     from ringserve.actors.engine.speculative.speculator import Speculator
 
     speculator = Speculator(num_draft_tokens=4)

@@ -2,7 +2,7 @@
 
 Each input (a string, token ids, or a list of either) runs through the ring as an embedding request
 (`GenerateRequest.embed`, nothing generated): the scheduler prefills it beside generation and answers with the
-pooled final-norm hidden state of its prompt (actors/engine/scheduling/embedding.py). Here only shapes are
+pooled final-norm hidden state of its prompt (actors/engine/core/embedding.py). Here only shapes are
 checked and the vector is shaped for the client: `dimensions` keeps its first d components (re-normalised
 when `normalize`), `encoding_format` base64 sends the little-endian float32 bytes OpenAI's client decodes.
 """

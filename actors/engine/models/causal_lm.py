@@ -10,34 +10,21 @@ parallelism shards and quantization swaps), and `forward`. Nothing outside model
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from ringserve.actors.engine.core.embed_override import EmbedOverride
 from ringserve.actors.engine.models.blocks import RMSNorm
 from ringserve.actors.engine.models.decoder_layer import DecoderLayer
 from ringserve.actors.engine.models.mrope import mrope_tables
 from ringserve.actors.engine.models.registry import context_length
 from ringserve.actors.engine.models.rope import RopeLengthRule, Rotary, rope_parameters
 from ringserve.actors.engine.models.spec import ArchSpec, LayerShape, layer_shapes
-from ringserve.actors.engine.models.vision.span_attention import BidirectionalSpan, SpanAttention
+from ringserve.actors.engine.models.vision.span_attention import SpanAttention
 from ringserve.kernels.attention import AttentionBackend, AttentionMetadata
 from ringserve.kernels.attention.backend import LayerAttention
-
-
-@dataclass
-class EmbedOverride:
-    """Embeddings written over some of a step's token embeddings (images' tokens), after any embedding scale:
-    `index` `[n]` flat token indices of the step, `embeds` `[n, C]`; `spans`: runs among them that attend to
-    each other both ways (Gemma 3's images, models/vision/span_attention.py); `rope_positions` `[3, n]`: their
-    M-RoPE (temporal, height, width) positions (models/mrope.py), None for other models."""
-
-    index: torch.Tensor
-    embeds: torch.Tensor
-    spans: list[BidirectionalSpan] = field(default_factory=list)
-    rope_positions: torch.Tensor | None = None
 
 
 class DecoderStack(nn.Module):

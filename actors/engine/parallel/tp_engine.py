@@ -33,8 +33,8 @@ from ringserve.actors.engine.config import EngineConfig
 from ringserve.actors.engine.scheduling.engine import Engine
 from ringserve.actors.engine.scheduling.images import embed_step_images
 from ringserve.actors.engine.runner.kv_pool import KVPool
-from ringserve.actors.engine.models.causal_lm import CausalLM, EmbedOverride
-from ringserve.actors.engine.models.vision.span_attention import BidirectionalSpan
+from ringserve.actors.engine.core.embed_override import BidirectionalSpan, EmbedOverride
+from ringserve.actors.engine.models.causal_lm import CausalLM
 from ringserve.actors.engine.quantization.quantize import apply_quantization
 from ringserve.actors.engine.parallel.tensor_parallel import TPGroup, TPGroupError, shard_model
 from ringserve.actors.engine.parallel.tp_checks import check_tp_quantization

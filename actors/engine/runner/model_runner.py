@@ -17,13 +17,13 @@ from collections.abc import Callable
 import torch
 
 from ringserve.actors.engine.runner.graphs.fx_guard import no_fx_tracing
-from ringserve.actors.engine.scheduling.batch import Batch, ForwardOutput, PromptScores
-from ringserve.actors.engine.scheduling.embedding import hidden_positions, pool_chunk
-from ringserve.actors.engine.scheduling.images import rope_positions
+from ringserve.actors.engine.core.batch import Batch, ForwardOutput, PromptScores, rope_positions
+from ringserve.actors.engine.core.embedding import hidden_positions, pool_chunk
 from ringserve.actors.engine.runner.graphs.decode_graph import DecodeGraphRunner, default_mode
 from ringserve.actors.engine.runner.kv_pool import KVPool
 from ringserve.actors.engine.models.blocks import Attention, RMSNorm
-from ringserve.actors.engine.models.causal_lm import CausalLM, EmbedOverride
+from ringserve.actors.engine.models.causal_lm import CausalLM
+from ringserve.actors.engine.core.embed_override import EmbedOverride
 from ringserve.actors.engine.models.rope import rope_lengths
 from ringserve.actors.engine.runner.graphs.thread_tuner import ThreadTuner
 from ringserve.actors.engine.runner.token_table import TokenTable

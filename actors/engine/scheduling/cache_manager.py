@@ -19,7 +19,7 @@ import torch
 
 from ringserve.actors.engine.kv_tier.tier import KVTier
 from ringserve.actors.engine.scheduling.prefix_cache import BasePrefixCache
-from ringserve.actors.engine.scheduling.request import Req
+from ringserve.actors.engine.core.request import Req
 from ringserve.actors.engine.runner.token_table import TokenTable
 from ringserve.bus.kv_blocks import block_hashes, salt_seed
 from ringserve.kernels.host_copy import to_device

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ringserve.actors.engine.models.rope import RopeLengthRule
 from ringserve.actors.engine.scheduling.cache_manager import CacheManager
-from ringserve.actors.engine.scheduling.request import Req
+from ringserve.actors.engine.core.request import Req
 
 
 class DecodeManager:

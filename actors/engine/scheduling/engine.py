@@ -35,9 +35,9 @@ import torch
 from ringserve.actors.engine.speculative.draft_model import DraftModel, load_draft_engine
 from ringserve.actors.engine.speculative.speculator import Speculator
 from ringserve.actors.engine.speculative.verify_step import SpeculativeSteps
-from ringserve.actors.engine.scheduling.batch import Batch, ForwardOutput
+from ringserve.actors.engine.core.batch import Batch, ForwardOutput
 from ringserve.actors.engine.scheduling.request_checks import request_error
-from ringserve.actors.engine.scheduling.embedding import embed_state
+from ringserve.actors.engine.core.embedding import embed_state
 from ringserve.actors.engine.scheduling.cache_manager import CacheManager
 from ringserve.actors.engine.config import EngineConfig
 from ringserve.actors.engine.scheduling.decode import DecodeManager
@@ -50,13 +50,13 @@ from ringserve.actors.engine.runner.model_runner import ModelRunner
 from ringserve.actors.engine.scheduling.output_rows import StepLogprobs, output_row
 from ringserve.actors.engine.scheduling.prefill import PrefillManager
 from ringserve.actors.engine.scheduling.step_pace import StepPace
-from ringserve.actors.engine.scheduling.reasoning_gate import reasoning_gate
+from ringserve.actors.engine.core.reasoning_gate import reasoning_gate
 from ringserve.actors.engine.quantization.quantize import apply_quantization, quantization_report
 from ringserve.actors.engine.runner.row_invariant import make_row_invariant
 from ringserve.actors.engine.scheduling.prefix_cache import create_prefix_cache
 from ringserve.actors.engine.scheduling.kv_sharing import KvShareMethods
 from ringserve.actors.engine.kv_tier.tier import make_tier
-from ringserve.actors.engine.scheduling.request import Req
+from ringserve.actors.engine.core.request import Req
 from ringserve.actors.engine.scheduling.images import request_images, step_override
 from ringserve.actors.engine.lora.pool import LoraPool
 from ringserve.actors.engine.lora.serving import LoraServing

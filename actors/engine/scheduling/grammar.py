@@ -43,7 +43,7 @@ Jump-forward (`forced_tokens`, applied by actors/engine/scheduling/jump_forward.
 continuation, its tokens are appended at once, and the request computes them in one extend step instead of one
 decode step each.
 
-A reasoning request (`Req.gate`, actors/engine/scheduling/reasoning_gate.py) is constrained only once it answers:
+A reasoning request (`Req.gate`, actors/engine/core/reasoning_gate.py) is constrained only once it answers:
 while it thinks its tokens bypass the matcher and its rows are masked only to force a marker token (the budget
 spent, or the rest of a several-token start marker) or, before its first token, to let it open the thinking
 where the grammar would not. It counts as constrained for the overlap loop until it answers, since its phase
@@ -62,8 +62,8 @@ from typing import Any
 
 import torch
 
-from ringserve.actors.engine.scheduling.reasoning_gate import Spacing, whitespace_tokens
-from ringserve.actors.engine.scheduling.request import Req
+from ringserve.actors.engine.core.reasoning_gate import Spacing, whitespace_tokens
+from ringserve.actors.engine.core.request import Req
 from ringserve.bus.errors import ApiError, server_error
 from ringserve.kernels.grammar import GrammarCompiler, GrammarError, GrammarSpec, allocate_bitmask
 from ringserve.observability.logging import log_event

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from ringserve.actors.engine.models.causal_lm import CausalLM, EmbedOverride
-from ringserve.actors.engine.models.vision.span_attention import BidirectionalSpan
-from ringserve.actors.engine.scheduling.batch import Batch
+from ringserve.actors.engine.core.embed_override import BidirectionalSpan, EmbedOverride
+from ringserve.actors.engine.models.causal_lm import CausalLM
+from ringserve.actors.engine.core.batch import Batch
 from ringserve.bus.errors import ApiError
 from ringserve.bus.images import ImageRef
 
@@ -145,23 +145,6 @@ def step_override(model: CausalLM, batch: Batch, token_table: torch.Tensor) -> E
             spans.append(BidirectionalSpan(first, hi - lo, lo, token_table[req.row, :hi]))
     rope = torch.cat(ropes, dim=1).to(device) if ropes else None
     return EmbedOverride(torch.cat(index), torch.cat(embeds), spans, rope)
-
-
-def rope_positions(batch: Batch) -> list[int] | None:
-    """The 1-D rope position of each of `batch`'s tokens: its sequence position plus its request's M-RoPE shift
-    there (that of the last image before it); None when every request's shift is 0 (every model without M-RoPE),
-    the rope positions then being the positions. An image token's is overridden (`EmbedOverride.rope_positions`)."""
-    if not any(req.rope_shift for req in batch.reqs):
-        return None
-    out: list[int] = []
-    for req, start, n in zip(batch.reqs, batch.starts, batch.extend_lens):
-        ends = [image.end for image in req.images]
-        shifts = [0] + [image.rope_shift for image in req.images]
-        if not ends or start >= ends[-1]:  # decode rows, text after the last image
-            out.extend(range(start + req.rope_shift, start + n + req.rope_shift))
-            continue
-        out.extend(p + shifts[bisect_right(ends, p)] for p in range(start, start + n))
-    return out
 
 
 def _embed(images: list[ReqImage], model: CausalLM) -> None:

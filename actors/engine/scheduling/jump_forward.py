@@ -15,7 +15,7 @@ from ringserve.actors.engine.scheduling.cache_manager import CacheManager
 from ringserve.actors.engine.scheduling.decode import DecodeManager
 from ringserve.actors.engine.scheduling.grammar import GrammarManager
 from ringserve.actors.engine.scheduling.prefill import PrefillManager
-from ringserve.actors.engine.scheduling.request import Req
+from ringserve.actors.engine.core.request import Req
 from ringserve.actors.engine.scheduling.stop_checker import StopChecker
 from ringserve.bus.messages import FinishReason
 from ringserve.kernels.host_copy import to_device

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ringserve.actors.engine.scheduling.batch import ForwardOutput
-from ringserve.actors.engine.scheduling.request import Req
+from ringserve.actors.engine.core.batch import ForwardOutput
+from ringserve.actors.engine.core.request import Req
 from ringserve.bus.messages import FinishReason, TokenRow
 
 

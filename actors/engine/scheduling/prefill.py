@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 from ringserve.actors.engine.scheduling.cache_manager import CacheManager
 from ringserve.actors.engine.scheduling.images import chunk_tokens
-from ringserve.actors.engine.scheduling.request import Req
+from ringserve.actors.engine.core.request import Req
 from ringserve.actors.engine.scheduling.step_pace import StepPace
 
 LPM_MAX_QUEUE = 128  # beyond this many waiting requests, sorting by prefix match costs more than it saves

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Container
 
-from ringserve.actors.engine.scheduling.reasoning_gate import plan_error
+from ringserve.actors.engine.core.reasoning_gate import plan_error
 from ringserve.bus.errors import ApiError, server_error
 from ringserve.bus.messages import TokenizedRequest
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ringserve.actors.engine.scheduling.request import Req
+from ringserve.actors.engine.core.request import Req
 from ringserve.bus.errors import server_error
 from ringserve.bus.messages import FinishReason
 

@@ -11,7 +11,7 @@ import logging
 import secrets
 from typing import Any
 
-from ringserve.actors.engine.scheduling.request import PromptLogprobs
+from ringserve.actors.engine.core.request import PromptLogprobs
 from ringserve.actors.engine.kv_tier.tier import namespace_of
 from ringserve.actors.engine.models.weights import swap_weights
 from ringserve.observability.logging import log_event

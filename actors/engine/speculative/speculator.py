@@ -2,10 +2,10 @@
 
 A request speculates unless it opted out (`speculative: false`), a `min_new_tokens` ban is still in force, or it is
 a reasoning request whose constraint or budget the engine enforces and which has not started answering yet
-(actors/engine/scheduling/reasoning_gate.py: the simplest sound rule, as its masks change with its phase). A
+(actors/engine/core/reasoning_gate.py: the simplest sound rule, as its masks change with its phase). A
 constrained request's drafts stop at the first token its grammar refuses, and each verify row is masked by the
 grammar's state after the drafts before it (actors/engine/scheduling/grammar.py); penalties count the drafts
-before each row in a copy of the request's counts (actors/engine/scheduling/batch.py). It then verifies `k`
+before each row in a copy of the request's counts (actors/engine/core/batch.py). It then verifies `k`
 drafted tokens in one step: `k + 1` decode rows, its last real token's and one per draft, each drawing the token
 after its position as decoding one token a step would (greedy: the argmax; sampled: our draws are a pure function
 of seed, position and logits, kernels/sampling.py). Verification keeps the drafts while each equals the token
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ringserve.actors.engine.scheduling.request import Req
+from ringserve.actors.engine.core.request import Req
 from ringserve.actors.engine.speculative.draft_model import DraftModel
 from ringserve.actors.engine.speculative.ngram import NgramIndex, SharedNgramPool
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ringserve.actors.engine.scheduling.request import Req
+from ringserve.actors.engine.core.request import Req
 from ringserve.actors.engine.speculative.speculator import Speculator
 from ringserve.bus.messages import FinishReason
 

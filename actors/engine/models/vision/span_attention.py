@@ -10,25 +10,12 @@ pool by then.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ringserve.actors.engine.core.embed_override import BidirectionalSpan
 from ringserve.kernels.attention import AttentionBackend, AttentionMetadata
-
-
-@dataclass
-class BidirectionalSpan:
-    """The part of one image's run a step computes, through the image's end (it starts later than the image when a
-    cached prefix ends inside it, whose earlier tokens the causal mask already shows): its first token's flat index
-    in the step, its length, its first token's position, and the pool slots of the request's tokens
-    `[0, position + length)`."""
-
-    first: int
-    length: int
-    position: int
-    key_slots: torch.Tensor
 
 
 class SpanAttention:

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable
 import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
-from ringserve.actors.engine.models.causal_lm import EmbedOverride
-from ringserve.actors.engine.scheduling.request import Req
+from ringserve.actors.engine.core.embed_override import EmbedOverride
+from ringserve.actors.engine.core.request import Req
 from ringserve.kernels.sampling import SamplingRow
 
 
@@ -156,3 +157,20 @@ class PromptScores:
                                            [t[:n] for t in top_ids[at:end]] if top_ids and n else [[]] * count,
                                            [t[:n] for t in top_lps[at:end]] if top_lps and n else [[]] * count)
             at = end
+
+
+def rope_positions(batch: Batch) -> list[int] | None:
+    """The 1-D rope position of each of `batch`'s tokens: its sequence position plus its request's M-RoPE shift
+    there (that of the last image before it); None when every request's shift is 0 (every model without M-RoPE),
+    the rope positions then being the positions. An image token's is overridden (`EmbedOverride.rope_positions`)."""
+    if not any(req.rope_shift for req in batch.reqs):
+        return None
+    out: list[int] = []
+    for req, start, n in zip(batch.reqs, batch.starts, batch.extend_lens):
+        ends = [image.end for image in req.images]
+        shifts = [0] + [image.rope_shift for image in req.images]
+        if not ends or start >= ends[-1]:  # decode rows, text after the last image
+            out.extend(range(start + req.rope_shift, start + n + req.rope_shift))
+            continue
+        out.extend(p + shifts[bisect_right(ends, p)] for p in range(start, start + n))
+    return out

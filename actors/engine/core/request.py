@@ -6,8 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ringserve.actors.engine.scheduling.embedding import EmbedState
-from ringserve.actors.engine.scheduling.reasoning_gate import ReasoningGate
+from ringserve.actors.engine.core.embedding import EmbedState
+from ringserve.actors.engine.core.reasoning_gate import ReasoningGate
 from ringserve.bus.kv_blocks import cache_namespace
 from ringserve.bus.params import SamplingParams
 from ringserve.bus.reasoning import ReasoningPlan
@@ -50,12 +50,12 @@ class Req:
     prompt_logprobs: PromptLogprobs | None = None
     spec_drafted: int = 0  # speculative decoding: draft tokens verified for this request, and accepted
     spec_accepted: int = 0
-    embed: EmbedState | None = None  # an embedding request's pooling (actors/engine/scheduling/embedding.py)
+    embed: EmbedState | None = None  # an embedding request's pooling (actors/engine/core/embedding.py)
     lora_cache_name: str | None = None  # its adapter's cache name (LoraPool.cache_name), set on admission
     rope_floor: int = 0  # a length-dependent rotary turns its tokens for max(position + 1, rope_floor) (rope.py)
     rope_cache_name: str | None = None  # RopeLengthRule.cache_name of that floor
     images: list[Any] = field(default_factory=list)  # its `ReqImage`s in prompt order (scheduling/images.py)
-    rope_shift: int = 0  # M-RoPE: rope position minus position after its last image (images.rope_positions)
+    rope_shift: int = 0  # M-RoPE: rope position minus position after its last image (batch.rope_positions)
     image_key: list[int] | None = None  # its prompt as the prefix cache keys it, when it has images
 
     def key_ids(self, end: int) -> list[int]:
