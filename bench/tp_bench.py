@@ -124,9 +124,10 @@ def _rank(rank: int, tp: int, addr: str, args: argparse.Namespace, queue: Any) -
     import torch
 
     torch.set_num_threads(args.threads)
-    from ringserve.actors.engine.parallel import tensor_parallel, tp_engine
+    from ringserve.actors.engine.parallel import tensor_parallel
+    from ringserve.actors.engine.scheduling import tp_engine
     from ringserve.actors.engine.config import EngineConfig
-    from ringserve.actors.engine.parallel.tp_engine import TPEngine, TPFollower, prepare_rank
+    from ringserve.actors.engine.scheduling.tp_engine import TPEngine, TPFollower, prepare_rank
 
     device = f"cuda:{rank}" if args.device == "cuda" else "cpu"
     if args.device == "cuda":

@@ -2,8 +2,6 @@
 them, no two of them import each other, and `scheduling/`, the batcher on top, is imported by none below it.
 
 Read from the source (every `import` and `from ... import`, inside functions too), not from a running import.
-One upward import remains: `parallel/tp_engine.py` wraps the batcher for tensor-parallel ranks (it belongs above
-`scheduling/`); it is listed here, and the test fails once it is gone too, so the list only shrinks.
 """
 
 from __future__ import annotations
@@ -14,7 +12,6 @@ from pathlib import Path
 ENGINE = Path(__file__).resolve().parent.parent / "actors" / "engine"
 PREFIX = "ringserve.actors.engine."
 BOTTOM, TOP = "core", "scheduling"
-KNOWN_UPWARD = {"parallel"}  # sub-packages that still import scheduling/
 
 
 def subpackage_edges() -> dict[tuple[str, str], list[str]]:
@@ -49,8 +46,4 @@ def test_no_import_cycle_between_the_engines_subpackages() -> None:
 
 
 def test_nothing_below_scheduling_imports_it() -> None:
-    edges = subpackage_edges()
-    upward = {importer for importer, imported in edges if imported == TOP}
-    assert upward <= KNOWN_UPWARD, {pair: files for pair, files in edges.items()
-                                    if pair[1] == TOP and pair[0] not in KNOWN_UPWARD}
-    assert upward == KNOWN_UPWARD, f"gone, drop them from KNOWN_UPWARD: {KNOWN_UPWARD - upward}"
+    assert {pair: files for pair, files in subpackage_edges().items() if pair[1] == TOP} == {}

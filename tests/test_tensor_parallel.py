@@ -24,7 +24,7 @@ from ringserve.actors.engine.config import EngineConfig
 from ringserve.actors.engine.quantization.quantize import apply_quantization, quantization_report
 from ringserve.actors.engine.parallel.tensor_parallel import close_group, init_group
 from ringserve.actors.engine.parallel.tp_checks import check_shardable
-from ringserve.actors.engine.parallel.tp_engine import TPEngine, TPFollower, prepare_rank
+from ringserve.actors.engine.scheduling.tp_engine import TPEngine, TPFollower, prepare_rank
 from ringserve.actors.engine.parallel.tp_plan import FORWARD, ForwardPlan, decode_plan, encode_plan
 from ringserve.actors.engine.models.weights import model_from_hf
 from ringserve.bus.codec import DecodeError

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from ringserve.actors.engine.config import EngineConfig
 from ringserve.actors.engine.models.weights import model_from_hf
 from ringserve.actors.engine.parallel.tensor_parallel import close_group, init_group
-from ringserve.actors.engine.parallel.tp_engine import TPEngine, TPFollower, prepare_rank
+from ringserve.actors.engine.scheduling.tp_engine import TPEngine, TPFollower, prepare_rank
 from ringserve.bus.messages import TokenizedRequest
 from tests.engine_helpers import greedy, tokens_of
 from tests.test_engine_qwen2_vl import WIDE, tokenized

@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from ringserve.actors.engine.config import EngineConfig
 from ringserve.actors.engine.models.weights import model_from_hf
 from ringserve.actors.engine.parallel.tensor_parallel import close_group, init_group
-from ringserve.actors.engine.parallel.tp_engine import TPEngine, TPFollower, prepare_rank
+from ringserve.actors.engine.scheduling.tp_engine import TPEngine, TPFollower, prepare_rank
 from tests.engine_helpers import engine_for, tokens_of
 from tests.test_engine_vision import tokenized
 from tests.test_tensor_parallel import PROCESS_WAIT_S, TIMEOUT_S, _free_addr

@@ -3,7 +3,7 @@
 A replica of `--tp N` is N scheduler processes joined by torch.distributed at `--dist-init-addr` (rank 0
 listens there; the launcher picks a free loopback port per replica). Rank 0 is the ordinary scheduler actor
 (it alone reads NATS, schedules, samples and publishes) over a `TPEngine`; ranks 1..N-1 run `follower_main`:
-they load the model, keep their shard, and run rank 0's step plans in a thread (actors/engine/parallel/tp_engine.py).
+they load the model, keep their shard, and run rank 0's step plans in a thread (actors/engine/scheduling/tp_engine.py).
 
 Naming: every rank heartbeats as role `scheduler`; rank 0 with the replica id (`--dp-replica-id`), so routing,
 `/get_server_info` and metrics see one replica, and a follower with `follower_rank(replica, k)` =
@@ -76,7 +76,7 @@ def _load_rank(model: str, config: Any, args: argparse.Namespace) -> tuple[Any, 
     from ringserve.actors.common.model_source import resolve_model
     from ringserve.actors.engine.scheduling.engine import DTYPES
     from ringserve.actors.engine.parallel.tensor_parallel import init_group
-    from ringserve.actors.engine.parallel.tp_engine import prepare_rank
+    from ringserve.actors.engine.scheduling.tp_engine import prepare_rank
     from ringserve.actors.engine.models.weights import load_model
 
     source = resolve_model(model)
@@ -88,7 +88,7 @@ def _load_rank(model: str, config: Any, args: argparse.Namespace) -> tuple[Any, 
 async def leader_main(ctx: Any, model: str, config: Any, admission: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Rank 0: the scheduler actor over a `TPEngine` of the whole replica."""
     from ringserve.actors.common.text_tokenizer import load_text_model
-    from ringserve.actors.engine.parallel.tp_engine import TPEngine
+    from ringserve.actors.engine.scheduling.tp_engine import TPEngine
     from ringserve.actors.engine.scheduling.engine import Engine
     from ringserve.actors.engine.speculative.draft_model import load_draft_engine
     from ringserve.actors.scheduler.actor import scheduler_main
@@ -117,7 +117,7 @@ async def leader_main(ctx: Any, model: str, config: Any, admission: Any, args: a
 
 async def follower_main(ctx: Any, model: str, config: Any, args: argparse.Namespace) -> dict[str, Any]:
     """A follower rank: run rank 0's plans in a thread until rank 0 says stop (exit 0) or is gone (exit 1)."""
-    from ringserve.actors.engine.parallel.tp_engine import TPFollower
+    from ringserve.actors.engine.scheduling.tp_engine import TPFollower
     from ringserve.actors.scheduler.engine_thread import on_passing_thread
 
     def load() -> TPFollower:  # on a thread that ends with it: the steps run on the follower's own thread

@@ -116,7 +116,7 @@ def _covered(batch: Batch) -> list[tuple[ReqImage, Any, int, int, int]]:
 
 def embed_step_images(model: CausalLM, batch: Batch) -> None:
     """Run the vision tower on the images `batch`'s prefill chunks reach that have no embeddings yet (what
-    `step_override` would run), e.g. before taking a lock the tower must not hold (parallel/tp_engine.py)."""
+    `step_override` would run), e.g. before taking a lock the tower must not hold (scheduling/tp_engine.py)."""
     _embed([image for image, *_ in _covered(batch)], model)
 
 
