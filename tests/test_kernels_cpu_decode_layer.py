@@ -12,7 +12,7 @@ from transformers import LlamaConfig
 
 import ringserve.kernels.cpu as cpu_kernels
 from ringserve.actors.engine.models.causal_lm import CausalLM
-from ringserve.actors.engine.models.registry import build_model
+from ringserve.actors.engine.models.causal_lm import build_model
 from ringserve.actors.engine.runner.model_runner import use_cpu_decode_layers
 from ringserve.kernels.attention.backend import ForwardInfo
 from ringserve.kernels.attention.torch_paged import TorchPagedBackend

@@ -10,6 +10,7 @@ parallelism shards and quantization swaps), and `forward`. Nothing outside model
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from ringserve.actors.engine.core.embed_override import EmbedOverride
 from ringserve.actors.engine.models.blocks import RMSNorm
 from ringserve.actors.engine.models.decoder_layer import DecoderLayer
 from ringserve.actors.engine.models.mrope import mrope_tables
-from ringserve.actors.engine.models.registry import context_length
+from ringserve.actors.engine.models.registry import VISION_MODELS, context_length, family_of, spec_of
 from ringserve.actors.engine.models.rope import RopeLengthRule, Rotary, rope_parameters
 from ringserve.actors.engine.models.spec import ArchSpec, LayerShape, layer_shapes
 from ringserve.actors.engine.models.vision.span_attention import SpanAttention
@@ -165,3 +166,14 @@ class CausalLM(nn.Module):
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits if hidden is None else (logits, hidden)
+
+
+def build_model(config: Any) -> Any:
+    """Our model for `config` (a `CausalLM`; a vision-language checkpoint's a `VisionCausalLM` of its text
+    family), built on the current default device."""
+    family = family_of(config)
+    if family in VISION_MODELS:
+        module, name = VISION_MODELS[family]
+        text_spec = spec_of(family_of(config.text_config))
+        return getattr(importlib.import_module(f"{__package__}.{module}"), name)(config, text_spec)
+    return CausalLM(config, spec_of(family))

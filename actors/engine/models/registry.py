@@ -90,7 +90,7 @@ def context_length(config: Any) -> int:
 
 def spec_of(family: str) -> Any:
     """The family's `ArchSpec` (its module imported now); a vision-language family's is its text model's, known
-    from a config only (`build_model`)."""
+    from a config only (`causal_lm.build_model`)."""
     if family in VISION_MODELS:
         raise UnsupportedArchitecture(f"{family} is a vision-language family: its text_config names its text family")
     if family not in FAMILIES:
@@ -101,16 +101,3 @@ def spec_of(family: str) -> Any:
 def family_has_experts(family: str) -> bool:
     """Whether `family` declares mixture-of-experts layers (imports its module, and torch with it)."""
     return spec_of(family).moe is not None
-
-
-def build_model(config: Any) -> Any:
-    """Our model for `config` (a `CausalLM`; a vision-language checkpoint's a `VisionCausalLM` of its text
-    family), built on the current default device."""
-    from ringserve.actors.engine.models.causal_lm import CausalLM
-
-    family = family_of(config)
-    if family in VISION_MODELS:
-        module, name = VISION_MODELS[family]
-        text_spec = spec_of(family_of(config.text_config))
-        return getattr(importlib.import_module(f"{__package__}.{module}"), name)(config, text_spec)
-    return CausalLM(config, spec_of(family))

@@ -34,8 +34,7 @@ from ringserve.actors.common import startup_cache
 from ringserve.actors.common.model_source import (
     ModelSource, cache_root, converting, gguf_cache_key, publish_directory, resolve_model, resolved_config,
 )
-from ringserve.actors.engine.models.causal_lm import CausalLM
-from ringserve.actors.engine.models.registry import build_model
+from ringserve.actors.engine.models.causal_lm import CausalLM, build_model
 from ringserve.actors.engine.models.spec import head_dim_of
 from ringserve.observability.logging import log_event
 
