@@ -1,6 +1,6 @@
 """Native stderr as log lines: file descriptor 2 of an actor process becomes a pipe, read by a small helper
 process that writes each line it receives as one of our log lines, escaped and bounded, marked
-`native stderr:` (`python -m ringserve.observability.native_stderr ACTOR LEVEL`).
+`native stderr:` (`python -m ringserve.observability.native_stderr_relay ACTOR LEVEL PARENT_PID`).
 
 What writes to descriptor 2 directly (C/C++ libraries such as xgrammar or torch, and child processes such as
 g++ that inherit it) would otherwise reach the log raw, and a client's text inside a native warning could start
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import logging
 import os
 import signal
 import subprocess
@@ -42,8 +41,8 @@ def capture_fd2(actor: str, level: str) -> TextIO | None:
         return None
     read_end, write_end = os.pipe()
     try:
-        subprocess.Popen([sys.executable, "-m", "ringserve.observability.native_stderr", actor, level, str(os.getpid())],
-                         stdin=read_end, stdout=original, stderr=original, close_fds=True,
+        subprocess.Popen([sys.executable, "-m", "ringserve.observability.native_stderr_relay", actor, level,
+                          str(os.getpid())], stdin=read_end, stdout=original, stderr=original, close_fds=True,
                          start_new_session=True)  # a kill of the actor's process group leaves it to drain
     except OSError:
         for fd in (read_end, write_end, original):
@@ -137,21 +136,3 @@ def pump(fd: int, emit: Callable[[str], None], parent: int) -> None:
             while chunk := os.read(fd, 65536):
                 splitter.feed(chunk)
     splitter.close()
-
-
-def main(argv: list[str]) -> None:
-    """The helper: log every line of stdin as actor `argv[0]`'s at WARNING (silenced above WARNING)."""
-    from ringserve.observability.logging import setup_logging
-
-    actor, level, parent = argv[0], argv[1], int(argv[2])
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the actors; this drains after
-    setup_logging(actor, level, capture_native=False)
-    log = logging.getLogger("native")
-    pump(0, lambda line: log.warning("%s %s", MARKER, line), parent)
-    logging.shutdown()
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
-    sys.stdout.flush()
-    os._exit(0)
