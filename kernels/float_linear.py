@@ -29,6 +29,7 @@ count from two up, so the row-invariant plans of `--enable-deterministic-inferen
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 
 import torch
@@ -58,6 +59,20 @@ def onednn_available() -> bool:
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` by oneDNN's matmul, over `weight` as it is stored."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@functools.cache
+def bf16_available() -> bool:
+    """Whether oneDNN runs a bfloat16 matmul on this CPU. It needs AVX-512 (or AMX); on an AVX2-only host (AMD
+    Zen 3) it cannot make the primitive ("could not create a primitive descriptor"), so a bfloat16 checkpoint
+    runs the float32 kernels there."""
+    if not onednn_available():
+        return False
+    try:
+        onednn_linear(torch.zeros(1, 32, dtype=BF16), torch.zeros(32, 32, dtype=BF16), None)
+    except RuntimeError:
+        return False
+    return True
 
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 
 import ringserve.kernels.cpu as cpu_kernels
 from ringserve.kernels.cpu.packing import FORMATS
-from ringserve.kernels.float_linear import onednn_available
+from ringserve.kernels.float_linear import bf16_available, onednn_available
 
 # candidates per method (or per GGUF block format) in order of quality (a better one wins a near tie)
 CANDIDATES = {"int8": ("q8_0", "int_mm"), "int4": ("q4_1",), **{fmt: (fmt,) for fmt in FORMATS}}
@@ -41,9 +41,9 @@ def candidates(method: str) -> tuple[str, ...]:
 
 def float_candidates(rows: int, bf16: bool = False) -> tuple[str, ...]:
     """The float32 kernels timed at `rows` rows on this host: torch's, ours where built and the rows few,
-    oneDNN's; and with `bf16` (a bfloat16 checkpoint's layers) oneDNN's bfloat16 matmul."""
+    oneDNN's; and with `bf16` (a bfloat16 checkpoint's layers) oneDNN's bfloat16 matmul, where this CPU runs it."""
     return ("float32", *(("f32_gemv",) if cpu_kernels.compiled() and rows <= GEMV_MAX_ROWS else ()),
-            *(("onednn",) if onednn_available() else ()), *(("bf16",) if bf16 and onednn_available() else ()))
+            *(("onednn",) if onednn_available() else ()), *(("bf16",) if bf16 and bf16_available() else ()))
 
 
 def float_plan_possible() -> bool:
