@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import logging
 import secrets
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ringserve.actors.engine.core.request import PromptLogprobs
 from ringserve.actors.engine.kv_tier.tier import namespace_of
 from ringserve.actors.engine.models.weights import swap_weights
 from ringserve.observability.logging import log_event
 
+if TYPE_CHECKING:  # the engine imports this module
+    from ringserve.actors.engine.scheduling.engine import Engine
+
 log = logging.getLogger("engine")
 
 
-def swap_engine_weights(engine: Any, checkpoint: Any, model_name: str, check_only: bool = False) -> int:
+def swap_engine_weights(engine: Engine, checkpoint: Any, model_name: str, check_only: bool = False) -> int:
     """`Engine.update_weights`: check `checkpoint` against the engine's model, then (unless `check_only`) swap
     it in; the KV slots the prefix-cache flush freed."""
     swap_weights(engine.runner.model, checkpoint, check_only=True)
