@@ -63,7 +63,7 @@ def main() -> None:
 
     from ringserve.actors.common.model_source import resolve_model
     from ringserve.actors.engine.config import EngineConfig
-    from ringserve.actors.engine.scheduling.engine import Engine
+    from ringserve.actors.engine.scheduling.engine_core import EngineCore
     from ringserve.bus.messages import SamplingParams, TokenizedRequest
 
     torch.set_num_threads(args.threads)
@@ -71,8 +71,8 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-lora-"))
     paths = make_adapters(source, root, 8, args.rank)
     common = dict(device="cpu", max_total_tokens=16384, torch_threads=args.threads, disable_cuda_graph=True)
-    base = Engine.from_source(source, EngineConfig(**common))
-    lora = Engine.from_source(source, EngineConfig(**common, max_lora_rank=args.max_lora_rank,
+    base = EngineCore.from_source(source, EngineConfig(**common))
+    lora = EngineCore.from_source(source, EngineConfig(**common, max_lora_rank=args.max_lora_rank,
                                                    lora_modules=",".join(f"a{i}={p}" for i, p in enumerate(paths))))
     loads = []
     for i, p in enumerate(paths):
@@ -81,7 +81,7 @@ def main() -> None:
         loads.append(time.perf_counter() - started)
     rng = random.Random(0)
 
-    def rate(engine: Engine, adapters: int, tag: str) -> float:
+    def rate(engine: EngineCore, adapters: int, tag: str) -> float:
         prompts = [[rng.randrange(100, 40000) for _ in range(args.prompt_tokens)] for _ in range(args.streams)]
         for i, prompt in enumerate(prompts):
             name = f"a{i % adapters}" if adapters else None

@@ -59,11 +59,11 @@ def engine(hf: Any, quantization: str) -> Any:
     from ringserve.actors.engine.config import EngineConfig
     from ringserve.actors.engine.models.weights import model_from_hf
     from ringserve.actors.engine.quantization.quantize import apply_quantization
-    from ringserve.actors.engine.scheduling.engine import Engine
+    from ringserve.actors.engine.scheduling.engine_core import EngineCore
 
     config = EngineConfig(device="cpu", torch_threads=1, max_total_tokens=8192, quantization=quantization,
                           disable_cuda_graph=True)
-    built = Engine(model_from_hf(hf.config, hf.state_dict()), config)
+    built = EngineCore(model_from_hf(hf.config, hf.state_dict()), config)
     apply_quantization(built.runner.model, config)
     return built
 

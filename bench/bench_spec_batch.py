@@ -37,18 +37,18 @@ def main() -> None:
 
     from ringserve.actors.common.model_source import resolve_model
     from ringserve.actors.engine.config import EngineConfig
-    from ringserve.actors.engine.scheduling.engine import Engine
+    from ringserve.actors.engine.scheduling.engine_core import EngineCore
     from ringserve.bus.messages import SamplingParams, TokenizedRequest
 
     torch.set_num_threads(args.threads)
     source = resolve_model("SmolLM2-135M-Instruct")
-    engines = {algorithm: Engine.from_source(source, EngineConfig(
+    engines = {algorithm: EngineCore.from_source(source, EngineConfig(
         device="cpu", quantization=args.quantization, max_total_tokens=16384, torch_threads=args.threads,
         speculative_algorithm=algorithm, disable_cuda_graph=True)) for algorithm in ("none", "ngram")}
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(args.prompt_tokens)] for _ in range(args.streams)]
 
-    def rate(engine: Engine, tag: str) -> float:
+    def rate(engine: EngineCore, tag: str) -> float:
         for i, prompt in enumerate(prompts):
             engine.add_request(TokenizedRequest(f"{tag}-{i}", prompt, SamplingParams(
                 max_new_tokens=args.tokens, temperature=0.0, ignore_eos=True)))

@@ -43,12 +43,12 @@ WORKLOADS = {
 def build(model: str, quantization: str, algorithm: str, draft_tokens: int) -> object:
     from ringserve.actors.common.model_source import resolve_model
     from ringserve.actors.engine.config import EngineConfig
-    from ringserve.actors.engine.scheduling.engine import Engine
+    from ringserve.actors.engine.scheduling.engine_core import EngineCore
 
     config = EngineConfig(device="cpu", quantization=quantization, cuda_graph_max_bs=8, max_running_requests=8,
                           max_total_tokens=16384, torch_threads=torch.get_num_threads(),
                           speculative_algorithm=algorithm, speculative_num_draft_tokens=draft_tokens)
-    engine = Engine.from_source(resolve_model(model), config)
+    engine = EngineCore.from_source(resolve_model(model), config)
     graphs = engine.runner.graphs  # type: ignore[attr-defined]
     if graphs is not None and graphs.compiler is not None:
         graphs.compiler.choose = False

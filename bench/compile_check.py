@@ -29,12 +29,12 @@ from bench.workload import user_prompt  # noqa: E402
 def build_engine(model: str, quantization: str, max_bs: int) -> object:
     from ringserve.actors.common.model_source import resolve_model
     from ringserve.actors.engine.config import EngineConfig
-    from ringserve.actors.engine.scheduling.engine import Engine
+    from ringserve.actors.engine.scheduling.engine_core import EngineCore
 
     config = EngineConfig(device="cpu", quantization=quantization, cuda_graph_max_bs=max_bs,
                           max_running_requests=max_bs, max_total_tokens=65536, disable_radix_cache=True,
                           torch_threads=torch.get_num_threads())  # fixed: each graph is compiled for one count
-    return Engine.from_source(resolve_model(model), config)
+    return EngineCore.from_source(resolve_model(model), config)
 
 
 def prompt_ids(engine: object, i: int, context: int) -> list[int]:

@@ -26,13 +26,13 @@ def _engine_run(model_spec: str, server_args: str, prompt_sets: list[list[list[i
     """
     from ringserve.actors.common.model_source import resolve_model
     from ringserve.actors.engine.config import EngineConfig
-    from ringserve.actors.engine.scheduling.engine import Engine
+    from ringserve.actors.engine.scheduling.engine_core import EngineCore
     from ringserve.bus.messages import TokenizedRequest, SamplingParams
 
     parser = argparse.ArgumentParser(add_help=False)
     EngineConfig.add_arguments(parser)
     config = EngineConfig.from_args(parser.parse_known_args(shlex.split(server_args))[0])
-    engine = Engine.from_source(resolve_model(model_spec), config)
+    engine = EngineCore.from_source(resolve_model(model_spec), config)
     params = SamplingParams(max_new_tokens=max_tokens, temperature=0.0)  # no stop ids: like ignore_eos
     engine.add_request(TokenizedRequest("warmup", prompt_sets[0][0], SamplingParams(max_new_tokens=4)))
     while engine.has_work():

@@ -140,7 +140,7 @@ class Bench:
     def speed(self, name: str, backend: str, graphs: bool, overlap: bool, bs: int) -> dict[str, Any]:
         """The engine's decode tok/s at batch `bs`, next to the roofline."""
         from ringserve.actors.engine.config import EngineConfig
-        from ringserve.actors.engine.scheduling.engine import Engine
+        from ringserve.actors.engine.scheduling.engine_core import EngineCore
         from ringserve.actors.engine.models.weights import model_from_hf
         from ringserve.bus.messages import SamplingParams, TokenizedRequest
 
@@ -154,7 +154,7 @@ class Bench:
                               max_total_tokens=bs * (a.prompt_len + new_tokens) + 64,
                               max_prefill_tokens=max(8192, bs * a.prompt_len), chunked_prefill_size=0,
                               disable_radix_cache=True, overlap_schedule="on" if overlap else "off")
-        engine = Engine(model, config)
+        engine = EngineCore(model, config)
         try:
             setup = time.perf_counter() - start
             gen = torch.Generator().manual_seed(bs)

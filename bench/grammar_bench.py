@@ -41,9 +41,9 @@ def _cpu_model() -> str:
 def _engine(**flags: Any) -> Any:
     from ringserve.actors.common.model_source import DEFAULT_MODEL, resolve_model
     from ringserve.actors.engine.config import EngineConfig
-    from ringserve.actors.engine.scheduling.engine import Engine
+    from ringserve.actors.engine.scheduling.engine_core import EngineCore
 
-    return Engine.from_source(resolve_model(DEFAULT_MODEL), EngineConfig(device="cpu", **flags))
+    return EngineCore.from_source(resolve_model(DEFAULT_MODEL), EngineConfig(device="cpu", **flags))
 
 
 def _run(engine: Any, requests: list[Any]) -> tuple[float, int, int]:

@@ -19,7 +19,7 @@ import torch
 
 from ringserve.actors.common.model_source import DEFAULT_MODEL, resolve_model
 from ringserve.actors.engine.config import EngineConfig
-from ringserve.actors.engine.scheduling.engine import Engine
+from ringserve.actors.engine.scheduling.engine_core import EngineCore
 from ringserve.actors.engine.models.gguf_blocks import load_packed_linears
 from ringserve.bus.messages import TokenizedRequest, SamplingParams
 from ringserve.kernels.linear_plan.planner import linear_shapes
@@ -37,7 +37,7 @@ PROMPTS = [
 ]
 
 
-def generate(engine: Engine, prompts: list[list[int]], max_tokens: int, sequential: bool = False) -> list[list[int]]:
+def generate(engine: EngineCore, prompts: list[list[int]], max_tokens: int, sequential: bool = False) -> list[list[int]]:
     """Greedy continuations of every prompt, batched as the server would run them (or one at a time)."""
     params = SamplingParams(max_tokens, temperature=0.0, stop_token_ids=[engine.tokenizer.eos_token_id])
     out: dict[str, list[int]] = {f"q{i}": [] for i in range(len(prompts))}
@@ -78,7 +78,7 @@ def main() -> None:
     source = resolve_model(args.model)
     exact: list[list[int]] = []
     for kernel in ["none", *args.kernels]:
-        engine = Engine.from_source(source, EngineConfig(device="cpu", dtype="float32", max_total_tokens=16384))
+        engine = EngineCore.from_source(source, EngineConfig(device="cpu", dtype="float32", max_total_tokens=16384))
         if kernel == "gguf":  # every linear on its file's own blocks, at every batch size
             model = engine.runner.model
             packed = load_packed_linears(source, model.config.num_hidden_layers, model.config.tie_word_embeddings)

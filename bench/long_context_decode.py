@@ -37,14 +37,14 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     from ringserve.actors.common.model_source import resolve_model
     from ringserve.actors.engine.config import EngineConfig
-    from ringserve.actors.engine.scheduling.engine import Engine
+    from ringserve.actors.engine.scheduling.engine_core import EngineCore
     from ringserve.bus.messages import SamplingParams, TokenizedRequest
     from ringserve.kernels.cpu.host import cpu_info
 
     config = EngineConfig(device="cpu", quantization=args.quantization, disable_cuda_graph=True,
                           max_running_requests=args.batch, max_total_tokens=args.batch * (args.context + 64) + 4096,
                           disable_radix_cache=True, torch_threads=torch.get_num_threads())
-    engine = Engine.from_source(resolve_model(args.model), config)
+    engine = EngineCore.from_source(resolve_model(args.model), config)
     backend = engine.runner.backend
     if not getattr(backend, "in_place_decode", False):
         print("the paged kernel does not run here (C++ kernels not built, or not a float32 KV pool)")

@@ -32,7 +32,7 @@ def engine_costs(tokenizer: object, tokens: int, seed: int) -> tuple[list[float]
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from ringserve.actors.engine.config import EngineConfig
-    from ringserve.actors.engine.scheduling.engine import Engine
+    from ringserve.actors.engine.scheduling.engine_core import EngineCore
     from ringserve.actors.engine.models.weights import model_from_hf
     from ringserve.bus.codec import encode
     from ringserve.bus.messages import BatchTokenOutput, SamplingParams, TokenizedRequest
@@ -42,7 +42,7 @@ def engine_costs(tokenizer: object, tokens: int, seed: int) -> tuple[list[float]
                                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                       max_position_embeddings=tokens + 64, tie_word_embeddings=False)).eval()
     model = model_from_hf(hf.config, hf.state_dict(), "cpu")
-    engine = Engine(model, EngineConfig(device="cpu", max_total_tokens=tokens + 256), tokenizer)
+    engine = EngineCore(model, EngineConfig(device="cpu", max_total_tokens=tokens + 256), tokenizer)
     prompt = tokenizer.encode("Write a very long story about the sea.")  # type: ignore[attr-defined]
     params = SamplingParams(max_new_tokens=tokens, temperature=1.0, seed=seed, stop=list(STOPS))
     assert engine.add_request(TokenizedRequest("long", prompt, params)) is None

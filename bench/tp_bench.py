@@ -162,11 +162,11 @@ def _tp1(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from ringserve.actors.engine.config import EngineConfig
-    from ringserve.actors.engine.scheduling.engine import Engine
+    from ringserve.actors.engine.scheduling.engine_core import EngineCore
 
     torch.set_num_threads(args.threads)
     device = "cuda:0" if args.device == "cuda" else "cpu"
-    engine = Engine(_model(device), EngineConfig(device=device, torch_threads=args.threads, max_total_tokens=8192,
+    engine = EngineCore(_model(device), EngineConfig(device=device, torch_threads=args.threads, max_total_tokens=8192,
                                                  chunked_prefill_size=args.prompt, max_prefill_tokens=args.prompt,
                                                  disable_radix_cache=True, disable_cuda_graph=True))
     result = _measure(engine, args, _Timer(), _Timer())

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ringserve.actors.engine.config import EngineConfig
-from ringserve.actors.engine.scheduling.engine import Engine
+from ringserve.actors.engine.scheduling.engine_core import EngineCore
 from ringserve.actors.engine.models.weights import model_from_hf
 from ringserve.bus.messages import TokenizedRequest, SamplingParams, TokenRow
 
@@ -39,8 +39,8 @@ def tiny_hf_llama(vocab_size: int = 512, seed: int = 0, **overrides: Any) -> Any
     return LlamaForCausalLM(LlamaConfig(**settings)).eval()
 
 
-def engine_for(hf_model: Any, tokenizer: Any | None = None, draft: Engine | None = None, **config: Any) -> Engine:
-    """An Engine sharing `hf_model`'s weights, on the CPU unless `device` says otherwise; `draft`: its draft
+def engine_for(hf_model: Any, tokenizer: Any | None = None, draft: EngineCore | None = None, **config: Any) -> EngineCore:
+    """An EngineCore sharing `hf_model`'s weights, on the CPU unless `device` says otherwise; `draft`: its draft
     model's engine (with `speculative_algorithm="draft"`)."""
     config.setdefault("device", "cpu")
     config.setdefault("torch_threads", 1)  # no thread tuner: its per-step thread switches change float rounding
@@ -48,7 +48,7 @@ def engine_for(hf_model: Any, tokenizer: Any | None = None, draft: Engine | None
     # context) is a gigabyte for the tiny model, zeroed at construction and scanned by every integrity check.
     config.setdefault("max_total_tokens", 16384)
     model = model_from_hf(hf_model.config, hf_model.state_dict(), config["device"])
-    return Engine(model, EngineConfig(**config), tokenizer, draft=draft)
+    return EngineCore(model, EngineConfig(**config), tokenizer, draft=draft)
 
 
 def greedy(max_new_tokens: int, **kwargs: Any) -> SamplingParams:
@@ -56,7 +56,7 @@ def greedy(max_new_tokens: int, **kwargs: Any) -> SamplingParams:
     return SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, **kwargs)
 
 
-def run_to_completion(engine: Engine, requests: Sequence[TokenizedRequest]) -> dict[str, list[TokenRow]]:
+def run_to_completion(engine: EngineCore, requests: Sequence[TokenizedRequest]) -> dict[str, list[TokenRow]]:
     """Submit all `requests` at once and step until the engine is idle; returns each rid's rows in order.
 
     The KV pool's integrity is checked after every step.
@@ -127,7 +127,7 @@ def load_hf_model(source: Any) -> Any:
     return model.eval()
 
 
-def compiled_engine(hf_model: Any, monkeypatch: Any, max_bs: int = 1, timeout: float = 900.0) -> Engine:
+def compiled_engine(hf_model: Any, monkeypatch: Any, max_bs: int = 1, timeout: float = 900.0) -> EngineCore:
     """An engine sharing `hf_model`'s weights whose CPU decode graph of batch size 1 is compiled (kept however it
     measures on a busy host, never stored) and serving: a fallback to eager fails the test."""
     monkeypatch.setenv("RINGSERVE_CPU_GRAPHS", "1")

@@ -23,7 +23,7 @@ from ringserve.actors.common.model_source import resolve_model
 from ringserve.actors.engine.config import EngineConfig
 from ringserve.actors.engine.models.weights import checkpoint_dtype, load_checkpoint, load_model, swap_weights
 from ringserve.actors.engine.quantization.quantize import apply_quantization, bf16_allowed
-from ringserve.actors.engine.scheduling.engine import Engine
+from ringserve.actors.engine.scheduling.engine_core import EngineCore
 from ringserve.bus.messages import TokenizedRequest
 from ringserve.kernels.float_linear import (BF16, FloatLinear, bf16_available, bf16_linear, float_linears,
                                             onednn_available)
@@ -144,14 +144,14 @@ def test_a_bf16_checkpoint_measures_the_bf16_kernel_where_this_cpu_runs_it_a_flo
         assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
-def _forced_bf16_engine(source: Any, monkeypatch: pytest.MonkeyPatch) -> Engine:
+def _forced_bf16_engine(source: Any, monkeypatch: pytest.MonkeyPatch) -> EngineCore:
     """An engine for `source` whose plan runs `bf16` on every linear at every row count (where allowed)."""
     monkeypatch.setattr(planner, "measure_float", lambda shape_rows, bf16=False: Measured(
         "float32", {shape: ALL_BF16 if bf16 else {} for shape in shape_rows}, {}, False))
     model = load_model(source, torch.float32, "cpu")
     config = EngineConfig(**CONFIG)
     apply_quantization(model, config, source)
-    return Engine(model, config, None)
+    return EngineCore(model, config, None)
 
 
 def _assert_logits_match(model: nn.Module, hf: Any, seqs: list[list[int]]) -> None:

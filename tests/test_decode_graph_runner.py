@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 
 from ringserve.actors.engine.config import EngineConfig  # noqa: E402
 from ringserve.actors.engine.runner.graphs.decode_graph import DecodeGraphRunner, batch_size_ladder  # noqa: E402
-from ringserve.actors.engine.scheduling.engine import Engine  # noqa: E402
+from ringserve.actors.engine.scheduling.engine_core import EngineCore  # noqa: E402
 from ringserve.actors.engine.runner.model_runner import ModelRunner  # noqa: E402
 from ringserve.bus.messages import TokenizedRequest  # noqa: E402
 from ringserve.kernels.attention import backend_names  # noqa: E402
@@ -40,7 +40,7 @@ def prompts() -> list[list[int]]:
     return [torch.randint(3, 512, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
 
 
-def with_graph_runner(engine: Engine, backend: str, max_bs: int) -> Engine:
+def with_graph_runner(engine: EngineCore, backend: str, max_bs: int) -> EngineCore:
     """Swap in a model runner whose decode goes through an eager-mode graph runner."""
     engine.runner = ModelRunner(engine.runner.model, engine.pool, engine.table, backend, graph_max_bs=max_bs,
                                 graph_mode="eager")

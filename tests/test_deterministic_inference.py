@@ -23,7 +23,7 @@ import pytest
 import ringserve.kernels.cpu as cpu_kernels
 from ringserve.actors.common.model_source import resolve_model
 from ringserve.actors.engine.config import EngineConfig
-from ringserve.actors.engine.scheduling.engine import Engine
+from ringserve.actors.engine.scheduling.engine_core import EngineCore
 from ringserve.bus.messages import TokenizedRequest
 from tests.engine_helpers import greedy, run_to_completion
 from tests.gguf_files import truncated_gguf
@@ -62,7 +62,7 @@ def kernels_isa(name: str) -> Iterator[str]:
         cpu_kernels.set_isa(before)
 
 
-def outputs(engine: Engine, requests: list[TokenizedRequest]) -> tuple[list[int], list[float], int]:
+def outputs(engine: EngineCore, requests: list[TokenizedRequest]) -> tuple[list[int], list[float], int]:
     """The first request's tokens, their logprobs and the drafts accepted for it, the others run beside it."""
     rows = run_to_completion(engine, requests)[requests[0].rid]
     return ([t for r in rows for t in r.token_ids], [p for r in rows for p in r.logprobs],
@@ -74,7 +74,7 @@ def assert_row_invariant(source: Any, quantization: str, isas: tuple[str, ...] =
     """On each ISA path, alone, in a batch of 8 and speculated, the first prompt's tokens and logprobs are
     identical (one engine: the row-invariant plan is the same on both paths); returns the engine's
     quantization report."""
-    engine = Engine.from_source(source, EngineConfig(
+    engine = EngineCore.from_source(source, EngineConfig(
         device="cpu", torch_threads=1, max_total_tokens=4096, quantization=quantization,
         speculative_algorithm="ngram", **DETERMINISTIC))
 

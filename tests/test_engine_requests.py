@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 
-from ringserve.actors.engine.scheduling.engine import Engine
+from ringserve.actors.engine.scheduling.engine_core import EngineCore
 from ringserve.bus.messages import FinishReason, SamplingParams, TokenizedRequest
 from tests.engine_helpers import (
     engine_for,
@@ -18,7 +18,7 @@ PROMPT = [5, 17, 42, 99, 7]
 
 
 
-def run_one(engine: Engine, sampling: SamplingParams, prompt: list[int] = PROMPT) -> tuple[list[int], FinishReason]:
+def run_one(engine: EngineCore, sampling: SamplingParams, prompt: list[int] = PROMPT) -> tuple[list[int], FinishReason]:
     rows = run_to_completion(engine, [TokenizedRequest("one", prompt, sampling)])["one"]
     assert rows[-1].finish is not None
     return tokens_of(rows), rows[-1].finish

@@ -1,4 +1,4 @@
-"""The real SmolLM2-135M-Instruct through `Engine.from_source`: greedy tokens equal transformers' `generate`.
+"""The real SmolLM2-135M-Instruct through `EngineCore.from_source`: greedy tokens equal transformers' `generate`.
 
 The model is loaded once (through transformers, as the engine does); the HF reference model is built from
 the very same tensors, so any difference comes from the forward passes alone.
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from ringserve.actors.common.model_source import resolve_model
-from ringserve.actors.engine.scheduling.engine import Engine, EngineConfig
+from ringserve.actors.engine.scheduling.engine_core import EngineCore, EngineConfig
 from ringserve.bus.messages import TokenizedRequest
 from tests.engine_helpers import (
     assert_greedy_matches,
@@ -33,7 +33,7 @@ MAX_NEW = 20
 @pytest.fixture(scope="module")
 def smollm(smollm_hf: Any) -> dict[str, Any]:
     source = resolve_model("SmolLM2-135M-Instruct")
-    engine = Engine.from_source(source, EngineConfig(device="cpu"))
+    engine = EngineCore.from_source(source, EngineConfig(device="cpu"))
     hf = smollm_hf  # transformers' own loading of the GGUF: checks our conversion too
     tokenizer = engine.tokenizer
     prompts = [
@@ -52,7 +52,7 @@ def request(smollm: dict[str, Any], rid: str, index: int) -> TokenizedRequest:
 
 
 def test_greedy_alone_matches_transformers(smollm: dict[str, Any]) -> None:
-    engine: Engine = smollm["engine"]
+    engine: EngineCore = smollm["engine"]
     for i in range(3):
         rows = run_to_completion(engine, [request(smollm, f"alone{i}", i)])
         assert_greedy_matches(smollm["hf"], smollm["prompts"][i], smollm["expected"][i], tokens_of(rows[f"alone{i}"]))
@@ -60,7 +60,7 @@ def test_greedy_alone_matches_transformers(smollm: dict[str, Any]) -> None:
 
 
 def test_greedy_eight_together_matches_transformers(smollm: dict[str, Any]) -> None:
-    engine: Engine = smollm["engine"]
+    engine: EngineCore = smollm["engine"]
     n = len(PROMPTS)
     rows = run_to_completion(engine, [request(smollm, f"batch{i}", i % n) for i in range(8)])
     for i in range(8):
@@ -74,7 +74,7 @@ def test_greedy_eight_together_matches_transformers(smollm: dict[str, Any]) -> N
 
 def test_greedy_with_small_chunks_and_no_cache_matches_transformers(smollm: dict[str, Any]) -> None:
     config = EngineConfig(device="cpu", chunked_prefill_size=8, disable_radix_cache=True, max_total_tokens=4096)
-    engine = Engine(smollm["engine"].runner.model, config, smollm["engine"].tokenizer)
+    engine = EngineCore(smollm["engine"].runner.model, config, smollm["engine"].tokenizer)
     rows = run_to_completion(engine, [request(smollm, f"chunk{i}", i) for i in range(len(PROMPTS))])
     for i in range(len(PROMPTS)):
         got = tokens_of(rows[f"chunk{i}"])

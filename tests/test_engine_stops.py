@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from ringserve.actors.common.model_source import load_tokenizer, resolve_model
-from ringserve.actors.engine.scheduling.engine import Engine
+from ringserve.actors.engine.scheduling.engine_core import EngineCore
 from ringserve.bus.messages import FinishReason, SamplingParams, TokenizedRequest
 from tests.engine_helpers import (
     engine_for,
@@ -29,7 +29,7 @@ def setup() -> dict[str, Any]:
     return {"tokenizer": tokenizer, "engine": engine, "prompt": prompt, "free_run": free_run}
 
 
-def run(engine: Engine, prompt: list[int], sampling: SamplingParams) -> tuple[list[int], FinishReason]:
+def run(engine: EngineCore, prompt: list[int], sampling: SamplingParams) -> tuple[list[int], FinishReason]:
     rows = run_to_completion(engine, [TokenizedRequest("s", prompt, sampling)])["s"]
     assert rows[-1].finish is not None
     return tokens_of(rows), rows[-1].finish

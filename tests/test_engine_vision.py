@@ -132,14 +132,14 @@ def test_a_saved_checkpoint_serves_from_its_directory(vlm: tuple[Any, Any, str],
     from ringserve.actors.common.model_source import resolve_model
     from ringserve.actors.engine.config import EngineConfig
     from ringserve.actors.engine.models.registry import image_token_id
-    from ringserve.actors.engine.scheduling.engine import Engine
+    from ringserve.actors.engine.scheduling.engine_core import EngineCore
 
     model, processor, _ = vlm
     model.save_pretrained(tmp_path)
     processor.save_pretrained(tmp_path)
     token = processor.tokenizer.image_token_id
     assert image_token_id(json.loads((tmp_path / "config.json").read_text())) == token
-    engine = Engine.from_source(resolve_model(str(tmp_path)), EngineConfig(device="cpu", torch_threads=1,
+    engine = EngineCore.from_source(resolve_model(str(tmp_path)), EngineConfig(device="cpu", torch_threads=1,
                                                                            max_total_tokens=4096))
     assert engine.takes_images and engine.image_token_id == token
     request = tokenized(processor, [random_image(8)], "d")

@@ -144,7 +144,7 @@ def test_smollm2_with_our_gemv_and_onednn_on_every_linear_gives_transformers_gre
         smollm_hf: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     import ringserve.kernels.linear_plan.planner as planner
     from ringserve.actors.common.model_source import resolve_model
-    from ringserve.actors.engine.scheduling.engine import Engine, EngineConfig
+    from ringserve.actors.engine.scheduling.engine_core import EngineCore, EngineConfig
     from ringserve.bus.messages import TokenizedRequest
     from tests.engine_helpers import assert_greedy_matches, greedy, hf_greedy, run_to_completion, tokens_of
     from tests.test_engine_smollm2 import MAX_NEW, PROMPTS
@@ -152,7 +152,7 @@ def test_smollm2_with_our_gemv_and_onednn_on_every_linear_gives_transformers_gre
     forced = {1: "f32_gemv", 2: "f32_gemv", **{bits: "onednn" for bits in range(3, 12)}}  # prefill: oneDNN
     monkeypatch.setattr(planner, "measure_float",  # this host's choice aside
                         lambda shape_rows: Measured("float32", {shape: forced for shape in shape_rows}, {}, False))
-    engine = Engine.from_source(resolve_model("SmolLM2-135M-Instruct"), EngineConfig(device="cpu"))
+    engine = EngineCore.from_source(resolve_model("SmolLM2-135M-Instruct"), EngineConfig(device="cpu"))
     report = engine.stats().quantization
     assert report["method"] == "none" and report["576->49152 1-3 rows"] == "f32_gemv", report  # the tied head too
     assert report["576->49152 4+ rows"] == "onednn", report

@@ -12,7 +12,7 @@ import torch
 
 from ringserve.actors.common.model_source import load_tokenizer, resolve_model
 from ringserve.actors.engine.config import EngineConfig
-from ringserve.actors.engine.scheduling.engine import Engine
+from ringserve.actors.engine.scheduling.engine_core import EngineCore
 from ringserve.bus.messages import TokenizedRequest
 from tests.engine_helpers import assert_greedy_matches, greedy, hf_greedy, load_hf_model, run_to_completion, tokens_of
 from tests.real_models import gemma3_gguf
@@ -39,15 +39,15 @@ def gemma_hf(source: Any) -> Any:
 
 
 @pytest.fixture(scope="module")
-def engine(source: Any) -> Engine:
-    return Engine.from_source(source, EngineConfig(device="cpu", torch_threads=1, max_total_tokens=8192))
+def engine(source: Any) -> EngineCore:
+    return EngineCore.from_source(source, EngineConfig(device="cpu", torch_threads=1, max_total_tokens=8192))
 
 
 def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
-def test_greedy_tokens_equal_transformers_reading_the_same_file(engine: Engine, gemma_hf: Any,
+def test_greedy_tokens_equal_transformers_reading_the_same_file(engine: EngineCore, gemma_hf: Any,
                                                                  tokenizer: Any) -> None:
     """A plain prompt and a chat prompt in one batch, then a prompt past Gemma 3's 512-token sliding window."""
     prompts = {"plain": tokenizer("The capital of France is Paris. The capital of Germany is")["input_ids"],
@@ -59,7 +59,7 @@ def test_greedy_tokens_equal_transformers_reading_the_same_file(engine: Engine, 
         assert_greedy_matches(gemma_hf, ids, hf_greedy(gemma_hf, ids, NEW_TOKENS, None), tokens_of(rows[rid]))
 
 
-def test_the_files_blocks_are_exactly_its_weights(source: Any, engine: Engine) -> None:
+def test_the_files_blocks_are_exactly_its_weights(source: Any, engine: EngineCore) -> None:
     """Every linear's packed blocks (each shape in the smallest exact form: the K-quants' 4-6 bit forms, Q5_0 and
     Q8_0 parts fused as q8_0) dequantize to the float weights transformers read from the same file."""
     from ringserve.actors.engine.models.gguf_blocks import packed_linears
@@ -80,7 +80,7 @@ def test_served_on_its_own_blocks(source: Any, tokenizer: Any) -> None:
     by little: this prompt has no near-tie)."""
     from ringserve.kernels.quantization import QuantLinear
 
-    gguf_engine = Engine.from_source(source, EngineConfig(device="cpu", torch_threads=1, max_total_tokens=4096,
+    gguf_engine = EngineCore.from_source(source, EngineConfig(device="cpu", torch_threads=1, max_total_tokens=4096,
                                                           quantization="gguf"))
     layers = [m for m in gguf_engine.runner.model.modules() if isinstance(m, QuantLinear)]
     assert len(layers) == 4 * 18 + 1 and all(layer.packed for layer in layers)

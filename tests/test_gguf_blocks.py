@@ -53,7 +53,7 @@ def test_the_default_models_blocks_are_exactly_its_weights(smollm2: tuple[object
 
 def test_the_engine_serves_on_the_files_blocks(smollm2: tuple[object, torch.nn.Module]) -> None:
     from ringserve.actors.common.model_source import load_tokenizer
-    from ringserve.actors.engine.scheduling.engine import Engine
+    from ringserve.actors.engine.scheduling.engine_core import EngineCore
     from ringserve.bus.messages import SamplingParams, TokenizedRequest
     from ringserve.kernels.quantization import QuantLinear
 
@@ -62,7 +62,7 @@ def test_the_engine_serves_on_the_files_blocks(smollm2: tuple[object, torch.nn.M
     prompt = tokenizer("The capital of France is")["input_ids"]
     tokens = {}
     for method in ("none", "gguf"):
-        engine = Engine.from_source(source, EngineConfig(device="cpu", max_total_tokens=2048, quantization=method))
+        engine = EngineCore.from_source(source, EngineConfig(device="cpu", max_total_tokens=2048, quantization=method))
         engine.add_request(TokenizedRequest("r", prompt, SamplingParams(8, temperature=0.0)))
         out: list[int] = []
         while engine.has_work():
@@ -77,7 +77,7 @@ def test_the_engine_serves_on_the_files_blocks(smollm2: tuple[object, torch.nn.M
 
 
 def test_a_safetensors_model_is_refused(tiny_model_dir: Path) -> None:
-    from ringserve.actors.engine.scheduling.engine import Engine
+    from ringserve.actors.engine.scheduling.engine_core import EngineCore
 
     with pytest.raises(ValueError, match="needs a .gguf model"):
-        Engine.from_source(resolve_model(str(tiny_model_dir)), EngineConfig(device="cpu", quantization="gguf"))
+        EngineCore.from_source(resolve_model(str(tiny_model_dir)), EngineConfig(device="cpu", quantization="gguf"))

@@ -28,7 +28,7 @@ import torch
 import ringserve.kernels.cpu as cpu_kernels
 from ringserve.actors.common.model_source import resolve_model
 from ringserve.actors.engine.config import EngineConfig
-from ringserve.actors.engine.scheduling.engine import Engine
+from ringserve.actors.engine.scheduling.engine_core import EngineCore
 from ringserve.bus.messages import TokenizedRequest
 from ringserve.kernels.cpu.gguf_formats import (
     BLOCK_BYTES, SCALE_OFFSETS, concat_rows, decode_gguf_blocks, pack_block_codes, random_gguf_blocks,
@@ -193,9 +193,9 @@ def reference(moe_gguf: tuple[str, Any]) -> Any:
     return load_hf_model(moe_gguf[1])
 
 
-def serve(source: Any, method: str) -> tuple[Engine, dict[str, list[int]]]:
+def serve(source: Any, method: str) -> tuple[EngineCore, dict[str, list[int]]]:
     """An engine on `source` with `--quantization method`, and its greedy tokens for `PROMPTS` in one batch."""
-    engine = Engine.from_source(source, EngineConfig(device="cpu", torch_threads=1, max_total_tokens=2048,
+    engine = EngineCore.from_source(source, EngineConfig(device="cpu", torch_threads=1, max_total_tokens=2048,
                                                      quantization=method))
     rows = run_to_completion(engine, [TokenizedRequest(rid, ids, greedy(NEW_TOKENS)) for rid, ids in PROMPTS.items()])
     return engine, {rid: tokens_of(rows[rid]) for rid in PROMPTS}

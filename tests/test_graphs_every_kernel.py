@@ -18,7 +18,7 @@ import ringserve.kernels.quantization as quantization
 from ringserve.actors.common.model_source import resolve_model
 from ringserve.actors.engine.config import EngineConfig
 from ringserve.actors.engine.runner.graphs.graph_compiler import FALLBACK_ENV, BackgroundCompiler, GraphFailed
-from ringserve.actors.engine.scheduling.engine import Engine
+from ringserve.actors.engine.scheduling.engine_core import EngineCore
 from ringserve.bus.messages import TokenizedRequest
 from ringserve.kernels import cpu as cpu_kernels
 from ringserve.kernels.linear_plan import KernelPlan
@@ -81,7 +81,7 @@ def test_each_quantization_mode_compiles_its_batch_1_graph(method: str, choose: 
     monkeypatch.setattr(measure, "plan_from_times", plan)
     config = EngineConfig(device="cpu", torch_threads=1, max_total_tokens=2048, cuda_graph_max_bs=1,
                           quantization=method)
-    engine = Engine.from_source(resolve_model(str(two_layer_smollm2)), config)
+    engine = EngineCore.from_source(resolve_model(str(two_layer_smollm2)), config)
     kernels = set(engine.stats().quantization.values())
     graphs = engine.runner.graphs
     assert graphs is not None and graphs.compiler is not None

@@ -14,7 +14,7 @@ import torch
 from ringserve.actors.engine.config import EngineConfig
 from ringserve.actors.engine.models.weights import model_from_hf
 from ringserve.actors.engine.quantization.quantize import apply_quantization
-from ringserve.actors.engine.scheduling.engine import Engine
+from ringserve.actors.engine.scheduling.engine_core import EngineCore
 from ringserve.bus.kv_blocks import BLOCK, block_hashes, cache_namespace, salt_seed
 from ringserve.bus.messages import TokenizedRequest
 from tests.engine_helpers import (assert_greedy_matches, engine_for, greedy, hf_greedy, run_to_completion,
@@ -58,7 +58,7 @@ def llama_adapters(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[
 
 
 @pytest.fixture(scope="module")
-def engine(llama_adapters: Any) -> Engine:
+def engine(llama_adapters: Any) -> EngineCore:
     hf, adapters = llama_adapters
     modules = ",".join(f"{n}={path}" for n, (path, _) in adapters.items())
     return engine_for(hf, lora_modules=modules, max_loras_per_batch=2)
@@ -68,7 +68,7 @@ def peft_tokens(peft_model: Any, ids: list[int]) -> list[int]:
     return hf_greedy(peft_model, ids, N, None)
 
 
-def test_each_adapter_gives_pefts_tokens(engine: Engine, llama_adapters: Any) -> None:
+def test_each_adapter_gives_pefts_tokens(engine: EngineCore, llama_adapters: Any) -> None:
     hf, adapters = llama_adapters
     base = hf_greedy(hf, PROMPTS[0], N, None)
     for name, (_, peft_model) in adapters.items():
@@ -78,7 +78,7 @@ def test_each_adapter_gives_pefts_tokens(engine: Engine, llama_adapters: Any) ->
         assert tokens_of(rows[f"solo-{name}"]) == expected, name
 
 
-def test_a_batch_mixing_adapters_and_the_base_gives_each_row_its_own(engine: Engine, llama_adapters: Any) -> None:
+def test_a_batch_mixing_adapters_and_the_base_gives_each_row_its_own(engine: EngineCore, llama_adapters: Any) -> None:
     hf, adapters = llama_adapters
     names = [None, "a8", "b16", "rs", "qonly"]  # 4 adapters, 2 per step: the others wait
     reqs = [request(f"mix-{i}", PROMPTS[1], n) for i, n in enumerate(names)]
@@ -104,7 +104,7 @@ def test_eager_steps_compute_only_the_slots_in_use(llama_adapters: Any) -> None:
     assert eager.lora.state.active == 0 and tokens_of(rows["eager-base"]) == hf_greedy(hf, PROMPTS[0], N, None)
 
 
-def test_the_prefix_cache_never_crosses_adapters(engine: Engine) -> None:
+def test_the_prefix_cache_never_crosses_adapters(engine: EngineCore) -> None:
     ids = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4]
     first = run_to_completion(engine, [request("pc-a", ids, "a8")])["pc-a"]
     other = run_to_completion(engine, [request("pc-b", ids, "b16")])["pc-b"]
@@ -129,7 +129,7 @@ def test_an_adapter_replaced_under_its_name_never_reuses_the_old_ones_kv(llama_a
     assert again[0].cached_tokens > 0 and tokens_of(again) == tokens_of(rows)
 
 
-def test_the_router_hashes_an_adapters_blocks_as_the_engine_stores_them(engine: Engine) -> None:
+def test_the_router_hashes_an_adapters_blocks_as_the_engine_stores_them(engine: EngineCore) -> None:
     """Cache-aware routing over --dp replicas keys by adapter: the tokenizers' router seeds a prompt's block
     hashes with `cache_namespace`, as the engine's prefix cache reports the blocks it stores."""
     ids = [(7 * i) % 500 + 3 for i in range(2 * BLOCK + 5)]
@@ -141,7 +141,7 @@ def test_the_router_hashes_an_adapters_blocks_as_the_engine_stores_them(engine: 
     assert block_hashes(ids, BLOCK)[0] not in stored
 
 
-def test_unknown_and_malformed_adapters_are_clear_errors(engine: Engine, llama_adapters: Any,
+def test_unknown_and_malformed_adapters_are_clear_errors(engine: EngineCore, llama_adapters: Any,
                                                          tmp_path: Path) -> None:
     error = engine.add_request(request("nope", PROMPTS[0], "nope"))
     assert error is not None and error.code == 404 and error.type == "model_not_found" and "nope" in error.message
@@ -167,7 +167,7 @@ def test_unknown_and_malformed_adapters_are_clear_errors(engine: Engine, llama_a
     assert tokens_of(rows["after"]) == peft_tokens(peft_model, PROMPTS[0])
 
 
-def test_a_weight_swap_with_adapters_is_refused_clearly(engine: Engine) -> None:
+def test_a_weight_swap_with_adapters_is_refused_clearly(engine: EngineCore) -> None:
     with pytest.raises(ValueError, match="LoRA adapters are served"):
         engine.update_weights(object(), "other")
 
@@ -200,7 +200,7 @@ def test_int8_base_weights_with_an_adapter_on_top(llama_adapters: Any) -> None:
                           lora_modules=f"a8={path}")
     model = model_from_hf(hf.config, {k: v.clone() for k, v in hf.state_dict().items()}, "cpu")
     assert apply_quantization(model, config)[0] == "int8"
-    quantized = Engine(model, config)
+    quantized = EngineCore(model, config)
     rows = run_to_completion(quantized, [request("int8", PROMPTS[0], "a8")])
     assert_greedy_matches(peft_model, PROMPTS[0], peft_tokens(peft_model, PROMPTS[0]), tokens_of(rows["int8"]),
                           tol=0.5)

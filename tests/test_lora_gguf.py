@@ -10,7 +10,7 @@ import pytest
 
 from ringserve.actors.common.model_source import resolve_model
 from ringserve.actors.engine.config import EngineConfig
-from ringserve.actors.engine.scheduling.engine import Engine
+from ringserve.actors.engine.scheduling.engine_core import EngineCore
 from ringserve.bus.messages import TokenizedRequest
 from tests.engine_helpers import greedy, hf_greedy, load_hf_model, run_to_completion, tokens_of
 from tests.gguf_files import truncated_gguf
@@ -29,7 +29,7 @@ def test_a_gguf_base_takes_adapters(tmp_path: Path) -> None:
     peft_model = make_adapter(hf, tmp_path / "adapter", seed=3, r=8)
     expected, base = hf_greedy(peft_model, PROMPT, N, None), hf_greedy(hf, PROMPT, N, None)
     assert expected != base, "the adapter must change the output for the test to mean anything"
-    engine = Engine.from_source(two_layers, EngineConfig(device="cpu", torch_threads=1, max_total_tokens=2048,
+    engine = EngineCore.from_source(two_layers, EngineConfig(device="cpu", torch_threads=1, max_total_tokens=2048,
                                                          quantization="gguf",
                                                          lora_modules=f"a={tmp_path / 'adapter'}"))
     assert engine.stats().quantization["method"] == "gguf"  # the base keeps its GGUF blocks

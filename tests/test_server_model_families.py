@@ -178,7 +178,7 @@ def test_quantized_qwen3_serves_the_in_process_engines_tokens(method: str, rings
     row, q8_0 for 2-15), so a request's tokens depend on what shares its batch."""
     from ringserve.actors.common.model_source import resolve_model
     from ringserve.actors.engine.config import EngineConfig
-    from ringserve.actors.engine.scheduling.engine import Engine
+    from ringserve.actors.engine.scheduling.engine_core import EngineCore
     from ringserve.bus.messages import TokenizedRequest
     from ringserve.kernels.linear_plan import cache as plan_cache
 
@@ -189,7 +189,7 @@ def test_quantized_qwen3_serves_the_in_process_engines_tokens(method: str, rings
     assert served_plan.get("method", "none") in verdicts, served_plan  # {}: unquantized, torch's kernels only
     seqs = prompts(LENGTHS)
     got = [generate(server, ids)["output_ids"] for ids in seqs]
-    engine = Engine.from_source(resolve_model(str(rings.dirs["qwen3"])), EngineConfig(
+    engine = EngineCore.from_source(resolve_model(str(rings.dirs["qwen3"])), EngineConfig(
         device="cpu", torch_threads=1, max_total_tokens=2048, quantization=method))
     assert engine.stats().quantization == served_plan, "the engine chose other kernels than the server"
     expected = [tokens_of(run_to_completion(engine, [TokenizedRequest(f"q{i}", ids, greedy(

@@ -176,14 +176,14 @@ def test_a_constrained_request_speculates_within_its_grammar() -> None:
 
     from ringserve.actors.common.model_source import DEFAULT_MODEL, resolve_model
     from ringserve.actors.engine.config import EngineConfig
-    from ringserve.actors.engine.scheduling.engine import Engine
+    from ringserve.actors.engine.scheduling.engine_core import EngineCore
 
     schema = {"type": "array", "items": {"type": "object", "properties": {"name": {"type": "string"},
                                                                           "colour": {"type": "string"}},
                                          "required": ["name", "colour"]}, "minItems": 4, "maxItems": 4}
     got: dict[str, Any] = {}
     for algorithm in ("none", "ngram"):
-        engine = Engine.from_source(resolve_model(DEFAULT_MODEL), EngineConfig(
+        engine = EngineCore.from_source(resolve_model(DEFAULT_MODEL), EngineConfig(
             device="cpu", torch_threads=1, max_total_tokens=2048, disable_cuda_graph=True,
             disable_jump_forward=True,  # else the grammar's forced tokens (the JSON's structure) come at once
             speculative_algorithm=algorithm))
@@ -204,10 +204,10 @@ def draft_engine_pair(hf: Any, draft_hf: Any, **config: Any) -> Any:
     """An engine of `hf` drafting with `draft_hf` (`--speculative-algorithm draft`), both in this process."""
     from ringserve.actors.engine.config import EngineConfig
     from ringserve.actors.engine.models.weights import model_from_hf
-    from ringserve.actors.engine.scheduling.engine import Engine
+    from ringserve.actors.engine.scheduling.engine_core import EngineCore
 
     settings = dict(device="cpu", torch_threads=1, max_total_tokens=4096, **config)
-    return Engine(model_from_hf(hf.config, hf.state_dict()), EngineConfig(
+    return EngineCore(model_from_hf(hf.config, hf.state_dict()), EngineConfig(
         **settings, speculative_algorithm="draft", speculative_draft_model_path="(in process)"),
         draft=engine_for(draft_hf, **settings))
 

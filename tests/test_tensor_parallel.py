@@ -243,7 +243,7 @@ def tp1_results() -> dict[str, Any]:
         config = dict(config)
         family = config.pop("model", None)
         engine = engine_for(tiny_hf_model(family) if family else tiny_hf_llama(), draft=_draft_for(config), **config)
-        apply_quantization(engine.runner.model, engine.config)  # what Engine.from_source does after loading
+        apply_quantization(engine.runner.model, engine.config)  # what EngineCore.from_source does after loading
         engine._quantization = quantization_report(engine.runner.model)
         out[name] = _run_waves(engine, waves)
     return out

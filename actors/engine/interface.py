@@ -1,6 +1,6 @@
 """The engine interface the scheduler actor drives, and nothing else of the engine.
 
-`Engine` (one process, one device) implements it; a tensor-parallel rank group is meant to be a second
+`EngineCore` (one process, one device) implements it; a tensor-parallel rank group is meant to be a second
 implementation behind the same methods. Every type crossing it is a torch-free protocol type from `ringserve.bus.params`,
 `ringserve.bus.messages` and `ringserve.bus.errors`: requests in, token rows out, errors as `ApiError`.
 

@@ -400,7 +400,7 @@ async def scheduler_main(ctx: ActorContext, model: str, config: EngineConfig,
                          admission: Admission | None = None, engine: EngineInterface | None = None) -> dict[str, Any]:
     """Entry point for the runtime: load the model, subscribe, start the loop. `engine`: one the caller built
     instead (rank 0 of a tensor-parallel replica, actors/scheduler/tp_follower.py)."""
-    from ringserve.actors.engine.scheduling.engine import DTYPES, Engine
+    from ringserve.actors.engine.scheduling.engine_core import DTYPES, EngineCore
     from ringserve.actors.engine.models.weights import load_checkpoint
 
     def load_weights(path: str) -> Any:
@@ -410,12 +410,12 @@ async def scheduler_main(ctx: ActorContext, model: str, config: EngineConfig,
     if engine is None:
         source = resolve_model(model)
         early = await on_engine_thread(early_grammars, source, config) if warm else None  # grammar_warm.py
-        engine = await on_engine_thread(Engine.from_source, source, config,
+        engine = await on_engine_thread(EngineCore.from_source, source, config,
                                          early.tokenizer if early is not None else None)
         engine.start_decode_graphs()
         if early is not None:
             early.hand_to(getattr(engine, "grammars", None))
-    grammars = getattr(engine, "grammars", None)  # Engine's GrammarManager (grammar.py)
+    grammars = getattr(engine, "grammars", None)  # EngineCore's GrammarManager (grammar.py)
     warm = warm and grammars is not None
     if warm:
         grammars.warm_up()  # the early one's, when it took it over

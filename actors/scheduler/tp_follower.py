@@ -74,7 +74,7 @@ def check_tp_args(args: argparse.Namespace) -> str | None:
 def _load_rank(model: str, config: Any, args: argparse.Namespace) -> tuple[Any, Any, Any, Any]:
     """Join the replica's group, load the model and keep this rank's shard: (group, model, config, source)."""
     from ringserve.actors.common.model_source import resolve_model
-    from ringserve.actors.engine.scheduling.engine import DTYPES
+    from ringserve.actors.engine.scheduling.engine_core import DTYPES
     from ringserve.actors.engine.parallel.tensor_parallel import init_group
     from ringserve.actors.engine.scheduling.tp_engine import prepare_rank
     from ringserve.actors.engine.models.weights import load_model
@@ -89,7 +89,7 @@ async def leader_main(ctx: Any, model: str, config: Any, admission: Any, args: a
     """Rank 0: the scheduler actor over a `TPEngine` of the whole replica."""
     from ringserve.actors.common.text_tokenizer import load_text_model
     from ringserve.actors.engine.scheduling.tp_engine import TPEngine
-    from ringserve.actors.engine.scheduling.engine import Engine
+    from ringserve.actors.engine.scheduling.engine_core import EngineCore
     from ringserve.actors.engine.speculative.draft_model import load_draft_engine
     from ringserve.actors.scheduler.actor import scheduler_main
     from ringserve.actors.scheduler.engine_thread import on_engine_thread
@@ -100,7 +100,7 @@ async def leader_main(ctx: Any, model: str, config: Any, admission: Any, args: a
         group, llama, rank_config, source = _load_rank(model, config, args)
         tokenizer = load_text_model(source).tokenizer
         # the draft model runs whole on rank 0 alone (it drafts for the group), eagerly as the ranks do
-        draft = (load_draft_engine(Engine, rank_config, tokenizer) if rank_config.speculative_algorithm == "draft"
+        draft = (load_draft_engine(EngineCore, rank_config, tokenizer) if rank_config.speculative_algorithm == "draft"
                  else None)
         return TPEngine(llama, rank_config, group, tokenizer, source.name,
                         on_broken=lambda why: loop.call_soon_threadsafe(ctx.fail, why), draft=draft)

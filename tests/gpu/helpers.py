@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from ringserve.actors.engine.config import EngineConfig
-from ringserve.actors.engine.scheduling.engine import Engine
+from ringserve.actors.engine.scheduling.engine_core import EngineCore
 from ringserve.actors.engine.models.weights import model_from_hf
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -23,14 +23,14 @@ def hf_on_gpu(hf_model: Any, dtype: torch.dtype) -> Any:
     return copy.deepcopy(hf_model).to("cuda", dtype).eval()
 
 
-def gpu_engine(hf_model: Any, backend: str, dtype: torch.dtype, graphs: bool, **config: Any) -> Engine:
-    """An Engine on CUDA with `hf_model`'s weights in `dtype`, CUDA graphs on or off."""
+def gpu_engine(hf_model: Any, backend: str, dtype: torch.dtype, graphs: bool, **config: Any) -> EngineCore:
+    """An EngineCore on CUDA with `hf_model`'s weights in `dtype`, CUDA graphs on or off."""
     tensors = {k: v.to(dtype) for k, v in hf_model.state_dict().items()}
     model = model_from_hf(hf_model.config, tensors, "cuda")
     settings: dict[str, Any] = dict(device="cuda", dtype=DTYPE_NAMES[dtype], attention_backend=backend,
                                     disable_cuda_graph=not graphs, max_total_tokens=8192, cuda_graph_max_bs=16)
     settings.update(config)
-    return Engine(model, EngineConfig(**settings))
+    return EngineCore(model, EngineConfig(**settings))
 
 
 @torch.no_grad()

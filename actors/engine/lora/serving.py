@@ -1,5 +1,5 @@
 """The engine's LoRA side as the scheduler drives it: adapters loaded at start, read beside the steps, served,
-unloaded (`Engine` takes these methods; the pool and the per-step slots are `pool.py`'s)."""
+unloaded (`EngineCore` takes these methods; the pool and the per-step slots are `pool.py`'s)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from ringserve.bus.errors import ApiError
 
 
 class LoraServing:
-    """`Engine`'s adapter methods; it sets `lora` (a `LoraPool`, None without LoRA), `config`, `runner`,
+    """`EngineCore`'s adapter methods; it sets `lora` (a `LoraPool`, None without LoRA), `config`, `runner`,
     `prefill`, `decode` and `live`."""
 
     lora: LoraPool | None

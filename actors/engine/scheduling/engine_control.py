@@ -1,5 +1,5 @@
 """The engine's operator side: reports (`stats`, decode graphs, KV events), integrity checks, pause/resume,
-the idle hook and weight swaps (`Engine` takes these methods; scheduling is engine.py's)."""
+the idle hook and weight swaps (`EngineCore` takes these methods; scheduling is engine.py's)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ log = logging.getLogger("engine")
 
 
 class EngineControl:
-    """`Engine`'s control and report methods, called between steps; it sets what they read (`cache`, `runner`,
+    """`EngineCore`'s control and report methods, called between steps; it sets what they read (`cache`, `runner`,
     `config`, `live`, the managers and the counters)."""
 
     cache: Any

@@ -67,7 +67,7 @@ def import_blocks(cache: CacheManager, ids: Sequence[int], cache_key: str | None
 
 
 class KvShareMethods:
-    """`Engine`'s side of KV sharing between replicas, run on its thread; it sets `cache` and `lora`."""
+    """`EngineCore`'s side of KV sharing between replicas, run on its thread; it sets `cache` and `lora`."""
 
     cache: CacheManager
     lora_cache_name: Callable[[str | None], str | None]  # LoraServing's

@@ -1,4 +1,4 @@
-"""Why the engine cannot run a request: the checks `Engine.add_request` makes before queueing it."""
+"""Why the engine cannot run a request: the checks `EngineCore.add_request` makes before queueing it."""
 
 from __future__ import annotations
 

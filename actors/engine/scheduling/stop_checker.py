@@ -56,7 +56,7 @@ class StopChecker:
         return None
 
     def _stop_string(self, req: Req) -> str | None:
-        assert self.tokenizer is not None, "stop strings need a tokenizer (checked in Engine.add_request)"
+        assert self.tokenizer is not None, "stop strings need a tokenizer (checked in EngineCore.add_request)"
         stops = req.params.stop
         tail_len = min(4 * max(len(s) for s in stops) + 2, req.output_len)
         text = self.tokenizer.decode(req.ids[-tail_len:], skip_special_tokens=req.params.skip_special_tokens)

@@ -1,6 +1,6 @@
 """One replica of `--tp N` ranks: rank 0's `TPEngine` (behind the engine interface) and the followers' `TPFollower`.
 
-Rank 0 is an ordinary `Engine` over its shard of the model whose runner, before each forward, broadcasts the
+Rank 0 is an ordinary `EngineCore` over its shard of the model whose runner, before each forward, broadcasts the
 step plan (`tp_plan.py`) to the followers; every follower builds the same pool, token table and runner over
 its own shard (`TPFollower`) and runs the identical forward, so the two all-reduces of each layer
 (`tensor_parallel.py`) meet. Only rank 0 samples, and only rank 0 drafts: with `--speculative-algorithm draft`
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ringserve.actors.engine.config import EngineConfig
-from ringserve.actors.engine.scheduling.engine import Engine
+from ringserve.actors.engine.scheduling.engine_core import EngineCore
 from ringserve.actors.engine.scheduling.images import embed_step_images
 from ringserve.actors.engine.runner.kv_pool import KVPool
 from ringserve.actors.engine.core.embed_override import BidirectionalSpan, EmbedOverride
@@ -74,14 +74,14 @@ def startup_barrier(group: TPGroup) -> None:
     dist.all_reduce(done)
 
 
-class TPEngine(Engine):
+class TPEngine(EngineCore):
     """Rank 0 of a tensor-parallel replica: schedules, samples and answers for the whole group."""
 
     def __init__(self, model: CausalLM, config: EngineConfig, group: TPGroup, tokenizer: Any | None = None,
                  model_name: str = "", on_broken: Callable[[str], None] | None = None,
-                 draft: Engine | None = None) -> None:
+                 draft: EngineCore | None = None) -> None:
         """`model` already sharded and `config` from `prepare_rank`; `on_broken` is told (from the keepalive
-        thread) when the group breaks while idle; `draft`: the whole draft model's engine (`Engine`'s)."""
+        thread) when the group breaks while idle; `draft`: the whole draft model's engine (`EngineCore`'s)."""
         super().__init__(model, config, tokenizer, model_name, draft=draft)
         self.group = group
         self.on_broken = on_broken
@@ -141,7 +141,7 @@ class TPEngine(Engine):
                 self._lock.release()
 
     def launch(self, batch: Any) -> Any:
-        """`Engine.launch`, holding the group's lock across the plan, the forward and its all-reduces. The step's
+        """`EngineCore.launch`, holding the group's lock across the plan, the forward and its all-reduces. The step's
         images are embedded first, outside the lock: keepalives reach the followers while the tower runs, however
         long it takes next to `--tp-timeout`."""
         if self.takes_images:
@@ -150,7 +150,7 @@ class TPEngine(Engine):
             return super().launch(batch)
 
     def step(self) -> list[TokenRow]:
-        """`Engine.step`; once the group broke, every live request ends with an error (this call), and the next
+        """`EngineCore.step`; once the group broke, every live request ends with an error (this call), and the next
         call raises `TPGroupError`."""
         if self.group.broken is not None:
             raise TPGroupError(self.group.broken)
@@ -171,7 +171,7 @@ class TPEngine(Engine):
         return super().add_request(request, images)
 
     def stats(self) -> SchedulerInfo:
-        """`Engine.stats`, with the replica's `tp_size`."""
+        """`EngineCore.stats`, with the replica's `tp_size`."""
         return dataclasses.replace(super().stats(), tp_size=self.group.size)
 
     def update_weights(self, checkpoint: Any, model_name: str, check_only: bool = False) -> int:
@@ -197,7 +197,7 @@ class TPFollower:
         """`model` already sharded and `config` from `prepare_rank`."""
         # the same construction as rank 0's (pool size, table width); its scheduling parts stay unused, and
         # drafting is rank 0's alone
-        self.engine = Engine(model, dataclasses.replace(config, speculative_algorithm="none",
+        self.engine = EngineCore(model, dataclasses.replace(config, speculative_algorithm="none",
                                                         speculative_draft_model_path=""))
         self.group = group
         self.steps = 0

@@ -1,4 +1,4 @@
-"""Swapping an engine's weights for a checkpoint of the same architecture (`Engine.update_weights`).
+"""Swapping an engine's weights for a checkpoint of the same architecture (`EngineCore.update_weights`).
 
 The KV of the old weights is not reused: requests holding KV (running, or part-way through a chunked
 prefill) go back to the front of the queue and recompute theirs with the new weights (their output so far is
@@ -17,13 +17,13 @@ from ringserve.actors.engine.models.weights import swap_weights
 from ringserve.observability.logging import log_event
 
 if TYPE_CHECKING:  # the engine imports this module
-    from ringserve.actors.engine.scheduling.engine import Engine
+    from ringserve.actors.engine.scheduling.engine_core import EngineCore
 
 log = logging.getLogger("engine")
 
 
-def swap_engine_weights(engine: Engine, checkpoint: Any, model_name: str, check_only: bool = False) -> int:
-    """`Engine.update_weights`: check `checkpoint` against the engine's model, then (unless `check_only`) swap
+def swap_engine_weights(engine: EngineCore, checkpoint: Any, model_name: str, check_only: bool = False) -> int:
+    """`EngineCore.update_weights`: check `checkpoint` against the engine's model, then (unless `check_only`) swap
     it in; the KV slots the prefix-cache flush freed."""
     swap_weights(engine.runner.model, checkpoint, check_only=True)
     if check_only:

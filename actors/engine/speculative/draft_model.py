@@ -19,7 +19,7 @@ from ringserve.bus.params import SamplingParams
 
 
 class DraftModel:
-    """Greedy drafts from `engine` (an `Engine` of the draft model, without speculation of its own)."""
+    """Greedy drafts from `engine` (an `EngineCore` of the draft model, without speculation of its own)."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine

@@ -5,7 +5,7 @@ prefix locks, KV slots), `launch(batch)` queues the forward and the sampling on 
 it (requests whose prefill completes join the running set, finished prefill chunks go to the prefix cache),
 `finish(batch, out)` applies the sampled tokens on the host (stop checks, caching, freeing) and returns one
 output row per sampled request. Single-threaded by contract: `add_request`, `abort` and the control methods
-are called only between steps. `Engine` implements `ringserve.actors.engine.interface.EngineInterface`, all the
+are called only between steps. `EngineCore` implements `ringserve.actors.engine.interface.EngineInterface`, all the
 scheduler actor uses of it.
 
 A step never needs the host to have seen the tokens of the step before: its input ids are gathered on the
@@ -74,11 +74,11 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 log = logging.getLogger("engine")
 
 
-class Engine(LoraServing, KvShareMethods, EngineControl):
+class EngineCore(LoraServing, KvShareMethods, EngineControl):
     """Continuous batching with chunked prefill and a prefix cache over a registry model and a paged KV pool."""
 
     def __init__(self, model: CausalLM, config: EngineConfig, tokenizer: Any | None = None,
-                 model_name: str = "", draft: Engine | None = None) -> None:
+                 model_name: str = "", draft: EngineCore | None = None) -> None:
         """`model` already on `config`'s device; `tokenizer` is needed only by requests with stop strings;
         `model_name` is what `stats()` reports; `draft`: the draft model's engine (`--speculative-algorithm
         draft`)."""
@@ -149,7 +149,7 @@ class Engine(LoraServing, KvShareMethods, EngineControl):
         self._cached_tokens = 0
 
     @classmethod
-    def from_source(cls, source: Any, config: EngineConfig, tokenizer: Any | None = None) -> Engine:
+    def from_source(cls, source: Any, config: EngineConfig, tokenizer: Any | None = None) -> EngineCore:
         """Load the model at `source` (a ModelSource: GGUF or safetensors) and build an engine."""
         from ringserve.actors.common.text_tokenizer import load_text_model
         from ringserve.actors.engine.models.weights import load_model
