@@ -14,6 +14,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from ringserve.actors.common import flag_fields
+from ringserve.actors.common.flag_fields import flag
 from ringserve.actors.common.memory_limits import CGROUP_ROOT, MemoryBudget, available_memory
 from ringserve.bus.params import POOLINGS
 from ringserve.kernels.attention import backend_names
@@ -41,10 +43,11 @@ POOL_SAFE_SHARE = 0.5
 KV_TIER_STOP_SAVE_SECONDS = 5.0
 
 
-def _flag(help: str, **argparse_kwargs: Any) -> dict[str, Any]:
-    """A field's flag: its help and argparse keywords (`nargs="+"`: a tuple field taking several values, also
-    over repeated flags; `type`: a converter applied before `choices` are checked)."""
-    return {"help": help, **argparse_kwargs}
+def _flag(help: str, group: str = "engine", **argparse_kwargs: Any) -> dict[str, Any]:
+    """A field's flag (actors/common/flag_fields.py), in `ringserve serve --help`'s engine group unless `group`
+    says another (`nargs="+"`: a tuple field taking several values, also over repeated flags; `type`: a converter
+    applied before `choices` are checked)."""
+    return flag(help, group=group, **argparse_kwargs)
 
 
 def dtype_name(value: str) -> str:
@@ -60,7 +63,7 @@ class EngineConfig:
         "device for weights and KV cache: auto (cuda when available, else cpu), cpu, cuda or cuda:N"))
     dtype: str = field(default="auto", metadata=_flag(
         "weight and KV dtype: auto (float32 on cpu, bfloat16 on cuda); half and float are float16 and float32",
-        choices=DTYPE_CHOICES, type=dtype_name))
+        choices=DTYPE_CHOICES, type=dtype_name, group="model"))
     attention_backend: str = field(default="auto", metadata=_flag(
         "attention kernels over the paged KV cache: auto (triton on cuda when installed, else torch)",
         choices=("auto",) + backend_names()))
@@ -70,12 +73,12 @@ class EngineConfig:
         "(4-bit weights in groups of 32, llama.cpp's Q4_1), gguf (a .gguf model's own blocks, as llama.cpp runs them, "
         "never requantized: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q4_K, Q5_K, Q6_K), auto (int8 when a start-up micro-benchmark finds it faster on this CPU); "
         "each step size runs the kernel measured fastest here, never one slower than float32",
-        choices=QUANTIZATION_CHOICES))
+        choices=QUANTIZATION_CHOICES, group="model"))
     float_kernels: str = field(default="auto", metadata=_flag(
         "what an unquantized CPU model's float32 linears may run: auto (each step size the kernel measured "
         "fastest here, which for a bfloat16 checkpoint may be bfloat16: the checkpoint's own weights, activations "
         "rounded to bfloat16, as transformers computes in bfloat16), float32 (float32 kernels only)",
-        choices=FLOAT_KERNEL_CHOICES))
+        choices=FLOAT_KERNEL_CHOICES, group="model"))
     enable_deterministic_inference: bool = field(default=False, metadata=_flag(
         "make a row's result independent of the rows beside it (SGLang's name; CPU): greedy output is then the same "
         "alone, in any batch and under speculation. Every linear runs one kernel whose rows' bits do not depend on "
@@ -113,16 +116,17 @@ class EngineConfig:
         f"within --kv-tier-bytes and {KV_TIER_STOP_SAVE_SECONDS:g} s"))
     kv_share: bool = field(default=False, metadata=_flag(
         "with --kv-tier-bytes and --dp: a replica lacking a prompt's prefix that another replica holds fetches its "
-        "blocks over NATS (and serves its own to the others) instead of computing them"))
+        "blocks over NATS (and serves its own to the others) instead of computing them", group="scale-out"))
     kv_fetch_timeout: float = field(default=5.0, metadata=_flag(
         "with --kv-share: seconds a fetch of another replica's blocks may take; past it, what came is loaded and "
-        "the rest computed"))
+        "the rest computed", group="scale-out"))
     replica_role: str = field(default="both", metadata=_flag(
         "with --dp and --kv-share: prefill, decode or both, for every replica or per replica as a comma list "
         "(replica r takes entry r, the last entry the rest): routing sends requests to decode (and both) "
-        "replicas, which have a prefill replica compute a prompt's whole blocks and fetch them"))
+        "replicas, which have a prefill replica compute a prompt's whole blocks and fetch them", group="scale-out"))
     prefill_timeout: float = field(default=60.0, metadata=_flag(
-        "with --replica-role: seconds a decode replica waits for a prefill replica's blocks before computing them itself"))
+        "with --replica-role: seconds a decode replica waits for a prefill replica's blocks before computing them "
+        "itself", group="scale-out"))
     schedule_policy: str = field(default="fcfs", metadata=_flag(
         "order of admission: fcfs (arrival) or lpm (longest cached prefix first)", choices=SCHEDULE_POLICIES))
     torch_threads: int = field(default=0, metadata=_flag(
@@ -158,32 +162,33 @@ class EngineConfig:
         "before (its own prompt and output, then earlier requests) and verifies them in one forward, keeping the "
         "output token for token; draft takes the drafts from a smaller model with the same tokenizer "
         "(--speculative-draft-model-path); none decodes one token per step; any case (SGLang's NGRAM)",
-        choices=SPECULATIVE_ALGORITHMS, type=str.lower))
+        choices=SPECULATIVE_ALGORITHMS, type=str.lower, group="speculative decoding"))
     speculative_draft_model_path: str = field(default="", metadata=_flag(
         "with --speculative-algorithm draft: the draft model (a .gguf, a directory or a hub id, as --model), run "
-        "beside the served one in the scheduler's process"))
+        "beside the served one in the scheduler's process", group="speculative decoding"))
     speculative_num_draft_tokens: int = field(default=3, metadata=_flag(
         "with --speculative-algorithm: draft tokens per verify step at most (each request adapts its own "
-        "length to what it gets accepted); a request verifying k drafts is k + 1 decode rows of one step"))
+        "length to what it gets accepted); a request verifying k drafts is k + 1 decode rows of one step",
+        group="speculative decoding"))
 
     enable_lora: bool = field(default=False, metadata=_flag(
         "serve LoRA adapters (on by itself with --lora-modules or --lora-dir): loaded at start or at run time "
-        "(/v1/load_lora_adapter), chosen per request by OpenAI's model field or lora_name"))
+        "(/v1/load_lora_adapter), chosen per request by OpenAI's model field or lora_name", group="LoRA"))
     lora_modules: tuple[str, ...] = field(default=(), metadata=_flag(
         "LoRA adapters (PEFT directories) to load at start: name=path arguments (several after one flag, as "
         "vLLM takes them, or within one argument separated by commas), or vLLM's JSON objects, one an argument: "
         "'{\"name\": \"a1\", \"path\": \"/x\", \"base_model_name\": \"m\"}' (base_model_name, if given, must be the "
         "served model's name or --model; other keys are refused)",
-        nargs="+", metavar="NAME=PATH|JSON"))
+        nargs="+", metavar="NAME=PATH|JSON", group="LoRA"))
     max_loras_per_batch: int = field(default=8, metadata=_flag(
-        "distinct LoRA adapters in one step at most (requests of other adapters wait)"))
+        "distinct LoRA adapters in one step at most (requests of other adapters wait)", group="LoRA"))
     max_loaded_loras: int = field(default=0, metadata=_flag(
         "LoRA adapters kept loaded in host memory at most, least recently used first out and read again from "
-        "disk when next used (0 = all registered)"))
+        "disk when next used (0 = all registered)", group="LoRA"))
     max_lora_rank: int = field(default=64, metadata=_flag(
-        "highest LoRA rank served (every slot holds this rank; smaller ranks are zero-padded)"))
+        "highest LoRA rank served (every slot holds this rank; smaller ranks are zero-padded)", group="LoRA"))
     lora_dir: str = field(default="", metadata=_flag(
-        "with LoRA: /v1/load_lora_adapter loads only adapters under this directory (empty = any path)"))
+        "with LoRA: /v1/load_lora_adapter loads only adapters under this directory (empty = any path)", group="LoRA"))
 
     def __post_init__(self) -> None:
         self.dtype = dtype_name(self.dtype)
@@ -346,54 +351,23 @@ class EngineConfig:
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
-        """Add one `--flag` per field to `parser`."""
-        group = parser.add_argument_group("engine")
-        for f in dataclasses.fields(cls):
-            _add_field_argument(group, f)
+        """Add one `--flag` per field to `parser`, each in its group (model, engine, scale-out, ...)."""
+        flag_fields.add_arguments(cls, parser)
 
     @classmethod
-    def add_argument(cls, parser: argparse.ArgumentParser | argparse._ArgumentGroup, name: str) -> None:
+    def add_argument(cls, parser: argparse.ArgumentParser, name: str) -> None:
         """Add the flag of field `name` alone: another actor that honours it too (the tokenizer's
         --grammar-warm-up) takes it as declared here."""
-        [f] = [f for f in dataclasses.fields(cls) if f.name == name]
-        _add_field_argument(parser, f)
+        flag_fields.add_arguments(cls, parser, names=[name])
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> EngineConfig:
         """The config the flags of `add_arguments` describe."""
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+        return flag_fields.from_args(cls, args)
 
     def to_argv(self) -> list[str]:
         """Flags that reproduce this config (only the fields that differ from the defaults)."""
-        argv: list[str] = []
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if value == f.default:
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            if isinstance(value, bool):
-                argv += [flag if value else "--no-" + flag[2:]]
-            elif isinstance(value, tuple):
-                argv += [flag, *value]
-            else:
-                argv += [flag, str(value)]
-        return argv
-
-
-def _add_field_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup, f: dataclasses.Field[Any]) -> None:
-    """One field's flag: a switch for a bool (on by default: --flag and --no-flag), else a value."""
-    flag = "--" + f.name.replace("_", "-")
-    kwargs = dict(f.metadata)
-    if f.type in (bool, "bool") and f.default is True:
-        action = parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=True, **kwargs)
-        action.help = kwargs.get("help")  # without the "(default: True)" some Pythons append
-    elif f.type in (bool, "bool"):
-        parser.add_argument(flag, action="store_true", **kwargs)
-    elif "nargs" in kwargs:  # several values after one flag, and over repeated flags
-        parser.add_argument(flag, action="extend", type=str, default=[], **kwargs)
-    else:
-        kwargs.setdefault("type", type(f.default))
-        parser.add_argument(flag, default=f.default, **kwargs)
+        return flag_fields.to_argv(self)
 
 
 def _lora_entries(argument: str) -> list[tuple[str, str, str]]:
