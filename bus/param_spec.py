@@ -1,7 +1,7 @@
 """`Spec`: how one declared request parameter is checked, named, documented and described as JSON schema.
 
 The declarations themselves live in `ringserve.bus.params` (sampling parameters) and, for the few fields only the HTTP
-entry acts on (`n`, `stream`, OpenAI's logprobs switches), in `actors/entry/openai_protocol.py`. Every check
+entry acts on (`n`, `stream`, OpenAI's logprobs switches), in `actors/entry/openai/protocol.py`. Every check
 of a single value is `Spec.check`; rules that relate parameters to each other or to the model stay with the
 actor that knows them.
 """

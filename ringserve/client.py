@@ -84,7 +84,7 @@ class Client(RingSession):
         `temperature`, `reasoning_effort`, ...); `sampling_params` adds native parameters (`thinking_token_budget`,
         ...); `chat_template_kwargs` are the template's extra variables (Qwen3's `enable_thinking`). A reasoning
         model's thinking is the result's `reasoning_text`, apart from the answer's `text`."""
-        from ringserve.actors.entry.openai_responses import full_response
+        from ringserve.actors.entry.openai.bodies import full_response
 
         request, options = chat_request(messages, rid, await self._model_name(), sampling_params, openai_fields,
                                         chat_template_kwargs)
@@ -137,7 +137,7 @@ class Client(RingSession):
         """The served model's embedding of one input (a string or token ids: one vector) or of a list of them
         (vectors in order), as `/v1/embeddings` computes it (`pooling` last or mean, default the server's;
         `normalize`: unit length; `dimensions`: the first d components). Raises ApiError as the route would."""
-        from ringserve.actors.entry.embeddings_route import parse_embeddings, shaped
+        from ringserve.actors.entry.openai.embeddings import parse_embeddings, shaped
         from ringserve.bus.subjects import new_rid
 
         body = {"input": input, "pooling": pooling, "normalize": normalize, "dimensions": dimensions}

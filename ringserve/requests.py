@@ -1,6 +1,6 @@
 """Python arguments -> the ring's `GenerateRequest`s: the prompt forms `/generate` takes (one text or a list, one
 token-id list or a list of them), sampling parameters (one dict for all, or one per prompt), rids, and chat
-messages through the OpenAI chat parser the HTTP entry uses (`actors/entry/openai_protocol.py`), so chat has
+messages through the OpenAI chat parser the HTTP entry uses (`actors/entry/openai/protocol.py`), so chat has
 the same template (`chat_template_kwargs`, `reasoning_effort`), structured-output and tool options as
 `/v1/chat/completions`.
 
@@ -19,7 +19,7 @@ from ringserve.bus.errors import ApiError
 from ringserve.bus.messages import GenerateRequest
 from ringserve.bus.subjects import InvalidRidError, new_rid, validate_rid
 
-DEFAULT_MAX_NEW_TOKENS = 128  # as /generate (actors/entry/generate_route.py DEFAULT_GENERATE_MAX_NEW_TOKENS)
+DEFAULT_MAX_NEW_TOKENS = 128  # as /generate (actors/entry/native/generate.py DEFAULT_GENERATE_MAX_NEW_TOKENS)
 _TOP_LEVEL = ("return_logprob", "top_logprobs_num", "logprob_start_len")  # SGLang passes these beside sampling
 
 
@@ -133,7 +133,7 @@ def chat_request(messages: list[dict[str, Any]], rid: str | None, served_model: 
     checks them; `sampling_params`: native parameters on top (`max_new_tokens`, `regex`, ...);
     `chat_template_kwargs`: the chat template's extra variables, as the HTTP body's field.
     """
-    from ringserve.actors.entry.openai_protocol import parse_chat
+    from ringserve.actors.entry.openai.protocol import parse_chat
 
     if openai_fields.get("stream"):
         raise ApiError("use chat(..., stream=True) to stream", param="stream")

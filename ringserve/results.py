@@ -6,7 +6,7 @@ ring's `RequestOutput.reasoning_text`) is `reasoning_text`, apart from the answe
 unfinished), `prompt_tokens`, `completion_tokens`, `cached_tokens`; with `return_prompt_ids` the
 `prompt_token_ids`; with `return_logprob` (or `top_logprobs_num`) SGLang's `input_token_logprobs`,
 `input_top_logprobs`, `output_token_logprobs` and `output_top_logprobs` (`[logprob, token_id, text]` each).
-Both it and `actors/entry/generate_route.py` build it with `actors/entry/generate_meta.py`.
+Both it and `actors/entry/native/generate.py` build it with `actors/entry/native/meta.py`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ringserve.actors.entry.generate_meta import meta_info
+from ringserve.actors.entry.native.meta import meta_info
 from ringserve.bus.messages import RequestOutput, TokenLogprob
 
 

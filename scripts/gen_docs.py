@@ -17,7 +17,7 @@ Everything between the markers belongs to this script; edit the code it reads, n
 | `sampling-params` | docs/api.md | `ringserve.bus.params.param_rows()` |
 | `processor-options` | docs/api.md | `ringserve.bus.params.PROCESSOR_SPECS` |
 | `messages` | docs/protocol.md | the dataclasses of `bus/messages.py` |
-| `metrics` | docs/metrics.md | the entry's metric registry and the scheduler gauges (`actors/entry/metrics*.py`) |
+| `metrics` | docs/metrics.md | the entry's metric registry and the scheduler gauges (`actors/entry/ops/metric*.py`) |
 """
 
 from __future__ import annotations
@@ -245,8 +245,8 @@ def _scheduler_info_sample() -> Any:
 
 def metrics() -> str:
     """The series of `GET /metrics`: the entry's request-level registry, then the scheduler's load gauges."""
-    from ringserve.actors.entry.metrics import RequestMetrics
-    from ringserve.actors.entry.metrics_scrape import scheduler_families
+    from ringserve.actors.entry.ops.metrics import RequestMetrics
+    from ringserve.actors.entry.ops.metrics_route import scheduler_families
 
     families = list(RequestMetrics("model").registry.collect())
     families += scheduler_families(_scheduler_info_sample(), "model")
@@ -264,7 +264,7 @@ def metrics() -> str:
 
 def metric_names() -> str:
     """The vLLM and SGLang names `GET /metrics?names=...` renders each series under."""
-    from ringserve.actors.entry.metrics_names import MAPPINGS
+    from ringserve.actors.entry.ops.metric_names import MAPPINGS
 
     ours = sorted({name for table_ in MAPPINGS.values() for name in table_})
     rows = []

@@ -18,8 +18,8 @@ from starlette.testclient import TestClient
 
 from ringserve.actors.entry.guard import EntryGuard
 from ringserve.actors.entry.settings import EntrySettings
-from ringserve.actors.entry.metrics import MeteredStream, RequestMetrics
-from ringserve.actors.entry.metrics_scrape import metrics_route
+from ringserve.actors.entry.ops.metrics import MeteredStream, RequestMetrics
+from ringserve.actors.entry.ops.metrics_route import metrics_route
 from ringserve.bus.errors import ApiError
 from ringserve.bus.messages import FinishReason, RequestOutput
 from ringserve.bus.subjects import Subjects

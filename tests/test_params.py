@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from ringserve.actors.entry.openai_protocol import parse_chat
-from ringserve.actors.entry.openapi_doc import openapi_document
+from ringserve.actors.entry.openai.protocol import parse_chat
+from ringserve.actors.entry.openapi.document import openapi_document
 from ringserve.actors.tokenizer.validation import validate_sampling
 from ringserve.bus.codec import decode, encode
 from ringserve.bus.errors import ApiError

@@ -18,15 +18,15 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from ringserve.actors.entry import anthropic_protocol as ap
-from ringserve.actors.entry import responses_protocol as rp
-from ringserve.actors.entry.anthropic_routes import COUNT_FIELDS, MessageEvents, count_query
-from ringserve.actors.entry.openai_protocol import NO_EFFECT, ROUTE_FIELDS, parse_chat, parse_completion
-from ringserve.actors.entry.openai_responses import full_response
-from ringserve.actors.entry.openai_stream import StreamChunks
-from ringserve.actors.entry.openapi_doc import openapi_document
-from ringserve.actors.entry.responses_events import OutputItems
-from ringserve.actors.entry.tokenize_routes import tokenize_query
+from ringserve.actors.entry.anthropic import protocol as ap
+from ringserve.actors.entry.responses import protocol as rp
+from ringserve.actors.entry.anthropic.routes import COUNT_FIELDS, MessageEvents, count_query
+from ringserve.actors.entry.openai.protocol import NO_EFFECT, ROUTE_FIELDS, parse_chat, parse_completion
+from ringserve.actors.entry.openai.bodies import full_response
+from ringserve.actors.entry.openai.stream import StreamChunks
+from ringserve.actors.entry.openapi.document import openapi_document
+from ringserve.actors.entry.responses.events import OutputItems
+from ringserve.actors.entry.native.tokenize import tokenize_query
 from ringserve.bus.errors import ApiError
 from ringserve.bus.messages import FinishReason, RequestOutput, TokenLogprob
 from ringserve.requests import chat_request

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from ringserve.actors.entry.openai_protocol import NO_EFFECT, REFUSED, ROUTE_FIELDS, STREAM_OPTIONS_NO_EFFECT
+from ringserve.actors.entry.openai.protocol import NO_EFFECT, REFUSED, ROUTE_FIELDS, STREAM_OPTIONS_NO_EFFECT
 from tests.server_helpers import ServerHandle, sse_events
 
 MODEL = "SmolLM2-135M-Instruct"

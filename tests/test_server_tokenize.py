@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from ringserve.actors.common.model_source import load_config, load_tokenizer, resolve_model
-from ringserve.actors.entry.tokenize_routes import tokenize_routes
+from ringserve.actors.entry.native.tokenize import tokenize_routes
 from ringserve.bus.connection import BusConnection
 from ringserve.bus.embedded_server import EmbeddedNatsServer
 from ringserve.bus.subjects import Subjects

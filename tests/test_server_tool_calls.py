@@ -13,8 +13,8 @@ import openai
 import pytest
 
 from ringserve.actors.entry.tool_parsers import HermesParser, Llama3JsonParser, ParsedCall
-from ringserve.actors.entry.tool_request import parse_tools
-from ringserve.actors.entry.tool_response import ToolCallStream, tool_message
+from ringserve.actors.entry.tools.request import parse_tools
+from ringserve.actors.entry.tools.response import ToolCallStream, tool_message
 from ringserve.actors.tokenizer.prompt import PromptEncoder, template_uses_tools
 from ringserve.bus.errors import ApiError
 from ringserve.bus.messages import ChatMessage, GenerateRequest

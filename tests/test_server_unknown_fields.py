@@ -13,8 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
-from ringserve.actors.entry import control_routes, generate_route
-from ringserve.actors.entry.openapi_doc import openapi_document
+from ringserve.actors.entry.native import generate
+from ringserve.actors.entry.ops import control
+from ringserve.actors.entry.openapi.document import openapi_document
 from tests.server_helpers import ServerHandle
 
 PROMPT = {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
@@ -87,14 +88,14 @@ def test_operator_routes_refuse_fields_they_do_not_take(smollm_server: ServerHan
 def test_the_accepted_fields_are_described_once() -> None:
     """The OpenAPI bodies take exactly the fields the routes read, and docs/api.md names each refused field."""
     schemas = openapi_document()["components"]["schemas"]
-    generate = schemas["GenerateRequest"]
-    assert set(generate["properties"]) == generate_route.FIELDS and generate["additionalProperties"] is False
-    assert set(schemas["AbortRequest"]["properties"]) == set(control_routes.ABORT_FIELDS)
-    assert set(schemas["UpdateWeightsRequest"]["properties"]) == (set(control_routes.UPDATE_WEIGHTS_FIELDS)
-                                                                  | set(control_routes.UPDATE_WEIGHTS_REFUSED))
+    generate_schema = schemas["GenerateRequest"]
+    assert set(generate_schema["properties"]) == generate.FIELDS and generate_schema["additionalProperties"] is False
+    assert set(schemas["AbortRequest"]["properties"]) == set(control.ABORT_FIELDS)
+    assert set(schemas["UpdateWeightsRequest"]["properties"]) == (set(control.UPDATE_WEIGHTS_FIELDS)
+                                                                  | set(control.UPDATE_WEIGHTS_REFUSED))
     docs = DOCS.read_text()
     row = next(line for line in docs.splitlines() if line.startswith("| `POST /generate` |"))
-    for name in (*generate_route.FIELDS, *generate_route.REFUSED):
+    for name in (*generate.FIELDS, *generate.REFUSED):
         assert re.search(rf"[`\"]{name}[`\"]", row), name
 
 

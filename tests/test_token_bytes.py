@@ -6,7 +6,7 @@ import msgpack
 import pytest
 
 from ringserve.actors.detokenizer.token_bytes import TokenBytes, byte_level_bytes, bytes_to_unicode, unicode_to_bytes
-from ringserve.actors.entry.openai_logprobs import LogprobFormatter
+from ringserve.actors.entry.openai.logprobs import LogprobFormatter
 from ringserve.bus.codec import decode, encode
 from ringserve.bus.messages import GenerateRequest, RequestOutput, TokenLogprob, TopLogprob
 

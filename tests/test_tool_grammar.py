@@ -1,4 +1,4 @@
-"""The lazy tool-call grammar of `tool_choice: "auto"` (actors/entry/tool_grammar.py): a structural tag compiled by
+"""The lazy tool-call grammar of `tool_choice: "auto"` (actors/entry/tools/grammar.py): a structural tag compiled by
 the real grammar backend over SmolLM2's tokenizer, walked token by token with a real matcher (free text, valid
 calls, the first bad token of an invalid call refused, calls in a row, parallel_tool_calls false, a trigger that
 is one added token as Qwen's is), read back by the real parsers; the tokenizer's check of it (bad schemas name
@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-from ringserve.actors.entry.tool_grammar import FORMATS, tool_call_tag
+from ringserve.actors.entry.tools.grammar import FORMATS, tool_call_tag
 from ringserve.actors.entry.tool_parsers import HermesParser, ParsedCall
-from ringserve.actors.entry.tool_request import output_constraint, parse_tools
+from ringserve.actors.entry.tools.request import output_constraint, parse_tools
 from ringserve.actors.tokenizer.grammar_check import GrammarChecker
 from ringserve.bus.errors import ApiError
 from ringserve.bus.messages import TokenizedRequest

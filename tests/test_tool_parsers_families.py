@@ -328,8 +328,8 @@ def test_other_formats_are_the_same_parser_for_any_tools() -> None:
 def test_a_chat_request_reads_its_calls_with_its_own_tools(name: str) -> None:
     """The request's ToolPlan binds the parser to its tools: the whole message and the stream give the same
     typed arguments, the stream's argument deltas joining to valid JSON."""
-    from ringserve.actors.entry.tool_request import parse_tools
-    from ringserve.actors.entry.tool_response import ToolCallStream, tool_message
+    from ringserve.actors.entry.tools.request import parse_tools
+    from ringserve.actors.entry.tools.response import ToolCallStream, tool_message
 
     call = (_qwen3_coder_call if name == "qwen3_coder" else _glm45_call)("days", "3")
     output = f"Let me look.\n{call}"
@@ -351,8 +351,8 @@ def test_a_chat_request_reads_its_calls_with_its_own_tools(name: str) -> None:
 
 def test_harmony_replies_carry_only_the_final_text_whole_and_streamed() -> None:
     """gpt-oss's answer without a call: `content` is the final channel's text, never a harmony header."""
-    from ringserve.actors.entry.tool_request import parse_tools
-    from ringserve.actors.entry.tool_response import ToolCallStream, tool_message
+    from ringserve.actors.entry.tools.request import parse_tools
+    from ringserve.actors.entry.tools.response import ToolCallStream, tool_message
 
     output = "<|channel|>analysis<|message|>No tool needed.<|end|><|start|>assistant<|channel|>final<|message|>Hi!"
     plan = parse_tools({"tools": TOOLS}, "openai")
@@ -440,7 +440,7 @@ def test_a_chat_with_tools_keeps_the_special_tags(name: str, keeps: bool) -> Non
     """Mistral's, DeepSeek's, Kimi-K2's and harmony's tags are special tokens: with tools and tool_choice auto the
     request decodes with them kept, unless it says otherwise; Qwen3-Coder's and GLM-4.5's are ordinary added
     tokens, and the others leave the default."""
-    from ringserve.actors.entry.openai_protocol import parse_chat
+    from ringserve.actors.entry.openai.protocol import parse_chat
 
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
     body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools}

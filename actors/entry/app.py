@@ -1,5 +1,5 @@
 """The Starlette app: OpenAI-compatible `/v1/*`, Anthropic's `/v1/messages`, native `/generate`
-(actors/entry/generate_route.py), `/health`, `/metrics`, `/get_server_info`, `/get_model_info`, `/openapi.json`,
+(actors/entry/native/generate.py), `/health`, `/metrics`, `/get_server_info`, `/get_model_info`, `/openapi.json`,
 and the operator routes (`/flush_cache`, `/abort_request`, `/pause_generation`, ...), behind the guard (API key,
 body limit) and, when origins are configured, CORS."""
 
@@ -14,25 +14,25 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ringserve.actors.entry import anthropic_protocol
-from ringserve.actors.entry.anthropic_routes import anthropic_routes
-from ringserve.actors.entry.control_routes import control_routes
-from ringserve.actors.entry.embeddings_route import embeddings_route
+from ringserve.actors.entry.anthropic import protocol as anthropic_protocol
+from ringserve.actors.entry.anthropic.routes import anthropic_routes
+from ringserve.actors.entry.ops.control import control_routes
+from ringserve.actors.entry.openai.embeddings import embeddings_route
 from ringserve.actors.entry.errors import error_response
 from ringserve.bus.errors import ApiError
 from ringserve.actors.entry.guard import EntryGuard
-from ringserve.actors.entry.generate_route import generate_route
+from ringserve.actors.entry.native.generate import generate_route
 from ringserve.actors.entry.http_common import handles_errors, package_version
 from ringserve.actors.entry.image_input import ImageIntake
-from ringserve.actors.entry.metrics_scrape import metrics_route
-from ringserve.actors.entry.openapi_doc import openapi_document
-from ringserve.actors.entry.openai_routes import openai_routes
+from ringserve.actors.entry.ops.metrics_route import metrics_route
+from ringserve.actors.entry.openapi.document import openapi_document
+from ringserve.actors.entry.openai.routes import openai_routes
 from ringserve.actors.entry.request_flow import EntryService
-from ringserve.actors.entry.responses_routes import responses_routes
+from ringserve.actors.entry.responses.routes import responses_routes
 from ringserve.bus.image_store import ImageStore
 from ringserve.bus.replica_replies import combined_info, replica_entry
 from ringserve.actors.entry.settings import EntrySettings
-from ringserve.actors.entry.tokenize_routes import ask_tokenizer, tokenize_routes
+from ringserve.actors.entry.native.tokenize import ask_tokenizer, tokenize_routes
 from ringserve.bus.tokenize_messages import TokenizeQuery
 
 

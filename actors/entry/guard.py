@@ -22,7 +22,7 @@ import time
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ringserve.actors.entry import anthropic_protocol
+from ringserve.actors.entry.anthropic import protocol as anthropic_protocol
 from ringserve.actors.entry.errors import error_response
 from ringserve.actors.entry.settings import EntrySettings
 from ringserve.bus.errors import ApiError

@@ -16,7 +16,7 @@ from ringserve.actors.entry.errors import model_not_found, server_busy
 from ringserve.actors.entry.image_input import ImageIntake
 from ringserve.bus.errors import ApiError
 from ringserve.actors.entry.liveness import LivenessMonitor
-from ringserve.actors.entry.metrics import RequestMetrics
+from ringserve.actors.entry.ops.metrics import RequestMetrics
 from ringserve.actors.entry.settings import DEFAULT_MAX_QUEUED_REQUESTS
 from ringserve.bus.codec import encode
 from ringserve.bus.messages import ControlCommand, ControlReply, GenerateRequest, RequestOutput, SchedulerInfo

@@ -88,7 +88,7 @@ def test_schemathesis_finds_no_server_error(sweep_server: ServerHandle, tmp_path
 
 def test_the_openapi_document_describes_every_route() -> None:
     from ringserve.actors.entry.app import build_app
-    from ringserve.actors.entry.openapi_doc import openapi_document
+    from ringserve.actors.entry.openapi.document import openapi_document
     from ringserve.actors.entry.request_flow import EntryService
     from ringserve.bus.ring_client import RingClient
     from ringserve.bus.subjects import Subjects

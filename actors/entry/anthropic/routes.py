@@ -1,4 +1,4 @@
-"""Anthropic's Messages API, `POST /v1/messages`, on the chat path (actors/entry/anthropic_protocol.py shapes the
+"""Anthropic's Messages API, `POST /v1/messages`, on the chat path (actors/entry/anthropic/protocol.py shapes the
 bodies): one request on the ring, answered whole or streamed as Anthropic's events, every failure in Anthropic's
 error shape (a failure after the stream began as an `error` event).
 
@@ -18,16 +18,16 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ringserve.actors.entry import anthropic_protocol as ap
+from ringserve.actors.entry.anthropic import protocol as ap
 from ringserve.actors.entry.choices import ChoiceGroup
 from ringserve.actors.entry.http_common import handles_errors, read_json
 from ringserve.actors.entry.field_checks import check_top_level
-from ringserve.actors.entry.openai_protocol import adapter_of
+from ringserve.actors.entry.openai.protocol import adapter_of
 from ringserve.actors.entry.request_flow import ClientDisconnected, EntryService
-from ringserve.actors.entry.tokenize_routes import ask_tokenizer
+from ringserve.actors.entry.native.tokenize import ask_tokenizer
 from ringserve.actors.entry.template_switches import CHAT_TEMPLATE_KWARGS
 from ringserve.actors.entry.tool_parsers import DEFAULT_PARSER
-from ringserve.actors.entry.tool_response import ToolCallStream
+from ringserve.actors.entry.tools.response import ToolCallStream
 from ringserve.bus.errors import ApiError, clip, server_error
 from ringserve.bus.messages import RequestOutput
 from ringserve.bus.subjects import new_rid

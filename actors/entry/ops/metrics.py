@@ -4,7 +4,7 @@ Multi-process safe without prometheus-client's multi-process mode: every request
 `{ns}.out.{rid}`) travel over the bus to the entry that submitted it, so one process sees every token of every
 request it serves and keeps the request-level series itself. The ring's other processes (tokenizers, scheduler
 ranks, detokenizer shards) hold no request-level series; the scheduler's load figures are asked for over the
-bus when `/metrics` is scraped (`actors/entry/metrics_scrape.py`). Run several entries and Prometheus sums
+bus when `/metrics` is scraped (`actors/entry/ops/metrics_route.py`). Run several entries and Prometheus sums
 their series, as for any replicated service.
 
 Series (names as users of vLLM and SGLang expect, with a `model_name` label: the served model, or the LoRA adapter

@@ -9,13 +9,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ringserve.actors.entry import openai_protocol as oai
-from ringserve.actors.entry import openai_responses as bodies
+from ringserve.actors.entry.openai import protocol as oai
+from ringserve.actors.entry.openai import bodies as bodies
 from ringserve.actors.entry.choices import ChoiceGroup
 from ringserve.actors.entry.http_common import handles_errors, read_json, sse
-from ringserve.actors.entry.openai_stream import StreamChunks
+from ringserve.actors.entry.openai.stream import StreamChunks
 from ringserve.actors.entry.request_flow import EntryService
-from ringserve.actors.entry.tokenize_routes import ask_tokenizer
+from ringserve.actors.entry.native.tokenize import ask_tokenizer
 from ringserve.actors.entry.tool_parsers import DEFAULT_PARSER
 from ringserve.bus.errors import ApiError
 from ringserve.bus.messages import GenerateRequest

@@ -5,7 +5,7 @@
   tokenizer parses it; the entry names the field it came from in the 400 (`constraint_param`).
 - `tools`, `tool_choice`, `parallel_tool_calls` become a `ToolPlan`: the tool definitions the tokenizer renders
   (`GenerateRequest.tools`), the constraint that enforces a `required` or named call (for `auto`, the lazy
-  grammar of tool_grammar.py), and how the response reads the calls out of the text.
+  grammar of grammar.py), and how the response reads the calls out of the text.
 - Chat `messages`, including assistant `tool_calls` and `role: "tool"` results, become `ChatMessage`s.
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ringserve.actors.entry.image_input import chat_image_parts
-from ringserve.actors.entry.tool_grammar import tool_call_tag
+from ringserve.actors.entry.tools.grammar import tool_call_tag
 from ringserve.actors.entry.tool_parsers import DEFAULT_PARSER, ToolCallParser, get_parser
 from ringserve.bus.errors import ApiError
 from ringserve.bus.messages import ChatMessage
@@ -240,7 +240,7 @@ class ToolPlan:
 
     def lazy_constraint(self) -> str | None:
         """For `auto`: the structural tag that leaves text free and makes every call the model starts valid, in
-        the parser's format (tool_grammar.py); None for other choices and formats with no usable trigger."""
+        the parser's format (grammar.py); None for other choices and formats with no usable trigger."""
         if self.choice != "auto":
             return None
         return tool_call_tag(self.parser.name, [(t["function"]["name"], self.parameters(t["function"]["name"]))

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ringserve.actors.entry import openai_protocol as oai
+from ringserve.actors.entry.openai import protocol as oai
 from ringserve.actors.entry.http_common import handles_errors, read_json
 from ringserve.actors.entry.request_flow import EntryService
 from ringserve.bus.errors import ApiError, quote

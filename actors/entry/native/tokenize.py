@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ringserve.actors.entry.http_common import handles_errors, read_json
-from ringserve.actors.entry.openai_protocol import model_not_found, parse_chat
+from ringserve.actors.entry.openai.protocol import model_not_found, parse_chat
 from ringserve.actors.entry.request_flow import EntryService
 from ringserve.actors.entry.template_switches import CHAT_TEMPLATE_KWARGS, template_kwargs
 from ringserve.bus.codec import encode

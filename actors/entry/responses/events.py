@@ -13,8 +13,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ringserve.actors.entry import responses_protocol as rp
-from ringserve.actors.entry.tool_response import ToolCallStream
+from ringserve.actors.entry.responses import protocol as rp
+from ringserve.actors.entry.tools.response import ToolCallStream
 from ringserve.bus.errors import ApiError
 from ringserve.bus.messages import RequestOutput
 

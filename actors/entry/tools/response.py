@@ -14,7 +14,7 @@ import secrets
 from typing import Any
 
 from ringserve.actors.entry.tool_parsers import Item, ParsedCall, call_from_json
-from ringserve.actors.entry.tool_request import ToolPlan
+from ringserve.actors.entry.tools.request import ToolPlan
 
 
 def new_call_id() -> str:

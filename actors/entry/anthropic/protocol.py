@@ -4,7 +4,7 @@ events and errors in Anthropic's shapes.
 A Messages body becomes the GenerateRequest a chat completion would: `system` and `messages` as ChatMessages (an
 assistant's `tool_use` blocks as its tool calls, a user's `tool_result` blocks as `tool` turns; a final assistant
 message is continued, Anthropic's prefill), `tools` and `tool_choice` as the chat path's ToolPlan
-(`tool_request.parse_tools`: rendered by the chat template, a forced call enforced by a grammar, calls read out of
+(`tools/request.py` `parse_tools`: rendered by the chat template, a forced call enforced by a grammar, calls read out of
 the text by the entry's tool parser), `thinking` as the chat template's `enable_thinking` and the thinking token
 budget (`parse_thinking`; the answer then opens with a `thinking` block: the ring's `reasoning_text`), vLLM's
 `chat_template_kwargs` as the template's variables, and the sampling fields under their native names, checked by
@@ -24,12 +24,12 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from ringserve.actors.entry.field_checks import Refused, check_top_level
-from ringserve.actors.entry.openai_protocol import STREAM, adapter_of
+from ringserve.actors.entry.openai.protocol import STREAM, adapter_of
 from ringserve.actors.entry.template_switches import (CHAT_TEMPLATE_KWARGS, THINKING_VARIABLE, template_kwargs,
                                                       with_defaults)
 from ringserve.actors.entry.tool_parsers import DEFAULT_PARSER
-from ringserve.actors.entry.tool_request import NAME_PATTERN, ToolPlan, output_constraint, parse_tools
-from ringserve.actors.entry.tool_response import tool_message
+from ringserve.actors.entry.tools.request import NAME_PATTERN, ToolPlan, output_constraint, parse_tools
+from ringserve.actors.entry.tools.response import tool_message
 from ringserve.bus.errors import ApiError, clip
 from ringserve.bus.messages import ChatMessage, FinishReason, GenerateRequest, RequestOutput
 from ringserve.bus.param_spec import Spec

@@ -4,8 +4,8 @@
 `reasoning` items the next assistant turn's `reasoning_content`), after the conversation `previous_response_id` names, and after
 `instructions` as the system turn, becomes chat messages; `reasoning.effort` and `chat_template_kwargs` the chat
 template's switches (actors/entry/template_switches.py); `tools` (Responses' flat function tools) and
-`tool_choice` the chat path's ToolPlan (`tool_request.parse_tools`); `text.format` the output constraint chat's
-`response_format` would be (`tool_request.output_constraint`); the sampling fields their native names, checked
+`tool_choice` the chat path's ToolPlan (`tools/request.py` `parse_tools`); `text.format` the output constraint chat's
+`response_format` would be (`output_constraint`); the sampling fields their native names, checked
 by Specs derived from `ringserve.bus.params`. Every top-level field is implemented, accepted without effect (`NO_EFFECT`), refused with
 its reason (`REFUSED`, unless its value changes nothing), or a 400 naming it.
 """
@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ringserve.actors.entry.field_checks import Refused, check_top_level
-from ringserve.actors.entry.openai_protocol import STREAM, adapter_of
+from ringserve.actors.entry.openai.protocol import STREAM, adapter_of
 from ringserve.actors.entry.template_switches import (CHAT_TEMPLATE_KWARGS, EFFORT_VARIABLE, read_effort,
                                                       template_kwargs, with_defaults)
-from ringserve.actors.entry.tool_request import ToolPlan, output_constraint, parse_tools
+from ringserve.actors.entry.tools.request import ToolPlan, output_constraint, parse_tools
 from ringserve.bus.errors import ApiError, clip
 from ringserve.bus.messages import ChatMessage, GenerateRequest
 from ringserve.bus.param_spec import Spec
@@ -387,7 +387,7 @@ def public(stored: dict[str, Any]) -> dict[str, Any]:
 
 def reasoning_item(status: str) -> dict[str, Any]:
     """A new `reasoning` output item as OpenAI's client types it: no summary; the thinking goes into `content` as
-    one `reasoning_text` part (responses_events.py)."""
+    one `reasoning_text` part (events.py)."""
     return {"type": "reasoning", "id": new_item_id("rs"), "summary": [], "content": [], "status": status}
 
 

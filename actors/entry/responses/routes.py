@@ -21,11 +21,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ringserve.actors.entry import responses_protocol as rp
+from ringserve.actors.entry.responses import protocol as rp
 from ringserve.actors.entry.choices import ChoiceGroup
 from ringserve.actors.entry.http_common import handles_errors, read_json
 from ringserve.actors.entry.request_flow import EntryService
-from ringserve.actors.entry.responses_events import OutputItems
+from ringserve.actors.entry.responses.events import OutputItems
 from ringserve.actors.entry.settings import EntrySettings
 from ringserve.bus.errors import ApiError
 from ringserve.bus.messages import GenerateRequest

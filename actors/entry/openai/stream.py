@@ -1,5 +1,5 @@
 """A streamed chat or completion response as OpenAI's chunks, fed the ring's outputs as they come (every choice's,
-each choice's in order); `openai_routes.stream_events` sends them as server-sent events.
+each choice's in order); `routes.stream_events` sends them as server-sent events.
 
 A chat choice starts with a chunk that carries only the role, as OpenAI's does. An output's thinking
 (`RequestOutput.reasoning_text`) comes first as a `delta.reasoning_content` chunk, never in `content`; its answer
@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from ringserve.actors.entry import openai_responses as bodies
-from ringserve.actors.entry.openai_protocol import ApiOptions
-from ringserve.actors.entry.tool_response import ToolCallStream
+from ringserve.actors.entry.openai import bodies as bodies
+from ringserve.actors.entry.openai.protocol import ApiOptions
+from ringserve.actors.entry.tools.response import ToolCallStream
 from ringserve.bus.messages import RequestOutput
 
 

@@ -1,14 +1,14 @@
 """OpenAI's response bodies for chat and completions: the whole response, its streamed chunks (the role chunk, the
 usage chunk) and the usage object, shaped from the ring's outputs and a request's `ApiOptions`
-(openai_protocol.py parses the request)."""
+(protocol.py parses the request)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ringserve.actors.entry.openai_logprobs import vllm_prompt_logprobs
-from ringserve.actors.entry.openai_protocol import ApiOptions
-from ringserve.actors.entry.tool_response import tool_message
+from ringserve.actors.entry.openai.logprobs import vllm_prompt_logprobs
+from ringserve.actors.entry.openai.protocol import ApiOptions
+from ringserve.actors.entry.tools.response import tool_message
 from ringserve.bus.messages import FinishReason, RequestOutput, TokenLogprob
 
 

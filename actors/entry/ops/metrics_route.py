@@ -1,9 +1,9 @@
-"""`GET /metrics`: the entry's request-level series (`actors/entry/metrics.py`) and the scheduler's load.
+"""`GET /metrics`: the entry's request-level series (`actors/entry/ops/metrics.py`) and the scheduler's load.
 
 The load gauges come from the scheduler's `SchedulerInfo`, asked for over the bus at each scrape with a short
 timeout; when the scheduler does not answer, `ringserve:scheduler_up` is 0, the load gauges are left out and
 the request-level series still render. The text format is Prometheus' (OpenMetrics when the scraper asks);
-`?names=vllm` or `?names=sglang` renders the series under those servers' names (`metrics_names.py`).
+`?names=vllm` or `?names=sglang` renders the series under those servers' names (`metric_names.py`).
 
 Gauges: `ringserve:num_running_reqs`, `ringserve:num_queue_reqs` (waiting in the scheduler),
 `ringserve:token_usage` (KV slots used / total), `ringserve:kv_cached_tokens` (held only by the prefix cache),
@@ -25,8 +25,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ringserve.actors.entry.errors import error_response
-from ringserve.actors.entry.metrics import PREFIX
-from ringserve.actors.entry.metrics_names import DIALECTS, renamed
+from ringserve.actors.entry.ops.metrics import PREFIX
+from ringserve.actors.entry.ops.metric_names import DIALECTS, renamed
 from ringserve.actors.entry.request_flow import EntryService
 from ringserve.bus.errors import ApiError
 from ringserve.bus.messages import InfoQuery, SchedulerInfo

@@ -1,5 +1,5 @@
 """`/generate`'s `meta_info`, built from the ring's `RequestOutput`s: one definition for the HTTP route
-(`generate_route.py`) and the Python API (`ringserve.results`).
+(`generate.py`) and the Python API (`ringserve.results`).
 
 `meta_info` holds `id`, `finish_reason` (`{"type", "matched", "error"}`, None while unfinished),
 `prompt_tokens`, `completion_tokens`, `cached_tokens`; with `return_prompt_ids` the `prompt_token_ids`; with
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
-from ringserve.actors.entry.openai_logprobs import finite
+from ringserve.actors.entry.openai.logprobs import finite
 from ringserve.bus.messages import RequestOutput, TokenLogprob
 
 

@@ -20,10 +20,10 @@ from starlette.routing import Route
 
 from ringserve.actors.entry.choices import ChoiceGroup
 from ringserve.actors.entry.http_common import handles_errors, read_json, sse
-from ringserve.actors.entry.generate_meta import meta_info
+from ringserve.actors.entry.native.meta import meta_info
 from ringserve.actors.entry.image_input import image_data_sources
 from ringserve.actors.entry.field_checks import Refused, check_top_level, unrecognized
-from ringserve.actors.entry.openai_protocol import MAX_CHOICES, N, STREAM
+from ringserve.actors.entry.openai.protocol import MAX_CHOICES, N, STREAM
 from ringserve.actors.entry.request_flow import EntryService
 from ringserve.bus.errors import ApiError
 from ringserve.bus.messages import GenerateRequest, RequestOutput, TokenLogprob

@@ -1,4 +1,4 @@
-"""OpenAI request bodies -> GenerateRequests (the response bodies and stream chunks are openai_responses.py's).
+"""OpenAI request bodies -> GenerateRequests (the response bodies and stream chunks are bodies.py's).
 
 Only shapes are checked here (what must be an object, a list, a string), plus what the entry itself acts on
 (`n`, `echo`, the logprobs switches); the tokenizer actor validates every sampling value. Which OpenAI fields
@@ -9,8 +9,8 @@ entry's Specs below, and each route's own fields), a field that changes nothing 
 a field that would change the output and that we do not implement (`REFUSED`: 400 naming it, unless it has a
 value that changes nothing). Anything else is a 400 naming the field, as OpenAI answers (field_checks.py checks
 a body against these tables, as every route does against its own). The output
-constraints (`response_format`, vLLM's `guided_*`) and the tool fields are read in `tool_request`, tool calls
-put into responses by `tool_response`; chat's template switches (`chat_template_kwargs`, `reasoning_effort`) are
+constraints (`response_format`, vLLM's `guided_*`) and the tool fields are read in `tools/request.py`, tool calls
+put into responses by `tools/response.py`; chat's template switches (`chat_template_kwargs`, `reasoning_effort`) are
 declared in `template_switches`.
 """
 
@@ -25,11 +25,11 @@ from ringserve.bus.errors import ApiError, clip
 from ringserve.actors.entry.errors import model_not_found
 from ringserve.actors.entry.field_checks import Refused, check_top_level, unrecognized
 from ringserve.actors.entry.http_common import package_version
-from ringserve.actors.entry.openai_logprobs import LogprobFormatter
+from ringserve.actors.entry.openai.logprobs import LogprobFormatter
 from ringserve.actors.entry.template_switches import (CHAT_TEMPLATE_KWARGS, EFFORT_VARIABLE, REASONING_EFFORT,
                                                       read_effort, template_kwargs, with_defaults)
 from ringserve.actors.entry.tool_parsers import DEFAULT_PARSER
-from ringserve.actors.entry.tool_request import GUIDED_FIELDS, ToolPlan, output_constraint, parse_messages, parse_tools
+from ringserve.actors.entry.tools.request import GUIDED_FIELDS, ToolPlan, output_constraint, parse_messages, parse_tools
 from ringserve.bus.messages import GenerateRequest, RequestOutput, TokenLogprob
 from ringserve.bus.param_spec import Spec
 from ringserve.bus.params import MAX_TOP_LOGPROBS, PROCESSOR_KWARGS, openai_names

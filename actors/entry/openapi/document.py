@@ -9,13 +9,13 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from ringserve.actors.entry import anthropic_protocol as anthropic
-from ringserve.actors.entry import responses_protocol as responses
-from ringserve.actors.entry.openai_protocol import (BEST_OF, CHAT_LOGPROBS, COMPLETION_LOGPROBS, CONTINUOUS_USAGE, ECHO,
+from ringserve.actors.entry.anthropic import protocol as anthropic
+from ringserve.actors.entry.responses import protocol as responses
+from ringserve.actors.entry.openai.protocol import (BEST_OF, CHAT_LOGPROBS, COMPLETION_LOGPROBS, CONTINUOUS_USAGE, ECHO,
                                          MAX_CHOICES, N, NO_EFFECT, PROMPT_LOGPROBS, REFUSED, STREAM,
                                          STREAM_OPTIONS_NO_EFFECT, TOKENS_AS_IDS, TOP_LOGPROBS, Refused)
-from ringserve.actors.entry.control_routes import PAUSE_REFUSED, UPDATE_WEIGHTS_REFUSED
-from ringserve.actors.entry.embeddings_route import DIMENSIONS, EMBEDDINGS_PATH, ENCODING_FORMAT, USER
+from ringserve.actors.entry.ops.control import PAUSE_REFUSED, UPDATE_WEIGHTS_REFUSED
+from ringserve.actors.entry.openai.embeddings import DIMENSIONS, EMBEDDINGS_PATH, ENCODING_FORMAT, USER
 from ringserve.actors.entry.template_switches import CHAT_TEMPLATE_KWARGS, REASONING_EFFORT
 from ringserve.bus.params import EMBED_SPECS, PROCESSOR_KWARGS, PROCESSOR_SPECS, SPECS
 
@@ -56,7 +56,7 @@ _OPENAI_COMMON: dict[str, Any] = {
                 "description": "llama.cpp's: a GBNF grammar for the output (xgrammar's dialect, start rule root)"},
     "return_tokens_as_token_ids": TOKENS_AS_IDS.json_schema(),
     "prompt_logprobs": PROMPT_LOGPROBS.json_schema(),
-    # accepted and ignored; the refused fields (openai_protocol.REFUSED) and unknown ones are a 400
+    # accepted and ignored; the refused fields (openai/protocol.py REFUSED) and unknown ones are a 400
     **{name: {"description": f"accepted, no effect ({what})"} for name, what in NO_EFFECT.items()},
 }
 # the chat template's switches (actors/entry/template_switches.py), on every chat-shaped body
@@ -266,7 +266,7 @@ SCHEMAS: dict[str, Any] = {
         "logprob_start_len": _NATIVE_SAMPLING["logprob_start_len"],
         "sampling_params": {"type": "object", "properties": {**_NATIVE_SAMPLING, "n": N.json_schema()},
                             "additionalProperties": False}},
-        "additionalProperties": False,  # generate_route.FIELDS: any other field is a 400
+        "additionalProperties": False,  # native/generate.py FIELDS: any other field is a 400
         "oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}]},
     "EmbeddingRequest": {"type": "object", "required": ["input"], "properties": {
         "input": {"oneOf": [{"type": "string", "minLength": 1}, {**_TOKEN_IDS, "minItems": 1},
