@@ -369,7 +369,7 @@ def test_earlier_thinking_sent_back_reaches_the_template(qwen3: TokenizerActor) 
     """A tool loop whose assistant turn comes back with its thinking apart (chat's `reasoning_content`, a
     Responses reasoning item, an Anthropic thinking block): each route gives it to the template, which renders
     it inside that turn as Qwen3's does."""
-    from ringserve.actors.entry.anthropic.protocol import parse_turns
+    from ringserve.actors.entry.anthropic.turns import parse_turns
     from ringserve.actors.entry.responses.protocol import chat_turns, check_items
     from ringserve.actors.entry.tools.request import parse_messages
 

@@ -18,7 +18,8 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
-from ringserve.actors.entry.anthropic import protocol as ap
+from ringserve.actors.entry.anthropic import request as anthropic_request
+from ringserve.actors.entry.anthropic.answers import message_body
 from ringserve.actors.entry.responses import protocol as rp
 from ringserve.actors.entry.anthropic.routes import COUNT_FIELDS, MessageEvents, count_query
 from ringserve.actors.entry.openai.protocol import NO_EFFECT, ROUTE_FIELDS, parse_chat, parse_completion
@@ -185,7 +186,8 @@ def test_the_openapi_document_declares_the_switches_where_they_are_taken() -> No
     taken = {"ChatCompletionRequest": ROUTE_FIELDS["chat"] | set(NO_EFFECT),
              "CompletionRequest": ROUTE_FIELDS["completion"] | set(NO_EFFECT),
              "ResponsesRequest": rp.IMPLEMENTED | set(rp.NO_EFFECT) | {"truncation"},  # its one neutral value
-             "MessagesRequest": ap.IMPLEMENTED | set(ap.NO_EFFECT), "CountTokensRequest": COUNT_FIELDS}
+             "MessagesRequest": anthropic_request.IMPLEMENTED | set(anthropic_request.NO_EFFECT),
+             "CountTokensRequest": COUNT_FIELDS}
     for body, fields in taken.items():  # each body's schema: exactly the fields its route reads
         assert set(schemas[body]["properties"]) == fields, body
     for body in ("ChatCompletionRequest", "ResponsesRequest", "MessagesRequest", "CountTokensRequest"):
@@ -295,8 +297,8 @@ def test_reasoning_input_items_are_accepted_and_not_rendered() -> None:
 # --- /v1/messages -----------------------------------------------------------------------------------------
 
 
-def messages_body(**fields: Any) -> tuple[Any, ap.MessagesOptions]:
-    return ap.parse_body({"model": MODEL, "max_tokens": 64, "messages": ASK, **fields}, "r", MODEL)
+def messages_body(**fields: Any) -> tuple[Any, anthropic_request.MessagesOptions]:
+    return anthropic_request.parse_body({"model": MODEL, "max_tokens": 64, "messages": ASK, **fields}, "r", MODEL)
 
 
 def test_messages_thinking_config_sets_the_template_switch_and_budget() -> None:
@@ -318,19 +320,19 @@ def test_messages_thinking_config_sets_the_template_switch_and_budget() -> None:
 
 def test_a_message_opens_with_its_thinking_block_when_asked() -> None:
     _, options = messages_body(thinking={"type": "enabled", "budget_tokens": 1024})
-    message = Message.model_validate(ap.message_body(options, outputs(THINKING, ANSWER)))
+    message = Message.model_validate(message_body(options, outputs(THINKING, ANSWER)))
     assert [block.type for block in message.content] == ["thinking", "text"]
     assert message.content[0].thinking == "".join(THINKING) and message.content[0].signature == ""
     assert message.content[1].text == "".join(ANSWER) and message.stop_reason == "end_turn"
     _, options = messages_body()  # thinking not asked for: the answer only
-    body = ap.message_body(options, outputs(THINKING, ANSWER))
+    body = message_body(options, outputs(THINKING, ANSWER))
     assert body["content"] == [{"type": "text", "text": "".join(ANSWER)}]
     _, options = messages_body(thinking={"type": "enabled", "budget_tokens": 1024, "display": "omitted"})
-    assert ap.message_body(options, outputs(THINKING, ANSWER))["content"][0] == {
+    assert message_body(options, outputs(THINKING, ANSWER))["content"][0] == {
         "type": "thinking", "thinking": "", "signature": ""}
 
 
-def stream_message(options: ap.MessagesOptions, outs: list[RequestOutput]) -> tuple[list[Any], Any]:
+def stream_message(options: anthropic_request.MessagesOptions, outs: list[RequestOutput]) -> tuple[list[Any], Any]:
     events = MessageEvents(options)
     payloads = sse_payloads(events.start(outs[0]) + "".join(events.feed(out) for out in outs))
     snapshot, bufs = None, {}

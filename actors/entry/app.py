@@ -14,7 +14,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ringserve.actors.entry.anthropic import protocol as anthropic_protocol
+from ringserve.actors.entry.anthropic import errors as anthropic_errors
+from ringserve.actors.entry.anthropic.request import MESSAGES_PATH
 from ringserve.actors.entry.anthropic.routes import anthropic_routes
 from ringserve.actors.entry.ops.control import control_routes
 from ringserve.actors.entry.openai.embeddings import embeddings_route
@@ -108,6 +109,6 @@ async def _route_error(request: Request, exc: Exception) -> Response:
     status = getattr(exc, "status_code", 404)
     what = "no such route" if status == 404 else f"{request.method} is not allowed here"
     error = ApiError(f"{what}: {request.method} {request.url.path}"[:300], status)
-    if request.url.path.startswith(anthropic_protocol.MESSAGES_PATH):
-        return anthropic_protocol.error_response(error)
+    if request.url.path.startswith(MESSAGES_PATH):
+        return anthropic_errors.error_response(error)
     return error_response(error)

@@ -22,7 +22,8 @@ import time
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ringserve.actors.entry.anthropic import protocol as anthropic_protocol
+from ringserve.actors.entry.anthropic import errors as anthropic_errors
+from ringserve.actors.entry.anthropic.request import MESSAGES_PATH
 from ringserve.actors.entry.errors import error_response
 from ringserve.actors.entry.settings import EntrySettings
 from ringserve.bus.errors import ApiError
@@ -93,7 +94,7 @@ class EntryGuard:
             return
         refusal = self._refusal(scope, Headers(scope=scope))
         if refusal is not None:
-            answer = (anthropic_protocol.error_response if scope["path"].startswith(anthropic_protocol.MESSAGES_PATH)
+            answer = (anthropic_errors.error_response if scope["path"].startswith(MESSAGES_PATH)
                       else error_response)
             await answer(refusal)(scope, receive, send)
             return

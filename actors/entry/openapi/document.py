@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from ringserve.actors.entry.anthropic import protocol as anthropic
+from ringserve.actors.entry.anthropic import request as anthropic
 from ringserve.actors.entry.responses import protocol as responses
 from ringserve.actors.entry.openai.protocol import (BEST_OF, CHAT_LOGPROBS, COMPLETION_LOGPROBS, CONTINUOUS_USAGE, ECHO,
                                          MAX_CHOICES, N, NO_EFFECT, PROMPT_LOGPROBS, REFUSED, STREAM,
