@@ -14,45 +14,19 @@ The packed layout (`qgemm.cpp` explains it) puts 16 output rows side by side fou
 padded to a multiple of 16 and K to a multiple of 32 with zeros. `reference_group_linear` computes the same
 result as the C++ kernel from the packed tensors, in torch, up to float summation order; it is also the
 kernel of the custom op when the extension cannot be built.
+
+What every form shares (`PackedWeight`, the block geometry, the activation quantization) is in packed_weight.py;
+`pack`, `dequantize` and `reference_linear` take any of its FORMATS, handing the K forms to packing_k8.py and
+packing_kbits.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-QK = 32  # values per quantization group (weights) and per activation block
-TILE = 16  # output rows per packed tile
-# q8_k: kernels/cpu/packing_k8.py; q4_k, q5_k, q6_k: kernels/cpu/packing_kbits.py (GGUF's own blocks)
-FORMATS = ("q8_0", "q4_0", "q4_1", "q8_k", "q4_k", "q5_k", "q6_k")
-
-
-@dataclass
-class PackedWeight:
-    """A linear layer's weight `[out_features, in_features]` quantized and packed for `group_linear`."""
-
-    qweight: torch.Tensor  # uint8, the packed groups
-    scales: torch.Tensor  # fp16 [tiles, K blocks, 16]
-    mins: torch.Tensor | None  # fp16 like scales (q4_1 only)
-    out_features: int
-    in_features: int
-    bits: int
-    wsums: torch.Tensor | None = None  # q8_k only: int32 code sums per half block (packing_k8.py)
-
-    @property
-    def format(self) -> str:
-        """"q8_0", "q4_0", "q4_1", "q8_k", "q4_k", "q5_k" or "q6_k" (the K forms: fp32 scales)."""
-        if self.wsums is not None:
-            return "q8_k"
-        if self.bits in (5, 6) or self.scales.dtype == torch.float32:
-            return f"q{self.bits}_k"
-        return "q8_0" if self.bits == 8 else "q4_1" if self.mins is not None else "q4_0"
-
-    def nbytes(self) -> int:
-        """Bytes the packed weight occupies (what a GEMV reads per call)."""
-        extra = sum(t.nbytes for t in (self.mins, self.wsums) if t is not None)
-        return self.qweight.nbytes + self.scales.nbytes + extra
+from ringserve.kernels.cpu.packed_weight import FORMATS, QK, TILE, PackedWeight, interleave, quantize_activations
+from ringserve.kernels.cpu.packing_k8 import dequantize_k8, pack_q8_k, reference_k8_linear
+from ringserve.kernels.cpu.packing_kbits import dequantize_kbits, pack_kbits_float, reference_kbit_linear
 
 
 def _padded(weight: torch.Tensor) -> torch.Tensor:
@@ -70,12 +44,6 @@ def _tiled(per_group: torch.Tensor) -> torch.Tensor:
     return per_group.reshape(np_ // TILE, TILE, kb).permute(0, 2, 1).contiguous().half()
 
 
-def _interleave(q: torch.Tensor) -> torch.Tensor:
-    """Integer q `[Np, Kb, 32]` as `[tiles, Kb, 8 quads, 16 rows, 4]`: four K values of 16 rows per 64 bytes."""
-    np_, kb, _ = q.shape
-    return q.reshape(np_ // TILE, TILE, kb, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
-
-
 def pack_q8_0(weight: torch.Tensor) -> PackedWeight:
     """Quantize `weight` `[N, K]` to groups of 32 int8 values with one fp16 scale each, packed."""
     groups = _padded(weight)
@@ -83,7 +51,7 @@ def pack_q8_0(weight: torch.Tensor) -> PackedWeight:
     inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
     q = (groups * inv[..., None]).round_().clamp_(-127, 127).to(torch.int16)
     # stored as q + 128: the unsigned operand of the VNNI dot product (qgemm.cpp)
-    packed = (_interleave(q) + 128).to(torch.uint8).reshape(-1)
+    packed = (interleave(q) + 128).to(torch.uint8).reshape(-1)
     return PackedWeight(packed, _tiled(scales), None, weight.shape[0], weight.shape[1], 8)
 
 
@@ -102,7 +70,7 @@ def pack_q4(weight: torch.Tensor, with_min: bool = True) -> PackedWeight:
         scales = (extreme / -8.0).half().float()
         inv = torch.where(scales != 0, 1.0 / scales, torch.zeros_like(scales))
         q = (groups * inv[..., None]).round_().add_(8).clamp_(0, 15)
-    quads = _interleave(q.to(torch.uint8))  # [tiles, Kb, 8, 16, 4]
+    quads = interleave(q.to(torch.uint8))  # [tiles, Kb, 8, 16, 4]
     packed = (quads[:, :, :4] | (quads[:, :, 4:] << 4)).contiguous().reshape(-1)  # low nibble: quads 0-3
     return PackedWeight(packed, _tiled(scales), _tiled(mins) if with_min else None,
                         weight.shape[0], weight.shape[1], 4)
@@ -126,9 +94,9 @@ def pack_codes(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | N
         return _tiled(per_group.clone())
 
     if fmt == "q8_0":
-        packed = (_interleave(grouped) + 128).to(torch.uint8).reshape(-1)
+        packed = (interleave(grouped) + 128).to(torch.uint8).reshape(-1)
         return PackedWeight(packed, tiled(scales), None, n, k, 8)
-    quads = _interleave(grouped.to(torch.uint8))
+    quads = interleave(grouped.to(torch.uint8))
     packed = (quads[:, :, :4] | (quads[:, :, 4:] << 4)).contiguous().reshape(-1)
     return PackedWeight(packed, tiled(scales), tiled(mins) if mins is not None else None, n, k, 4)
 
@@ -140,12 +108,8 @@ def pack(weight: torch.Tensor, fmt: str) -> PackedWeight:
     if fmt in ("q4_0", "q4_1"):
         return pack_q4(weight, with_min=fmt == "q4_1")
     if fmt == "q8_k":
-        from ringserve.kernels.cpu.packing_k8 import pack_q8_k
-
         return pack_q8_k(weight)
     if fmt in ("q4_k", "q5_k", "q6_k"):
-        from ringserve.kernels.cpu.packing_kbits import pack_kbits_float
-
         return pack_kbits_float(weight, int(fmt[1]))
     raise ValueError(f"unknown weight format {fmt!r}; choose one of {list(FORMATS)}")
 
@@ -173,12 +137,8 @@ def unpack(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | Non
 def dequantize(packed: PackedWeight) -> torch.Tensor:
     """The float32 weight `[N, K]` the packed one stands for."""
     if packed.format == "q8_k":
-        from ringserve.kernels.cpu.packing_k8 import dequantize_k8
-
         return dequantize_k8(packed)
     if packed.format in ("q4_k", "q5_k", "q6_k"):
-        from ringserve.kernels.cpu.packing_kbits import dequantize_kbits
-
         return dequantize_kbits(packed)
     kb = -(-packed.in_features // QK)
     q, scales, mins = unpack(packed.qweight, packed.scales, packed.mins, packed.bits, kb)
@@ -186,20 +146,6 @@ def dequantize(packed: PackedWeight) -> torch.Tensor:
     if mins is not None:
         w = w + mins[..., None]
     return w.reshape(q.shape[0], -1)[:packed.out_features, :packed.in_features]
-
-
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows of `x` `[M, K]` to int8 per block of 32: q `[M, Kb, 32]`, fp32 scales `[M, Kb]` (amax / 127) and
-    the blocks' sums of q `[M, Kb]`; the same arithmetic (round half to even of `x * (1 / d)`) as the kernel."""
-    m, k = x.shape
-    kp = -(-k // QK) * QK
-    blocks = torch.zeros(m, kp, dtype=torch.float32)
-    blocks[:, :k] = x.float()
-    blocks = blocks.reshape(m, kp // QK, QK)
-    d = blocks.abs().amax(dim=2) / 127.0
-    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
-    q = (blocks * inv[..., None]).round_().clamp_(-127, 127)
-    return q.to(torch.int8), d, q.sum(dim=2).to(torch.int32)
 
 
 def reference_group_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
@@ -224,13 +170,9 @@ def reference_group_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch
 def reference_linear(x: torch.Tensor, packed: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """What `kernels.cpu.packed_linear` computes for `packed`, whatever its format, in torch (the test reference)."""
     if packed.format == "q8_k":
-        from ringserve.kernels.cpu.packing_k8 import reference_k8_linear
-
         return reference_k8_linear(x, packed.qweight, packed.scales, packed.mins, packed.wsums, bias,
                                    packed.out_features)
     if packed.format in ("q4_k", "q5_k", "q6_k"):
-        from ringserve.kernels.cpu.packing_kbits import reference_kbit_linear
-
         return reference_kbit_linear(x, packed.qweight, packed.scales, packed.mins, bias, packed.out_features,
                                      packed.bits)
     return reference_group_linear(x, packed.qweight, packed.scales, packed.mins, bias, packed.out_features,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ringserve.kernels.cpu.packing import QK, TILE, PackedWeight, _interleave, quantize_activations
+from ringserve.kernels.cpu.packed_weight import QK, TILE, PackedWeight, interleave, quantize_activations
 
 HALF = QK // 2  # weights per scale
 
@@ -33,7 +33,7 @@ def pack_k8(codes: torch.Tensor, scales16: torch.Tensor, mins32: torch.Tensor | 
     np_ = -(-n // TILE) * TILE
     grouped = torch.zeros(np_, k // QK, QK, dtype=torch.int16)
     grouped[:n] = codes.to(torch.int16).reshape(n, k // QK, QK)
-    qweight = _interleave(grouped).to(torch.int8).reshape(-1)
+    qweight = interleave(grouped).to(torch.int8).reshape(-1)
     wsums = _tiles(grouped.reshape(np_, k // HALF, HALF).sum(dim=2).to(torch.int32), 2).reshape(-1)
     scales = torch.zeros(np_, k // HALF, dtype=torch.float32)
     scales[:n] = scales16.float()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ringserve.kernels.cpu.packing import QK, TILE, PackedWeight, _interleave
+from ringserve.kernels.cpu.packed_weight import QK, TILE, PackedWeight, interleave
 from ringserve.kernels.cpu.packing_k8 import HALF, _tiles, code_weight, reference_code_linear
 
 BITS_FORMATS = {4: "q4_k", 5: "q5_k", 6: "q6_k"}
@@ -45,7 +45,7 @@ def pack_kbits(codes: torch.Tensor, scale16: torch.Tensor, min32: torch.Tensor |
     np_, kb = -(-n // TILE) * TILE, k // QK
     stored = torch.zeros(np_, kb, QK, dtype=torch.int16)  # padding rows: code 0 with scale 0
     stored[:n] = (codes.to(torch.int16) + OFFSET[bits]).reshape(n, kb, QK)
-    quads = _interleave(stored)  # [tiles, Kb, 8 quads, 16, 4]
+    quads = interleave(stored)  # [tiles, Kb, 8 quads, 16, 4]
     parts = [((quads[:, :, :4] & 15) | ((quads[:, :, 4:] & 15) << 4)).reshape(np_ // TILE, kb, 256)]
     for plane in range(bits - 4):  # bit 4 + plane of each code; quad i's bit at bit i of the plane's byte
         bit = (quads >> (4 + plane)) & 1
