@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ringserve.kernels.attention import kv_store  # noqa: F401  (registers torch.ops.ringserve.store_kv)
+import ringserve.kernels.attention.kv_store  # noqa: F401  (registers torch.ops.ringserve.store_kv)
 
 
 @dataclass
