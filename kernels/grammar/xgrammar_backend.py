@@ -39,11 +39,11 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
-from ringserve.kernels.grammar import (CompiledGrammar, GrammarCompiler, GrammarError, GrammarMatcher, GrammarSpec,
-                                       UnreachableTag)
-from ringserve.kernels.grammar import structural_tag
+import ringserve.kernels.grammar.structural_tag as structural_tag
+from ringserve.kernels.grammar.backend import CompiledGrammar, GrammarCompiler, GrammarMatcher
 from ringserve.kernels.grammar.compile_pool import WorkerFailure, WorkerPool
 from ringserve.kernels.grammar.schema_recursion import infinite_subschema
+from ringserve.kernels.grammar.spec import GrammarError, GrammarSpec, UnreachableTag
 from ringserve.kernels.grammar.torch_bitmask import set_allowed
 
 log = logging.getLogger("ringserve.kernels.grammar")
