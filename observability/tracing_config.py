@@ -13,14 +13,35 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass
-from typing import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 PROTOCOLS = ("http/protobuf", "grpc")
 BUFFERS = ("none", "jetstream")
 DEFAULT_HTTP_ENDPOINT = "http://localhost:4318"
 DEFAULT_GRPC_ENDPOINT = "http://localhost:4317"
 TRACES_PATH = "/v1/traces"
+
+
+def _flag(help: str, **argparse_kwargs: Any) -> dict[str, Any]:
+    """A tracing flag's field metadata, in the form actors/common/flag_fields.py reads (its help, `--help`
+    group and argparse keywords; observability/ imports nothing else of ours, so the form is written here)."""
+    return {"help": help, "group": "tracing", **argparse_kwargs}
+
+
+@dataclass
+class TracingFlags:
+    """The tracing flags of `ringserve serve` and of every actor process (not given: the OTEL_* variables decide)."""
+
+    otlp_endpoint: str | None = field(default=None, metadata=_flag(
+        "export OpenTelemetry spans to this OTLP collector base URL, e.g. http://localhost:4318; not given: "
+        "$OTEL_EXPORTER_OTLP_ENDPOINT, and tracing is off when neither is set", metavar="URL"))
+    otlp_protocol: str | None = field(default=None, metadata=_flag(
+        "OTLP transport; not given: $OTEL_EXPORTER_OTLP_PROTOCOL, else http/protobuf (grpc needs `pip install "
+        "ringserve[grpc]`)", choices=PROTOCOLS))
+    trace_buffer: str | None = field(default=None, metadata=_flag(
+        "jetstream: actors publish finished spans to a durable JetStream stream and one trace exporter forwards "
+        "them to the collector, so a collector outage loses none", choices=BUFFERS))
 
 
 @dataclass(frozen=True)
@@ -72,30 +93,7 @@ def _signal_url(base: str, protocol: str) -> str:
     return base.rstrip("/") + TRACES_PATH
 
 
-def add_tracing_arguments(parser: argparse.ArgumentParser) -> None:
-    """The tracing flags of `ringserve serve` and of every actor process (defaults leave it to OTEL_* vars)."""
-    parser.add_argument("--otlp-endpoint", default=None, metavar="URL",
-                        help="export OpenTelemetry spans to this OTLP collector base URL, e.g. http://localhost:4318; "
-                             "not given: $OTEL_EXPORTER_OTLP_ENDPOINT, and tracing is off when neither is set")
-    parser.add_argument("--otlp-protocol", default=None, choices=PROTOCOLS,
-                        help="OTLP transport; not given: $OTEL_EXPORTER_OTLP_PROTOCOL, else http/protobuf (grpc needs "
-                             "`pip install ringserve[grpc]`)")
-    parser.add_argument("--trace-buffer", default=None, choices=BUFFERS,
-                        help="jetstream: actors publish finished spans to a durable JetStream stream and one trace "
-                             "exporter forwards them to the collector, so a collector outage loses none")
-
-
-def tracing_argv(args: argparse.Namespace) -> list[str]:
-    """The tracing flags given to `args`, to pass on to an actor process (its environment comes along)."""
-    out: list[str] = []
-    for flag, value in (("--otlp-endpoint", args.otlp_endpoint), ("--otlp-protocol", args.otlp_protocol),
-                        ("--trace-buffer", args.trace_buffer)):
-        if value:
-            out += [flag, value]
-    return out
-
-
 def config_from_args(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> TracingConfig:
-    """The TracingConfig of a process started with `add_tracing_arguments` flags (raises ValueError)."""
+    """The TracingConfig of a process started with the `TracingFlags` flags (raises ValueError)."""
     return TracingConfig.resolve(getattr(args, "otlp_endpoint", None), getattr(args, "otlp_protocol", None),
                                  getattr(args, "trace_buffer", None), env)

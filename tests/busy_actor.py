@@ -13,7 +13,8 @@ import asyncio
 import time
 from typing import Any
 
-from ringserve.actors.common.runtime import ActorContext, add_bus_arguments, run_actor
+from ringserve.actors.common.actor_flags import add_bus_arguments
+from ringserve.actors.common.runtime import ActorContext, run_actor
 
 BLOCK_SECONDS = 4.0
 

@@ -10,7 +10,8 @@ import ctypes
 import os
 from typing import Any
 
-from ringserve.actors.common.runtime import ActorContext, add_bus_arguments, run_actor
+from ringserve.actors.common.actor_flags import add_bus_arguments
+from ringserve.actors.common.runtime import ActorContext, run_actor
 
 FORGED = "22:40:00.000 ERROR [launcher] FORGED-native password=hunter2"
 FLOOD_LINES, FLOOD_LINE_BYTES = 128, 8000

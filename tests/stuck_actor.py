@@ -7,7 +7,8 @@ import argparse
 import time
 from typing import Any
 
-from ringserve.actors.common.runtime import ActorContext, add_bus_arguments, run_actor
+from ringserve.actors.common.actor_flags import add_bus_arguments
+from ringserve.actors.common.runtime import ActorContext, run_actor
 
 HANG_SECONDS = 120.0
 

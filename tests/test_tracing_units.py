@@ -63,11 +63,12 @@ from ringserve.bus.embedded_server import EmbeddedNatsServer
 from ringserve.bus.messages import AbortRequest
 from ringserve.bus.subjects import Subjects
 from ringserve.observability import tracing
-from ringserve.observability.tracing_config import add_tracing_arguments
+from ringserve.actors.common.flag_fields import add_arguments
+from ringserve.observability.tracing_config import TracingFlags
 
 async def main():
     parser = argparse.ArgumentParser()
-    add_tracing_arguments(parser)
+    add_arguments(TracingFlags, parser)
     args = parser.parse_args(sys.argv[1:])
     with EmbeddedNatsServer() as server:
         bus = await BusConnection.connect(server.url, "probe")

@@ -33,20 +33,18 @@ from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from ringserve.actors.common import startup_cache
+from ringserve.actors.common.actor_flags import credentials_from_args
 from ringserve.actors.common.heartbeat import HeartbeatThread
 from ringserve.actors.common.tracing_setup import start_tracing, stop_tracing
 from ringserve.bus.connection import BusConnection
-from ringserve.bus.credentials import PASSWORD_ENV, NatsCredentials, credentials_from_options
 from ringserve.bus.messages import ActorReady, ReplicaLoad
 from ringserve.bus.permissions import inbox_prefix
 from ringserve.bus.subjects import Subjects
 from ringserve.observability.logging import log_event, setup_logging
-from ringserve.observability.tracing_config import add_tracing_arguments
 
 log = logging.getLogger("actor")
 HEARTBEAT_SECONDS = 0.5
 HOLD_ENV = "RINGSERVE_HOLD_START"  # set by the launcher: wait for its line on stdin before starting (wait_for_release)
-DEFAULT_DRAIN_SECONDS = 30.0
 DRAIN_POLL_SECONDS = 0.05
 # How long an orphan (its parent died) may take to stop before it exits hard: the NATS server died with the
 # parent, so closing the bus and flushing spans can only wait out their timeouts (nats-py's drain: 30 s), and
@@ -85,35 +83,6 @@ class ActorContext:
 
 
 ActorMain = Callable[[ActorContext], Awaitable[dict[str, Any]]]
-
-
-def add_bus_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags every actor process takes."""
-    parser.add_argument("--nats-url", required=True, help="NATS server URL, e.g. nats://127.0.0.1:4222")
-    parser.add_argument("--namespace", default="ringserve", help="subject prefix isolating this deployment")
-    parser.add_argument("--log-level", default=os.environ.get("RINGSERVE_LOG_LEVEL", "INFO"))
-    parser.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_SECONDS, metavar="SECONDS",
-                        help="on SIGTERM/SIGINT, finish the requests held for at most this long, then stop "
-                             "(a second signal stops at once)")
-    add_nats_auth_arguments(parser)
-    add_tracing_arguments(parser)
-
-
-def add_nats_auth_arguments(parser: argparse.ArgumentParser) -> None:
-    """How to authenticate to NATS (none given: unauthenticated). Secrets come from files or the environment."""
-    parser.add_argument("--nats-creds", default=None, metavar="FILE",
-                        help='NATS credentials: a NATS .creds file or JSON {"user": ..., "password": ...}')
-    parser.add_argument("--nats-user", default=None,
-                        help=f"NATS user name; the password is read from ${PASSWORD_ENV}")
-    parser.add_argument("--nats-tls-ca", default=None, metavar="FILE", help="CA bundle that verifies the NATS server")
-    parser.add_argument("--nats-tls-cert", default=None, metavar="FILE", help="client certificate for mutual TLS")
-    parser.add_argument("--nats-tls-key", default=None, metavar="FILE", help="private key of --nats-tls-cert")
-
-
-def credentials_from_args(args: argparse.Namespace) -> NatsCredentials | None:
-    """The NATS credentials the auth flags describe (raises CredentialsError for unusable ones)."""
-    return credentials_from_options(args.nats_creds, args.nats_user, args.nats_tls_ca, args.nats_tls_cert,
-                                    args.nats_tls_key)
 
 
 async def _serve(role: str, rank: int, args: argparse.Namespace, main: ActorMain) -> int:

@@ -16,6 +16,7 @@ from typing import Any
 
 from ringserve.actors.common import flag_fields
 from ringserve.actors.common.flag_fields import flag
+from ringserve.actors.common.help_format import ENGINE, LORA, MODEL, SCALE_OUT, SPECULATIVE
 from ringserve.actors.common.memory_limits import CGROUP_ROOT, MemoryBudget, available_memory
 from ringserve.bus.params import POOLINGS
 from ringserve.kernels.attention import backend_names
@@ -43,7 +44,7 @@ POOL_SAFE_SHARE = 0.5
 KV_TIER_STOP_SAVE_SECONDS = 5.0
 
 
-def _flag(help: str, group: str = "engine", **argparse_kwargs: Any) -> dict[str, Any]:
+def _flag(help: str, group: str = ENGINE, **argparse_kwargs: Any) -> dict[str, Any]:
     """A field's flag (actors/common/flag_fields.py), in `ringserve serve --help`'s engine group unless `group`
     says another (`nargs="+"`: a tuple field taking several values, also over repeated flags; `type`: a converter
     applied before `choices` are checked)."""
@@ -63,7 +64,7 @@ class EngineConfig:
         "device for weights and KV cache: auto (cuda when available, else cpu), cpu, cuda or cuda:N"))
     dtype: str = field(default="auto", metadata=_flag(
         "weight and KV dtype: auto (float32 on cpu, bfloat16 on cuda); half and float are float16 and float32",
-        choices=DTYPE_CHOICES, type=dtype_name, group="model"))
+        choices=DTYPE_CHOICES, type=dtype_name, group=MODEL))
     attention_backend: str = field(default="auto", metadata=_flag(
         "attention kernels over the paged KV cache: auto (triton on cuda when installed, else torch)",
         choices=("auto",) + backend_names()))
@@ -73,12 +74,12 @@ class EngineConfig:
         "(4-bit weights in groups of 32, llama.cpp's Q4_1), gguf (a .gguf model's own blocks, as llama.cpp runs them, "
         "never requantized: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants Q4_K, Q5_K, Q6_K), auto (int8 when a start-up micro-benchmark finds it faster on this CPU); "
         "each step size runs the kernel measured fastest here, never one slower than float32",
-        choices=QUANTIZATION_CHOICES, group="model"))
+        choices=QUANTIZATION_CHOICES, group=MODEL))
     float_kernels: str = field(default="auto", metadata=_flag(
         "what an unquantized CPU model's float32 linears may run: auto (each step size the kernel measured "
         "fastest here, which for a bfloat16 checkpoint may be bfloat16: the checkpoint's own weights, activations "
         "rounded to bfloat16, as transformers computes in bfloat16), float32 (float32 kernels only)",
-        choices=FLOAT_KERNEL_CHOICES, group="model"))
+        choices=FLOAT_KERNEL_CHOICES, group=MODEL))
     enable_deterministic_inference: bool = field(default=False, metadata=_flag(
         "make a row's result independent of the rows beside it (SGLang's name; CPU): greedy output is then the same "
         "alone, in any batch and under speculation. Every linear runs one kernel whose rows' bits do not depend on "
@@ -116,17 +117,17 @@ class EngineConfig:
         f"within --kv-tier-bytes and {KV_TIER_STOP_SAVE_SECONDS:g} s"))
     kv_share: bool = field(default=False, metadata=_flag(
         "with --kv-tier-bytes and --dp: a replica lacking a prompt's prefix that another replica holds fetches its "
-        "blocks over NATS (and serves its own to the others) instead of computing them", group="scale-out"))
+        "blocks over NATS (and serves its own to the others) instead of computing them", group=SCALE_OUT))
     kv_fetch_timeout: float = field(default=5.0, metadata=_flag(
         "with --kv-share: seconds a fetch of another replica's blocks may take; past it, what came is loaded and "
-        "the rest computed", group="scale-out"))
+        "the rest computed", group=SCALE_OUT))
     replica_role: str = field(default="both", metadata=_flag(
         "with --dp and --kv-share: prefill, decode or both, for every replica or per replica as a comma list "
         "(replica r takes entry r, the last entry the rest): routing sends requests to decode (and both) "
-        "replicas, which have a prefill replica compute a prompt's whole blocks and fetch them", group="scale-out"))
+        "replicas, which have a prefill replica compute a prompt's whole blocks and fetch them", group=SCALE_OUT))
     prefill_timeout: float = field(default=60.0, metadata=_flag(
         "with --replica-role: seconds a decode replica waits for a prefill replica's blocks before computing them "
-        "itself", group="scale-out"))
+        "itself", group=SCALE_OUT))
     schedule_policy: str = field(default="fcfs", metadata=_flag(
         "order of admission: fcfs (arrival) or lpm (longest cached prefix first)", choices=SCHEDULE_POLICIES))
     torch_threads: int = field(default=0, metadata=_flag(
@@ -162,33 +163,33 @@ class EngineConfig:
         "before (its own prompt and output, then earlier requests) and verifies them in one forward, keeping the "
         "output token for token; draft takes the drafts from a smaller model with the same tokenizer "
         "(--speculative-draft-model-path); none decodes one token per step; any case (SGLang's NGRAM)",
-        choices=SPECULATIVE_ALGORITHMS, type=str.lower, group="speculative decoding"))
+        choices=SPECULATIVE_ALGORITHMS, type=str.lower, group=SPECULATIVE))
     speculative_draft_model_path: str = field(default="", metadata=_flag(
         "with --speculative-algorithm draft: the draft model (a .gguf, a directory or a hub id, as --model), run "
-        "beside the served one in the scheduler's process", group="speculative decoding"))
+        "beside the served one in the scheduler's process", group=SPECULATIVE))
     speculative_num_draft_tokens: int = field(default=3, metadata=_flag(
         "with --speculative-algorithm: draft tokens per verify step at most (each request adapts its own "
         "length to what it gets accepted); a request verifying k drafts is k + 1 decode rows of one step",
-        group="speculative decoding"))
+        group=SPECULATIVE))
 
     enable_lora: bool = field(default=False, metadata=_flag(
         "serve LoRA adapters (on by itself with --lora-modules or --lora-dir): loaded at start or at run time "
-        "(/v1/load_lora_adapter), chosen per request by OpenAI's model field or lora_name", group="LoRA"))
+        "(/v1/load_lora_adapter), chosen per request by OpenAI's model field or lora_name", group=LORA))
     lora_modules: tuple[str, ...] = field(default=(), metadata=_flag(
         "LoRA adapters (PEFT directories) to load at start: name=path arguments (several after one flag, as "
         "vLLM takes them, or within one argument separated by commas), or vLLM's JSON objects, one an argument: "
         "'{\"name\": \"a1\", \"path\": \"/x\", \"base_model_name\": \"m\"}' (base_model_name, if given, must be the "
         "served model's name or --model; other keys are refused)",
-        nargs="+", metavar="NAME=PATH|JSON", group="LoRA"))
+        nargs="+", metavar="NAME=PATH|JSON", group=LORA))
     max_loras_per_batch: int = field(default=8, metadata=_flag(
-        "distinct LoRA adapters in one step at most (requests of other adapters wait)", group="LoRA"))
+        "distinct LoRA adapters in one step at most (requests of other adapters wait)", group=LORA))
     max_loaded_loras: int = field(default=0, metadata=_flag(
         "LoRA adapters kept loaded in host memory at most, least recently used first out and read again from "
-        "disk when next used (0 = all registered)", group="LoRA"))
+        "disk when next used (0 = all registered)", group=LORA))
     max_lora_rank: int = field(default=64, metadata=_flag(
-        "highest LoRA rank served (every slot holds this rank; smaller ranks are zero-padded)", group="LoRA"))
+        "highest LoRA rank served (every slot holds this rank; smaller ranks are zero-padded)", group=LORA))
     lora_dir: str = field(default="", metadata=_flag(
-        "with LoRA: /v1/load_lora_adapter loads only adapters under this directory (empty = any path)", group="LoRA"))
+        "with LoRA: /v1/load_lora_adapter loads only adapters under this directory (empty = any path)", group=LORA))
 
     def __post_init__(self) -> None:
         self.dtype = dtype_name(self.dtype)

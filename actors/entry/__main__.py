@@ -3,18 +3,29 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, field
 
-from ringserve.actors.common.runtime import add_bus_arguments, run_actor
+from ringserve.actors.common.actor_flags import add_bus_arguments
+from ringserve.actors.common.flag_fields import add_arguments, flag
+from ringserve.actors.common.help_format import MODEL, DefaultOnceFormatter
+from ringserve.actors.common.runtime import run_actor
 from ringserve.actors.entry.settings import EntrySettings, add_entry_arguments
+
+
+@dataclass
+class EntryProcessFlags:
+    """The entry process's own flag (`ringserve serve` derives the name from --model)."""
+
+    served_model_name: str = field(default="", metadata=flag(
+        "model id shown in /v1/models", group=MODEL, required=True))
 
 
 def build_parser(prog: str = "ringserve-entry") -> argparse.ArgumentParser:
     """The entry's flags (`ringserve worker --role entry` takes the same)."""
-    parser = argparse.ArgumentParser(prog=prog, description="ringserve HTTP entry actor")
+    parser = argparse.ArgumentParser(prog=prog, description="ringserve HTTP entry actor",
+                                     formatter_class=DefaultOnceFormatter)
     add_bus_arguments(parser)
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
-    parser.add_argument("--served-model-name", required=True, help="model id shown in /v1/models")
+    add_arguments(EntryProcessFlags, parser)
     add_entry_arguments(parser)
     return parser
 

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import sys
 
+from ringserve.actors.common.help_format import DefaultOnceFormatter
 from ringserve.actors.common.runtime import exit_now
 from ringserve.actors.launcher.serve_flags import add_serve_arguments
 from ringserve.actors.launcher.nats_config_cmd import add_nats_config_command, nats_config
@@ -24,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ringserve", description="ringserve: an LLM server whose actors talk over NATS")
     commands = parser.add_subparsers(dest="command", required=True)
     serve = commands.add_parser("serve", help="serve a model over HTTP (OpenAI-compatible API and /generate)",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=DefaultOnceFormatter)
     add_serve_arguments(serve)
     add_nats_config_command(commands)
     add_trace_command(commands)

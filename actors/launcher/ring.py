@@ -17,6 +17,7 @@ import argparse
 import logging
 import time
 
+from ringserve.actors.common.flag_fields import from_args, to_argv
 from ringserve.actors.common.model_source import check_servable, model_chat_template, resolve_model, resolved_config
 from ringserve.actors.common.reasoning import parser_for_template as reasoning_parser_for_template
 from ringserve.actors.engine.config import EngineConfig
@@ -27,8 +28,8 @@ from ringserve.actors.launcher.nats_auth import NatsPlan, plan_nats
 from ringserve.actors.launcher.preflight import EndpointError, check_endpoints, check_http_port
 from ringserve.actors.launcher.supervisor import ActorSpec, Supervisor
 from ringserve.actors.launcher.trace_buffer import TraceBuffer, actor_tracing_argv, plan_trace_buffer, trace_exporter_specs
-from ringserve.actors.scheduler.admission import admission_argv
-from ringserve.actors.scheduler.tp_follower import follower_rank, tp_argv
+from ringserve.actors.scheduler.admission import AdmissionFlags
+from ringserve.actors.scheduler.tp_follower import TensorParallelFlags, follower_rank
 from ringserve.actors.tokenizer.chat_options import ChatOptions, chat_argv
 from ringserve.actors.tokenizer.generation_defaults import generation_defaults
 from ringserve.bus.credentials import CredentialsError, NatsCredentials
@@ -48,13 +49,14 @@ def actor_specs(args: argparse.Namespace, served_name: str, trace: TraceBuffer |
     """The processes of one deployment: `--dp` scheduler replicas (`--tp` processes each), tokenizers,
     detokenizers, the entry (unless not `http`) and the trace exporter when `trace` buffers spans."""
     common = ["--log-level", args.log_level, *actor_tracing_argv(args)]
-    engine = EngineConfig.from_args(args).to_argv()
+    engine = [*to_argv(from_args(AdmissionFlags, args)), *EngineConfig.from_args(args).to_argv()]
+    tensor_parallel = to_argv(from_args(TensorParallelFlags, args))
     # `--tp` > 1: each replica is a rank group on a free loopback port, restarted as a whole (tp_follower.py)
-    tp = [[*tp_argv(args), "--dist-init-addr", f"127.0.0.1:{free_port()}"] if args.tp > 1 else []
+    tp = [[*tensor_parallel, "--dist-init-addr", f"127.0.0.1:{free_port()}"] if args.tp > 1 else []
           for _ in range(args.dp)]
     specs = [ActorSpec("scheduler", follower_rank(r, k), "ringserve.actors.scheduler",
                        [*common, "--model", args.model, "--rank", str(k), "--dp-replica-id", str(r), *tp[r],
-                        *admission_argv(args), *engine], group=f"scheduler{r}" if args.tp > 1 else "")
+                        *engine], group=f"scheduler{r}" if args.tp > 1 else "")
              for r in range(args.dp) for k in range(args.tp)]
     tokenizer = [*common, "--model", args.model, "--detokenizer-shards", str(args.detokenizer_shards),
                  *chat_argv(ChatOptions.from_args(args)),
@@ -64,9 +66,8 @@ def actor_specs(args: argparse.Namespace, served_name: str, trace: TraceBuffer |
     specs += [ActorSpec("detokenizer", i, "ringserve.actors.detokenizer", [*common, "--model", args.model, "--shard", str(i)])
               for i in range(args.detokenizer_shards)]
     if http:
-        specs.append(ActorSpec("entry", 0, "ringserve.actors.entry", [*common, "--host", args.host, "--port", str(args.port),
-                                                            "--served-model-name", served_name,
-                                                            *entry_argv(args)], stage=1))
+        specs.append(ActorSpec("entry", 0, "ringserve.actors.entry",
+                               [*common, "--served-model-name", served_name, *entry_argv(args)], stage=1))
     return specs + (trace_exporter_specs(trace, common) if trace is not None else [])
 
 

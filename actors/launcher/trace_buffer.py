@@ -1,4 +1,4 @@
-"""The launcher's side of tracing: the serve flags, JetStream for the embedded server when the span buffer is
+"""The launcher's side of tracing: the flags it passes on, JetStream for the embedded server when the span buffer is
 on, and the trace exporter actor.
 
 With `--trace-buffer jetstream` the embedded nats-server runs with JetStream on, its file store in a private
@@ -16,19 +16,12 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from ringserve.actors.common import flag_fields
 from ringserve.actors.launcher.nats_auth import private_directory
 from ringserve.actors.launcher.supervisor import ActorSpec
-from ringserve.observability.tracing_config import TracingConfig, add_tracing_arguments, config_from_args, tracing_argv
+from ringserve.observability.tracing_config import TracingConfig, TracingFlags, config_from_args
 
 EXPORTER_STAGE = -1  # before stage 0 (scheduler, tokenizers, detokenizers)
-
-
-def add_trace_serve_arguments(serve: argparse.ArgumentParser) -> None:
-    """The tracing flags of `ringserve serve`."""
-    add_tracing_arguments(serve)
-    serve.add_argument("--trace-store", default=None, metavar="DIR",
-                       help="embedded NATS: keep the JetStream span buffer in DIR (implies --trace-buffer jetstream; "
-                            "read it later with `ringserve trace RID --trace-store DIR`)")
 
 
 def jetstream_block(store_dir: Path) -> str:
@@ -77,7 +70,7 @@ def plan_trace_buffer(args: argparse.Namespace) -> TraceBuffer:
 
 def actor_tracing_argv(args: argparse.Namespace) -> list[str]:
     """The tracing flags every actor gets (its environment, with any OTEL_* variables, comes along too)."""
-    return tracing_argv(args)
+    return flag_fields.to_argv(flag_fields.from_args(TracingFlags, args))
 
 
 def trace_exporter_specs(buffer: TraceBuffer, common: list[str]) -> list[ActorSpec]:

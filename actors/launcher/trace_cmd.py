@@ -18,7 +18,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-from ringserve.actors.common.runtime import add_nats_auth_arguments, credentials_from_args
+from ringserve.actors.common.actor_flags import add_nats_auth_arguments, credentials_from_args
 from ringserve.actors.launcher.trace_buffer import jetstream_block
 from ringserve.bus.connection import BusConnection
 from ringserve.bus.credentials import CredentialsError

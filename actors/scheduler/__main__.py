@@ -24,13 +24,16 @@ import logging  # noqa: E402
 import sys  # noqa: E402
 from typing import Any, Awaitable, Callable, NoReturn  # noqa: E402
 
-from ringserve.actors.common.runtime import (  # noqa: E402
-    ActorContext, add_bus_arguments, credentials_from_args, exit_now, run_actor,
-)
+from dataclasses import dataclass, field  # noqa: E402
+
+from ringserve.actors.common.actor_flags import ActorModelFlags, add_bus_arguments, credentials_from_args  # noqa: E402
+from ringserve.actors.common.flag_fields import add_arguments, flag, from_args  # noqa: E402
+from ringserve.actors.common.help_format import DefaultOnceFormatter  # noqa: E402
+from ringserve.actors.common.runtime import ActorContext, exit_now, run_actor  # noqa: E402
 from ringserve.actors.engine.config import EngineConfig  # noqa: E402
-from ringserve.actors.scheduler.admission import add_admission_arguments, admission_from_args  # noqa: E402
+from ringserve.actors.scheduler.admission import AdmissionFlags  # noqa: E402
 from ringserve.actors.scheduler.process_group import guard_process_group  # noqa: E402
-from ringserve.actors.scheduler.tp_follower import add_tp_arguments, check_tp_args  # noqa: E402
+from ringserve.actors.scheduler.tp_follower import TensorParallelFlags, check_tp_args  # noqa: E402
 from ringserve.bus.permissions import inbox_prefix  # noqa: E402
 from ringserve.bus.replica_claim import ClaimError, JetStreamUnavailable, ReplicaClaim, describe  # noqa: E402
 from ringserve.bus.subjects import Subjects  # noqa: E402
@@ -39,24 +42,28 @@ from ringserve.observability.logging import log_event  # noqa: E402
 CLAIM_REFUSED = 2  # the exit code when the replica id is held by a live replica (or none is free)
 
 
+@dataclass
+class SchedulerFlags:
+    """The scheduler process's own flags (the launcher writes them per process)."""
+
+    rank: int = field(default=0, metadata=flag(
+        "this process's tensor-parallel rank in its replica: 0 reads NATS and schedules, 1..tp-1 run rank 0's step "
+        "plans (actors/scheduler/tp_follower.py)"))
+    dist_init_addr: str = field(default="", metadata=flag(
+        "with --tp > 1: where rank 0 of this replica listens for its other ranks (the same for every rank of the "
+        "replica)", metavar="HOST:PORT"))
+    dp_replica_id: int | None = field(default=None, metadata=flag(
+        "this scheduler replica's id (`--dp`): its subject, heartbeat and server-info entry; claimed on the bus, so "
+        "no two live replicas share one. Left out: the lowest free id", type=int))
+
+
 def build_parser(prog: str = "ringserve-scheduler") -> argparse.ArgumentParser:
     """The scheduler's flags (`ringserve worker --role scheduler` takes the same)."""
     parser = argparse.ArgumentParser(prog=prog, description="ringserve scheduler actor",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=DefaultOnceFormatter)
     add_bus_arguments(parser)
-    parser.add_argument("--model", required=True, help="model name, .gguf file or model directory")
-    parser.add_argument("--rank", type=int, default=0,
-                        help="this process's tensor-parallel rank in its replica: 0 reads NATS and schedules, "
-                             "1..tp-1 run rank 0's step plans (actors/scheduler/tp_follower.py)")
-    add_tp_arguments(parser)
-    parser.add_argument("--dist-init-addr", default="", metavar="HOST:PORT",
-                        help="with --tp > 1: where rank 0 of this replica listens for its other ranks (the same "
-                             "for every rank of the replica)")
-    parser.add_argument("--dp-replica-id", type=int, default=None,
-                        help="this scheduler replica's id (`--dp`): its subject, heartbeat and server-info entry; "
-                             "claimed on the bus, so no two live replicas share one. Left out: the lowest free id")
-    add_admission_arguments(parser)
-    EngineConfig.add_arguments(parser)
+    for declared in (ActorModelFlags, SchedulerFlags, TensorParallelFlags, AdmissionFlags, EngineConfig):
+        add_arguments(declared, parser)
     return parser
 
 
@@ -88,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     from ringserve.actors.scheduler.actor import scheduler_main
     from ringserve.actors.scheduler.tp_follower import follower_main, follower_rank, leader_main
 
-    admission = admission_from_args(args)
+    admission = from_args(AdmissionFlags, args).admission()
     if args.tp == 1:
         run_actor("scheduler", args, releasing(claim, lambda ctx: scheduler_main(ctx, args.model, config, admission)),
                   rank=args.dp_replica_id)

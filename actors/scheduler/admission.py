@@ -15,6 +15,10 @@ from __future__ import annotations
 
 import argparse
 from collections import Counter
+from dataclasses import dataclass, field
+
+from ringserve.actors.common.flag_fields import flag
+from ringserve.actors.common.help_format import ADMISSION
 
 from ringserve.bus.errors import ApiError
 from ringserve.bus.subjects import SCOPE_SEPARATOR
@@ -87,27 +91,24 @@ class Admission:
 
 
 def _positive_int(text: str) -> int:
+    """A cap's value: an int of at least 1 (argparse's error names the flag otherwise)."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
 
 
-def add_admission_arguments(parser: argparse.ArgumentParser) -> None:
-    """The scheduler's admission flags, on the scheduler's own parser and on `ringserve serve`."""
-    parser.add_argument("--max-live-requests", type=_positive_int, default=DEFAULT_MAX_LIVE_REQUESTS,
-                        help="live (waiting + running) requests the scheduler admits in total, from HTTP and NATS "
-                             "clients; beyond, 503 with retry_after 1")
-    parser.add_argument("--max-client-requests", type=_positive_int, default=DEFAULT_MAX_CLIENT_REQUESTS,
-                        help="live requests one NATS client (`c~rid`) may have; beyond, 503 with retry_after 1 on "
-                             "its output subject")
+@dataclass
+class AdmissionFlags:
+    """The scheduler's admission flags (also `ringserve serve`'s), declared once (actors/common/flag_fields.py)."""
 
+    max_live_requests: int = field(default=DEFAULT_MAX_LIVE_REQUESTS, metadata=flag(
+        "live (waiting + running) requests the scheduler admits in total, from HTTP and NATS clients; beyond, 503 "
+        "with retry_after 1", group=ADMISSION, type=_positive_int))
+    max_client_requests: int = field(default=DEFAULT_MAX_CLIENT_REQUESTS, metadata=flag(
+        "live requests one NATS client (`c~rid`) may have; beyond, 503 with retry_after 1 on its output subject",
+        group=ADMISSION, type=_positive_int))
 
-def admission_argv(args: argparse.Namespace) -> list[str]:
-    """The flags of `add_admission_arguments` as parsed, for the scheduler's command line."""
-    return ["--max-live-requests", str(args.max_live_requests),
-            "--max-client-requests", str(args.max_client_requests)]
-
-
-def admission_from_args(args: argparse.Namespace) -> Admission:
-    return Admission(args.max_live_requests, args.max_client_requests)
+    def admission(self) -> Admission:
+        """The admission these caps make."""
+        return Admission(self.max_live_requests, self.max_client_requests)

@@ -22,31 +22,31 @@ import argparse
 import asyncio
 import logging
 import threading
+from dataclasses import dataclass, field
 from typing import Any
+
+from ringserve.actors.common.flag_fields import flag
+from ringserve.actors.common.help_format import SCALE_OUT
+from ringserve.actors.engine.parallel.tp_checks import DEFAULT_TIMEOUT_S
 
 TP_RANK_STRIDE = 1000  # a follower's actor rank: replica id + this * its tensor-parallel rank
 log = logging.getLogger("scheduler")
 
 
-def add_tp_arguments(parser: argparse.ArgumentParser) -> None:
-    """`--tp` and `--tp-timeout` (`ringserve serve` and the scheduler take them)."""
-    from ringserve.actors.engine.parallel.tp_checks import DEFAULT_TIMEOUT_S
+@dataclass
+class TensorParallelFlags:
+    """`--tp`, `--tp-timeout` and `--ep`, declared once: `ringserve serve` and the scheduler take them."""
 
-    parser.add_argument("--tp", "--tensor-parallel-size", "--tp-size", type=int, default=1,
-                        help="tensor-parallel ranks per scheduler replica: one scheduler process per rank, each "
-                             "with 1/tp of the attention heads and MLP (heads must divide by it)")
-    parser.add_argument("--tp-timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
-                        help="with --tp > 1: seconds any collective between the ranks may take; a rank that "
-                             "died or hangs fails its replica's requests after at most this long")
-    parser.add_argument("--ep", type=int, default=1,
-                        help="expert parallelism for mixture-of-experts models: with --ep equal to --tp, each rank "
-                             "holds whole experts (1/ep of them) instead of a slice of every expert; attention "
-                             "stays split by heads (1: experts sliced like the MLP)")
-
-
-def tp_argv(args: argparse.Namespace) -> list[str]:
-    """The flags of `add_tp_arguments` as a scheduler process takes them."""
-    return ["--tp", str(args.tp), "--tp-timeout", str(args.tp_timeout), "--ep", str(args.ep)]
+    tp: int = field(default=1, metadata=flag(
+        "tensor-parallel ranks per scheduler replica: one scheduler process per rank, each with 1/tp of the attention "
+        "heads and MLP (heads must divide by it)", group=SCALE_OUT, aliases=("--tensor-parallel-size", "--tp-size")))
+    tp_timeout: float = field(default=DEFAULT_TIMEOUT_S, metadata=flag(
+        "with --tp > 1: seconds any collective between the ranks may take; a rank that died or hangs fails its "
+        "replica's requests after at most this long", group=SCALE_OUT, metavar="SECONDS"))
+    ep: int = field(default=1, metadata=flag(
+        "expert parallelism for mixture-of-experts models: with --ep equal to --tp, each rank holds whole experts "
+        "(1/ep of them) instead of a slice of every expert; attention stays split by heads (1: experts sliced like "
+        "the MLP)", group=SCALE_OUT))
 
 
 def follower_rank(replica: int, tp_rank: int) -> int:

@@ -3,22 +3,33 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, field
 
-from ringserve.actors.common.runtime import add_bus_arguments, run_actor
+from ringserve.actors.common.actor_flags import ActorModelFlags, add_bus_arguments
+from ringserve.actors.common.flag_fields import add_arguments, flag
+from ringserve.actors.common.help_format import SCALE_OUT, DefaultOnceFormatter
+from ringserve.actors.common.runtime import run_actor
 from ringserve.actors.common.torch_threads import limit_torch_threads
 from ringserve.actors.engine.config import EngineConfig
-from ringserve.actors.tokenizer.chat_options import ChatOptions, add_chat_arguments
+from ringserve.actors.tokenizer.chat_options import ChatFlags, ChatOptions
+
+
+@dataclass
+class TokenizerFlags:
+    """The tokenizer process's own flag."""
+
+    detokenizer_shards: int = field(default=1, metadata=flag(
+        "detokenizers the launcher starts (ids 0..N-1): chosen among until one has beat; afterwards each request "
+        "goes to one of the live detokenizers", group=SCALE_OUT))
 
 
 def build_parser(prog: str = "ringserve-tokenizer") -> argparse.ArgumentParser:
     """The tokenizer's flags (`ringserve worker --role tokenizer` takes the same)."""
-    parser = argparse.ArgumentParser(prog=prog, description="ringserve tokenizer actor")
+    parser = argparse.ArgumentParser(prog=prog, description="ringserve tokenizer actor",
+                                     formatter_class=DefaultOnceFormatter)
     add_bus_arguments(parser)
-    parser.add_argument("--model", required=True, help="model name, .gguf file or model directory")
-    parser.add_argument("--detokenizer-shards", type=int, default=1,
-                        help="detokenizers the launcher starts (ids 0..N-1): chosen among until one has beat; "
-                             "afterwards each request goes to one of the live detokenizers")
-    add_chat_arguments(parser)  # --reasoning-parser, --chat-template, --generation-config, ...
+    for declared in (ActorModelFlags, TokenizerFlags, ChatFlags):  # ChatFlags: --reasoning-parser, --chat-template, ...
+        add_arguments(declared, parser)
     EngineConfig.add_argument(parser, "grammar_warm_up")  # its grammar checker's, as the scheduler's compiler's
     return parser
 

@@ -6,8 +6,9 @@
     --chat-template FILE                                           a Jinja chat template instead of the model's
     --generation-config {auto,none}                                the model's generation_config.json defaults
 
-`ChatOptions.from_args` checks them (ValueError saying which flag and why); `chat_argv` gives them back for the
-tokenizer's command line (the launcher resolves `auto` first and passes the file's absolute path).
+They are the fields of `ChatFlags` (actors/common/flag_fields.py). `ChatOptions.from_args` checks them
+(ValueError saying which flag and why); `chat_argv` gives them back for the tokenizer's command line (the
+launcher resolves `auto` first and passes the file's absolute path).
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ringserve.actors.common import flag_fields
+from ringserve.actors.common.flag_fields import flag
+from ringserve.actors.common.help_format import CHAT
 from ringserve.actors.common.reasoning import AUTO, get_format, parser_names
 
 GENERATION_CONFIG_MODES = ("auto", "none")
@@ -29,6 +33,31 @@ RESERVED_TEMPLATE_NAMES = frozenset({
     "tokenizer_kwargs", "return_assistant_tokens_mask", "raise_exception", "strftime_now", "namespace", "dict",
     "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
     "additional_special_tokens"})
+
+
+@dataclass
+class ChatFlags:
+    """The chat and reasoning flags as given, declared once for `ringserve serve` and the tokenizer."""
+
+    reasoning_parser: str = field(default=AUTO, metadata=flag(
+        "how a reasoning model marks its thinking, so that chat replies carry it apart from the answer "
+        "(reasoning_content): qwen3 (<think>...</think>; its aliases qwen3-thinking, glm45, kimi_k2, deepseek_v3), "
+        "deepseek_r1 (the same markers, the template opens the thinking), gpt_oss (harmony's analysis channel), "
+        "none, or auto: the one the chat template writes (none when it writes no thinking)",
+        group=CHAT, choices=parser_names(), metavar="NAME"))
+    reasoning_budget: int = field(default=-1, metadata=flag(
+        "the most tokens a reasoning model may think before its thinking is closed, unless the request sets "
+        "thinking_token_budget; -1: no limit", group=CHAT, metavar="TOKENS"))
+    default_chat_template_kwargs: str | None = field(default=None, metadata=flag(
+        "a JSON object of extra chat template variables for every chat request, e.g. '{\"enable_thinking\": "
+        "false}'; a request's chat_template_kwargs override them key by key", group=CHAT, metavar="JSON"))
+    chat_template: str | None = field(default=None, metadata=flag(
+        "a Jinja chat template file to render chat requests with instead of the model's own (also what "
+        "--tool-call-parser auto and --reasoning-parser auto read)", group=CHAT, metavar="FILE"))
+    generation_config: str = field(default="auto", metadata=flag(
+        "auto: the model directory's generation_config.json sets the default temperature, top_p, top_k, min_p, "
+        "repetition_penalty and max_new_tokens of requests that leave them out (the request always wins; "
+        "/get_model_info shows them); none: ringserve's own defaults", group=CHAT, choices=GENERATION_CONFIG_MODES))
 
 
 @dataclass
@@ -45,22 +74,33 @@ class ChatOptions:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ChatOptions":
         """The options of parsed flags; ValueError naming the flag that is wrong."""
-        if args.reasoning_parser != AUTO:
-            get_format(args.reasoning_parser)  # ValueError for an unknown name
-        if args.reasoning_budget < -1:
-            raise ValueError(f"--reasoning-budget must be -1 (no limit) or at least 0, got {args.reasoning_budget}")
-        if args.generation_config not in GENERATION_CONFIG_MODES:
+        return cls.from_flags(flag_fields.from_args(ChatFlags, args))
+
+    @classmethod
+    def from_flags(cls, flags: ChatFlags) -> "ChatOptions":
+        """The options the flags say, checked (the template read); ValueError naming the flag that is wrong."""
+        if flags.reasoning_parser != AUTO:
+            get_format(flags.reasoning_parser)  # ValueError for an unknown name
+        if flags.reasoning_budget < -1:
+            raise ValueError(f"--reasoning-budget must be -1 (no limit) or at least 0, got {flags.reasoning_budget}")
+        if flags.generation_config not in GENERATION_CONFIG_MODES:
             raise ValueError(f"--generation-config must be one of {', '.join(GENERATION_CONFIG_MODES)}")
         template = None
-        if args.chat_template:
+        if flags.chat_template:
             try:
-                template = Path(args.chat_template).read_text(encoding="utf-8")
+                template = Path(flags.chat_template).read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as exc:
-                raise ValueError(f"--chat-template {args.chat_template!r} cannot be read: {exc}") from None
-            _check_template(template, args.chat_template)
-        return cls(args.reasoning_parser, args.reasoning_budget,
-                   parse_template_kwargs(args.default_chat_template_kwargs), template,
-                   os.path.abspath(args.chat_template) if args.chat_template else None, args.generation_config)
+                raise ValueError(f"--chat-template {flags.chat_template!r} cannot be read: {exc}") from None
+            _check_template(template, flags.chat_template)
+        return cls(flags.reasoning_parser, flags.reasoning_budget,
+                   parse_template_kwargs(flags.default_chat_template_kwargs), template,
+                   os.path.abspath(flags.chat_template) if flags.chat_template else None, flags.generation_config)
+
+    def flags(self) -> ChatFlags:
+        """The flags that give these options (the template by its absolute path)."""
+        kwargs = json.dumps(self.default_chat_template_kwargs) if self.default_chat_template_kwargs else None
+        return ChatFlags(self.reasoning_parser, self.reasoning_budget, kwargs, self.chat_template_file,
+                         self.generation_config)
 
     @property
     def budget(self) -> int | None:
@@ -99,37 +139,6 @@ def parse_template_kwargs(text: str | None) -> dict[str, Any]:
     return value
 
 
-def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
-    """The chat and reasoning flags, on the tokenizer's parser and on `ringserve serve`."""
-    parser.add_argument("--reasoning-parser", default=AUTO, choices=parser_names(), metavar="NAME",
-                        help="how a reasoning model marks its thinking, so that chat replies carry it apart from the "
-                             "answer (reasoning_content): qwen3 (<think>...</think>; its aliases qwen3-thinking, "
-                             "glm45, kimi_k2, deepseek_v3), deepseek_r1 (the same markers, the template opens the "
-                             "thinking), gpt_oss (harmony's analysis channel), none, or auto: the one the chat "
-                             "template writes (none when it writes no thinking)")
-    parser.add_argument("--reasoning-budget", type=int, default=-1, metavar="TOKENS",
-                        help="the most tokens a reasoning model may think before its thinking is closed, unless the "
-                             "request sets thinking_token_budget; -1: no limit")
-    parser.add_argument("--default-chat-template-kwargs", default=None, metavar="JSON",
-                        help="a JSON object of extra chat template variables for every chat request, e.g. "
-                             "'{\"enable_thinking\": false}'; a request's chat_template_kwargs override them key by "
-                             "key")
-    parser.add_argument("--chat-template", default=None, metavar="FILE",
-                        help="a Jinja chat template file to render chat requests with instead of the model's own "
-                             "(also what --tool-call-parser auto and --reasoning-parser auto read)")
-    parser.add_argument("--generation-config", default="auto", choices=GENERATION_CONFIG_MODES,
-                        help="auto: the model directory's generation_config.json sets the default temperature, "
-                             "top_p, top_k, min_p, repetition_penalty and max_new_tokens of requests that leave "
-                             "them out (the request always wins; /get_model_info shows them); none: ringserve's "
-                             "own defaults")
-
-
 def chat_argv(options: ChatOptions) -> list[str]:
     """The tokenizer's command line for `options` (the template by its absolute path)."""
-    argv = ["--reasoning-parser", options.reasoning_parser, "--reasoning-budget", str(options.reasoning_budget),
-            "--generation-config", options.generation_config]
-    if options.default_chat_template_kwargs:
-        argv += ["--default-chat-template-kwargs", json.dumps(options.default_chat_template_kwargs)]
-    if options.chat_template_file:
-        argv += ["--chat-template", options.chat_template_file]
-    return argv
+    return flag_fields.to_argv(options.flags())

@@ -4,22 +4,39 @@ jetstream`); it forwards to the collector that `--otlp-endpoint` / `OTEL_EXPORTE
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, field
 
-from ringserve.actors.common.runtime import add_bus_arguments, run_actor
+from ringserve.actors.common.actor_flags import add_bus_arguments
+from ringserve.actors.common.flag_fields import add_arguments, flag
+from ringserve.actors.common.help_format import TRACING, DefaultOnceFormatter
+from ringserve.actors.common.runtime import run_actor
 from ringserve.bus.span_stream import DEFAULT_MAX_AGE_S, DEFAULT_MAX_BYTES
+
+
+@dataclass
+class SpanStreamFlags:
+    """How long the span stream keeps spans, and how the exporter waits out a collector outage."""
+
+    span_max_age: float = field(default=DEFAULT_MAX_AGE_S, metadata=flag(
+        "seconds the span stream keeps a span (also after it was forwarded)", group=TRACING))
+    span_max_bytes: int = field(default=DEFAULT_MAX_BYTES, metadata=flag(
+        "bytes the span stream keeps at most (the oldest spans go first)", group=TRACING))
+    max_backoff: float = field(default=5.0, metadata=flag(
+        "longest wait in seconds between tries while the collector is unreachable", group=TRACING))
+
+
+def build_parser(prog: str = "ringserve-trace-exporter") -> argparse.ArgumentParser:
+    """The trace exporter's flags."""
+    parser = argparse.ArgumentParser(prog=prog, description="ringserve trace exporter actor",
+                                     formatter_class=DefaultOnceFormatter)
+    add_bus_arguments(parser)
+    add_arguments(SpanStreamFlags, parser)
+    return parser
 
 
 def main() -> None:
     """Parse flags and run the trace exporter until stopped."""
-    parser = argparse.ArgumentParser(prog="ringserve-trace-exporter", description="ringserve trace exporter actor")
-    add_bus_arguments(parser)
-    parser.add_argument("--span-max-age", type=float, default=DEFAULT_MAX_AGE_S,
-                        help="seconds the span stream keeps a span (also after it was forwarded)")
-    parser.add_argument("--span-max-bytes", type=int, default=DEFAULT_MAX_BYTES,
-                        help="bytes the span stream keeps at most (the oldest spans go first)")
-    parser.add_argument("--max-backoff", type=float, default=5.0,
-                        help="longest wait in seconds between tries while the collector is unreachable")
-    args = parser.parse_args()
+    args = build_parser().parse_args()
     from ringserve.actors.trace_exporter.actor import trace_exporter_main
 
     run_actor("trace_exporter", args, lambda ctx: trace_exporter_main(ctx, args))

@@ -1,0 +1,117 @@
+"""Every flag is declared once, as a dataclass field (actors/common/flag_fields.py): `ringserve serve --help` files
+each flag under one group of actors/common/help_format.py and says each default at most once, and every actor's
+settings survive the trip through the argv the launcher writes and the parser that reads it."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from typing import Any
+
+import pytest
+
+from ringserve.actors.common import flag_fields
+from ringserve.actors.common.actor_flags import ActorModelFlags, BusFlags, NatsAuthFlags
+from ringserve.actors.common.help_format import GROUP_ORDER
+from ringserve.actors.detokenizer.__main__ import DetokenizerFlags
+from ringserve.actors.engine.config import EngineConfig
+from ringserve.actors.entry.__main__ import EntryProcessFlags
+from ringserve.actors.entry.settings import EntryFlags
+from ringserve.actors.launcher.cli import build_parser
+from ringserve.actors.launcher.serve_flags import ServeFlags
+from ringserve.actors.scheduler.admission import AdmissionFlags
+from ringserve.actors.scheduler.tp_follower import TensorParallelFlags
+from ringserve.actors.tokenizer.__main__ import TokenizerFlags
+from ringserve.actors.tokenizer.chat_options import ChatFlags
+from ringserve.actors.trace_exporter.__main__ import SpanStreamFlags
+from ringserve.observability.tracing_config import TracingFlags
+
+DECLARATIONS = (ServeFlags, AdmissionFlags, TensorParallelFlags, ChatFlags, EntryFlags, NatsAuthFlags, TracingFlags,
+                BusFlags, ActorModelFlags, DetokenizerFlags, TokenizerFlags, EntryProcessFlags, SpanStreamFlags)
+TWO_DEFAULTS = re.compile(r"\(default\b|\bdefault:", re.IGNORECASE)
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    for action in build_parser()._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices["serve"]
+    raise AssertionError("no serve subcommand")
+
+
+def help_sections(text: str) -> dict[str, list[str]]:
+    """`--help` text as group title -> the option strings listed under it."""
+    sections: dict[str, list[str]] = {}
+    title = ""
+    for line in text.splitlines():
+        if line and not line.startswith(" ") and line.endswith(":"):
+            title = line[:-1]
+            sections[title] = []
+        elif title and line.startswith("  -"):
+            sections[title] += re.findall(r"(?<![\w-])(--?[\w][\w-]*)", line.split("  ", 2)[1])
+    return sections
+
+
+def option_blocks(text: str) -> list[str]:
+    """Each flag's lines of a `--help` text, joined."""
+    body = text.split("\n\n", 1)[1]
+    return [" ".join(block.split()) for block in re.split(r"\n(?=  -)", body) if block.startswith("  -")]
+
+
+def test_serve_help_files_every_flag_under_one_group_in_order() -> None:
+    parser = serve_parser()
+    sections = help_sections(parser.format_help())
+    assert list(sections) == ["options", *GROUP_ORDER]
+    assert sections["options"] == ["-h", "--help"]
+    listed = [option for options in sections.values() for option in options]
+    flags = [option for action in parser._actions for option in action.option_strings]
+    assert sorted(listed) == sorted(flags) and len(set(listed)) == len(listed)
+
+
+@pytest.mark.parametrize("role", ["serve", "scheduler", "tokenizer", "detokenizer", "entry", "trace_exporter"])
+def test_help_says_each_default_once(role: str) -> None:
+    if role == "serve":
+        text = serve_parser().format_help()
+    else:
+        module = __import__(f"ringserve.actors.{role}.__main__", fromlist=["build_parser"])
+        text = module.build_parser().format_help()
+    twice = [block for block in option_blocks(text) if len(TWO_DEFAULTS.findall(block)) > 1]
+    assert not twice, twice
+
+
+def other_value(f: dataclasses.Field[Any]) -> Any:
+    """A value of field `f` that is not its default and that its flag takes."""
+    default = flag_fields.field_default(f)
+    choices = f.metadata.get("choices")
+    if choices:
+        return next(c for c in choices if c != default)
+    if isinstance(default, bool):
+        return not default
+    if isinstance(default, (int, float)) and not isinstance(default, bool):
+        return default + 2
+    if isinstance(default, list):
+        return ["a", "b"]
+    if f.metadata.get("type") is int:
+        return 3
+    return "/tmp" if "path" in f.name else "x"
+
+
+@pytest.mark.parametrize("declared", DECLARATIONS, ids=lambda cls: cls.__name__)
+def test_settings_round_trip_through_their_argv(declared: type) -> None:
+    settings = declared(**{f.name: other_value(f) for f in flag_fields.flag_fields(declared)})
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    flag_fields.add_arguments(declared, parser)
+    assert flag_fields.from_args(declared, parser.parse_args(flag_fields.to_argv(settings))) == settings
+    required = [f for f in flag_fields.flag_fields(declared) if f.metadata.get("required")]
+    if not required:  # the defaults are no flags at all
+        assert flag_fields.to_argv(declared()) == []
+
+
+def test_engine_config_round_trips_through_its_argv() -> None:
+    config = EngineConfig(dtype="bfloat16", quantization="int8", max_total_tokens=4096, chunked_prefill_size=64,
+                          kv_tier_bytes=1 << 20, kv_tier_dir="/tmp/tier", kv_share=True, replica_role="prefill,decode",
+                          grammar_warm_up=False, speculative_algorithm="ngram", lora_modules=("a=/x", "b=/y"),
+                          schedule_policy="lpm", mem_fraction_static=0.25)
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    EngineConfig.add_arguments(parser)
+    assert EngineConfig.from_args(parser.parse_args(config.to_argv())) == config
