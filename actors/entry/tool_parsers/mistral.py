@@ -15,7 +15,7 @@ class MistralParser(ToolCallParser):
     content.
 
     `[TOOL_CALLS]` is a special token: a chat request with tools decodes with `skip_special_tokens` false
-    unless it sets it (openai_protocol.parse_chat); an output that starts with a JSON list of calls (v3 without
+    unless it sets it (openai/protocol.py parse_chat); an output that starts with a JSON list of calls (v3 without
     its tag) is read as calls too.
     """
 
