@@ -52,12 +52,12 @@ def _run(engine: Any, requests: list[Any]) -> tuple[float, int, int]:
         error = engine.add_request(req)
         if error is not None:
             raise RuntimeError(error.message)
-    steps0, tokens, start = engine.steps, 0, time.perf_counter()
+    steps0, tokens, start = engine.counters.steps, 0, time.perf_counter()
     while engine.has_work():
         tokens += sum(len(row.token_ids) for row in engine.step())
     seconds = time.perf_counter() - start
     engine.flush_cache()
-    return seconds, tokens, engine.steps - steps0
+    return seconds, tokens, engine.counters.steps - steps0
 
 
 def _requests(tag: str, prompts: list[list[int]], max_tokens: int, schema: dict | None, every: int = 1) -> list[Any]:

@@ -137,7 +137,7 @@ def test_padding_rows_write_only_the_scratch_slot_under_overlap(hf: Any) -> None
 
     backend.prepare_for_replay = recording  # type: ignore[method-assign]
     out_plain, out_graphed = run_to_completion(plain, reqs), run_to_completion(graphed, reqs)
-    assert graphed.overlapped_steps > 0
+    assert graphed.counters.overlapped_steps > 0
     for i, p in enumerate(prompts3):
         assert tokens_of(out_graphed[f"r{i}"]) == tokens_of(out_plain[f"r{i}"])
         assert_greedy_matches(hf, p, hf_greedy(hf, p, MAX_NEW, None), tokens_of(out_graphed[f"r{i}"]))

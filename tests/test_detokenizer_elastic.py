@@ -99,10 +99,10 @@ def test_the_scheduler_sends_each_requests_rows_to_its_detokenizer_and_forgets_i
         sampling = SamplingParams(max_new_tokens=4)
         actor._inbox.extend(("add", TokenizedRequest(rid=rid, input_ids=[1], sampling=sampling, detokenizer=d))
                             for rid, d in stamped.items())
-        await actor._publish(await actor._apply_inbox())
-        await actor._publish([engine.finish("a"), engine.finish("b")])
+        await actor._rows.publish(await actor._apply_inbox())
+        await actor._rows.publish([engine.finish("a"), engine.finish("b")])
         actor._inbox.append(("abort", ("c", True)))
-        await actor._publish(await actor._apply_inbox())
+        await actor._rows.publish(await actor._apply_inbox())
         sent = [(subject, row.rid) for subject, msg in ctx.bus.published if isinstance(msg, BatchTokenOutput)
                 for row in msg.rows]
         assert sorted(sent) == [("t.tokens.0", "b"), ("t.tokens.3", "a"), ("t.tokens.3", "c")]

@@ -164,7 +164,7 @@ def test_retraction_keeps_the_matcher_state(model: Any, tokenizer: Any, jump_for
     reqs = [TokenizedRequest(f"r{i}", prompt(i), constrained(temperature=1.0, seed=i, json_schema=schema))
             for i in range(5)]
     out = run_to_completion(engine, reqs)
-    assert engine.num_retractions > 0
+    assert engine.counters.num_retractions > 0
     for req in reqs:
         check_json(text_of(tokenizer, out[req.rid]))
     assert engine.stats().kv_running_tokens == 0

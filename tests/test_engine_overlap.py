@@ -28,7 +28,7 @@ def run(hf: Any, overlap: str, params: list[SamplingParams], **config: Any) -> d
     assert engine.overlap == (overlap == "on")
     rows = run_to_completion(engine, [TokenizedRequest(f"r{i}", p, q) for i, (p, q) in enumerate(zip(PROMPTS, params))])
     assert not engine.live and engine.stats().kv_running_tokens == 0
-    assert (engine.overlapped_steps > 0) == (overlap == "on"), "the overlap loop planned some steps ahead"
+    assert (engine.counters.overlapped_steps > 0) == (overlap == "on"), "the overlap loop planned some steps ahead"
     return rows
 
 
@@ -66,7 +66,7 @@ def test_abort_while_a_step_is_in_flight(hf: Any) -> None:
     for _ in range(6):
         for row in engine.step():
             rows.setdefault(row.rid, []).append(row)
-    assert engine._inflight is not None and engine.overlapped_steps > 0, "an overlapped step is in flight"
+    assert engine._inflight is not None and engine.counters.overlapped_steps > 0, "an overlapped step is in flight"
     final = engine.abort("r1")
     assert final is not None and final.finish == FinishReason("abort")
     assert final.completion_tokens == len(tokens_of(rows["r1"]))  # the in-flight token is not counted
@@ -113,9 +113,9 @@ def test_steady_arrivals_overlap_and_give_the_plain_loops_rows(hf: Any) -> None:
     plain, _ = arrivals(hf, "off", **config)
     got, engine = arrivals(hf, "on", **config)
     assert summary(got) == summary(plain)
-    assert engine.drained_steps == 0, "a roomy pool never drains"
+    assert engine.counters.drained_steps == 0, "a roomy pool never drains"
     # Every step overlaps but the first (nothing in flight yet) and the last (it only applies the step before).
-    assert engine.overlapped_steps == engine.steps - 2 > 30
+    assert engine.counters.overlapped_steps == engine.counters.steps - 2 > 30
 
 
 def test_steady_arrivals_under_a_short_pool_drain_only_to_retract(hf: Any) -> None:
@@ -129,5 +129,5 @@ def test_steady_arrivals_under_a_short_pool_drain_only_to_retract(hf: Any) -> No
     for rid, (*_, logprobs) in a.items():
         flat = [v for x in logprobs if x for v in x]
         assert flat == pytest.approx([v for x in b[rid][3] if x for v in x], abs=1e-4)
-    assert engine.drained_steps > 0 and engine.num_retractions > 0
-    assert engine.overlapped_steps > engine.drained_steps
+    assert engine.counters.drained_steps > 0 and engine.counters.num_retractions > 0
+    assert engine.counters.overlapped_steps > engine.counters.drained_steps

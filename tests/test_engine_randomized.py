@@ -59,7 +59,7 @@ def test_random_traffic_keeps_the_pool_whole_and_the_output_exact(hf: Any, seed:
             break
     assert not engine.has_work(), "the engine must drain"
     assert engine.stats().kv_running_tokens == 0 and not engine.live
-    assert engine.num_retractions > 0, "the pool is small enough that retraction must happen"
+    assert engine.counters.num_retractions > 0, "the pool is small enough that retraction must happen"
     finished = [rid for rid in prompts if rid not in aborted]
     assert len(finished) >= 12
     for rid in finished:

@@ -75,7 +75,7 @@ def test_a_budget_forces_the_end_marker_right_after_k_thinking_tokens(hf: Any, f
     check_continues(hf, prompt(), free_out[:k] + end, out)
     assert rows[0].decode.reasoning == the_plan, "the first row carries the plan for the detokenizer"
     assert all(row.decode is None for row in rows[1:])
-    assert (engine.overlapped_steps > 0) == (overlap == "on")
+    assert (engine.counters.overlapped_steps > 0) == (overlap == "on")
     engine.check_integrity()
     assert engine.stats().kv_running_tokens == 0
 
@@ -185,7 +185,7 @@ def test_sampled_requests_and_retraction_keep_to_the_budget(hf: Any, free_out: l
                              reasoning=plan([5], end, open=True, budget=3 + i)) for i in range(5)]
     small = engine_for(hf, max_total_tokens=96)
     out = run_to_completion(small, reqs)
-    assert small.num_retractions > 0
+    assert small.counters.num_retractions > 0
     roomy = run_to_completion(engine_for(hf), reqs)
     for i, req in enumerate(reqs):
         tokens = tokens_of(out[req.rid])

@@ -157,7 +157,7 @@ def test_unknown_and_malformed_adapters_are_clear_errors(engine: EngineCore, lla
     (dora / "adapter_config.json").write_text(cfg)
     error = engine.load_lora("dora", str(dora))
     assert error is not None and "DoRA" in error.message
-    assert engine.lora_names() == ["a8", "b16", "qonly", "rs"]
+    assert engine.adapters.names() == ["a8", "b16", "qonly", "rs"]
     assert engine.add_request(request("busy", PROMPTS[0], "a8")) is None
     for error in (engine.unload_lora("a8"), engine.load_lora("a8", llama_adapters[1]["b16"][0])):
         assert error is not None and error.code == 409 and "in use" in error.message

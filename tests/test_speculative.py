@@ -65,7 +65,7 @@ def test_greedy_output_is_identical_with_speculation_on_and_off(hf: Any, scenari
     assert stats.spec_accepted_tokens > 10 and stats.spec_verify_rows > 0, stats
     assert stats.spec_emitted_tokens == stats.spec_accepted_tokens + stats.spec_verify_rows
     if scenario == "retraction":
-        assert engine.num_retractions > 0
+        assert engine.counters.num_retractions > 0
 
 
 def test_a_second_round_hits_the_prefix_cache_and_keeps_the_tokens(hf: Any) -> None:

@@ -114,7 +114,7 @@ def _run_waves(engine: Any, waves: list[Wave]) -> dict[str, Any]:
                 got["logprobs"] += row.logprobs or []
                 got["top"] += row.top_logprobs or []
             engine.check_integrity()
-    return {"requests": out, "retractions": engine.num_retractions,
+    return {"requests": out, "retractions": engine.counters.num_retractions,
             "quantization": engine.stats().quantization.get("method", "none"),
             "spec_accepted": engine.stats().spec_accepted_tokens}
 
@@ -244,7 +244,7 @@ def tp1_results() -> dict[str, Any]:
         family = config.pop("model", None)
         engine = engine_for(tiny_hf_model(family) if family else tiny_hf_llama(), draft=_draft_for(config), **config)
         apply_quantization(engine.runner.model, engine.config)  # what EngineCore.from_source does after loading
-        engine._quantization = quantization_report(engine.runner.model)
+        engine.startup.quantization = quantization_report(engine.runner.model)
         out[name] = _run_waves(engine, waves)
     return out
 

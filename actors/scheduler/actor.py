@@ -62,7 +62,7 @@ CONTROL_ACTIONS = ("flush_cache", "abort_all", "pause", "continue", UPDATE_WEIGH
 REFUSAL_LOG_SECONDS = 1.0  # admission refusals are logged at most this often (a flood would flood the log)
 
 
-class SchedulerActor(RowPublisher):
+class SchedulerActor:
     """Bridges the bus and the engine."""
 
     def __init__(self, ctx: ActorContext, engine: EngineInterface, admission: Admission | None = None,
@@ -94,6 +94,8 @@ class SchedulerActor(RowPublisher):
         self._role = role
         self._share = KvSharing(ctx, engine, self._spans, kv_fetch_timeout, prefill_timeout,
                                 self._enqueue) if kv_fetch_timeout else None
+        self._rows = RowPublisher(ctx, engine, self._admission, self._spans, self._share, self._streams,
+                                  self._numbering, self._detokenizer_of, lambda: self._info.step)
         # requests waiting for what they need from the bus: their image tensors, their prefix from another replica
         self._fetching: set[asyncio.Task[None]] = set()
         self._info = self._snapshot()
@@ -236,17 +238,17 @@ class SchedulerActor(RowPublisher):
         rows = [row for item in swap.held if (row := await self._take(item)) is not None]
         self._info = self._snapshot()
         swap.done.set_result(swap.reply)
-        await self._publish(rows)
+        await self._rows.publish(rows)
 
     async def _run(self) -> None:
         try:
             while not self._ctx.stopping.is_set():
-                await self._publish(await self._apply_inbox())
+                await self._rows.publish(await self._apply_inbox())
                 await self._maybe_swap()
                 await self._kv.publish(*self._engine.kv_events())  # aborts, flushes and swaps evict too
                 self._info = self._snapshot()
                 if not self._engine.has_work():
-                    await self._send(self._streams.flush())  # no step follows soon to carry them
+                    await self._rows.send(self._streams.flush())  # no step follows soon to carry them
                     self._check_when_idle()
                     self._wake.clear()
                     if not self._inbox:
@@ -258,7 +260,7 @@ class SchedulerActor(RowPublisher):
                 rows = await on_engine_thread(self._engine.step)
                 self._info = self._snapshot()
                 step_tp = self._spans.step(self._engine.last_plan(), self._info.step, started, tracing.now_ns())
-                await self._publish(rows, step_tp, after_step=True)
+                await self._rows.publish(rows, step_tp, after_step=True)
                 await self._kv.publish(*self._engine.kv_events())  # one message per step at most
         except Exception as exc:
             log.exception("engine loop crashed")

@@ -32,7 +32,7 @@ class ImageFetcher:
         self.fetched = 0  # images read from the store (the rest came from the cache)
 
     async def fetch(self, refs: list[ImageRef]) -> dict[str, dict[str, Any]]:
-        """Each image's tensors by hash (what `Engine.add_request` takes); ApiError as the module says."""
+        """Each image's tensors by hash (what `EngineCore.add_request` takes); ApiError as the module says."""
         hashes = list(dict.fromkeys(ref.hash for ref in refs))
         by_hash = {ref.hash: ref for ref in refs}
         tensors = await asyncio.gather(*(self._one(by_hash[h]) for h in hashes))

@@ -27,7 +27,10 @@ import time
 import uuid
 from typing import Any, Callable
 
+from ringserve.actors.common.runtime import ActorContext
+from ringserve.actors.engine.interface import EngineInterface
 from ringserve.actors.scheduler.engine_thread import on_engine_thread
+from ringserve.actors.scheduler.request_spans import NoSpans
 from ringserve.bus.kv_blocks import BLOCK
 from ringserve.bus.kv_transfer import (KvFetchReply, KvFetchRequest, KvPrefillReply, KvPrefillRequest, checksum,
                                        fetch_blocks, reply_budget)
@@ -42,8 +45,8 @@ log = logging.getLogger("scheduler.kv_share")
 class KvSharing:
     """One replica's side of KV sharing: its counters, its fetch responder and its fetches."""
 
-    def __init__(self, ctx: Any, engine: Any, spans: Any, fetch_timeout: float, prefill_timeout: float = 60.0,
-                 enqueue: Callable[[TokenizedRequest], None] | None = None) -> None:
+    def __init__(self, ctx: ActorContext, engine: EngineInterface, spans: NoSpans, fetch_timeout: float,
+                 prefill_timeout: float = 60.0, enqueue: Callable[[TokenizedRequest], None] | None = None) -> None:
         """`enqueue` hands a request of this replica's own (a prefill job) to its engine like any other."""
         self._ctx, self._engine, self._spans = ctx, engine, spans
         self.fetch_timeout, self.prefill_timeout = fetch_timeout, prefill_timeout

@@ -1,19 +1,23 @@
 """How the scheduler publishes its engine's token rows: one step message per detokenizer (each request's rows go to
 the detokenizer stamped on its `TokenizedRequest`), joined by `--stream-interval` first (stream_interval.py),
-prefill jobs' rows kept back (kv_share.py), a row too large for the bus ending its request. `SchedulerActor`
-takes these methods; the state is its own."""
+prefill jobs' rows kept back (kv_share.py), a row too large for the bus ending its request (`SchedulerActor`'s
+`rows`)."""
 
 from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from typing import Any
+from typing import Callable
 
+from ringserve.actors.common.runtime import ActorContext
+from ringserve.actors.engine.interface import EngineInterface
+from ringserve.actors.scheduler.admission import Admission
 from ringserve.actors.scheduler.kv_share import KvSharing
+from ringserve.actors.scheduler.request_spans import NoSpans
 from ringserve.actors.scheduler.step_messages import StepNumbering
 from ringserve.actors.scheduler.stream_interval import StreamCoalescer
 from ringserve.bus.errors import server_error
-from ringserve.bus.messages import FinishReason, SchedulerInfo, TokenRow
+from ringserve.bus.messages import FinishReason, TokenRow
 from ringserve.observability import tracing
 from ringserve.observability.logging import log_event
 
@@ -21,20 +25,20 @@ log = logging.getLogger("scheduler")
 
 
 class RowPublisher:
-    """`SchedulerActor`'s publishing of step rows."""
+    """Publishes a scheduler's token rows to their detokenizers, and frees the admission slot of each request
+    whose final row it publishes."""
 
-    _ctx: Any
-    _engine: Any
-    _admission: Any
-    _spans: Any
-    _share: KvSharing | None
-    _streams: StreamCoalescer
-    _numbering: StepNumbering
-    _detokenizer_of: dict[str, int]
-    _info: SchedulerInfo
+    def __init__(self, ctx: ActorContext, engine: EngineInterface, admission: Admission, spans: NoSpans,
+                 share: KvSharing | None, streams: StreamCoalescer, numbering: StepNumbering,
+                 detokenizer_of: dict[str, int], step: Callable[[], int]) -> None:
+        """`detokenizer_of`: the detokenizer stamped on each request taken and not yet ended (the scheduler adds
+        them); `step`: the engine's step number now, which the step messages carry."""
+        self._ctx, self._engine, self._admission, self._spans = ctx, engine, admission, spans
+        self._share, self._streams, self._numbering = share, streams, numbering
+        self._detokenizer_of, self._step = detokenizer_of, step
 
-    async def _publish(self, outputs: list[TokenRow], step_traceparent: str | None = None,
-                       after_step: bool = False) -> None:
+    async def publish(self, outputs: list[TokenRow], step_traceparent: str | None = None,
+                      after_step: bool = False) -> None:
         """Publish rows, one message per detokenizer, or hold them for `--stream-interval` (`after_step`: a
         step's rows; `step_traceparent`: the step span they came from)."""
         now = tracing.now_ns() if tracing.enabled() and outputs else 0
@@ -48,9 +52,9 @@ class RowPublisher:
             outputs, ended = self._share.take_job_rows(outputs)
             for rid in ended:
                 self._detokenizer_of.pop(rid, None)
-        await self._send(self._streams.take(outputs, after_step), step_traceparent)
+        await self.send(self._streams.take(outputs, after_step), step_traceparent)
 
-    async def _send(self, outputs: list[TokenRow], step_traceparent: str | None = None) -> None:
+    async def send(self, outputs: list[TokenRow], step_traceparent: str | None = None) -> None:
         """Publish rows as they are, one message per detokenizer."""
         if not outputs:
             return
@@ -71,7 +75,7 @@ class RowPublisher:
 
     async def _publish_rows(self, subject: str, rows: list[TokenRow], traceparent: str | None = None) -> None:
         """One step message (split while it exceeds max_payload); a row too large alone ends its request."""
-        step = self._info.step
+        step = self._step()
         too_large = await self._numbering.publish(self._ctx.bus, subject, step, rows, traceparent)
         for row in too_large:
             log_event(log, logging.ERROR, "a token row exceeds max_payload; ending its request", rid=row.rid)

@@ -133,7 +133,7 @@ def test_the_scheduler_refuses_over_a_cap_and_frees_slots_on_finish_abort_and_re
         async def apply(*items: tuple[str, Any]) -> list[RequestOutput]:
             ctx.bus.published.clear()
             actor._inbox.extend(items)
-            await actor._publish(await actor._apply_inbox())
+            await actor._rows.publish(await actor._apply_inbox())
             return [msg for _, msg in ctx.bus.published if isinstance(msg, RequestOutput)]
 
         errors = await apply(req("alice~a"), req("alice~b"), req("alice~c"), req("alice~bad1"), req("h1"))
@@ -149,13 +149,13 @@ def test_the_scheduler_refuses_over_a_cap_and_frees_slots_on_finish_abort_and_re
         errors = await apply(req("h2"), req("h3"))  # the total cap (4) holds for HTTP rids too
         assert [(e.rid, e.error.code) for e in errors] == [("h3", 503)]
 
-        await actor._publish([engine.finish("alice~a")])  # a final row frees the slot
+        await actor._rows.publish([engine.finish("alice~a")])  # a final row frees the slot
         assert actor._admission.client_live("alice") == 1 and len(actor._admission) == 3
         assert await apply(("abort", ("alice~b", True))) == [] and actor._admission.client_live("alice") == 0
         assert await apply(("abort", ("alice~never", True))) == [] and len(actor._admission) == 2  # an early abort
         assert await apply(req("alice~d"), req("alice~e")) == []  # the client may submit again
         assert actor._admission.client_live("alice") == 2 and len(actor._admission) == 4
-        await actor._publish(engine.abort_all())
+        await actor._rows.publish(engine.abort_all())
         assert len(actor._admission) == 0
 
     asyncio.run(run())

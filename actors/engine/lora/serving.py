@@ -1,11 +1,12 @@
 """The engine's LoRA side as the scheduler drives it: adapters loaded at start, read beside the steps, served,
-unloaded (`EngineCore` takes these methods; the pool and the per-step slots are `pool.py`'s)."""
+unloaded (`EngineCore.adapters`; the pool and the per-step slots are `pool.py`'s)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Mapping
 
+from ringserve.actors.engine.core.request import Req
 from ringserve.actors.engine.lora.adapter import Adapter, AdapterError
 from ringserve.actors.engine.lora.pool import LoraPool, lora_not_found
 from ringserve.actors.engine.models.causal_lm import CausalLM
@@ -13,85 +14,80 @@ from ringserve.bus.errors import ApiError
 
 
 class LoraServing:
-    """`EngineCore`'s adapter methods; it sets `lora` (a `LoraPool`, None without LoRA), `config`, `runner`,
-    `prefill`, `decode` and `live`."""
+    """The adapters a `LoraPool` serves, checked against the live requests that use them."""
 
-    lora: LoraPool | None
-    config: Any
-    runner: Any
-    prefill: Any
-    decode: Any
-    live: dict[str, Any]
+    def __init__(self, pool: LoraPool | None, lora_dir: str, live: Mapping[str, Req]) -> None:
+        """`pool`: None without LoRA; `lora_dir`: where `load` may read adapters from (`--lora-dir`, "" for
+        anywhere); `live`: the engine's live requests by rid."""
+        self.pool, self.lora_dir, self.live = pool, lora_dir, live
 
-    def _start_lora(self, model: CausalLM) -> None:
-        """Bound the running adapters, keep decode layers off the fused CPU op (it knows no adapters) and load
-        `--lora-modules`."""
-        assert self.lora is not None
-        self.lora.state.fixed = self.runner.graphs is not None  # graphs keep every slot's shapes
+    def start(self, model: CausalLM, graphs: bool, modules: Mapping[str, str]) -> None:
+        """Fix the slots' shapes when decode `graphs` run, keep decode layers off the fused CPU op (it knows no
+        adapters) and register `modules` (`--lora-modules`: name -> path)."""
+        assert self.pool is not None
+        self.pool.state.fixed = graphs  # graphs keep every slot's shapes
         for layer in model.decoder_layers():
             layer.fused_decode = False
-        self.prefill.adapter_limit = self.config.max_loras_per_batch
-        self.prefill.running_adapters = lambda: {r.params.lora_name for r in self.decode.running}
-        for name, path in self.config.lora_module_map().items():
-            self.lora.register(name, path)
+        for name, path in modules.items():
+            self.pool.register(name, path)
 
-    def read_lora(self, name: str, path: str) -> Adapter | ApiError:
+    def read(self, name: str, path: str) -> Adapter | ApiError:
         """The adapter at `path` for `name`, read and checked, or why not; serves nothing yet and changes no
         state, so it may run on another thread while steps run (the scheduler reads there: a load never holds
         the steps for as long as the disk takes)."""
-        if self.lora is None:
+        if self.pool is None:
             return ApiError("this server serves no LoRA adapters (start it with --enable-lora)", param="lora_name")
         if not name:
             return ApiError("lora_name must not be empty", param="lora_name")
-        root = self.config.lora_dir
+        root = self.lora_dir
         if root and not Path(path).resolve().is_relative_to(Path(root).resolve()):
             return ApiError(f"lora_path {path!r} is outside --lora-dir {root!r}", param="lora_path")
         try:
-            return self.lora.read(name, path)
+            return self.pool.read(name, path)
         except AdapterError as e:
             return ApiError(str(e), param="lora_path")
 
-    def load_lora(self, name: str, path: str, adapter: Adapter | ApiError | None = None) -> ApiError | None:
+    def load(self, name: str, path: str, adapter: Adapter | ApiError | None = None) -> ApiError | None:
         """Register the adapter at `path` as `name` (replacing one of that name), or say why not; `adapter`:
-        what `read_lora` gave for them already."""
-        adapter = self.read_lora(name, path) if adapter is None else adapter
+        what `read` gave for them already."""
+        adapter = self.read(name, path) if adapter is None else adapter
         if isinstance(adapter, ApiError):
             return adapter
-        error = self._lora_in_use(name)
+        error = self._in_use(name)
         if error is not None:
             return error
-        assert self.lora is not None
-        self.lora.register(name, path, adapter)
+        assert self.pool is not None
+        self.pool.register(name, path, adapter)
         return None
 
-    def unload_lora(self, name: str) -> ApiError | None:
+    def unload(self, name: str) -> ApiError | None:
         """Forget the adapter `name`, or say why not (unknown, or requests still use it)."""
-        if self.lora is None or name not in self.lora.paths:
-            return lora_not_found(name, self.lora_names())
-        error = self._lora_in_use(name)
+        if self.pool is None or name not in self.pool.paths:
+            return lora_not_found(name, self.names())
+        error = self._in_use(name)
         if error is not None:
             return error
-        self.lora.unregister(name)
+        self.pool.unregister(name)
         return None
 
-    def _adapter_error(self, name: str | None) -> ApiError | None:
+    def request_error(self, name: str | None) -> ApiError | None:
         """Why a request for the adapter `name` cannot run (not served: 404; unreadable now: 400), or None
         (also for no adapter). The adapter is read again from disk here if the LRU let it go."""
         if name is None:
             return None
-        if self.lora is None or name not in self.lora.paths:
-            return lora_not_found(name, self.lora_names())
+        if self.pool is None or name not in self.pool.paths:
+            return lora_not_found(name, self.names())
         try:
-            self.lora.adapter(name)
+            self.pool.adapter(name)
         except AdapterError as e:
             return ApiError(str(e), param="lora_name")
         return None
 
-    def lora_cache_name(self, name: str | None) -> str | None:
+    def cache_name(self, name: str | None) -> str | None:
         """The name the adapter `name`'s KV is cached under (`LoraPool.cache_name`); None for the base model."""
-        return self.lora.cache_name(name) if name is not None and self.lora is not None else None
+        return self.pool.cache_name(name) if name is not None and self.pool is not None else None
 
-    def _lora_in_use(self, name: str) -> ApiError | None:
+    def _in_use(self, name: str) -> ApiError | None:
         """A 409 while live requests run with the adapter `name` (replacing or dropping it would change them)."""
         users = sum(r.params.lora_name == name for r in self.live.values())
         if users:
@@ -99,6 +95,6 @@ class LoraServing:
                             409, "lora_name")
         return None
 
-    def lora_names(self) -> list[str]:
+    def names(self) -> list[str]:
         """The registered adapters' names."""
-        return sorted(self.lora.paths) if self.lora is not None else []
+        return sorted(self.pool.paths) if self.pool is not None else []

@@ -1,44 +1,35 @@
-"""The engine's operator side: reports (`stats`, decode graphs, KV events), integrity checks, pause/resume,
-the idle hook and weight swaps (`EngineCore` takes these methods; scheduling is engine.py's)."""
+"""The engine's operator side: the decode graphs' report, prefix-cache flush and save, KV events, integrity
+checks, pause/resume, the idle hook and weight swaps, all called between steps (`EngineCore.control`;
+scheduling is engine_core.py's, the stats report engine_stats.py's)."""
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any, Mapping
 
 from ringserve.actors.engine.config import KV_TIER_STOP_SAVE_SECONDS
-from ringserve.actors.engine.scheduling.weight_swap import swap_engine_weights
-from ringserve.bus.messages import SchedulerInfo
+from ringserve.actors.engine.core.request import Req
+from ringserve.actors.engine.runner.model_runner import ModelRunner
+from ringserve.actors.engine.scheduling.cache_manager import CacheManager
+from ringserve.actors.engine.scheduling.weight_swap import WeightSwap
 from ringserve.observability.logging import log_event
 
 log = logging.getLogger("engine")
 
 
 class EngineControl:
-    """`EngineCore`'s control and report methods, called between steps; it sets what they read (`cache`, `runner`,
-    `config`, `live`, the managers and the counters)."""
+    """Operator commands and self-checks over the KV cache and the runner; holds whether the engine is paused,
+    the served model's name and the thread counts the tuner settled on."""
 
-    cache: Any
-    runner: Any
-    config: Any
-    live: dict[str, Any]
-    decode: Any
-    prefill: Any
-    lora: Any
-    speculation: Any
-    paused: bool
-    steps: int
-    num_slots: int
-    context_length: int
-    model_name: str
-    num_retractions: int
-    overlap: bool
-    _thread_choices: dict[str, int]
-    _quantization: dict[str, Any]
-    _kv_pool_report: dict[str, Any]
-    _prompt_tokens: int
-    _cached_tokens: int
-    lora_names: Callable[[], list[str]]  # LoraServing's
+    def __init__(self, cache: CacheManager, runner: ModelRunner, live: Mapping[str, Req], weights: WeightSwap,
+                 serves_lora: bool, model_name: str) -> None:
+        """`live`: the engine's live requests by rid; `serves_lora`: adapters are served (weight swaps are refused
+        then); `model_name`: what the stats report until a weight swap names another."""
+        self.cache, self.runner, self.live, self.weights = cache, runner, live, weights
+        self.serves_lora = serves_lora
+        self.model_name = model_name
+        self.paused = False
+        self.thread_choices: dict[str, int] = {}
 
     def start_decode_graphs(self) -> None:
         """On a CPU, start compiling decode graphs in the background (decode_graph.py); the server calls this
@@ -68,25 +59,6 @@ class EngineControl:
         """Assert that the pool is partitioned exactly among free slots, the prefix cache and live requests."""
         self.cache.check_integrity(self.live.values())
 
-    def stats(self) -> SchedulerInfo:
-        """Current load, KV usage and settings (`rank` 0: the scheduler actor knows its own)."""
-        free, cached = self.cache.num_free, self.cache.num_cached
-        used = self.num_slots - free
-        config = self.config
-        return SchedulerInfo(
-            rank=0, num_running_reqs=len(self.decode), num_waiting_reqs=len(self.prefill), kv_used_tokens=used,
-            kv_total_tokens=self.num_slots, context_length=self.context_length, step=self.steps,
-            model=self.model_name, kv_running_tokens=used - cached, kv_cached_tokens=cached,
-            lora_adapters=self.lora_names(),
-            cache_hit_rate=self._cached_tokens / self._prompt_tokens if self._prompt_tokens else 0.0,
-            num_retractions=self.num_retractions, paused=self.paused, radix_cache=not config.disable_radix_cache,
-            chunked_prefill_size=config.chunked_prefill_size if config.chunking else 0,
-            overlap_schedule=self.overlap, torch_threads=dict(self._thread_choices),
-            quantization=dict(self._quantization), kv_pool=dict(self._kv_pool_report),
-            decode_graphs=self.decode_graph_report(),
-            **(self.speculation.report() if self.speculation is not None else {}),
-            **(self.cache.tier.report() if self.cache.tier is not None else {}))
-
     def pause(self) -> None:
         """Start no more steps (a step in flight is still applied); requests keep their KV, new ones queue."""
         self.paused = True
@@ -95,18 +67,14 @@ class EngineControl:
         """Step again after `pause`."""
         self.paused = False
 
-    def live_rids(self) -> int:
-        """Requests the engine holds state for."""
-        return len(self.live)
-
     def on_idle(self) -> None:
         """Check the KV pool's integrity and take the thread counts the tuner has settled on (logged when
         they change)."""
         self.check_integrity()
         tuner = self.runner.thread_tuner
         choices = tuner.preferred() if tuner is not None else {}
-        if choices != self._thread_choices:
-            self._thread_choices = choices
+        if choices != self.thread_choices:
+            self.thread_choices = choices
             log_event(log, logging.INFO, "torch threads per step size, as measured",
                       choices=", ".join(f"{size}: {n}" for size, n in choices.items()))
 
@@ -116,7 +84,10 @@ class EngineControl:
         `stats()` reports from then on. Raises `WeightMismatch` and changes nothing when it does not fit;
         `check_only` only checks. Call between steps, with none in flight. Returns the KV slots the prefix-cache
         flush freed."""
-        if self.lora is not None:  # the wrapped linears hold the base under other names; not yet swapped
+        if self.serves_lora:  # the wrapped linears hold the base under other names; not yet swapped
             raise ValueError("swapping weights while LoRA adapters are served is not supported yet; restart with the "
                              "new weights instead")
-        return swap_engine_weights(self, checkpoint, model_name, check_only)
+        freed = self.weights.swap(checkpoint, check_only)
+        if not check_only:
+            self.model_name = model_name
+        return freed

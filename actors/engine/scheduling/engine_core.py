@@ -25,7 +25,6 @@ the two kinds of launch.
 from __future__ import annotations
 
 import logging
-import random
 import time
 from contextlib import nullcontext
 from typing import Any
@@ -36,46 +35,48 @@ from ringserve.actors.engine.speculative.draft_model import DraftModel, load_dra
 from ringserve.actors.engine.speculative.speculator import Speculator
 from ringserve.actors.engine.speculative.verify_step import SpeculativeSteps
 from ringserve.actors.engine.core.batch import Batch, ForwardOutput
-from ringserve.actors.engine.scheduling.request_checks import request_error
-from ringserve.actors.engine.core.embedding import embed_state
 from ringserve.actors.engine.scheduling.cache_manager import CacheManager
 from ringserve.actors.engine.config import EngineConfig
 from ringserve.actors.engine.scheduling.decode import DecodeManager
 from ringserve.actors.engine.scheduling.engine_control import EngineControl
+from ringserve.actors.engine.scheduling.engine_stats import EngineStats, StartupReport, StepCounters
 from ringserve.actors.engine.scheduling.grammar import GrammarManager
 from ringserve.actors.engine.scheduling.jump_forward import JumpForward
 from ringserve.actors.engine.runner.kv_pool import KVPool
 from ringserve.actors.engine.models.causal_lm import CausalLM
 from ringserve.actors.engine.runner.model_runner import ModelRunner
-from ringserve.actors.engine.scheduling.output_rows import StepLogprobs, output_row
 from ringserve.actors.engine.scheduling.prefill import PrefillManager
+from ringserve.actors.engine.scheduling.step_finish import StepFinish
 from ringserve.actors.engine.scheduling.step_pace import StepPace
-from ringserve.actors.engine.core.reasoning_gate import reasoning_gate
+from ringserve.actors.engine.scheduling.weight_swap import WeightSwap
 from ringserve.actors.engine.quantization.quantize import apply_quantization, quantization_report
 from ringserve.actors.engine.runner.row_invariant import make_row_invariant
 from ringserve.actors.engine.scheduling.prefix_cache import create_prefix_cache
-from ringserve.actors.engine.scheduling.kv_sharing import KvShareMethods
+from ringserve.actors.engine.scheduling.kv_sharing import KvShare
 from ringserve.actors.engine.kv_tier.tier import make_tier
 from ringserve.actors.engine.core.request import Req
-from ringserve.actors.engine.scheduling.images import request_images, step_override
+from ringserve.actors.engine.scheduling.images import step_override
+from ringserve.actors.engine.scheduling.request_ends import RequestEnds
+from ringserve.actors.engine.scheduling.request_intake import RequestIntake
+from ringserve.actors.engine.lora.adapter import Adapter
 from ringserve.actors.engine.lora.pool import LoraPool
 from ringserve.actors.engine.lora.serving import LoraServing
 from ringserve.actors.engine.scheduling.stop_checker import StopChecker
 from ringserve.actors.engine.runner.graphs.thread_tuner import tuner_for
 from ringserve.actors.engine.runner.token_table import TokenTable
 from ringserve.actors.engine.interface import StepPlan
-from ringserve.bus.errors import ApiError, server_error
-from ringserve.bus.images import image_key
-from ringserve.bus.messages import FinishReason, TokenizedRequest, TokenRow
-from ringserve.kernels.sampling import PenaltyState
+from ringserve.bus.errors import ApiError
+from ringserve.bus.messages import FinishReason, SchedulerInfo, TokenizedRequest, TokenRow
 
 IDLE_COMPILE_WAIT = 0.05  # seconds a step with nothing to run waits for a grammar compilation
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 log = logging.getLogger("engine")
 
 
-class EngineCore(LoraServing, KvShareMethods, EngineControl):
-    """Continuous batching with chunked prefill and a prefix cache over a registry model and a paged KV pool."""
+class EngineCore:
+    """Continuous batching with chunked prefill and a prefix cache over a registry model and a paged KV pool. Parts
+    it owns take new requests (`intake`), apply a step's tokens (`finishing`), end requests (`ends`), answer the operator (`control`), report (`report`),
+    serve LoRA adapters (`adapters`) and share KV with other replicas (`kv_share`)."""
 
     def __init__(self, model: CausalLM, config: EngineConfig, tokenizer: Any | None = None,
                  model_name: str = "", draft: EngineCore | None = None) -> None:
@@ -83,7 +84,6 @@ class EngineCore(LoraServing, KvShareMethods, EngineControl):
         `model_name` is what `stats()` reports; `draft`: the draft model's engine (`--speculative-algorithm
         draft`)."""
         self.config = config
-        self.model_name = model_name
         self.device = torch.device(config.resolved_device())
         self.vocab_size: int = model.vocab_size
         self.context_length: int = model.context_length
@@ -91,7 +91,7 @@ class EngineCore(LoraServing, KvShareMethods, EngineControl):
         dtype, head_dim, layers = model.dtype, model.head_dim, model.num_layers
         kv_heads = model.num_kv_heads  # this rank's share under tensor parallelism
         per_token = KVPool.bytes_per_token(layers, kv_heads, head_dim, dtype, model.latent_kv)
-        num_slots, self._kv_pool_report = config.kv_pool_plan(per_token, self.context_length)
+        num_slots, kv_pool_report = config.kv_pool_plan(per_token, self.context_length)
         self.pool = KVPool(layers, num_slots, kv_heads, head_dim, dtype, self.device, model.latent_kv)
         self.table = TokenTable(config.max_running_requests, min(self.context_length, num_slots), self.device,
                                 self.pool.scratch_slot)
@@ -116,15 +116,20 @@ class EngineCore(LoraServing, KvShareMethods, EngineControl):
                              * (config.speculative_num_draft_tokens + 1)) if config.lora_enabled() else None
         self.runner = ModelRunner(model, self.pool, self.table, config.resolved_attention_backend(),
                                   config.graph_max_bs())
+        self.live: dict[str, Req] = {}
+        self.adapters = LoraServing(self.lora, config.lora_dir, self.live)
         if self.lora is not None:
-            self._start_lora(model)
+            self.adapters.start(model, self.runner.graphs is not None, config.lora_module_map())
+            self.prefill.adapter_limit = config.max_loras_per_batch
+            self.prefill.running_adapters = lambda: {r.params.lora_name for r in self.decode.running}
         self.runner.thread_tuner = tuner_for(config)
         if config.enable_deterministic_inference:
             make_row_invariant(self.runner)
-        self._quantization = quantization_report(model, config.enable_deterministic_inference)
-        self._thread_choices: dict[str, int] = {}
-        self.paused = False
-        self.steps = 0
+        self.counters = StepCounters()
+        weights = WeightSwap(self.runner, self.pool, self.cache, self.decode, self.prefill,
+                             lambda: self._inflight is not None)
+        self.control = EngineControl(self.cache, self.runner, self.live, weights, self.lora is not None, model_name)
+        self.kv_share = KvShare(self.cache, self.adapters, self.rope_rule)
         self.stop_checker = StopChecker(tokenizer, self.context_length)
         self.grammars = GrammarManager(tokenizer, self.vocab_size, config.grammar_compile_timeout)
         self.jumper = (JumpForward(self.grammars, self.stop_checker, self.decode, self.cache, self.prefill,
@@ -135,18 +140,19 @@ class EngineCore(LoraServing, KvShareMethods, EngineControl):
         self.speculation = None if config.speculative_algorithm == "none" else SpeculativeSteps(
             Speculator(config.speculative_num_draft_tokens, draft_model=DraftModel(draft) if draft else None),
             config.speculative_algorithm, self.cache, self.table, self.grammars, self.stop_checker)
-        self.live: dict[str, Req] = {}
-        self.num_retractions = 0
+        self.ends = RequestEnds(self.live, self.decode, self.prefill, self.grammars, self.cache, self.speculation,
+                                self.counters)
+        self.finishing = StepFinish(self.live, self.grammars, self.stop_checker, self.jumper, self.speculation,
+                                    self.ends)
+        self.intake = RequestIntake(model, num_slots, tokenizer is not None, config.embedding_pooling, self.device,
+                                    self.adapters, self.grammars, self.prefill, self.live)
         self._last_batch: Batch | None = None
         self.overlap = config.overlap_enabled()
         self._inflight: tuple[Batch, ForwardOutput] | None = None  # overlap loop: launched, not yet finished
-        # Overlap loop, per step() that launched a batch: launched while the step before was still unapplied,
-        # or after applying it first because the pool was short (retraction). Neither counts a launch with
-        # nothing in flight before it (the first after idling, and every step of the plain loop).
-        self.overlapped_steps = 0
-        self.drained_steps = 0
-        self._prompt_tokens = 0
-        self._cached_tokens = 0
+        self.startup = StartupReport(num_slots, self.context_length, self.overlap, kv_pool_report,
+                                     quantization_report(model, config.enable_deterministic_inference))
+        self.report = EngineStats(config, self.startup, self.counters, self.cache, self.decode, self.prefill,
+                                  self.control, self.adapters, self.speculation)
 
     @classmethod
     def from_source(cls, source: Any, config: EngineConfig, tokenizer: Any | None = None) -> EngineCore:
@@ -171,52 +177,14 @@ class EngineCore(LoraServing, KvShareMethods, EngineControl):
 
     def add_request(self, request: TokenizedRequest,
                     images: dict[str, dict[str, Any]] | None = None) -> ApiError | None:
-        """Queue `request`, or say why it cannot run (with the numbers involved). `images[ref.hash]`: the processed
-        tensors of each of `request.images` (as the model's processor returns them for that one image)."""
-        rejection = request_error(request, self.live, self.vocab_size, self.context_length, self.num_slots,
-                                  self.tokenizer is not None)
-        if rejection is not None:
-            return rejection
-        checked = request_images(self.runner.model, list(request.input_ids), request.images, images)
-        if isinstance(checked, ApiError):
-            return checked
-        params = request.sampling
-        error = self._adapter_error(params.lora_name)
-        if error is not None:
-            return error
-        seed = params.seed if params.seed is not None else random.getrandbits(63)
-        req = Req(request.rid, len(request.input_ids), list(request.input_ids), params, seed)
-        if request.reasoning is not None:
-            req.reasoning = request.reasoning
-            constrained = params.grammar is not None
-            req.gate = reasoning_gate(request.reasoning, constrained, self.grammars.spacing() if constrained else None)
-        req.lora_cache_name = self.lora_cache_name(params.lora_name)
-        if self.rope_rule is not None:
-            req.rope_floor, req.rope_cache_name = req.prompt_len, self.rope_rule.cache_name(req.prompt_len)
-        if checked:
-            req.images, req.image_key = checked, image_key(req.ids, request.images)
-            req.rope_shift = checked[-1].rope_shift
-        if request.embed is not None:
-            state = embed_state(request.embed, self.config.embedding_pooling, params.max_new_tokens)
-            if isinstance(state, ApiError):
-                return state
-            req.embed = state
-        if params.uses_penalties:
-            req.penalties = PenaltyState(request.input_ids, self.vocab_size, self.device)
-        if params.grammar is not None:  # waits outside the queues until its grammar is compiled
-            error = self.grammars.submit(req)
-            if error is not None:
-                return error
-        else:
-            self.prefill.add(req)
-        self.live[req.rid] = req
-        return None
+        """`RequestIntake.add`: queue `request`, or say why it cannot run."""
+        return self.intake.add(request, images)
 
     def has_work(self) -> bool:
         """True while a step's tokens are still to be applied, or requests wait or run and the engine is not
         paused."""
         return bool(self._inflight or len(self.grammars)
-                    or (not self.paused and (len(self.prefill) or len(self.decode))))
+                    or (not self.control.paused and (len(self.prefill) or len(self.decode))))
 
     def step(self) -> list[TokenRow]:
         """Schedule, run and finish one step; one output row per request that produced a token (in the overlap
@@ -224,7 +192,7 @@ class EngineCore(LoraServing, KvShareMethods, EngineControl):
 
         If the forward fails, every request of the batch ends with an "error" finish and the engine goes on.
         """
-        self.steps += 1
+        self.counters.steps += 1
         started = time.perf_counter()
         with self.runner.graphs.serving() if self.runner.graphs is not None else nullcontext():
             rows = self._admit_compiled()
@@ -256,12 +224,12 @@ class EngineCore(LoraServing, KvShareMethods, EngineControl):
         rows = []
         for req, error in failed:
             del self.live[req.rid]
-            rows.append(self._output(req, [], FinishReason("error", error=error)))
+            rows.append(self.ends.row(req, [], FinishReason("error", error=error)))
         return rows
 
     def _step_overlapped(self) -> list[TokenRow]:
         prev, self._inflight = self._inflight, None
-        if self.paused:
+        if self.control.paused:
             return self.finish(*prev) if prev is not None else []
         rows: list[TokenRow] = []
         drained = False
@@ -274,9 +242,9 @@ class EngineCore(LoraServing, KvShareMethods, EngineControl):
         batch = self._last_batch = self.schedule()
         if batch is not None:
             if prev is not None:
-                self.overlapped_steps += 1
+                self.counters.overlapped_steps += 1
             elif drained:
-                self.drained_steps += 1
+                self.counters.drained_steps += 1
             try:
                 self._inflight = (batch, self.launch(batch))
             except Exception as exc:
@@ -287,7 +255,7 @@ class EngineCore(LoraServing, KvShareMethods, EngineControl):
 
     def _fail_batch(self, batch: Batch, exc: Exception) -> list[TokenRow]:
         log.exception("forward pass failed; ending the %d requests of its batch", len(batch.reqs))
-        return [self._fail(req, f"the forward pass failed: {exc!r}") for req in batch.reqs
+        return [self.ends.fail(req, f"the forward pass failed: {exc!r}") for req in batch.reqs
                 if self.live.get(req.rid) is req]
 
     def last_plan(self) -> StepPlan | None:
@@ -306,7 +274,7 @@ class EngineCore(LoraServing, KvShareMethods, EngineControl):
         """
         for req in self.decode.retract_until_decodable():
             self.prefill.add(req, front=True)
-            self.num_retractions += 1
+            self.counters.num_retractions += 1
         for req in self.decode.retract_to_reencode():
             self.prefill.add(req, front=True)
         decodes = self.decode.schedule()
@@ -351,90 +319,95 @@ class EngineCore(LoraServing, KvShareMethods, EngineControl):
         return out
 
     def finish(self, batch: Batch, out: ForwardOutput) -> list[TokenRow]:
-        """Apply the sampled tokens: stop checks, prefix caching, freeing; the step's output rows."""
-        out.wait()
-        tokens = out.tokens_cpu.tolist()
-        logprobs = StepLogprobs(out)
-        if out.prompt is not None:
-            out.prompt.give_to(batch.reqs, lambda req: self.live.get(req.rid) is req)
-        draft_rows = batch.draft_rows
-        rows: list[TokenRow] = []
-        for k, req in enumerate(batch.sampling_reqs):
-            if k in draft_rows:  # decode rows come first and all sample: sampling row k is batch row k
-                continue
-            # Finished by a stop at the step before (launched before that one was applied), or aborted while
-            # this step was in flight: the token is one too many; the request's slots are already freed.
-            if self.live.get(req.rid) is not req:
-                continue
-            if req.params.max_new_tokens == 0:  # the prompt is scored: nothing to generate
-                self._release(req)
-                rows.append(self._output(req, [], FinishReason("length")))
-                if req.embed is not None:
-                    rows[-1].embedding = req.embed.vector()
-                continue
-            token = tokens[k]
-            if k in batch.drafts:  # the target's token at each of the request's rows
-                row = self._apply_verified(req, batch.drafts[k], tokens[k:k + len(batch.drafts[k]) + 1])
-                logprobs.fill(row, req, k, len(row.token_ids))
-                rows.append(row)
-                continue
-            if not self.grammars.accept(req, token):
-                rows.append(self._fail(req, f"the output constraint rejected the sampled token {token}"))
-                continue
-            new = [token]
-            req.ids.append(token)
-            finish = self.stop_checker.verdict(req)
-            if finish is None and self.jumper is not None:
-                finish = self.jumper.apply(req, new)
-            if finish is not None:
-                self._release(req)
-            row = self._output(req, new, finish)
-            logprobs.fill(row, req, k)
-            rows.append(row)
-        return rows
-
-    def _apply_verified(self, req: Req, drafts: list[int], drawn: list[int]) -> TokenRow:
-        """A verifying request's row: the tokens its step keeps (`SpeculativeSteps.apply`)."""
-        assert self.speculation is not None
-        applied, finish, error = self.speculation.apply(req, drafts, drawn)
-        if error is not None:
-            return self._fail(req, error)
-        if finish is not None:
-            self._release(req)
-        return self._output(req, applied, finish)
+        """`StepFinish.finish`: apply the sampled tokens (stop checks, prefix caching, freeing); the step's rows."""
+        return self.finishing.finish(batch, out)
 
     def abort(self, rid: str) -> TokenRow | None:
-        """Drop a waiting or running request now and free its KV; its final row, or None if `rid` is not live."""
-        req = self.live.get(rid)
-        if req is None:
-            return None
-        self._release(req)
-        return self._output(req, [], FinishReason("abort"))
+        """`RequestEnds.abort`: end a live request now; its final row, or None if `rid` is not live."""
+        return self.ends.abort(rid)
 
     def abort_all(self) -> list[TokenRow]:
-        """Abort every live request; their final rows."""
-        return [row for rid in list(self.live) if (row := self.abort(rid)) is not None]
+        """`RequestEnds.abort_all`: every live request's final row."""
+        return self.ends.abort_all()
 
-    def _release(self, req: Req, keep_kv: bool = True) -> None:
-        """Take `req` out of every queue; cache its KV (unless it may be garbage) and free the rest."""
-        if self.speculation is not None:
-            self.speculation.speculator.forget(req)
-        if not self.decode.remove(req) and not self.prefill.remove(req):
-            self.grammars.remove(req)
-        if req.row is not None:
-            if keep_kv:
-                self.cache.cache_req(req, finished=True)
-            else:
-                self.cache.drop_req(req)
-        del self.live[req.rid]
+    def live_rids(self) -> int:
+        """Requests the engine holds state for."""
+        return len(self.live)
 
-    def _fail(self, req: Req, message: str) -> TokenRow:
-        """End `req` with an error finish; its KV from the failed step is not kept."""
-        self._release(req, keep_kv=False)
-        return self._output(req, [], FinishReason("error", error=server_error(message)))
+    # EngineInterface's operator, LoRA and KV-sharing methods, answered by the parts that own them
 
-    def _output(self, req: Req, token_ids: list[int], finish: FinishReason | None) -> TokenRow:
-        if not req.first_row_sent and req.admitted:  # the hit rate counts prompts that reached the prefix cache
-            self._prompt_tokens += req.prompt_len
-            self._cached_tokens += req.cached_tokens
-        return output_row(req, token_ids, finish)
+    def stats(self) -> SchedulerInfo:
+        """`EngineStats.info`: load, KV usage and settings."""
+        return self.report.info()
+
+    def start_decode_graphs(self) -> None:
+        """`EngineControl.start_decode_graphs`: compile the CPU decode graphs in the background."""
+        self.control.start_decode_graphs()
+
+    def decode_graph_report(self) -> dict[str, str]:
+        """`EngineControl.decode_graph_report` (safe from any thread)."""
+        return self.control.decode_graph_report()
+
+    def flush_cache(self) -> int:
+        """`EngineControl.flush_cache`: the KV slots freed."""
+        return self.control.flush_cache()
+
+    def keep_prefix_cache(self) -> dict[str, Any]:
+        """`EngineControl.keep_prefix_cache`: what was saved to the KV tier."""
+        return self.control.keep_prefix_cache()
+
+    def kv_events(self) -> tuple[list[bytes], list[bytes]]:
+        """`EngineControl.kv_events`: the block hashes stored and evicted since the last call."""
+        return self.control.kv_events()
+
+    def check_integrity(self) -> None:
+        """`EngineControl.check_integrity`."""
+        self.control.check_integrity()
+
+    def pause(self) -> None:
+        """`EngineControl.pause`."""
+        self.control.pause()
+
+    def resume(self) -> None:
+        """`EngineControl.resume`."""
+        self.control.resume()
+
+    def on_idle(self) -> None:
+        """`EngineControl.on_idle`."""
+        self.control.on_idle()
+
+    def update_weights(self, checkpoint: Any, model_name: str, check_only: bool = False) -> int:
+        """`EngineControl.update_weights`: the KV slots freed."""
+        return self.control.update_weights(checkpoint, model_name, check_only)
+
+    def read_lora(self, name: str, path: str) -> Adapter | ApiError:
+        """`LoraServing.read` (safe on another thread while steps run)."""
+        return self.adapters.read(name, path)
+
+    def load_lora(self, name: str, path: str, adapter: Adapter | ApiError | None = None) -> ApiError | None:
+        """`LoraServing.load`."""
+        return self.adapters.load(name, path, adapter)
+
+    def unload_lora(self, name: str) -> ApiError | None:
+        """`LoraServing.unload`."""
+        return self.adapters.unload(name)
+
+    def kv_share_namespace(self) -> str | None:
+        """`KvShare.namespace`."""
+        return self.kv_share.namespace()
+
+    def kv_cache_key(self, request: TokenizedRequest) -> str | None:
+        """`KvShare.cache_key`."""
+        return self.kv_share.cache_key(request)
+
+    def kv_held_blocks(self, ids: list[int], cache_key: str | None) -> int:
+        """`KvShare.held_blocks`."""
+        return self.kv_share.held_blocks(ids, cache_key)
+
+    def kv_export(self, ids: list[int], cache_key: str | None, first: int, count: int, budget: int) -> list[bytes]:
+        """`KvShare.export_blocks`."""
+        return self.kv_share.export_blocks(ids, cache_key, first, count, budget)
+
+    def kv_import(self, ids: list[int], cache_key: str | None, first: int, payloads: list[bytes]) -> None:
+        """`KvShare.import_blocks`."""
+        self.kv_share.import_blocks(ids, cache_key, first, payloads)

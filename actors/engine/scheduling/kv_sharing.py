@@ -10,8 +10,9 @@ thread, between steps.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
+from ringserve.actors.engine.lora.serving import LoraServing
 from ringserve.actors.engine.models.rope import RopeLengthRule
 from ringserve.actors.engine.scheduling.cache_manager import CacheManager
 from ringserve.bus.kv_blocks import block_hashes, cache_namespace, salt_seed
@@ -66,32 +67,34 @@ def import_blocks(cache: CacheManager, ids: Sequence[int], cache_key: str | None
         tier.store.put(tier.key(block_hash), payload)
 
 
-class KvShareMethods:
-    """`EngineCore`'s side of KV sharing between replicas, run on its thread; it sets `cache` and `lora`."""
+class KvShare:
+    """The engine's side of KV sharing between replicas, run on its thread: the keys it shares under and the
+    blocks it holds, exports and imports."""
 
-    cache: CacheManager
-    lora_cache_name: Callable[[str | None], str | None]  # LoraServing's
-    rope_rule: RopeLengthRule | None  # the model's (a length-dependent rotary keys long prompts apart)
+    def __init__(self, cache: CacheManager, adapters: LoraServing, rope_rule: RopeLengthRule | None) -> None:
+        """`rope_rule`: the model's (a length-dependent rotary keys long prompts apart), None for most."""
+        self.cache, self.adapters, self.rope_rule = cache, adapters, rope_rule
 
-    def kv_share_namespace(self) -> str | None:
+    def namespace(self) -> str | None:
         """The KV tier's namespace (what this replica's KV depends on), None without a tier: blocks cross
-        replicas only between equal namespaces (actors/engine/scheduling/kv_sharing.py, run on the engine thread)."""
+        replicas only between equal namespaces."""
         return self.cache.tier.namespace if self.cache.tier is not None else None
 
-    def kv_cache_key(self, request: TokenizedRequest) -> str | None:
+    def cache_key(self, request: TokenizedRequest) -> str | None:
         """The prefix-cache tree `request`'s KV belongs to (`Req.cache_key`, as admission will key it)."""
         rule, length = self.rope_rule, len(request.input_ids)
-        return cache_namespace(request.sampling.cache_salt, self.lora_cache_name(request.sampling.lora_name),
+        return cache_namespace(request.sampling.cache_salt, self.adapters.cache_name(request.sampling.lora_name),
                                None if rule is None else rule.cache_name(length))
 
-    def kv_held_blocks(self, ids: list[int], cache_key: str | None) -> int:
-        """Leading whole blocks of `ids` this replica holds, in the pool or the tier (`held_blocks`)."""
+    def held_blocks(self, ids: list[int], cache_key: str | None) -> int:
+        """Leading whole blocks of `ids` this replica holds, in the pool or the tier."""
         return held_blocks(self.cache, ids, cache_key)
 
-    def kv_export(self, ids: list[int], cache_key: str | None, first: int, count: int, budget: int) -> list[bytes]:
-        """Blocks `[first, first + count)` of `ids` for another replica, at most `budget` bytes (`export_blocks`)."""
+    def export_blocks(self, ids: list[int], cache_key: str | None, first: int, count: int,
+                      budget: int) -> list[bytes]:
+        """Blocks `[first, first + count)` of `ids` for another replica, at most `budget` bytes."""
         return export_blocks(self.cache, ids, cache_key, first, count, budget)
 
-    def kv_import(self, ids: list[int], cache_key: str | None, first: int, payloads: list[bytes]) -> None:
-        """Keep blocks fetched from another replica in the tier, for admission to load (`import_blocks`)."""
+    def import_blocks(self, ids: list[int], cache_key: str | None, first: int, payloads: list[bytes]) -> None:
+        """Keep blocks fetched from another replica in the tier, for admission to load."""
         import_blocks(self.cache, ids, cache_key, first, payloads)

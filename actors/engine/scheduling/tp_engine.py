@@ -158,7 +158,7 @@ class TPEngine(EngineCore):
         if self.group.broken is not None:
             self._inflight = None
             why = f"tensor-parallel replica failed: {self.group.broken}"
-            rows += [self._fail(req, why) for req in list(self.live.values())]
+            rows += [self.ends.fail(req, why) for req in list(self.live.values())]
         return rows
 
     def has_work(self) -> bool:

@@ -11,17 +11,32 @@ cache as any finished request's tokens do, and age out with them.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Protocol
 
+from ringserve.actors.engine.config import EngineConfig
 from ringserve.actors.engine.core.request import Req
+from ringserve.actors.engine.interface import EngineInterface
 from ringserve.bus.messages import TokenizedRequest
 from ringserve.bus.params import SamplingParams
 
 
-class DraftModel:
-    """Greedy drafts from `engine` (an `EngineCore` of the draft model, without speculation of its own)."""
+class DraftEngine(EngineInterface, Protocol):
+    """The draft model's engine: an engine like the served model's (an `EngineCore`), and the tokenizer it has."""
 
-    def __init__(self, engine: Any) -> None:
+    tokenizer: Any
+
+
+class DraftEngineLoader(Protocol):
+    """What builds the draft model's engine (the `EngineCore` class): from a model source, with a config."""
+
+    def from_source(self, source: Any, config: EngineConfig, tokenizer: Any | None = None) -> DraftEngine:
+        """Load the model at `source` and build its engine."""
+
+
+class DraftModel:
+    """Greedy drafts from `engine` (the draft model's, without speculation of its own)."""
+
+    def __init__(self, engine: EngineInterface) -> None:
         self.engine = engine
         self._requests = 0
 
@@ -43,7 +58,7 @@ class DraftModel:
         return {req: tokens for req, tokens in out.items() if tokens}
 
 
-def load_draft_engine(engine_class: Any, config: Any, tokenizer: Any) -> Any:
+def load_draft_engine(engine_class: DraftEngineLoader, config: EngineConfig, tokenizer: Any) -> DraftEngine:
     """The draft model's engine for `config` (`--speculative-draft-model-path`): its own pool and prefix cache,
     the served model's device and threads, its own GGUF blocks where the served model runs a GGUF's; ValueError
     when its tokenizer is not the served model's (`tokenizer`)."""
