@@ -12,23 +12,24 @@ from typing import Any
 import pytest
 
 from ringserve.actors.common import flag_fields
-from ringserve.actors.common.actor_flags import ActorModelFlags, BusFlags, NatsAuthFlags
+from ringserve.actors.common.actor_flags import BusFlags, NatsAuthFlags
 from ringserve.actors.common.help_format import GROUP_ORDER
-from ringserve.actors.detokenizer.__main__ import DetokenizerFlags
+from ringserve.actors.common.process_flags import (
+    DetokenizerProcessFlags, EntryProcessFlags, SchedulerProcessFlags, TokenizerProcessFlags,
+)
 from ringserve.actors.engine.config import EngineConfig
-from ringserve.actors.entry.__main__ import EntryProcessFlags
 from ringserve.actors.entry.settings import EntryFlags
 from ringserve.actors.launcher.cli import build_parser
 from ringserve.actors.launcher.serve_flags import ServeFlags
 from ringserve.actors.scheduler.admission import AdmissionFlags
 from ringserve.actors.scheduler.tp_follower import TensorParallelFlags
-from ringserve.actors.tokenizer.__main__ import TokenizerFlags
 from ringserve.actors.tokenizer.chat_options import ChatFlags
 from ringserve.actors.trace_exporter.__main__ import SpanStreamFlags
 from ringserve.observability.tracing_config import TracingFlags
 
 DECLARATIONS = (ServeFlags, AdmissionFlags, TensorParallelFlags, ChatFlags, EntryFlags, NatsAuthFlags, TracingFlags,
-                BusFlags, ActorModelFlags, DetokenizerFlags, TokenizerFlags, EntryProcessFlags, SpanStreamFlags)
+                BusFlags, SchedulerProcessFlags, TokenizerProcessFlags, DetokenizerProcessFlags, EntryProcessFlags,
+                SpanStreamFlags)
 TWO_DEFAULTS = re.compile(r"\(default\b|\bdefault:", re.IGNORECASE)
 
 

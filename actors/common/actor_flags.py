@@ -1,6 +1,6 @@
 """The flags actor processes share, declared once as dataclass fields (actors/common/flag_fields.py): every
 actor's bus, namespace, log level, drain timeout, NATS credentials and tracing (the credential and tracing flags
-are `ringserve serve`'s too), and the model of the actors that load one.
+are `ringserve serve`'s too).
 
 Secrets never travel as flags: a password comes from a file (`--nats-creds`) or `$RINGSERVE_NATS_PASSWORD`.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from ringserve.actors.common import flag_fields
 from ringserve.actors.common.flag_fields import flag
-from ringserve.actors.common.help_format import MODEL, NATS, PROCESS
+from ringserve.actors.common.help_format import NATS, PROCESS
 from ringserve.bus.credentials import PASSWORD_ENV, NatsCredentials, credentials_from_options
 from ringserve.observability.tracing_config import TracingFlags
 
@@ -54,14 +54,6 @@ class BusFlags:
     drain_timeout: float = field(default=DEFAULT_DRAIN_SECONDS, metadata=flag(
         "on SIGTERM/SIGINT, finish the requests held for at most this long, then stop (a second signal stops at "
         "once)", group=PROCESS, metavar="SECONDS"))
-
-
-@dataclass
-class ActorModelFlags:
-    """The model of an actor that loads one (the scheduler, a tokenizer, a detokenizer)."""
-
-    model: str = field(default="", metadata=flag(
-        "model name, .gguf file or model directory", group=MODEL, required=True))
 
 
 def add_bus_arguments(parser: argparse.ArgumentParser) -> None:

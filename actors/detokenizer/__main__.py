@@ -3,22 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
-
-from ringserve.actors.common.actor_flags import ActorModelFlags, add_bus_arguments
-from ringserve.actors.common.flag_fields import add_arguments, flag
+from ringserve.actors.common.actor_flags import add_bus_arguments
+from ringserve.actors.common.flag_fields import add_arguments
 from ringserve.actors.common.help_format import DefaultOnceFormatter
+from ringserve.actors.common.process_flags import DetokenizerProcessFlags
 from ringserve.actors.common.runtime import run_actor
 from ringserve.actors.common.torch_threads import limit_torch_threads
-
-
-@dataclass
-class DetokenizerFlags:
-    """The detokenizer's own flag."""
-
-    shard: int = field(default=0, metadata=flag(
-        "this detokenizer's id: it serves `{ns}.tokens.{shard}`, and tokenizers choose it for new requests from its "
-        "heartbeats"))
 
 
 def build_parser(prog: str = "ringserve-detokenizer") -> argparse.ArgumentParser:
@@ -26,8 +16,7 @@ def build_parser(prog: str = "ringserve-detokenizer") -> argparse.ArgumentParser
     parser = argparse.ArgumentParser(prog=prog, description="ringserve detokenizer actor",
                                      formatter_class=DefaultOnceFormatter)
     add_bus_arguments(parser)
-    for declared in (ActorModelFlags, DetokenizerFlags):
-        add_arguments(declared, parser)
+    add_arguments(DetokenizerProcessFlags, parser)
     return parser
 
 

@@ -3,21 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
-
 from ringserve.actors.common.actor_flags import add_bus_arguments
-from ringserve.actors.common.flag_fields import add_arguments, flag
-from ringserve.actors.common.help_format import MODEL, DefaultOnceFormatter
+from ringserve.actors.common.flag_fields import add_arguments
+from ringserve.actors.common.help_format import DefaultOnceFormatter
+from ringserve.actors.common.process_flags import EntryProcessFlags
 from ringserve.actors.common.runtime import run_actor
 from ringserve.actors.entry.settings import EntrySettings, add_entry_arguments
-
-
-@dataclass
-class EntryProcessFlags:
-    """The entry process's own flag (`ringserve serve` derives the name from --model)."""
-
-    served_model_name: str = field(default="", metadata=flag(
-        "model id shown in /v1/models", group=MODEL, required=True))
 
 
 def build_parser(prog: str = "ringserve-entry") -> argparse.ArgumentParser:

@@ -19,6 +19,9 @@ import time
 
 from ringserve.actors.common.flag_fields import from_args, to_argv
 from ringserve.actors.common.model_source import check_servable, model_chat_template, resolve_model, resolved_config
+from ringserve.actors.common.process_flags import (
+    DetokenizerProcessFlags, EntryProcessFlags, SchedulerProcessFlags, TokenizerProcessFlags,
+)
 from ringserve.actors.common.reasoning import parser_for_template as reasoning_parser_for_template
 from ringserve.actors.engine.config import EngineConfig
 from ringserve.actors.engine.parallel.tp_checks import check_expert_parallel, check_shardable, check_tp_quantization
@@ -50,24 +53,24 @@ def actor_specs(args: argparse.Namespace, served_name: str, trace: TraceBuffer |
     detokenizers, the entry (unless not `http`) and the trace exporter when `trace` buffers spans."""
     common = ["--log-level", args.log_level, *actor_tracing_argv(args)]
     engine = [*to_argv(from_args(AdmissionFlags, args)), *EngineConfig.from_args(args).to_argv()]
-    tensor_parallel = to_argv(from_args(TensorParallelFlags, args))
     # `--tp` > 1: each replica is a rank group on a free loopback port, restarted as a whole (tp_follower.py)
-    tp = [[*tensor_parallel, "--dist-init-addr", f"127.0.0.1:{free_port()}"] if args.tp > 1 else []
-          for _ in range(args.dp)]
+    tensor_parallel = to_argv(from_args(TensorParallelFlags, args)) if args.tp > 1 else []
+    addresses = [f"127.0.0.1:{free_port()}" if args.tp > 1 else "" for _ in range(args.dp)]
     specs = [ActorSpec("scheduler", follower_rank(r, k), "ringserve.actors.scheduler",
-                       [*common, "--model", args.model, "--rank", str(k), "--dp-replica-id", str(r), *tp[r],
+                       [*common, *to_argv(SchedulerProcessFlags(args.model, k, addresses[r], r)), *tensor_parallel,
                         *engine], group=f"scheduler{r}" if args.tp > 1 else "")
              for r in range(args.dp) for k in range(args.tp)]
-    tokenizer = [*common, "--model", args.model, "--detokenizer-shards", str(args.detokenizer_shards),
+    tokenizer = [*common, *to_argv(TokenizerProcessFlags(args.model, args.detokenizer_shards)),
                  *chat_argv(ChatOptions.from_args(args)),
-                 *([] if args.grammar_warm_up else ["--no-grammar-warm-up"])]  # its checker's, as the scheduler's
+                 *EngineConfig(grammar_warm_up=args.grammar_warm_up).to_argv()]  # its checker's, as the scheduler's
     specs += [ActorSpec("tokenizer", i, "ringserve.actors.tokenizer", [*tokenizer])
               for i in range(args.tokenizer_workers)]
-    specs += [ActorSpec("detokenizer", i, "ringserve.actors.detokenizer", [*common, "--model", args.model, "--shard", str(i)])
+    specs += [ActorSpec("detokenizer", i, "ringserve.actors.detokenizer",
+                        [*common, *to_argv(DetokenizerProcessFlags(args.model, i))])
               for i in range(args.detokenizer_shards)]
     if http:
         specs.append(ActorSpec("entry", 0, "ringserve.actors.entry",
-                               [*common, "--served-model-name", served_name, *entry_argv(args)], stage=1))
+                               [*common, *to_argv(EntryProcessFlags(served_name)), *entry_argv(args)], stage=1))
     return specs + (trace_exporter_specs(trace, common) if trace is not None else [])
 
 

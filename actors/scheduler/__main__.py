@@ -24,11 +24,10 @@ import logging  # noqa: E402
 import sys  # noqa: E402
 from typing import Any, Awaitable, Callable, NoReturn  # noqa: E402
 
-from dataclasses import dataclass, field  # noqa: E402
-
-from ringserve.actors.common.actor_flags import ActorModelFlags, add_bus_arguments, credentials_from_args  # noqa: E402
-from ringserve.actors.common.flag_fields import add_arguments, flag, from_args  # noqa: E402
+from ringserve.actors.common.actor_flags import add_bus_arguments, credentials_from_args  # noqa: E402
+from ringserve.actors.common.flag_fields import add_arguments, from_args  # noqa: E402
 from ringserve.actors.common.help_format import DefaultOnceFormatter  # noqa: E402
+from ringserve.actors.common.process_flags import SchedulerProcessFlags  # noqa: E402
 from ringserve.actors.common.runtime import ActorContext, exit_now, run_actor  # noqa: E402
 from ringserve.actors.engine.config import EngineConfig  # noqa: E402
 from ringserve.actors.scheduler.admission import AdmissionFlags  # noqa: E402
@@ -42,27 +41,12 @@ from ringserve.observability.logging import log_event  # noqa: E402
 CLAIM_REFUSED = 2  # the exit code when the replica id is held by a live replica (or none is free)
 
 
-@dataclass
-class SchedulerFlags:
-    """The scheduler process's own flags (the launcher writes them per process)."""
-
-    rank: int = field(default=0, metadata=flag(
-        "this process's tensor-parallel rank in its replica: 0 reads NATS and schedules, 1..tp-1 run rank 0's step "
-        "plans (actors/scheduler/tp_follower.py)"))
-    dist_init_addr: str = field(default="", metadata=flag(
-        "with --tp > 1: where rank 0 of this replica listens for its other ranks (the same for every rank of the "
-        "replica)", metavar="HOST:PORT"))
-    dp_replica_id: int | None = field(default=None, metadata=flag(
-        "this scheduler replica's id (`--dp`): its subject, heartbeat and server-info entry; claimed on the bus, so "
-        "no two live replicas share one. Left out: the lowest free id", type=int))
-
-
 def build_parser(prog: str = "ringserve-scheduler") -> argparse.ArgumentParser:
     """The scheduler's flags (`ringserve worker --role scheduler` takes the same)."""
     parser = argparse.ArgumentParser(prog=prog, description="ringserve scheduler actor",
                                      formatter_class=DefaultOnceFormatter)
     add_bus_arguments(parser)
-    for declared in (ActorModelFlags, SchedulerFlags, TensorParallelFlags, AdmissionFlags, EngineConfig):
+    for declared in (SchedulerProcessFlags, TensorParallelFlags, AdmissionFlags, EngineConfig):
         add_arguments(declared, parser)
     return parser
 

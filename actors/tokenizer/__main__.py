@@ -3,24 +3,14 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
-
-from ringserve.actors.common.actor_flags import ActorModelFlags, add_bus_arguments
-from ringserve.actors.common.flag_fields import add_arguments, flag
-from ringserve.actors.common.help_format import SCALE_OUT, DefaultOnceFormatter
+from ringserve.actors.common.actor_flags import add_bus_arguments
+from ringserve.actors.common.flag_fields import add_arguments
+from ringserve.actors.common.help_format import DefaultOnceFormatter
+from ringserve.actors.common.process_flags import TokenizerProcessFlags
 from ringserve.actors.common.runtime import run_actor
 from ringserve.actors.common.torch_threads import limit_torch_threads
 from ringserve.actors.engine.config import EngineConfig
 from ringserve.actors.tokenizer.chat_options import ChatFlags, ChatOptions
-
-
-@dataclass
-class TokenizerFlags:
-    """The tokenizer process's own flag."""
-
-    detokenizer_shards: int = field(default=1, metadata=flag(
-        "detokenizers the launcher starts (ids 0..N-1): chosen among until one has beat; afterwards each request "
-        "goes to one of the live detokenizers", group=SCALE_OUT))
 
 
 def build_parser(prog: str = "ringserve-tokenizer") -> argparse.ArgumentParser:
@@ -28,7 +18,7 @@ def build_parser(prog: str = "ringserve-tokenizer") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="ringserve tokenizer actor",
                                      formatter_class=DefaultOnceFormatter)
     add_bus_arguments(parser)
-    for declared in (ActorModelFlags, TokenizerFlags, ChatFlags):  # ChatFlags: --reasoning-parser, --chat-template, ...
+    for declared in (TokenizerProcessFlags, ChatFlags):  # ChatFlags: --reasoning-parser, --chat-template, ...
         add_arguments(declared, parser)
     EngineConfig.add_argument(parser, "grammar_warm_up")  # its grammar checker's, as the scheduler's compiler's
     return parser
