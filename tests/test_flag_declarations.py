@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,7 +22,8 @@ from ringserve.actors.common.process_flags import (
 from ringserve.actors.engine.config import EngineConfig
 from ringserve.actors.entry.settings import EntryFlags
 from ringserve.actors.launcher.cli import build_parser
-from ringserve.actors.launcher.serve_flags import ServeFlags
+from ringserve.actors.launcher.ring import actor_specs
+from ringserve.actors.launcher.serve_flags import ServeFlags, serve_args
 from ringserve.actors.scheduler.admission import AdmissionFlags
 from ringserve.actors.scheduler.tp_follower import TensorParallelFlags
 from ringserve.actors.tokenizer.chat_options import ChatFlags
@@ -74,8 +77,7 @@ def test_help_says_each_default_once(role: str) -> None:
     if role == "serve":
         text = serve_parser().format_help()
     else:
-        module = __import__(f"ringserve.actors.{role}.__main__", fromlist=["build_parser"])
-        text = module.build_parser().format_help()
+        text = importlib.import_module(f"ringserve.actors.{role}.__main__").build_parser().format_help()
     twice = [block for block in option_blocks(text) if len(TWO_DEFAULTS.findall(block)) > 1]
     assert not twice, twice
 
@@ -116,3 +118,28 @@ def test_engine_config_round_trips_through_its_argv() -> None:
     parser = argparse.ArgumentParser(exit_on_error=False)
     EngineConfig.add_arguments(parser)
     assert EngineConfig.from_args(parser.parse_args(config.to_argv())) == config
+
+
+def test_each_actor_parses_the_argv_the_launcher_writes_for_it_as_serve_parsed_it(tmp_path: Path) -> None:
+    """The settings an actor reads from its command line are the ones `ringserve serve` parsed."""
+    template = tmp_path / "template.jinja"
+    template.write_text("{{ messages }}")
+    args = serve_args({"model": "m", "tp": 2, "tp_timeout": 7.5, "dp": 2, "max_live_requests": 9,
+                       "chunked_prefill_size": 64, "grammar_warm_up": False, "lora_modules": ["a=/x", "b=/y"],
+                       "reasoning_budget": 8, "chat_template": str(template), "host": "0.0.0.0", "port": 8123,
+                       "cors_allow_origins": "https://a,https://b", "allow_remote_images": True,
+                       "image_ttl": 60.0, "tool_call_parser": "hermes", "otlp_endpoint": "http://c:4318"})
+    shared = {"scheduler": (EngineConfig, AdmissionFlags, TensorParallelFlags, TracingFlags),
+              "tokenizer": (ChatFlags, TracingFlags), "detokenizer": (TracingFlags,),
+              "entry": (EntryFlags, TracingFlags)}
+    for spec in actor_specs(args, "served"):
+        parser = importlib.import_module(f"{spec.module}.__main__").build_parser()
+        parsed = parser.parse_args(["--nats-url", "nats://127.0.0.1:4222", *spec.args])
+        for declared in shared[spec.role]:
+            assert flag_fields.from_args(declared, parsed) == flag_fields.from_args(declared, args), (spec, declared)
+        if spec.role == "scheduler":
+            assert (parsed.model, parsed.rank, parsed.dp_replica_id) == ("m", spec.rank // 1000, spec.rank % 1000)
+        if spec.role == "tokenizer":
+            assert parsed.grammar_warm_up is False and parsed.detokenizer_shards == args.detokenizer_shards
+        if spec.role == "entry":
+            assert parsed.served_model_name == "served"
