@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from ringserve.actors.engine.parallel.tensor_parallel import TPGroup, _column_parallel, _row_parallel
+from ringserve.actors.engine.parallel.tensor_parallel import TPGroup, column_parallel, row_parallel
 
 
 def shard_latent_attention(attn: Any, group: TPGroup) -> None:
@@ -21,10 +21,10 @@ def shard_latent_attention(attn: Any, group: TPGroup) -> None:
     first = group.rank * heads
     qk, kv = attn.nope + attn.rope, attn.nope + attn.v_dim
     if attn.q_proj is not None:
-        attn.q_proj = _column_parallel(attn.q_proj, [(first * qk, (first + heads) * qk)])
+        attn.q_proj = column_parallel(attn.q_proj, [(first * qk, (first + heads) * qk)])
     else:
-        attn.q_b_proj = _column_parallel(attn.q_b_proj, [(first * qk, (first + heads) * qk)])
+        attn.q_b_proj = column_parallel(attn.q_b_proj, [(first * qk, (first + heads) * qk)])
     weight = attn.kv_b_proj.weight[first * kv:(first + heads) * kv]
     attn.kv_b_proj.weight = nn.Parameter(weight.contiguous().clone(), requires_grad=False)
-    attn.o_proj = _row_parallel(attn.o_proj, first * attn.v_dim, (first + heads) * attn.v_dim, group)
+    attn.o_proj = row_parallel(attn.o_proj, first * attn.v_dim, (first + heads) * attn.v_dim, group)
     attn.num_heads = heads

@@ -1,4 +1,5 @@
-"""Tensor parallelism applied to any model of the registry from outside the model code (as gpt-fast's tp.py does).
+"""Tensor parallelism's rank group and the sharding of dense layers, from outside the model code (as gpt-fast's
+tp.py does); model_sharding.py applies it to a whole model, each layer by its kind.
 
 Each rank keeps `1/tp` of the attention heads and of the MLP's inner dimension: the fused `qkv_proj` and
 `gate_up_proj` are column-parallel (their q, k, v and gate, up parts are sliced separately, then fused again),
@@ -24,8 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ringserve.actors.engine.models.causal_lm import CausalLM
-from ringserve.actors.engine.parallel.tp_checks import DEFAULT_TIMEOUT_S, check_shardable
+from ringserve.actors.engine.parallel.tp_checks import DEFAULT_TIMEOUT_S
 
 
 class TPGroupError(RuntimeError):
@@ -128,14 +128,14 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     return linear
 
 
-def _column_parallel(linear: nn.Linear, parts: list[tuple[int, int]]) -> nn.Linear:
+def column_parallel(linear: nn.Linear, parts: list[tuple[int, int]]) -> nn.Linear:
     """Output rows `[a, b)` of each part of a fused linear, fused again in the same order."""
     weight = torch.cat([linear.weight[a:b] for a, b in parts])
     bias = torch.cat([linear.bias[a:b] for a, b in parts]) if linear.bias is not None else None
     return _linear(weight, bias)
 
 
-def _row_parallel(linear: nn.Linear, a: int, b: int, group: TPGroup) -> RowParallelLinear:
+def row_parallel(linear: nn.Linear, a: int, b: int, group: TPGroup) -> RowParallelLinear:
     """Input columns `[a, b)`; the bias is added once, on rank 0, so the sum over ranks carries it once."""
     bias = linear.bias if linear.bias is not None and group.rank == 0 else None
     return RowParallelLinear(_linear(linear.weight[:, a:b], bias), group)
@@ -150,42 +150,18 @@ def local_heads(config: Any, tp: int, rank: int) -> tuple[int, int, int]:
     return heads // tp, 1, rank // (tp // kv_heads)
 
 
-def shard_model(model: CausalLM, group: TPGroup, expert_parallel: bool = False) -> CausalLM:
-    """Keep only `group.rank`'s shard of each layer's attention and MLP (in place, before any quantization);
-    the row-parallel layers all-reduce over `group`. Mixture-of-experts layers slice every expert, or with
-    `expert_parallel` keep whole experts per rank (actors/engine/parallel/moe_shard.py); latent attention keeps
-    a slice of the heads over the whole latent (actors/engine/parallel/mla_shard.py)."""
-    from ringserve.actors.engine.models.mla import LatentAttention
-    from ringserve.actors.engine.models.moe import SparseMoE
-    from ringserve.actors.engine.parallel.mla_shard import shard_latent_attention
-    from ringserve.actors.engine.parallel.moe_shard import shard_experts
-
-    config, tp, rank = model.config, group.size, group.rank
-    check_shardable(config, tp)
-    if tp == 1:
-        return model
-    for layer in model.decoder_layers():  # per-head q/k norms and every other norm stay whole
-        if isinstance(layer.self_attn, LatentAttention):
-            shard_latent_attention(layer.self_attn, group)
-        else:
-            shard_attention(layer.self_attn, config, group)
-        if isinstance(layer.mlp, SparseMoE):
-            shard_experts(layer.mlp, group, expert_parallel)
-        else:
-            shard_mlp(layer.mlp, group)
-    model.tp = group  # type: ignore[assignment]  # what the engine's builders look for
-    return model
-
-
 def shard_attention(attn: Any, config: Any, group: TPGroup) -> None:
     """Keep `group.rank`'s query heads and the KV heads they read: `qkv_proj` column-, `o_proj` row-parallel."""
+    if getattr(attn, "norm_projection", False):
+        raise ValueError("tensor parallelism does not split a q/k norm over all heads of a projection: "
+                         "serve this model with --tp 1")
     hq, hkv, first_kv = local_heads(config, group.size, group.rank)
     d, q_size, kv_size = attn.head_dim, attn.q_size, attn.kv_size
     q0, kv0 = group.rank * hq * d, first_kv * d
-    attn.qkv_proj = _column_parallel(attn.qkv_proj, [(q0, q0 + hq * d),
-                                                     (q_size + kv0, q_size + kv0 + hkv * d),
-                                                     (q_size + kv_size + kv0, q_size + kv_size + kv0 + hkv * d)])
-    attn.o_proj = _row_parallel(attn.o_proj, q0, q0 + hq * d, group)
+    attn.qkv_proj = column_parallel(attn.qkv_proj, [(q0, q0 + hq * d),
+                                                    (q_size + kv0, q_size + kv0 + hkv * d),
+                                                    (q_size + kv_size + kv0, q_size + kv_size + kv0 + hkv * d)])
+    attn.o_proj = row_parallel(attn.o_proj, q0, q0 + hq * d, group)
     attn.tp_shard = {"qkv_proj": ShardSlice("rows", [(q0, q0 + hq * d, q_size), (kv0, kv0 + hkv * d, kv_size),
                                                      (kv0, kv0 + hkv * d, kv_size)]),
                      "o_proj": ShardSlice("cols", [(q0, q0 + hq * d, q_size)])}
@@ -198,11 +174,11 @@ def shard_mlp(mlp: Any, group: TPGroup, reduce: bool = True) -> None:
     row-parallel (all-reduced, unless `reduce` is False: a caller that sums several MLPs reduces once)."""
     inner, tp = mlp.inner, group.size
     i0, ni = group.rank * (inner // tp), inner // tp
-    mlp.gate_up_proj = _column_parallel(mlp.gate_up_proj, [(i0, i0 + ni), (inner + i0, inner + i0 + ni)])
+    mlp.gate_up_proj = column_parallel(mlp.gate_up_proj, [(i0, i0 + ni), (inner + i0, inner + i0 + ni)])
     mlp.tp_shard = {"gate_up_proj": ShardSlice("rows", [(i0, i0 + ni, inner)] * 2),
                     "down_proj": ShardSlice("cols", [(i0, i0 + ni, inner)])}
     if reduce:
-        mlp.down_proj = _row_parallel(mlp.down_proj, i0, i0 + ni, group)
+        mlp.down_proj = row_parallel(mlp.down_proj, i0, i0 + ni, group)
     else:
         down = mlp.down_proj
         mlp.down_proj = _linear(down.weight[:, i0:i0 + ni], down.bias if group.rank == 0 else None)

@@ -36,7 +36,8 @@ from ringserve.actors.engine.runner.kv_pool import KVPool
 from ringserve.actors.engine.core.embed_override import BidirectionalSpan, EmbedOverride
 from ringserve.actors.engine.models.causal_lm import CausalLM
 from ringserve.actors.engine.quantization.quantize import apply_quantization
-from ringserve.actors.engine.parallel.tensor_parallel import TPGroup, TPGroupError, shard_model
+from ringserve.actors.engine.parallel.model_sharding import shard_model
+from ringserve.actors.engine.parallel.tensor_parallel import TPGroup, TPGroupError
 from ringserve.actors.engine.parallel.tp_checks import check_tp_quantization
 from ringserve.actors.engine.parallel.tp_plan import (FORWARD, KEEPALIVE, STOP, ForwardPlan, broadcast_image_embeds,
                                                       broadcast_plan, broadcast_step_tensors)
