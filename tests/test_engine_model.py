@@ -9,7 +9,7 @@ import torch
 
 from ringserve.actors.engine.runner.kv_pool import KVPool
 from ringserve.actors.engine.models.causal_lm import CausalLM
-from ringserve.actors.engine.models.registry import UnsupportedArchitecture
+from ringserve.actors.common.model_catalog import UnsupportedArchitecture
 from ringserve.actors.engine.runner.token_table import TokenTable
 from ringserve.actors.engine.models.weights import model_from_hf
 from ringserve.kernels.attention import ForwardInfo, create_backend

@@ -131,7 +131,7 @@ def test_a_saved_checkpoint_serves_from_its_directory(vlm: tuple[Any, Any, str],
 
     from ringserve.actors.common.model_source import resolve_model
     from ringserve.actors.engine.config import EngineConfig
-    from ringserve.actors.engine.models.registry import image_token_id
+    from ringserve.actors.common.model_catalog import image_token_id
     from ringserve.actors.engine.scheduling.engine_core import EngineCore
 
     model, processor, _ = vlm

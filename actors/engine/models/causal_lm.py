@@ -16,16 +16,20 @@ from typing import Any
 import torch
 from torch import nn
 
+from ringserve.actors.common.model_catalog import context_length, family_of
 from ringserve.actors.engine.core.embed_override import EmbedOverride
 from ringserve.actors.engine.models.blocks import RMSNorm
 from ringserve.actors.engine.models.decoder_layer import DecoderLayer
 from ringserve.actors.engine.models.mrope import mrope_tables
-from ringserve.actors.engine.models.registry import VISION_MODELS, context_length, family_of, spec_of
 from ringserve.actors.engine.models.rope import RopeLengthRule, Rotary, rope_parameters
-from ringserve.actors.engine.models.spec import ArchSpec, LayerShape, layer_shapes
+from ringserve.actors.engine.models.spec import ArchSpec, LayerShape, layer_shapes, spec_of
 from ringserve.actors.engine.models.vision.span_attention import SpanAttention
 from ringserve.kernels.attention import AttentionBackend, AttentionMetadata
 from ringserve.kernels.attention.backend import LayerAttention
+
+# the catalog's vision-language families -> the module (of this package) and class building them
+VISION_MODELS = {"llava": ("vision.llava", "Llava"), "gemma3_vision": ("vision.gemma3", "Gemma3Vision"),
+                 "qwen2_vl": ("vision.qwen2_vl", "Qwen2VL"), "qwen2_5_vl": ("vision.qwen2_vl", "Qwen2_5_VL")}
 
 
 class DecoderStack(nn.Module):

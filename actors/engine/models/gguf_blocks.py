@@ -24,8 +24,9 @@ import numpy as np
 import torch
 
 from ringserve.actors.common import startup_cache
+from ringserve.actors.common.model_catalog import family_of_gguf
 from ringserve.actors.common.model_source import ModelSource, cache_root, gguf_cache_key, publish_directory
-from ringserve.actors.engine.models.registry import family_of_gguf, spec_of
+from ringserve.actors.engine.models.spec import spec_of
 from ringserve.kernels.cpu.gguf_formats import (
     SUPPORTED_GGML_TYPES, BlockCodes, concat_rows, decode_gguf_blocks, pack_by_shape,
 )

@@ -1,20 +1,22 @@
 """What an architecture family declares (`ArchSpec`), and each layer's shape derived from it and a config.
 
-A family file (models/llama.py, qwen3.py, gemma3.py, ...) holds one `ArchSpec` (the checkpoint names that lead
-to it are in models/registry.py): which optional pieces of the shared blocks it uses
-(q/k/v bias, q/k norm, Gemma's `1 + weight` norms and sandwich norms, embedding scale, logit soft-caps, sliding
-windows, partial rotary, activation), which layers are mixture-of-experts (`MoESpec`) and whether attention is
-DeepSeek's latent attention (`mla`), how its checkpoint's tensors map onto ours (renames, fusions, GGUF names)
-and whether the fused CPU decode-layer op may run its layers. `layer_shapes(spec, config)` resolves all of it per
-layer.
+A family file (models/llama.py, qwen3.py, gemma3.py, ...) holds one `ArchSpec`, loaded by `spec_of(family)` (the
+checkpoint names that lead to a family are in the model catalog, actors/common/model_catalog.py): which optional
+pieces of the shared blocks it uses (q/k/v bias, q/k norm, Gemma's `1 + weight` norms and sandwich norms,
+embedding scale, logit soft-caps, sliding windows, partial rotary, activation), which layers are
+mixture-of-experts (`MoESpec`) and whether attention is DeepSeek's latent attention (`mla`), how its
+checkpoint's tensors map onto ours (renames, fusions, GGUF names) and whether the fused CPU decode-layer op may
+run its layers. `layer_shapes(spec, config)` resolves all of it per layer.
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ringserve.actors.common.model_catalog import FAMILIES, VISION_FAMILIES, UnsupportedArchitecture
 from ringserve.kernels.attention.backend import LayerAttention
 
 # our fused linear -> the HF checkpoint linears it is made of (row order), siblings under one parent module (an
@@ -196,3 +198,13 @@ def _mla_scale(config: Any) -> float:
         mscale = 1.0 if factor <= 1 else 0.1 * mscale_all_dim * math.log(factor) + 1.0
         scale *= mscale * mscale
     return scale
+
+
+def spec_of(family: str) -> ArchSpec:
+    """The family's `ArchSpec` (its module imported now); a vision-language family's is its text model's, known
+    from a config only (`causal_lm.build_model`)."""
+    if family in VISION_FAMILIES:
+        raise UnsupportedArchitecture(f"{family} is a vision-language family: its text_config names its text family")
+    if family not in FAMILIES:
+        raise UnsupportedArchitecture(f"no model family {family!r}; there are: {', '.join(FAMILIES)}")
+    return importlib.import_module(f"{__package__}.{family}").SPEC

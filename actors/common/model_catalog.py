@@ -1,13 +1,14 @@
-"""Which architecture family serves a checkpoint: by config.json's `architectures` (or `model_type`) or a GGUF's
-`general.architecture`, each family one module of this package holding its `SPEC`, imported only when used.
+"""The model catalog: which architecture family serves a checkpoint, by config.json's `architectures` (or
+`model_type`) or a GGUF's `general.architecture`, and what the launcher, the tokenizer and the engine read of a
+family without building it: whether it takes images, whether it has experts, a config's context length.
 
-This module needs no torch: the launcher checks a model here before any actor starts. Adding an architecture
-is a family file plus a row below (docs/models.md says how).
+This module needs no torch: the launcher checks a model here before any actor starts. Each family's layers are
+declared by its module in actors/engine/models/ (its `ArchSpec`, `spec_of`). Adding an architecture is a family
+file there plus a row below (docs/models.md says how).
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 # family module -> the config.json `architectures`, `model_type`s and GGUF `general.architecture`s it serves
@@ -30,9 +31,10 @@ FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = 
     "qwen2_vl": (("Qwen2VLForConditionalGeneration",), ("qwen2_vl",), ()),
     "qwen2_5_vl": (("Qwen2_5_VLForConditionalGeneration",), ("qwen2_5_vl",), ()),
 }
-# vision-language families -> the module (of this package) and class building them
-VISION_MODELS = {"llava": ("vision.llava", "Llava"), "gemma3_vision": ("vision.gemma3", "Gemma3Vision"),
-                 "qwen2_vl": ("vision.qwen2_vl", "Qwen2VL"), "qwen2_5_vl": ("vision.qwen2_vl", "Qwen2_5_VL")}
+# the vision-language families (a vision tower over a text family: models/vision/ builds them)
+VISION_FAMILIES = ("llava", "gemma3_vision", "qwen2_vl", "qwen2_5_vl")
+# the families whose layers include mixture-of-experts ones (their `ArchSpec.moe`)
+EXPERT_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
 
 
 class UnsupportedArchitecture(ValueError):
@@ -71,7 +73,7 @@ def image_token_id(config: Any) -> int | None:
     """The token a vision-language checkpoint's processor repeats for each image's embeddings (config.json's
     `image_token_id`, or `image_token_index`); None for a text-only model, which takes no images."""
     read = config.get if isinstance(config, dict) else lambda key: getattr(config, key, None)
-    if family_of(config) not in VISION_MODELS:
+    if family_of(config) not in VISION_FAMILIES:
         return None
     value = read("image_token_id")
     return int(value if value is not None else read("image_token_index"))
@@ -88,16 +90,6 @@ def context_length(config: Any) -> int:
     return length
 
 
-def spec_of(family: str) -> Any:
-    """The family's `ArchSpec` (its module imported now); a vision-language family's is its text model's, known
-    from a config only (`causal_lm.build_model`)."""
-    if family in VISION_MODELS:
-        raise UnsupportedArchitecture(f"{family} is a vision-language family: its text_config names its text family")
-    if family not in FAMILIES:
-        raise UnsupportedArchitecture(f"no model family {family!r}; there are: {', '.join(FAMILIES)}")
-    return importlib.import_module(f"{__package__}.{family}").SPEC
-
-
 def family_has_experts(family: str) -> bool:
-    """Whether `family` declares mixture-of-experts layers (imports its module, and torch with it)."""
-    return spec_of(family).moe is not None
+    """Whether `family` declares mixture-of-experts layers."""
+    return family in EXPERT_FAMILIES
