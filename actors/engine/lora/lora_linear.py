@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ringserve.actors.engine.parallel.tensor_parallel import RowParallelLinear
 from ringserve.kernels.lora import lora_shrink_expand
 
 
@@ -87,7 +88,5 @@ class LoraLinear(nn.Module):
 def local_linear(owner: nn.Module, leaf: str) -> nn.Module:
     """The module computing `owner.<leaf>`'s matmul on this rank: under tensor parallelism a row-parallel
     linear's local shard (adapted before the all-reduce that sums the ranks' partial outputs), else the linear."""
-    from ringserve.actors.engine.parallel.tensor_parallel import RowParallelLinear
-
     module = getattr(owner, leaf)
     return module.linear if isinstance(module, RowParallelLinear) else module
