@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Sequence
 from urllib.parse import unquote, urlsplit, urlunsplit
 
+from ringserve.actors.common.actor_flags import NatsAuthFlags
+from ringserve.actors.common.flag_fields import to_argv
 from ringserve.bus.credentials import NatsCredentials, credentials_from_options, load_credentials_file, write_credentials_file
 from ringserve.bus.embedded_server import MAX_PAYLOAD_BYTES, cluster_node_config, free_port
 from ringserve.bus.image_store import DEFAULT_MAX_BYTES, DEFAULT_TTL_SECONDS, client_bucket_name
@@ -168,18 +170,10 @@ def split_url_credentials(url: str) -> tuple[str, NatsCredentials | None]:
 
 def external_actor_args(args: argparse.Namespace, role: str) -> list[str]:
     """The NATS auth options an actor of `role` gets on an external NATS (paths and names only, no secrets)."""
-    out: list[str] = []
-    if args.nats_creds_dir:
-        out += ["--nats-creds", str(role_creds_path(Path(args.nats_creds_dir), role))]
-    elif args.nats_creds:
-        out += ["--nats-creds", args.nats_creds]
-    elif args.nats_user:
-        out += ["--nats-user", args.nats_user]
-    for flag, value in (("--nats-tls-ca", args.nats_tls_ca), ("--nats-tls-cert", args.nats_tls_cert),
-                        ("--nats-tls-key", args.nats_tls_key)):
-        if value:
-            out += [flag, value]
-    return out
+    creds = str(role_creds_path(Path(args.nats_creds_dir), role)) if args.nats_creds_dir else args.nats_creds
+    return to_argv(NatsAuthFlags(nats_creds=creds or None, nats_user=None if creds else args.nats_user or None,
+                                 nats_tls_ca=args.nats_tls_ca or None, nats_tls_cert=args.nats_tls_cert or None,
+                                 nats_tls_key=args.nats_tls_key or None))
 
 
 def role_creds_path(directory: Path, role: str) -> Path:
