@@ -75,8 +75,9 @@ log = logging.getLogger("engine")
 
 class EngineCore:
     """Continuous batching with chunked prefill and a prefix cache over a registry model and a paged KV pool. Parts
-    it owns take new requests (`intake`), apply a step's tokens (`finishing`), end requests (`ends`), answer the operator (`control`), report (`report`),
-    serve LoRA adapters (`adapters`) and share KV with other replicas (`kv_share`)."""
+    it owns take new requests (`intake`), apply a step's tokens (`finishing`), end requests (`ends`), answer the
+    operator (`control`), report (`report`), serve LoRA adapters (`adapters`) and share KV with other replicas
+    (`kv_share`)."""
 
     def __init__(self, model: CausalLM, config: EngineConfig, tokenizer: Any | None = None,
                  model_name: str = "", draft: EngineCore | None = None) -> None:
