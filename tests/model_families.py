@@ -120,10 +120,58 @@ def _deepseek_v3() -> Any:
                             routed_scaling_factor=2.5, norm_topk_prob=True, rope_interleave=True)
 
 
+def _smollm3() -> Any:
+    from transformers import SmolLM3Config
+
+    return SmolLM3Config(**COMMON, head_dim=16, no_rope_layers=[1, 0, 1], use_sliding_window=True,
+                         sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+
+
+def _olmo2() -> Any:
+    from transformers import Olmo2Config
+
+    return Olmo2Config(**COMMON)
+
+
+def _olmo3() -> Any:
+    from transformers import Olmo3Config
+
+    return Olmo3Config(**COMMON, sliding_window=WINDOW,
+                       layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+
+
+def _exaone4() -> Any:
+    from transformers import Exaone4Config
+
+    return Exaone4Config(**COMMON, head_dim=16, sliding_window=WINDOW, sliding_window_pattern=2)
+
+
+def _seed_oss() -> Any:
+    from transformers import SeedOssConfig
+
+    return SeedOssConfig(**COMMON, head_dim=16, attention_bias=True, attention_out_bias=True)
+
+
+def _ernie4_5() -> Any:
+    from transformers import Ernie4_5Config
+
+    return Ernie4_5Config(**COMMON, head_dim=16, use_bias=True)
+
+
+def _glm4_moe() -> Any:
+    from transformers import Glm4MoeConfig
+
+    return Glm4MoeConfig(**{**COMMON, **MOE}, head_dim=16, n_routed_experts=8, n_shared_experts=1,
+                         first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=True,
+                         routed_scaling_factor=2.5, partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True)
+
+
 CONFIGS: dict[str, Callable[[], Any]] = {"llama3": _llama3, "mistral": _mistral, "qwen2": _qwen2, "qwen3": _qwen3,
                                          "gemma2": _gemma2, "gemma3": _gemma3, "phi3": _phi3, "mixtral": _mixtral,
                                          "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe,
-                                         "deepseek_v2": _deepseek_v2, "deepseek_v3": _deepseek_v3}
+                                         "deepseek_v2": _deepseek_v2, "deepseek_v3": _deepseek_v3,
+                                         "smollm3": _smollm3, "olmo2": _olmo2, "olmo3": _olmo3, "exaone4": _exaone4,
+                                         "seed_oss": _seed_oss, "ernie4_5": _ernie4_5, "glm4_moe": _glm4_moe}
 
 
 def tiny_hf_model(family: str, seed: int = 0) -> Any:

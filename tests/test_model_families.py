@@ -67,14 +67,15 @@ def test_prompt_logprobs_match_transformers(family_hf: tuple[str, Any]) -> None:
     torch.testing.assert_close(torch.tensor(row.prompt_logprobs[1:]), expected, atol=2e-3, rtol=0)
 
 
-COMPILED = ("gemma2", "gemma3", "mistral", "phi3")  # every block variant; Llama's graph is SmolLM2's, tested elsewhere
+COMPILED = ("gemma2", "gemma3", "mistral", "phi3", "olmo3")  # every block variant; Llama's graph is SmolLM2's, tested elsewhere
 
 
 def test_the_compiled_decode_graph_gives_transformers_tokens(family_hf: tuple[str, Any],
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """The CPU decode graph (torch.compile of the whole model's decode step) compiles (a fallback to eager is an
     error in the tests) and its tokens are transformers', for the families that between them use every block
-    variant (soft-caps, sandwich norms, q/k norms, per-type rotary, windows, partial rotary, longrope)."""
+    variant (soft-caps, sandwich and post norms, q/k norms per head and per projection, per-type rotary, windows,
+    partial rotary, longrope)."""
     family, hf = family_hf
     if family not in COMPILED:
         pytest.skip("its blocks' graph is covered by the families in COMPILED")
@@ -100,3 +101,14 @@ def test_a_half_precision_checkpoint_loads_in_float32(dtype: torch.dtype, tmp_pa
     ids = prompts(1, (9,))[0]
     runner = PagedRunner(ours, 1)
     torch.testing.assert_close(runner.feed([ids])[0], hf_last_logits(hf, ids), atol=2e-4, rtol=2e-4)
+
+
+def test_tensor_parallelism_refuses_a_qk_norm_over_a_whole_projection() -> None:
+    """OLMo's q/k norms span every head of the projection, so a rank's heads alone cannot be normed: sharding
+    such a layer is refused with what to pass instead, not run wrong."""
+    from ringserve.actors.engine.parallel.tensor_parallel import shard_attention
+
+    hf = tiny_hf_model("olmo2")
+    attention = model_from_hf(hf.config, hf.state_dict()).model.layers[0].self_attn
+    with pytest.raises(ValueError, match="--tp 1"):
+        shard_attention(attention, hf.config, group=None)  # type: ignore[arg-type]  # refused before it is read

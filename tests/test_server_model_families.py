@@ -49,10 +49,13 @@ GROUPS: list[dict[str, tuple[str, list[str]]]] = [
      "deepseek_v2": ("deepseek_v2", []), "deepseek_v3": ("deepseek_v3", [])},
     {"qwen3_moe-tp2": ("qwen3_moe", ["--tp", "2"]), "qwen2_moe-ep2": ("qwen2_moe", ["--tp", "2", "--ep", "2"]),
      "deepseek_v2-tp2": ("deepseek_v2", ["--tp", "2"])},
+    {"smollm3": ("smollm3", []), "olmo2": ("olmo2", []), "olmo3": ("olmo3", []), "exaone4": ("exaone4", [])},
+    {"seed_oss": ("seed_oss", []), "ernie4_5": ("ernie4_5", []), "glm4_moe": ("glm4_moe", [])},
 ]
 SERVED = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM",
           "Gemma3ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-          "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"]
+          "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "SmolLM3ForCausalLM", "Olmo2ForCausalLM",
+          "Olmo3ForCausalLM", "Exaone4ForCausalLM", "SeedOssForCausalLM", "Ernie4_5ForCausalLM", "Glm4MoeForCausalLM"]
 
 
 def tiny_family_model(family: str) -> Any:

@@ -25,6 +25,12 @@ FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = 
     "qwen3_moe": (("Qwen3MoeForCausalLM",), ("qwen3_moe",), ("qwen3moe",)),
     "deepseek_v2": (("DeepseekV2ForCausalLM",), ("deepseek_v2",), ()),  # transformers reads no DeepSeek GGUF
     "deepseek_v3": (("DeepseekV3ForCausalLM",), ("deepseek_v3",), ()),
+    "smollm3": (("SmolLM3ForCausalLM",), ("smollm3",), ()),
+    "olmo2": (("Olmo2ForCausalLM", "Olmo3ForCausalLM"), ("olmo2", "olmo3"), ()),
+    "exaone4": (("Exaone4ForCausalLM",), ("exaone4",), ()),
+    "seed_oss": (("SeedOssForCausalLM",), ("seed_oss",), ()),
+    "ernie4_5": (("Ernie4_5ForCausalLM",), ("ernie4_5",), ()),
+    "glm4_moe": (("Glm4MoeForCausalLM",), ("glm4_moe",), ()),
     # vision-language: a vision tower over the text family of their text_config (models/vision/)
     "llava": (("LlavaForConditionalGeneration",), ("llava",), ()),
     "gemma3_vision": (("Gemma3ForConditionalGeneration",), ("gemma3",), ()),
@@ -34,7 +40,7 @@ FAMILIES: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = 
 # the vision-language families (a vision tower over a text family: models/vision/ builds them)
 VISION_FAMILIES = ("llava", "gemma3_vision", "qwen2_vl", "qwen2_5_vl")
 # the families whose layers include mixture-of-experts ones (their `ArchSpec.moe`)
-EXPERT_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3")
+EXPERT_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe")
 
 
 class UnsupportedArchitecture(ValueError):

@@ -42,8 +42,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention with optional q/k/v bias, per-head q/k norms and partial rotary; how the
-    layer attends (scale, window, soft-cap) is its `LayerAttention`, applied by the backend."""
+    """Grouped-query self-attention with optional q/k/v bias, q/k norms (per head, or over the whole projection)
+    and partial rotary, or none (a NoPE layer); how the layer attends (scale, window, soft-cap) is its
+    `LayerAttention`, applied by the backend."""
 
     latent_kv = False  # the pool holds keys and values apart (models/mla.py's attention holds one latent)
 
@@ -56,9 +57,12 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(shape.hidden, self.q_size + 2 * self.kv_size, bias=shape.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, shape.hidden, bias=shape.o_bias)
         self.q_norm = self.k_norm = None
+        self.norm_projection = shape.qk_norm and shape.qk_norm_scope == "projection"
         if shape.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, shape.norm_eps, shape.norm_unit_offset)
-            self.k_norm = RMSNorm(self.head_dim, shape.norm_eps, shape.norm_unit_offset)
+            q_dim, k_dim = (self.q_size, self.kv_size) if self.norm_projection else (self.head_dim, self.head_dim)
+            self.q_norm = RMSNorm(q_dim, shape.norm_eps, shape.norm_unit_offset)
+            self.k_norm = RMSNorm(k_dim, shape.norm_eps, shape.norm_unit_offset)
+        self.rotates = shape.rotary
         # swappable for a fused kernel (model_runner.use_triton_kernels), as the norms are
         self.rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = apply_rotary
 
@@ -66,12 +70,15 @@ class Attention(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.norm_projection:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(t, self.num_heads, self.head_dim)  # [T, H, D]
         k = k.reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.reshape(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.norm_projection:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(q, cos, sin), self.rotary(k, cos, sin)
+        if self.rotates:
+            q, k = self.rotary(q, cos, sin), self.rotary(k, cos, sin)
         out = backend.forward(q, k, v, self.layer, meta)  # [T, H, D]
         return self.o_proj(out.reshape(t, self.q_size))  # [T, C]
 

@@ -17,18 +17,22 @@ from ringserve.kernels.cpu.decode_layer import fused_decode_layer
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: attention and MLP, each with a residual. With `sandwich_norms` (Gemma 2/3) each sublayer's
-    output is normed too, and the pre-MLP norm is `pre_feedforward_layernorm` (HF's names for both layouts)."""
+    output is normed too, and the pre-MLP norm is `pre_feedforward_layernorm`; with `post_norms` (OLMo 2/3,
+    EXAONE 4) only each sublayer's output is normed (HF's names for all three layouts)."""
 
     def __init__(self, shape: LayerShape, layer: int) -> None:
         super().__init__()
         norm = lambda: RMSNorm(shape.hidden, shape.norm_eps, shape.norm_unit_offset)  # noqa: E731
         self.self_attn: nn.Module = LatentAttention(shape, layer) if shape.mla else Attention(shape, layer)
         self.mlp: nn.Module = SparseMoE(shape) if shape.moe is not None else GatedMLP(shape)
-        self.input_layernorm = norm()
-        self.post_attention_layernorm = norm()  # Llama: before the MLP; sandwich: after attention
+        self.post_norms = shape.post_norms
+        if not self.post_norms:
+            self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()  # Llama: before the MLP; sandwich and post: after attention
         self.sandwich = shape.sandwich_norms
         if self.sandwich:
             self.pre_feedforward_layernorm = norm()
+        if self.sandwich or self.post_norms:
             self.post_feedforward_layernorm = norm()
         self.rope = shape.rope
         # Set where a decode step's whole layer may run as one CPU op (model_runner.use_cpu_decode_layers).
@@ -44,6 +48,9 @@ class DecoderLayer(nn.Module):
                                      attn.layer, backend, meta)
             if out is not None:
                 return out
+        if self.post_norms:
+            x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, backend, meta))
+            return x + self.post_feedforward_layernorm(self.mlp(x))
         if not self.sandwich:
             x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, meta)
             return x + self.mlp(self.post_attention_layernorm(x))

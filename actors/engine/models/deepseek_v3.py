@@ -14,11 +14,17 @@ from ringserve.actors.engine.models.mla import deinterleave_rope
 from ringserve.actors.engine.models.spec import ArchSpec, MoESpec
 
 
+def decoder_tensors(tensors: Any, config: Any) -> dict[str, Any]:
+    """The checkpoint's tensors less its multi-token prediction layers (those numbered from
+    `num_hidden_layers` on), which transformers does not load either."""
+    layer = re.compile(r"model\.layers\.(\d+)\.")
+    return {name: t for name, t in tensors.items()
+            if not ((m := layer.match(name)) and int(m.group(1)) >= config.num_hidden_layers)}
+
+
 def _prepare(tensors: Any, config: Any) -> Any:
     """The decoder's tensors (no multi-token prediction layer), their rope rows in the half-split layout."""
-    layer = re.compile(r"model\.layers\.(\d+)\.")
-    kept = {name: t for name, t in tensors.items()
-            if not ((m := layer.match(name)) and int(m.group(1)) >= config.num_hidden_layers)}
+    kept = decoder_tensors(tensors, config)
     return deinterleave_rope(kept, config) if getattr(config, "rope_interleave", True) else kept
 
 

@@ -68,9 +68,15 @@ class ArchSpec:
     qkv_bias: Callable[[Any], bool] = _config_flag("attention_bias")
     o_bias: Callable[[Any], bool] = _config_flag("attention_bias")
     mlp_bias: Callable[[Any], bool] = _config_flag("mlp_bias")
-    qk_norm: bool = False
+    qk_norm: bool | Callable[[Any], bool] = False  # or read from the config (GLM-4.5's `use_qk_norm`)
+    # what a q/k norm spans: "head" (each head's D dims: Qwen3, Gemma 3) or "projection" (all heads' dims of the
+    # q and the k projection at once: OLMo 2/3)
+    qk_norm_scope: str = "head"
     norm_unit_offset: bool = False  # Gemma's RMSNorm scales by (1 + weight)
     sandwich_norms: bool = False  # Gemma 2/3: a norm after attention and after the MLP too
+    post_norms: bool = False  # OLMo 2/3, EXAONE 4: norms after attention and after the MLP only (none before)
+    # whether layer i rotates its queries and keys (False: a NoPE layer, as SmolLM3's every fourth)
+    rotary_layer: Callable[[Any, int], bool] = lambda config, layer: True
     embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden_size)
     query_pre_attn_scalar: bool = False  # Gemma: softmax scale query_pre_attn_scalar ** -0.5, not head_dim's
     attn_softcap: str | None = None  # config field of the attention logits' soft-cap
@@ -112,6 +118,9 @@ class LayerShape:
     rope: str  # the layer type whose rotary parameters this layer uses
     attention: LayerAttention
     fusable: bool  # whether the fused CPU decode-layer op computes this layer
+    rotary: bool = True  # False: a NoPE layer (queries and keys not rotated)
+    qk_norm_scope: str = "head"  # "head" or "projection" (ArchSpec.qk_norm_scope)
+    post_norms: bool = False  # norms after each sublayer only (ArchSpec.post_norms)
     rope_dim: int = 0  # the per-head dimension the rotary tables are built for (head_dim; MLA's qk_rope_head_dim)
     moe: MoEShape | None = None  # this layer's experts, when it is a mixture-of-experts layer
     mla: bool = False  # latent attention (models/mla.py reads its own sizes from `config`)
@@ -158,9 +167,11 @@ def layer_shapes(spec: ArchSpec, config: Any) -> list[LayerShape]:
     activation = spec.activation(config)
     per_type_rope = isinstance(getattr(config, "rope_parameters", None), dict) and any(
         isinstance(v, dict) for v in config.rope_parameters.values())
+    qk_norm = spec.qk_norm(config) if callable(spec.qk_norm) else spec.qk_norm
     shapes = []
     for i in range(config.num_hidden_layers):
         kind = layer_type(config, i)
+        rotary = spec.rotary_layer(config, i)
         window = config.sliding_window if kind == "sliding_attention" else None
         attention = LayerAttention(scale, window, softcap)
         moe = _moe_shape(spec.moe, config) if spec.moe is not None and spec.moe.is_sparse(config, i) else None
@@ -170,10 +181,11 @@ def layer_shapes(spec: ArchSpec, config: Any) -> list[LayerShape]:
             hidden=config.hidden_size, intermediate=config.intermediate_size,
             num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads, head_dim=head_dim,
             norm_eps=config.rms_norm_eps, activation=activation, qkv_bias=spec.qkv_bias(config),
-            o_bias=spec.o_bias(config), mlp_bias=spec.mlp_bias(config), qk_norm=spec.qk_norm,
+            o_bias=spec.o_bias(config), mlp_bias=spec.mlp_bias(config), qk_norm=qk_norm,
             norm_unit_offset=spec.norm_unit_offset, sandwich_norms=spec.sandwich_norms,
-            rope=kind if per_type_rope else "default", attention=attention,
-            fusable=spec.fused_cpu_decode and activation == "silu" and moe is None and not spec.mla,
+            rope=kind if per_type_rope else "default", rotary=rotary, qk_norm_scope=spec.qk_norm_scope,
+            post_norms=spec.post_norms, attention=attention,
+            fusable=spec.fused_cpu_decode and activation == "silu" and moe is None and not spec.mla and rotary,
             rope_dim=config.qk_rope_head_dim if spec.mla else head_dim, moe=moe, mla=spec.mla, config=config))
     return shapes
 
