@@ -17,6 +17,7 @@ import argparse
 import logging
 import time
 
+from ringserve.actors.common.checkpoint_quantization import check_checkpoint_quantization
 from ringserve.actors.common.flag_fields import from_args, to_argv
 from ringserve.actors.common.model_source import check_servable, model_chat_template, resolve_model, resolved_config
 from ringserve.actors.common.process_flags import (
@@ -88,6 +89,8 @@ class Ring:
             log_event(log, logging.INFO, "reading the model", model=args.model)
             self.source = resolve_model(args.model)
             check_servable(self.source)  # weights and a tokenizer, before any actor starts
+            if self.source.gguf_file is None:  # a quantization_config we serve, and no --quantization on top of it
+                check_checkpoint_quantization(self.source.directory, args.quantization)
             self.subjects = Subjects(args.namespace)
             engine_config = EngineConfig.from_args(args)
             chat = ChatOptions.from_args(args)  # a bad --chat-template or kwargs JSON, before any actor starts
