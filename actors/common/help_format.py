@@ -27,9 +27,7 @@ SCALE_OUT = "scale-out"
 NATS = "NATS"
 TRACING = "tracing"  # also written in observability/tracing_config.py, which imports nothing else of ours
 PROCESS = "process"
-REFUSED = "other servers' flags (refused)"
-GROUP_ORDER = (MODEL, ENGINE, SPECULATIVE, LORA, CHAT, HTTP, IMAGES, ADMISSION, SCALE_OUT, NATS, TRACING, PROCESS,
-               REFUSED)
+GROUP_ORDER = (MODEL, ENGINE, SPECULATIVE, LORA, CHAT, HTTP, IMAGES, ADMISSION, SCALE_OUT, NATS, TRACING, PROCESS)
 
 
 SAYS_DEFAULT = re.compile(r"\(default\b|\bdefault:|\bdefaults? to\b", re.IGNORECASE)

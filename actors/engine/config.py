@@ -51,6 +51,18 @@ def _flag(help: str, group: str = ENGINE, **argparse_kwargs: Any) -> dict[str, A
     return flag(help, group=group, **argparse_kwargs)
 
 
+def served_context_length(model_context: int, context_length: int | None) -> int:
+    """The context served for a model whose own is `model_context`: `--context-length` when set (ValueError when
+    it is longer than the model's, whose positions past it were never trained), else the model's. The scheduler
+    and the tokenizer both bound requests by it."""
+    if context_length is None:
+        return model_context
+    if context_length > model_context:
+        raise ValueError(f"--context-length {context_length} is longer than the model's own context length "
+                         f"{model_context}: pass at most {model_context}, or leave it out")
+    return context_length
+
+
 def dtype_name(value: str) -> str:
     """`--dtype` as we name it: vLLM's and SGLang's `half` and `float` are float16 and float32."""
     return DTYPE_ALIASES.get(value, value)
@@ -86,6 +98,11 @@ class EngineConfig:
         "the row count (quantized: its group kernel; float32: oneDNN's, a one-row call run as two), every query "
         "row attends through the paged decode kernel, and no fused decode layer or compiled decode graph runs "
         "(docs/engine.md, \"Deterministic inference\": what it costs)"))
+    context_length: int | None = field(default=None, metadata=_flag(
+        "the longest sequence served, prompt and output together: at most the model's own context length (its "
+        "config's max_position_embeddings, or further with dynamic rotary scaling), which is the default; a "
+        "shorter one bounds every request and the KV cache a request may hold", type=int, group=MODEL,
+        aliases=("--max-model-len",), metavar="TOKENS"))
     max_total_tokens: int = field(default=0, metadata=_flag(
         "KV cache size in tokens (0 = sized from memory, see --mem-fraction-static)"))
     mem_fraction_static: float = field(default=0.0, metadata=_flag(
@@ -201,6 +218,8 @@ class EngineConfig:
                      "speculative_num_draft_tokens", "max_loras_per_batch", "max_lora_rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.context_length is not None and self.context_length < 1:
+            raise ValueError(f"--context-length must be at least 1, got {self.context_length}")
         for name in ("max_total_tokens", "torch_threads", "kv_tier_bytes", "max_loaded_loras"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -261,6 +280,10 @@ class EngineConfig:
     @property
     def chunking(self) -> bool:
         return self.chunked_prefill_size > 0
+
+    def served_context_length(self, model_context: int) -> int:
+        """The context served for a model whose own is `model_context` (`served_context_length`)."""
+        return served_context_length(model_context, self.context_length)
 
     def resolved_device(self) -> str:
         """The concrete device: `auto` becomes cuda when torch sees a GPU, else cpu."""

@@ -19,6 +19,7 @@ import time
 
 from ringserve.actors.common.checkpoint_quantization import check_checkpoint_quantization
 from ringserve.actors.common.flag_fields import from_args, to_argv
+from ringserve.actors.common.model_catalog import context_length
 from ringserve.actors.common.model_source import check_servable, model_chat_template, resolve_model, resolved_config
 from ringserve.actors.common.process_flags import (
     DetokenizerProcessFlags, EntryProcessFlags, SchedulerProcessFlags, TokenizerProcessFlags,
@@ -63,7 +64,8 @@ def actor_specs(args: argparse.Namespace, served_name: str, trace: TraceBuffer |
              for r in range(args.dp) for k in range(args.tp)]
     tokenizer = [*common, *to_argv(TokenizerProcessFlags(args.model, args.detokenizer_shards)),
                  *chat_argv(ChatOptions.from_args(args)),
-                 *EngineConfig(grammar_warm_up=args.grammar_warm_up).to_argv()]  # its checker's, as the scheduler's
+                 *EngineConfig(grammar_warm_up=args.grammar_warm_up,  # its checker's, as the scheduler's
+                               context_length=args.context_length).to_argv()]
     specs += [ActorSpec("tokenizer", i, "ringserve.actors.tokenizer", [*tokenizer])
               for i in range(args.tokenizer_workers)]
     specs += [ActorSpec("detokenizer", i, "ringserve.actors.detokenizer",
@@ -93,6 +95,8 @@ class Ring:
                 check_checkpoint_quantization(self.source.directory, args.quantization)
             self.subjects = Subjects(args.namespace)
             engine_config = EngineConfig.from_args(args)
+            if engine_config.context_length is not None:  # longer than the model's: refused before any actor starts
+                engine_config.served_context_length(context_length(resolved_config(self.source)))
             chat = ChatOptions.from_args(args)  # a bad --chat-template or kwargs JSON, before any actor starts
             generation_defaults(self.source, args.generation_config)  # a generation_config.json no request takes
             if args.tp != 1 or args.ep != 1:  # heads that --tp does not divide: refused before any process starts

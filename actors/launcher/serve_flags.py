@@ -4,8 +4,9 @@ files the launcher's own flags (`ServeFlags`) and those it passes on to the acto
 actor as dataclass fields, actors/common/flag_fields.py) under the groups of actors/common/help_format.py.
 
 A flag vLLM or SGLang users pass takes their spelling where we share it (`--model-path`, `--data-parallel-size`,
-`--tensor-parallel-size`, several `--lora-modules`, ...); one we do not take is refused with what to pass instead
-(`FOREIGN_FLAGS`), never "unrecognized arguments"."""
+`--tensor-parallel-size`, `--max-model-len`, several `--lora-modules`, ...); a form we do not take (`--api-key`
+on the command line, several `--served-model-name`s) is refused with what to pass instead, never "unrecognized
+arguments"."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any
 from ringserve.actors.common.actor_flags import NatsAuthFlags
 from ringserve.actors.common.cli_forms import OneOfSeveral, add_refused
 from ringserve.actors.common.flag_fields import add_arguments, argument_group, flag
-from ringserve.actors.common.help_format import GROUP_ORDER, HTTP, MODEL, NATS, PROCESS, REFUSED, SCALE_OUT, TRACING
+from ringserve.actors.common.help_format import GROUP_ORDER, HTTP, MODEL, NATS, PROCESS, SCALE_OUT, TRACING
 from ringserve.actors.common.model_source import DEFAULT_MODEL
 from ringserve.actors.engine.config import EngineConfig
 from ringserve.actors.entry.settings import API_KEY_REFUSAL, EntryFlags
@@ -26,15 +27,6 @@ from ringserve.actors.scheduler.admission import AdmissionFlags
 from ringserve.actors.scheduler.tp_follower import TensorParallelFlags
 from ringserve.actors.tokenizer.chat_options import ChatFlags
 from ringserve.observability.tracing_config import TracingFlags
-
-# vLLM's and SGLang's flags that ringserve does not take -> what to pass instead
-FOREIGN_FLAGS = {
-    "--max-model-len": "ringserve serves the model's own context length (its config's); bound a request's output "
-                       "with max_tokens, and the KV cache with --max-total-tokens",
-    "--context-length": "ringserve serves the model's own context length (its config's); bound a request's output "
-                        "with max_tokens, and the KV cache with --max-total-tokens",
-}
-
 
 SERVED_NAME_REFUSAL = ("ringserve answers to one model name: pass one (LoRA adapters are served under their own "
                        "names, see --lora-modules)")
@@ -91,8 +83,6 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     for declared in SERVE_DECLARATIONS:
         add_arguments(declared, serve)
     add_refused(argument_group(serve, HTTP), "--api-key", API_KEY_REFUSAL)
-    for flag_name, instead in FOREIGN_FLAGS.items():
-        add_refused(argument_group(serve, REFUSED), flag_name, instead)
 
 
 def serve_args(flags: dict[str, Any]) -> argparse.Namespace:

@@ -21,6 +21,7 @@ def build_parser(prog: str = "ringserve-tokenizer") -> argparse.ArgumentParser:
     for declared in (TokenizerProcessFlags, ChatFlags):  # ChatFlags: --reasoning-parser, --chat-template, ...
         add_arguments(declared, parser)
     EngineConfig.add_argument(parser, "grammar_warm_up")  # its grammar checker's, as the scheduler's compiler's
+    EngineConfig.add_argument(parser, "context_length")  # it bounds requests as the scheduler does
     return parser
 
 
@@ -38,7 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     from ringserve.actors.tokenizer.actor import tokenizer_main
 
     run_actor("tokenizer", args, lambda ctx: tokenizer_main(ctx, args.model, args.detokenizer_shards, options,
-                                                                args.grammar_warm_up))
+                                                                args.grammar_warm_up, args.context_length))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from ringserve.actors.common.model_source import UnservableModel, resolve_model
 from ringserve.actors.common.text_tokenizer import load_text_model
 from ringserve.actors.common.runtime import ActorContext, exit_now
 from ringserve.actors.detokenizer.placement import DetokenizerPlacement
+from ringserve.actors.engine.config import served_context_length
 from ringserve.actors.tokenizer.chat_options import ChatOptions
 from ringserve.actors.tokenizer.generation_defaults import generation_defaults
 from ringserve.actors.tokenizer.images import VisionPrompts, image_handles, images_param, is_vision_model
@@ -60,9 +61,10 @@ class TokenizerActor:
     """Owns the prompt encoder and the validation rules; keeps no per-request state."""
 
     def __init__(self, ctx: ActorContext, model: str, detokenizers: int = 1,
-                 options: ChatOptions | None = None) -> None:
+                 options: ChatOptions | None = None, context_length: int | None = None) -> None:
         """`detokenizers`: how many the launcher starts (ids 0..n-1), chosen among until one has beat;
-        `options`: the chat flags (default: all at their defaults)."""
+        `options`: the chat flags (default: all at their defaults); `context_length`: `--context-length`, the
+        longest sequence served (None: the model's own)."""
         self._ctx = ctx
         options = options or ChatOptions()
         source = resolve_model(model)
@@ -78,7 +80,10 @@ class TokenizerActor:
             raise UnservableModel(str(exc)) from None
         if self._defaults:
             log_event(log, logging.INFO, "sampling defaults from generation_config.json", **self._defaults)
-        self._context_length = text_model.context_length
+        try:
+            self._context_length = served_context_length(text_model.context_length, context_length)
+        except ValueError as exc:
+            raise UnservableModel(str(exc)) from None
         self._eos_ids = text_model.eos_token_ids
         self._grammars = GrammarChecker(text_model.tokenizer, text_model.vocab_size)
         self._router = Router()
@@ -329,17 +334,18 @@ class TokenizerActor:
             return server_error(f"handing the request to a scheduler failed: {exc!r}"[:1000], 503)
 
 
-async def tokenizer_main(ctx: ActorContext, model: str, detokenizers: int = 1,
-                         options: ChatOptions | None = None, grammar_warm_up: bool = True) -> dict[str, Any]:
+async def tokenizer_main(ctx: ActorContext, model: str, detokenizers: int = 1, options: ChatOptions | None = None,
+                         grammar_warm_up: bool = True, context_length: int | None = None) -> dict[str, Any]:
     """Entry point for the runtime: build the actor and subscribe. A model it cannot serve ends the process at
     once with one error line (exit code 1), before it reports ready. `grammar_warm_up` (--grammar-warm-up):
-    warm the grammar checker from the start and report ready once it is warm (grammar_check.py)."""
+    warm the grammar checker from the start and report ready once it is warm (grammar_check.py);
+    `context_length`: --context-length (None: the model's own)."""
     if grammar_warm_up:
         from ringserve.kernels.grammar.compile_pool import prestart
 
         prestart()  # the checker's worker process imports torch and xgrammar while the tokenizer loads
     try:
-        actor = TokenizerActor(ctx, model, detokenizers, options)
+        actor = TokenizerActor(ctx, model, detokenizers, options, context_length)
     except (UnservableModel, FileNotFoundError) as exc:
         log_event(log, logging.ERROR, "cannot serve this model", model=model, reason=str(exc))
         exit_now(1)

@@ -87,7 +87,7 @@ class EngineCore:
         self.config = config
         self.device = torch.device(config.resolved_device())
         self.vocab_size: int = model.vocab_size
-        self.context_length: int = model.context_length
+        self.context_length: int = config.served_context_length(model.context_length)  # --context-length
         self.tokenizer = tokenizer
         dtype, head_dim, layers = model.dtype, model.head_dim, model.num_layers
         kv_heads = model.num_kv_heads  # this rank's share under tensor parallelism
@@ -145,8 +145,9 @@ class EngineCore:
                                 self.counters)
         self.finishing = StepFinish(self.live, self.grammars, self.stop_checker, self.jumper, self.speculation,
                                     self.ends)
-        self.intake = RequestIntake(model, num_slots, tokenizer is not None, config.embedding_pooling, self.device,
-                                    self.adapters, self.grammars, self.prefill, self.live)
+        self.intake = RequestIntake(model, self.context_length, num_slots, tokenizer is not None,
+                                    config.embedding_pooling, self.device, self.adapters, self.grammars, self.prefill,
+                                    self.live)
         self._last_batch: Batch | None = None
         self.overlap = config.overlap_enabled()
         self._inflight: tuple[Batch, ForwardOutput] | None = None  # overlap loop: launched, not yet finished

@@ -27,14 +27,15 @@ from ringserve.kernels.sampling import PenaltyState
 class RequestIntake:
     """Checks new requests against the model and the pool, and queues those that can run."""
 
-    def __init__(self, model: CausalLM, num_slots: int, has_tokenizer: bool, embedding_pooling: str,
-                 device: torch.device, adapters: LoraServing, grammars: GrammarManager, prefill: PrefillManager,
-                 live: MutableMapping[str, Req]) -> None:
-        """`has_tokenizer`: stop strings can be checked; `embedding_pooling`: an embedding request's default
+    def __init__(self, model: CausalLM, context_length: int, num_slots: int, has_tokenizer: bool,
+                 embedding_pooling: str, device: torch.device, adapters: LoraServing, grammars: GrammarManager,
+                 prefill: PrefillManager, live: MutableMapping[str, Req]) -> None:
+        """`context_length`: the longest sequence served (`--context-length`, at most the model's); `has_tokenizer`:
+        stop strings can be checked; `embedding_pooling`: an embedding request's default
         (`--embedding-pooling`); `live`: the engine's live requests by rid, which a queued request joins."""
         self.model, self.num_slots, self.has_tokenizer = model, num_slots, has_tokenizer
         self.vocab_size: int = model.vocab_size
-        self.context_length: int = model.context_length
+        self.context_length = context_length
         self.rope_rule = model.rope_length_rule
         self.embedding_pooling, self.device = embedding_pooling, device
         self.adapters, self.grammars, self.prefill, self.live = adapters, grammars, prefill, live

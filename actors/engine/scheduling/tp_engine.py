@@ -64,7 +64,8 @@ def prepare_rank(model: CausalLM, config: EngineConfig, group: TPGroup, expert_p
     config = dataclasses.replace(config, disable_cuda_graph=True)
     per_token = KVPool.bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, model.dtype,
                                        model.latent_kv)
-    tokens = torch.tensor([config.kv_pool_tokens(per_token, model.context_length)], device=group.device)
+    context = config.served_context_length(model.context_length)  # --context-length
+    tokens = torch.tensor([config.kv_pool_tokens(per_token, context)], device=group.device)
     dist.all_reduce(tokens, op=dist.ReduceOp.MIN)  # the default group: ranks load at different speeds
     return dataclasses.replace(config, max_total_tokens=int(tokens))
 
