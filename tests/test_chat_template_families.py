@@ -19,7 +19,7 @@ from ringserve.actors.common.chat_template import render_chat
 from ringserve.actors.common.model_source import (DEFAULT_MODEL, ModelSource, load_tokenizer, model_chat_template,
                                                   resolve_model)
 from ringserve.actors.common.text_tokenizer import load_text_model
-from ringserve.actors.engine.models.chat_templates import fallback_template
+from ringserve.actors.common.fallback_templates import fallback_template
 from ringserve.actors.entry.tool_parsers import parser_for_template
 from ringserve.actors.tokenizer.prompt import PromptEncoder
 from ringserve.bus.errors import ApiError
@@ -129,7 +129,7 @@ def test_a_refusing_template_is_the_clients_400(text_tokenizer: Any) -> None:
 
 @pytest.mark.parametrize("chat", ["user", "system", "turns", "parts", "not alternating"])
 def test_the_gemma_fallback_renders_as_gemma3s_own_template(chat: str) -> None:
-    """GGUF files without a template (the real Gemma 3 270M) get actors/engine/models/chat_templates.py's."""
+    """GGUF files without a template (the real Gemma 3 270M) get actors/common/fallback_templates.py's."""
     fallback = fallback_template("gemma3")
     assert fallback is not None
     for generation in (True, False):

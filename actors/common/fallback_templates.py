@@ -1,6 +1,6 @@
 """Chat templates a family falls back to when its checkpoint carries none (many GGUF files have no
 `tokenizer.chat_template`, e.g. the Gemma 3 270M Q4_K_M file the tests serve). Each writes the family's own turn
-format; no torch here (the launcher and the tokenizer actor read it)."""
+format; no torch here (the launcher and the tokenizer actor read it, through model_source.py)."""
 
 from __future__ import annotations
 
