@@ -43,7 +43,11 @@ from ringserve.kernels.float_linear import onednn_linear
 from ringserve.kernels.linear_plan.plan import KernelPlan, ShapePlan, kernel_for
 
 log = logging.getLogger("ringserve.kernels.quantization")
-METHODS = ("int8", "int4", "gguf")
+# the methods whose layers are made from codes already packed (a GGUF file's blocks; a GPTQ or AWQ checkpoint's
+# 4-bit groups, actors/engine/quantization/checkpoint_codes.py), never quantized here
+CHECKPOINT_METHODS = ("gptq", "awq")  # their layers run the codes' kernel at every row count: no float copy is kept
+PACKED_METHODS = ("gguf", *CHECKPOINT_METHODS)
+METHODS = ("int8", "int4", *PACKED_METHODS)
 GROUP_KERNELS = FORMATS  # one per packed weight format (kernels/cpu/packing.py)
 HEAD_NAMES = ("lm_head",)  # linears int4 keeps at int8
 FLOAT_WEIGHT_KERNELS = ("float32", "onednn")  # the kernels that read the float32 weight
@@ -93,8 +97,8 @@ class QuantLinear(nn.Module):
         super().__init__()
         if method not in METHODS and method not in GROUP_KERNELS:
             raise ValueError(f"unknown quantization {method!r}; choose one of {list(METHODS)}")
-        if (method == "gguf") != (packed is not None):
-            raise ValueError("a gguf layer is made from its packed blocks, and only it")
+        if (method in PACKED_METHODS) != (packed is not None):
+            raise ValueError(f"a {'/'.join(PACKED_METHODS)} layer is made from its packed codes, and only it")
         self.method = method
         self.plan = dict(plan or {})
         self.default = packed.format if packed is not None else default_kernel(method)
@@ -174,8 +178,8 @@ def quantize_linears(model: nn.Module, method: str, plan: KernelPlan | None = No
                      packed: dict[str, PackedWeight] | None = None) -> nn.Module:
     """Replace every `nn.Linear` of `model` (on the CPU) by a `QuantLinear` of `method` (`layer_method`), in
     place, each following its shape's entry of `plan` (without one: the method's default for every row count).
-    With method "gguf", `packed` holds the linears' GGUF blocks (module name -> packed); a linear it lacks (the
-    file stores it as floats) stays as it is."""
+    With a method of PACKED_METHODS, `packed` holds the linears' GGUF blocks or checkpoint codes (module name ->
+    packed); a linear it lacks (the file stores it as floats) stays as it is."""
     if method not in METHODS:
         raise ValueError(f"unknown quantization {method!r}; choose one of {list(METHODS)}")
     packed = packed or {}
@@ -186,7 +190,7 @@ def quantize_linears(model: nn.Module, method: str, plan: KernelPlan | None = No
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         shape_plan = (plan or {}).get((module.out_features, module.in_features))
-        if method == "gguf" and name not in packed:
+        if method in PACKED_METHODS and name not in packed:
             continue  # stored as floats in the file: it runs its float weights
         setattr(parent, child, QuantLinear(module, layer_method(name, method), shape_plan, packed=packed.get(name)))
     return model

@@ -7,16 +7,32 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
+from unittest.mock import patch
 
 import pytest
+import torch
 
+from ringserve.actors.common.model_source import resolve_model
+from ringserve.actors.engine.config import EngineConfig
+from ringserve.actors.engine.models.weights import model_from_hf
+from ringserve.actors.engine.scheduling.engine_core import EngineCore
+from ringserve.bus.messages import TokenizedRequest
+from ringserve.kernels.cpu.packed_weight import PackedWeight
+from ringserve.kernels.cpu.packing_kbits import dequantize_kbits, pack_kbits
+from ringserve.kernels.quantization import QuantLinear
+from tests.checkpoint_formats import Quantized, quantization_config, write_quantized_checkpoint
+from tests.engine_helpers import greedy, run_to_completion, tokens_of
+from tests.model_families import CONFIGS, tiny_hf_model
 from tests.server_helpers import save_tiny_model
 from tests.test_docs_claims import ringserve_cmd
 
+VOCAB = 49152  # SmolLM2's tokenizer
+NEW_TOKENS = 12
+
 UNSERVED = {"bitsandbytes": {"quant_method": "bitsandbytes", "load_in_4bit": True},
             "hqq": {"quant_method": "hqq", "nbits": 4},
-            "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128},
-            "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}}
+            "quanto": {"quant_method": "quanto", "weights": "int4"}}
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +42,8 @@ def float_directory(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def with_quantization(source: Path, directory: Path, quantization: dict) -> Path:
-    """A copy of the checkpoint `source` whose config.json carries `quantization` as its quantization_config."""
+    """A copy of the checkpoint `source` whose config.json carries `quantization` as its quantization_config
+    (in place of any it has)."""
     shutil.copytree(source, directory)
     config = json.loads((directory / "config.json").read_text())
     config["quantization_config"] = quantization
@@ -46,3 +63,118 @@ def test_an_unserved_quantization_is_refused_in_one_line(float_directory: Path, 
     assert lines[1].startswith(f"ringserve: {directory} is quantized by {method!r}"), done.stderr
     assert "quantized checkpoints served:" in lines[1], done.stderr
     assert "started actor" not in done.stdout + done.stderr
+
+
+def tiny_model(family: str) -> Any:
+    """`family`'s tiny transformers model with 128 hidden and 256 intermediate features (so a group of 128 is
+    four of our 32-groups; 4 heads of 32) and SmolLM2's vocabulary (so the real tokenizer serves it)."""
+    base = CONFIGS[family]
+
+    def wider() -> Any:
+        config = base()
+        config.update(dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, head_dim=32))
+        return config
+
+    with patch.dict(CONFIGS, {family: wider}):
+        return tiny_hf_model(family)
+
+
+# (family, method, group size, symmetric)
+CASES = [("llama3", "gptq", 128, True), ("qwen3", "gptq", 32, False), ("llama3", "awq", 64, False),
+         ("qwen3", "awq", 128, False)]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, tuple[Path, Any, dict[str, Quantized]]]:
+    """Each case's checkpoint directory (with SmolLM2's tokenizer), the float model holding the exact
+    dequantization, and the codes written, by case."""
+    from ringserve.actors.common.model_source import load_tokenizer, resolve_model
+
+    tokenizer = load_tokenizer(resolve_model("SmolLM2-135M-Instruct"))
+    out = {}
+    for case in CASES:
+        family, method, group, sym = case
+        hf_model = tiny_model(family)
+        directory = tmp_path_factory.mktemp(method) / f"{family}-{method}-{group}"
+        codes = write_quantized_checkpoint(hf_model, directory, method, group, sym)
+        tokenizer.save_pretrained(directory)
+        out[case] = (directory, hf_model, codes)
+    return out
+
+
+def fused_codes(codes: dict[str, Quantized], name: str) -> list[Quantized]:
+    """The HF linears our linear `name` is made of (q/k/v for qkv_proj, gate/up for gate_up_proj), in row order."""
+    parent, _, child = name.rpartition(".")
+    parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}.get(child, (child,))
+    return [codes[f"{parent}.{part}"] for part in parts]
+
+
+def engine_of(directory: Path) -> EngineCore:
+    return EngineCore.from_source(resolve_model(str(directory)),
+                                  EngineConfig(device="cpu", max_total_tokens=4096, torch_threads=1))
+
+
+@pytest.mark.parametrize("case", CASES, ids=["-".join(map(str, c)) for c in CASES])
+def test_a_quantized_checkpoint_runs_its_own_codes(checkpoints: dict, case: tuple) -> None:
+    """Loaded from the directory, every decoder linear is a layer of the checkpoint's method on our q4_k form
+    whose weight is exactly the format's dequantization of its codes (fused q/k/v and gate/up row by row); the
+    rest loads as floats; no float copy of a quantized linear is kept. Greedy tokens equal those of an
+    in-process engine built from the float model holding those exact dequantized weights, its linears running
+    q4_k on codes the test packs itself (our kernels quantize activations to int8 per block of 32, so the float
+    model's own float32 matmuls are not an exact reference: on these models they part after about 8 tokens)."""
+    directory, hf_model, codes = checkpoints[case]
+    method = case[1]
+    engine = engine_of(directory)
+    layers = {n: m for n, m in engine.runner.model.named_modules() if isinstance(m, QuantLinear)}
+    assert len(layers) == 4 * hf_model.config.num_hidden_layers, sorted(layers)
+    assert engine.stats().quantization["method"] == method
+    reference = model_from_hf(hf_model.config, hf_model.state_dict(), "cpu")
+    for name, layer in layers.items():
+        assert layer.method == method and set(layer.packed) == {"q4_k"} and layer.weight_f is None, name
+        assert layer.kernel_for(1) == layer.kernel_for(512) == "q4_k", name
+        exact = torch.cat([q.dequantize() for q in fused_codes(codes, name)])
+        assert torch.equal(dequantize_kbits(layer.packed["q4_k"]), exact), name
+        parent, _, child = name.rpartition(".")
+        ref_parent = reference.get_submodule(parent)
+        assert torch.equal(getattr(ref_parent, child).weight, exact), name
+        setattr(ref_parent, child, QuantLinear(getattr(ref_parent, child), method, layer.plan,
+                                               packed=pack_kbits_of(fused_codes(codes, name))))
+    expected = EngineCore(reference, EngineConfig(device="cpu", max_total_tokens=4096, torch_threads=1))
+    prompts = [[5 + i for i in range(n)] for n in (3, 17, 40)]
+    requests = [TokenizedRequest(f"r{i}", p, greedy(NEW_TOKENS)) for i, p in enumerate(prompts)]
+    got, want = run_to_completion(engine, requests), run_to_completion(expected, requests)
+    assert {r: tokens_of(rows) for r, rows in got.items()} == {r: tokens_of(rows) for r, rows in want.items()}
+
+
+def pack_kbits_of(parts: list[Quantized]) -> PackedWeight:
+    """The linears `parts` (rows concatenated) as our q4_k form, from the test's own codes."""
+    codes = torch.cat([q.codes for q in parts]).to(torch.int16)
+    scale = torch.cat([q.scales.float()[q.groups].t() for q in parts])  # [N, K] per input
+    zero = torch.cat([q.zeros.float()[q.groups].t() for q in parts])
+    scale32, min32 = scale[:, ::32], -(scale * zero)[:, ::32]
+    packed = pack_kbits(codes, scale32.repeat_interleave(2, dim=1), min32, 4)
+    assert packed is not None
+    return packed
+
+
+@pytest.mark.parametrize("flag", ["int8", "int4", "auto"])
+def test_quantization_on_a_quantized_checkpoint_is_refused(checkpoints: dict, flag: str) -> None:
+    """`--quantization` on top of a GPTQ checkpoint: refused in one line saying it is already quantized."""
+    directory = checkpoints[CASES[0]][0]
+    done = ringserve_cmd("serve", "--model", str(directory), "--port", "1", "--quantization", flag)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    lines = done.stderr.splitlines()
+    assert len(lines) == 2 and "already quantized by 'gptq'" in lines[1], done.stderr
+
+
+@pytest.mark.parametrize("change", [{"bits": 8}, {"desc_act": True}, {"group_size": 48},
+                                    {"checkpoint_format": "gptq_v2"}])
+def test_an_unserved_gptq_variant_is_refused(checkpoints: dict, tmp_path: Path, change: dict) -> None:
+    """A GPTQ checkpoint of a variant we do not serve: refused in one line naming it and what is served."""
+    source = checkpoints[CASES[0]][0]
+    quantization = {**quantization_config("gptq", 128, True), **change}
+    directory = with_quantization(source, tmp_path / "variant", quantization)
+    done = ringserve_cmd("serve", "--model", str(directory), "--port", "1")
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    lines = done.stderr.splitlines()
+    assert len(lines) == 2 and "is a gptq checkpoint with" in lines[1] and "served are" in lines[1], done.stderr

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 # The methods whose codes the engine reads at load and keeps (actors/engine/models/weights.py).
-SERVED_METHODS: tuple[str, ...] = ()
+SERVED_METHODS: tuple[str, ...] = ("gptq", "awq")
 
 
 class UnservedQuantization(ValueError):
@@ -32,20 +32,56 @@ def quant_method(quantization: dict[str, Any]) -> str:
     return str(quantization.get("quant_method") or "unnamed").lower()
 
 
-def check_checkpoint_quantization(directory: str | Path, requested: str) -> None:
-    """Raise UnservedQuantization when the checkpoint in `directory` is quantized by a method we do not serve, or
-    when `requested` (`--quantization`) would quantize a checkpoint that already is."""
+def check_checkpoint_quantization(directory: str | Path, requested: str, tp: int = 1) -> None:
+    """Raise UnservedQuantization when the checkpoint in `directory` is quantized by a method we do not serve (or
+    a variant of it: `unserved_variant`), when `requested` (`--quantization`) would quantize a checkpoint that
+    already is, or when `tp` would split its codes across ranks."""
     quantization = checkpoint_quantization(directory)
     if quantization is None:
         return
     method = quant_method(quantization)
     if method not in SERVED_METHODS:
-        served = ", ".join(SERVED_METHODS) if SERVED_METHODS else "none yet"
+        served = ", ".join(SERVED_METHODS)
         raise UnservedQuantization(
             f"{directory} is quantized by {method!r} (quantization_config.quant_method): not served; quantized "
             f"checkpoints served: {served}; serve the model's float checkpoint (--quantization int8/int4 "
             "quantizes it here)")
-    if requested not in ("none",):
+    variant = unserved_variant(quantization)
+    if variant is not None:
+        raise UnservedQuantization(f"{directory} is a {method} checkpoint with {variant}: not served; served are "
+                                   f"{SERVED_VARIANTS}")
+    if requested != "none":
         raise UnservedQuantization(
             f"--quantization {requested} on {directory}, a checkpoint already quantized by {method!r}: its own codes "
             "are served as they are, never quantized again; leave --quantization out")
+    if tp > 1:
+        raise UnservedQuantization(f"--tp {tp} on {directory}, a {method} checkpoint: its packed codes are not split "
+                                   "by rank; serve it with --tp 1")
+
+
+SERVED_VARIANTS = ("4-bit GPTQ (v1 layout, sym or asym, a group size a multiple of 32 or -1, no desc_act) and "
+                   "4-bit AWQ (GEMM layout, a group size a multiple of 32)")
+
+
+def unserved_variant(quantization: dict[str, Any]) -> str | None:
+    """What of a served method's `quantization_config` we do not serve (bits, layout, group size, desc_act), in
+    words; None when all of it is served."""
+    method = quant_method(quantization)
+    bits = quantization.get("bits", quantization.get("w_bit"))
+    if bits != 4:
+        return f"bits {bits}"
+    group = quantization.get("group_size", quantization.get("q_group_size"))
+    whole_rows = group == -1 and method == "gptq"  # one group per output row
+    if not isinstance(group, int) or not whole_rows and (group <= 0 or group % 32):
+        return f"group_size {group}"
+    if method == "gptq":
+        layout = quantization.get("checkpoint_format") or "gptq"
+        if layout != "gptq":
+            return f"checkpoint_format {layout!r}"
+        if quantization.get("desc_act"):
+            return "desc_act (inputs reordered across groups)"
+    if method == "awq":
+        version = str(quantization.get("version") or "gemm").lower()
+        if version != "gemm":
+            return f"version {version!r}"
+    return None

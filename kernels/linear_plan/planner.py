@@ -4,7 +4,9 @@ layers in (`quantize_linears`, `use_float_plan`) and logs what it got.
 
 - `int8`, `int4`: each shape among its method's kernels and the float32 weight's; a shape only int4's LM
   head has (int4 keeps the head at int8, `layer_method`) among int8's.
-- `gguf`: each shape among float32 and the block format its layers' GGUF weights have (one per shape).
+- `gguf`: each shape among float32 and the block format its layers' GGUF weights have (one per shape);
+  `gptq` and `awq` (a checkpoint's 4-bit codes, packed as q4_k): that kernel at every row count, unmeasured (the
+  checkpoint has no float weights to run, and none is kept).
 - `none`: each float32 shape among torch's, our GEMV and oneDNN's (nothing measured where no kernel but
   torch's is a candidate here); with `bf16` (the engine's verdict: a bfloat16 checkpoint, `--float-kernels
   auto`) oneDNN's bfloat16 matmul too.
@@ -28,7 +30,7 @@ from ringserve.kernels.linear_plan.invariant import invariant_plan
 from ringserve.kernels.linear_plan.measure import ShapeRows, measure_float, measure_quantized
 from ringserve.kernels.linear_plan.plan import KernelPlan, Measured
 from ringserve.kernels.linear_plan.report import speedup
-from ringserve.kernels.quantization import layer_method
+from ringserve.kernels.quantization import CHECKPOINT_METHODS, PACKED_METHODS, layer_method
 
 AUTO_MIN_SPEEDUP = 1.15  # int8 costs some quality; take it only for a clear win
 AUTO_BATCHES = (1, 16)
@@ -62,9 +64,11 @@ def plan_linears(model: nn.Module, rows: ShapeRows, method: str,
         chosen = plan_linears(model, rows, method, packed) if method == "auto" else LinearPlan(method, {})
         return LinearPlan(chosen.method, invariant_plan(_shape_kinds(model, chosen.method, packed), rows),
                           chosen.passes, chosen.auto_speedups)
-    if method == "gguf":
-        blocks = _one_pass("gguf", _gguf_groups(rows, packed or {}))
-        return LinearPlan("gguf", blocks.plan, [blocks])
+    if method in CHECKPOINT_METHODS:  # a checkpoint's codes: their kernel at every row count, nothing measured
+        return LinearPlan(method, {})
+    if method in PACKED_METHODS:
+        blocks = _one_pass(method, _gguf_groups(rows, packed or {}))
+        return LinearPlan(method, blocks.plan, [blocks])
     if method == "none":
         return _float_plan(model, rows, bf16)
     measured_as = "int8" if method == "auto" else method
@@ -81,7 +85,7 @@ def plan_linears(model: nn.Module, rows: ShapeRows, method: str,
 def _shape_kinds(model: nn.Module, method: str, packed: dict[str, PackedWeight] | None) -> dict[tuple[int, int], str]:
     """Each linear shape's kind for a row-invariant plan: its block format ("gguf": a shape the file stores as
     floats is "none"), its `layer_method` (int8, int4), or "none"."""
-    if method == "gguf":
+    if method in PACKED_METHODS:
         kinds = {shape: "none" for shape in linear_shapes(model)}
         kinds.update(_gguf_formats(packed or {}))
         return kinds

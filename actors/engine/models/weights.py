@@ -36,6 +36,9 @@ from ringserve.actors.common.model_source import (
 )
 from ringserve.actors.engine.models.causal_lm import CausalLM, build_model
 from ringserve.actors.engine.models.spec import head_dim_of
+from ringserve.actors.engine.quantization.checkpoint_codes import (
+    CODE_TENSORS, dequantized_state_dict, is_quantized_checkpoint,
+)
 from ringserve.observability.logging import log_event
 
 log = logging.getLogger("engine.weights")
@@ -78,7 +81,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: str | torch.devi
     return model
 
 
-def _safetensors_files(directory: Path) -> list[Path]:
+def safetensors_files(directory: Path) -> list[Path]:
     """The safetensors files of the checkpoint in `directory` (one file or shards)."""
     index = directory / SHARD_INDEX
     if index.is_file():
@@ -98,7 +101,7 @@ def checkpoint_dtype(source: ModelSource) -> torch.dtype | None:
     if source.gguf_file is not None:
         return None
     dtypes = set()
-    for path in _safetensors_files(Path(source.directory)):
+    for path in safetensors_files(Path(source.directory)):
         with safe_open(str(path), "pt") as f:
             for name in f.keys():
                 tensor = f.get_slice(name)
@@ -109,14 +112,16 @@ def checkpoint_dtype(source: ModelSource) -> torch.dtype | None:
 
 
 def read_safetensors(directory: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every tensor of the safetensors checkpoint in `directory` (one file or shards), floats in `dtype`."""
+    """Every tensor of the safetensors checkpoint in `directory` (one file or shards), floats in `dtype` but a
+    GPTQ/AWQ linear's code tensors (their fp16 scales kept as they are: bfloat16 would round them)."""
     from safetensors.torch import load_file
 
     tensors: dict[str, torch.Tensor] = {}
-    for path in _safetensors_files(directory):
+    for path in safetensors_files(directory):
         for name, tensor in load_file(path).items():
             if not name.endswith(IGNORED_TENSORS):
-                tensors[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+                codes = name.rpartition(".")[2] in CODE_TENSORS
+                tensors[name] = tensor.to(dtype) if tensor.is_floating_point() and not codes else tensor
     return tensors
 
 
@@ -151,6 +156,8 @@ def model_from_hf(
     if scaled is not None:
         raise ValueError(f"the checkpoint stores block-scaled FP8 weights ({scaled}), as DeepSeek-V3/R1's official "
                          "ones do: not served; use a bfloat16 conversion of it")
+    if is_quantized_checkpoint(state_dict):  # GPTQ/AWQ: the float model holds their exact dequantization
+        state_dict = dequantized_state_dict(state_dict, checkpoint_quantization(config), float_dtype(state_dict))
     tensors = fuse_hf_state_dict(dict(state_dict), model.spec.hf_fusions, model.spec.hf_renames)
     if model.spec.prepare_weights is not None:
         tensors = model.spec.prepare_weights(tensors, config)
@@ -160,6 +167,25 @@ def model_from_hf(
     model.load_state_dict(moved, strict=True, assign=True)
     model.tie_weights()
     return model.to(device).eval().requires_grad_(False)
+
+
+def checkpoint_quantization(config: Any) -> dict[str, Any]:
+    """A quantized checkpoint's `quantization_config` as a dict; {} for a float checkpoint."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is not None and not isinstance(quantization, dict):
+        quantization = quantization.to_dict()
+    return dict(quantization or {})
+
+
+def checkpoint_method(config: Any) -> str:
+    """The method of a quantized checkpoint's `quantization_config` ("gptq", "awq"); "none" without one."""
+    return str(checkpoint_quantization(config).get("quant_method") or "none").lower()
+
+
+def float_dtype(state_dict: Mapping[str, torch.Tensor]) -> torch.dtype:
+    """The dtype of a state dict's float tensors (a quantized linear's scales aside)."""
+    return next((t.dtype for name, t in state_dict.items()
+                 if t.is_floating_point() and name.rpartition(".")[2] not in CODE_TENSORS), torch.float32)
 
 
 def fuse_hf_state_dict(tensors: dict[str, torch.Tensor], fusions: Mapping[str, tuple[str, ...]],

@@ -26,12 +26,13 @@ from ringserve.actors.common import startup_cache
 from ringserve.actors.common.model_source import ModelSource
 from ringserve.actors.engine.config import EngineConfig
 from ringserve.actors.engine.models.weights import checkpoint_dtype
+from ringserve.actors.engine.quantization.checkpoint_linears import checkpoint_method_of, checkpoint_packed_linears
 from ringserve.kernels.cpu.packing import PackedWeight
 from ringserve.kernels.float_linear import BF16, FLOAT_KERNELS, FloatLinear, use_float_plan
 from ringserve.kernels.linear_plan.plan import KernelPlan, plan_report
 from ringserve.kernels.linear_plan.planner import LinearPlan, linear_shapes, plan_linears
 from ringserve.kernels.linear_plan.report import choices, quantization_report
-from ringserve.kernels.quantization import quantize_linears
+from ringserve.kernels.quantization import CHECKPOINT_METHODS, quantize_linears
 from ringserve.observability.logging import log_event
 
 if TYPE_CHECKING:
@@ -83,13 +84,18 @@ def bf16_allowed(config: EngineConfig, source: ModelSource | None) -> bool:
 
 def apply_quantization(model: nn.Module, config: EngineConfig, source: ModelSource | None = None
                        ) -> tuple[str, KernelPlan]:
-    """Quantize `model` in place as `config` says; returns the method applied ("none", "int8", "int4" or
-    "gguf") and the kernel chosen per shape and row-count bucket. `source`: where `model` was loaded from (the
+    """Quantize `model` in place as `config` says, or, for a GPTQ/AWQ checkpoint, run its own 4-bit codes (method
+    "gptq"/"awq", its linears packed once from them); returns the method applied ("none", "int8", "int4", "gguf",
+    "gptq" or "awq") and the kernel chosen per shape and row-count bucket. `source`: where `model` was loaded from (the
     gguf method reads its file's blocks; a bfloat16 checkpoint may run the bfloat16 kernel, `bf16_allowed`)."""
-    method = config.quantization
+    checkpoint = checkpoint_method_of(source)  # a GPTQ/AWQ checkpoint runs its own codes (no --quantization)
+    method = config.quantization if checkpoint == "none" else checkpoint
     deterministic = config.enable_deterministic_inference
     on_cpu = config.resolved_device() == "cpu" and config.resolved_dtype() == "float32"
     if not on_cpu:
+        if checkpoint != "none":
+            raise ValueError(f"a {checkpoint} checkpoint's 4-bit codes run on the CPU with float32 activations only "
+                             "(--device cpu, --dtype float32)")
         if method not in ("none", "auto"):
             raise ValueError(f"--quantization {method} needs --device cpu and float32 weights")
         if deterministic:
@@ -97,6 +103,9 @@ def apply_quantization(model: nn.Module, config: EngineConfig, source: ModelSour
         return "none", {}
     start = time.perf_counter()
     packed = load_gguf_blocks(model, source) if method == "gguf" else None
+    if checkpoint != "none":
+        assert source is not None
+        packed = checkpoint_packed_linears(model, source)
     chosen = plan_linears(model, plan_rows(model, config), method, packed, bf16_allowed(config, source),
                           deterministic)
     _log(chosen, time.perf_counter() - start, packed)
@@ -116,10 +125,14 @@ def _log(chosen: LinearPlan, seconds: float, packed: dict[str, PackedWeight] | N
     the kernels it timed, `bf16` among them for a bfloat16 checkpoint), auto's verdict after its int8 pass, and
     a warning where quantized layers run without our group kernels."""
     isa = cpu_kernels.isa()
+    if chosen.method in CHECKPOINT_METHODS and packed is not None:
+        log_event(log, logging.INFO, f"{chosen.method} checkpoint: its linears run their own codes", isa=isa,
+                  layers=len(packed), formats=", ".join(sorted({p.format for p in packed.values()})),
+                  seconds=round(seconds, 2))
     for i, measured in enumerate(chosen.passes):
         startup_cache.note(f"{measured.kind} kernel plan", measured.cached)
         if packed is not None:
-            log_event(log, logging.INFO, "gguf blocks per linear shape and step size", isa=isa,
+            log_event(log, logging.INFO, f"{chosen.method} packed weights per linear shape and step size", isa=isa,
                       formats=", ".join(sorted({p.format for p in packed.values()})), cached=measured.cached,
                       seconds=round(seconds, 2),
                       choices=choices(measured))

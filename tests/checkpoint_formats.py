@@ -1,0 +1,122 @@
+"""GPTQ and AWQ checkpoints written by the tests from a tiny float model, as the formats define them.
+
+Each decoder linear's float weight `[N, K]` is quantized to 4-bit codes per group of `group_size` inputs (a scale
+and zero per group and output), and the codes written in the format's tensors:
+
+- GPTQ v1 (`gptq`): `qweight` int32 `[K / 8, N]`, eight codes along the inputs per word (code j at bits 4j);
+  `qzeros` int32 `[groups, N / 8]`, eight zeros along the outputs per word, each stored one less than it is;
+  `scales` fp16 `[groups, N]`; `g_idx` int32 `[K]`, the group of each input.
+- AWQ GEMM: `qweight` int32 `[K, N / 8]` and `qzeros` int32 `[groups, N / 8]`, eight values along the outputs per
+  word, nibble j holding output `8c + AWQ_ORDER[j]`; `scales` fp16 `[groups, N]`; zeros as they are.
+
+`w = scale * (code - zero)`: the exact dequantization, kept as the float reference model's weight.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class Quantized:
+    """One linear's codes `[N, K]`, zeros and fp16 scales `[groups, N]`, and the group of each input."""
+
+    codes: torch.Tensor
+    zeros: torch.Tensor
+    scales: torch.Tensor
+    groups: torch.Tensor
+
+    def dequantize(self) -> torch.Tensor:
+        """`scale * (code - zero)` per weight, in float32 `[N, K]`."""
+        scale = self.scales.float()[self.groups].t()
+        zero = self.zeros.float()[self.groups].t()
+        return scale * (self.codes.float() - zero)
+
+
+def quantize(weight: torch.Tensor, group_size: int, sym: bool) -> Quantized:
+    """`weight` `[N, K]` to 4-bit codes per group of `group_size` inputs: symmetric (zero 8) or asymmetric (a
+    zero between 1 and 15, which GPTQ v1 stores as zero - 1 in 4 bits)."""
+    n, k = weight.shape
+    groups = torch.arange(k) // group_size
+    blocks = weight.float().t().reshape(k // group_size, group_size, n)  # [groups, group, N]
+    if sym:
+        scales = (blocks.abs().amax(dim=1) / 7.0).half()
+        zeros = torch.full_like(scales, 8, dtype=torch.int32)
+    else:
+        low, high = blocks.amin(dim=1), blocks.amax(dim=1)
+        scales = ((high - low) / 14.0).half()
+        zeros = (-low / scales.float()).round().clamp(1, 15).to(torch.int32)
+    codes = (weight.float().t() / scales.float()[groups]).round() + zeros[groups]
+    return Quantized(codes.clamp(0, 15).to(torch.int32).t().contiguous(), zeros, scales, groups)
+
+
+def _words(values: torch.Tensor) -> torch.Tensor:
+    """Codes `[..., W, 8]` packed into int32 words `[..., W]`, value j at bits 4j (two's complement)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    word = ((values.to(torch.int64) & 15) << shifts).sum(dim=-1)
+    return torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
+
+
+def gptq_tensors(q: Quantized) -> dict[str, torch.Tensor]:
+    """A linear's GPTQ v1 tensors."""
+    k, n = q.codes.shape[1], q.codes.shape[0]
+    qweight = _words(q.codes.t().reshape(k // 8, 8, n).permute(0, 2, 1))  # [K / 8, N]
+    qzeros = _words((q.zeros - 1).reshape(-1, n // 8, 8))  # [groups, N / 8]
+    return {"qweight": qweight, "qzeros": qzeros, "scales": q.scales, "g_idx": q.groups.to(torch.int32)}
+
+
+def awq_tensors(q: Quantized) -> dict[str, torch.Tensor]:
+    """A linear's AWQ GEMM tensors."""
+    order = list(AWQ_ORDER)
+
+    def along_outputs(values: torch.Tensor) -> torch.Tensor:  # [rows, N] -> [rows, N / 8]
+        return _words(values.reshape(values.shape[0], -1, 8)[..., order])
+
+    return {"qweight": along_outputs(q.codes.t()), "qzeros": along_outputs(q.zeros), "scales": q.scales}
+
+
+def quantization_config(method: str, group_size: int, sym: bool) -> dict[str, Any]:
+    """The `quantization_config` a GPTQ or AWQ checkpoint's config.json carries."""
+    if method == "gptq":
+        return {"quant_method": "gptq", "bits": 4, "group_size": group_size, "sym": sym, "desc_act": False,
+                "checkpoint_format": "gptq"}
+    return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"}
+
+
+def write_quantized_checkpoint(hf_model: Any, directory: Path, method: str, group_size: int,
+                               sym: bool) -> dict[str, Quantized]:
+    """Save `hf_model` (a saved directory's model, with its tokenizer already there or not) with every decoder
+    linear quantized as `method` ("gptq" or "awq"), and set each one's float weight in `hf_model` to its exact
+    dequantization (the reference). Returns each linear's codes by its HF name."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    hf_model.config.save_pretrained(directory)
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = quantization_config(method, group_size, sym)
+    (directory / "config.json").write_text(json.dumps(config))
+    tensors: dict[str, torch.Tensor] = {}
+    codes: dict[str, Quantized] = {}
+    with torch.no_grad():
+        for name, module in hf_model.named_modules():
+            if name.rpartition(".")[2] in QUANTIZED:
+                q = quantize(module.weight, group_size, sym)
+                layout = gptq_tensors(q) if method == "gptq" else awq_tensors(q)
+                tensors.update({f"{name}.{part}": t.contiguous() for part, t in layout.items()})
+                module.weight.copy_(q.dequantize())
+                codes[name] = q
+        quantized = tuple(codes)
+        for name, t in hf_model.state_dict().items():
+            if name.rpartition(".")[0] not in quantized and not (name.endswith("lm_head.weight")
+                                                                    and hf_model.config.tie_word_embeddings):
+                tensors[name] = t.contiguous()
+    save_file(tensors, str(directory / "model.safetensors"))
+    return codes
