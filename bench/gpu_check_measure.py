@@ -140,6 +140,7 @@ class Bench:
     def speed(self, name: str, backend: str, graphs: bool, overlap: bool, bs: int) -> dict[str, Any]:
         """The engine's decode tok/s at batch `bs`, next to the roofline."""
         from ringserve.actors.engine.config import EngineConfig
+        from ringserve.actors.engine.execution_plan import resolve_execution
         from ringserve.actors.engine.scheduling.engine_core import EngineCore
         from ringserve.actors.engine.models.weights import model_from_hf
         from ringserve.bus.messages import SamplingParams, TokenizedRequest
@@ -147,14 +148,15 @@ class Bench:
         a = self.args
         start = time.perf_counter()
         cfg, _, state = self.model(name)
-        model = model_from_hf(cfg, state, "cuda")  # fresh each time: the triton backend swaps in its own modules
         new_tokens = a.warmup + a.steps + 2
         config = EngineConfig(device="cuda", dtype=a.dtype, attention_backend=backend,
                               disable_cuda_graph=not graphs, cuda_graph_max_bs=bs, max_running_requests=bs,
                               max_total_tokens=bs * (a.prompt_len + new_tokens) + 64,
                               max_prefill_tokens=max(8192, bs * a.prompt_len), chunked_prefill_size=0,
                               disable_radix_cache=True, overlap_schedule="on" if overlap else "off")
-        engine = EngineCore(model, config)
+        plan = resolve_execution(config)
+        model = model_from_hf(cfg, state, "cuda", plan)  # fresh each time: built with the backend's norm kernels
+        engine = EngineCore(model, config, execution=plan)
         try:
             setup = time.perf_counter() - start
             gen = torch.Generator().manual_seed(bs)

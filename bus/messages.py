@@ -265,6 +265,10 @@ class SchedulerInfo:
     # decode graphs: "mode" (cuda_graph, compile, eager or off), "max_bs", and in compile mode what runs each
     # requested batch size ("compiled (1.60x, 41 s)", "eager (compiled 0.95x)", "compiling", "queued")
     decode_graphs: dict[str, str] = field(default_factory=dict)
+    # the execution choices resolved once at start (actors/engine/execution_plan.py): "attention_backend",
+    # "norm_rotary_kernels", "fused_cpu_decode" (and "fused_cpu_decode_layers"), "moe_path", "graph_mode",
+    # "graph_max_bs", "row_invariant"
+    execution: dict[str, str] = field(default_factory=dict)
     # requests this replica was handed since it started (routed to it, or through the fallback queue group)
     requests_routed: int = 0
     tp_size: int = 1  # tensor-parallel ranks of this replica (one report per replica, from its rank 0)

@@ -5,12 +5,14 @@ The fixtures built on them (`hf`, `torch_single_thread`) live in tests/conftest.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from ringserve.actors.engine.config import EngineConfig
+from ringserve.actors.engine.execution_plan import ExecutionPlan, resolve_execution
 from ringserve.actors.engine.scheduling.engine_core import EngineCore
 from ringserve.actors.engine.models.weights import model_from_hf
 from ringserve.bus.messages import TokenizedRequest, SamplingParams, TokenRow
@@ -39,16 +41,23 @@ def tiny_hf_llama(vocab_size: int = 512, seed: int = 0, **overrides: Any) -> Any
     return LlamaForCausalLM(LlamaConfig(**settings)).eval()
 
 
-def engine_for(hf_model: Any, tokenizer: Any | None = None, draft: EngineCore | None = None, **config: Any) -> EngineCore:
-    """An EngineCore sharing `hf_model`'s weights, on the CPU unless `device` says otherwise; `draft`: its draft
-    model's engine (with `speculative_algorithm="draft"`)."""
+def engine_for(hf_model: Any, tokenizer: Any | None = None, draft: EngineCore | None = None,
+               build: ExecutionPlan | None = None, **config: Any) -> EngineCore:
+    """An EngineCore sharing `hf_model`'s weights, on the CPU unless `device` says otherwise, its model built with
+    the execution plan the config resolves to (as a server builds it), or with `build`'s norm and rotary kernels
+    (the Triton ones on a CPU, under Triton's interpreter); `draft`: its draft model's engine (with
+    `speculative_algorithm="draft"`)."""
     config.setdefault("device", "cpu")
     config.setdefault("torch_threads", 1)  # no thread tuner: its per-step thread switches change float rounding
     # A pool sized for the tests' prompts: the automatic size (a fifth of memory, up to every request at full
     # context) is a gigabyte for the tiny model, zeroed at construction and scanned by every integrity check.
     config.setdefault("max_total_tokens", 16384)
-    model = model_from_hf(hf_model.config, hf_model.state_dict(), config["device"])
-    return EngineCore(model, EngineConfig(**config), tokenizer, draft=draft)
+    engine_config = EngineConfig(**config)
+    plan = resolve_execution(engine_config)
+    if build is not None:
+        plan = dataclasses.replace(plan, norm_rotary_kernels=build.norm_rotary_kernels)
+    model = model_from_hf(hf_model.config, hf_model.state_dict(), config["device"], plan)
+    return EngineCore(model, engine_config, tokenizer, draft=draft, execution=plan)
 
 
 def greedy(max_new_tokens: int, **kwargs: Any) -> SamplingParams:

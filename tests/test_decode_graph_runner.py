@@ -4,6 +4,7 @@ capture only where CUDA is available (compiled CPU graphs: tests/test_decode_gra
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -42,8 +43,8 @@ def prompts() -> list[list[int]]:
 
 def with_graph_runner(engine: EngineCore, backend: str, max_bs: int) -> EngineCore:
     """Swap in a model runner whose decode goes through an eager-mode graph runner."""
-    engine.runner = ModelRunner(engine.runner.model, engine.pool, engine.table, backend, graph_max_bs=max_bs,
-                                graph_mode="eager")
+    plan = dataclasses.replace(engine.execution, attention_backend=backend).with_graphs("eager", max_bs)
+    engine.runner = ModelRunner(engine.runner.model, engine.pool, engine.table, plan)
     return engine
 
 

@@ -11,9 +11,10 @@ import torch
 from transformers import LlamaConfig
 
 import ringserve.kernels.cpu as cpu_kernels
+from ringserve.actors.engine.config import EngineConfig
+from ringserve.actors.engine.execution_plan import resolve_execution
 from ringserve.actors.engine.models.causal_lm import CausalLM
 from ringserve.actors.engine.models.causal_lm import build_model
-from ringserve.actors.engine.runner.model_runner import use_cpu_decode_layers
 from ringserve.kernels.attention.backend import ForwardInfo
 from ringserve.kernels.attention.torch_paged import TorchPagedBackend
 from ringserve.kernels.cpu.decode_layer import reference_decode_layer
@@ -133,11 +134,12 @@ def test_errors_name_what_is_wrong() -> None:
 
 
 def tiny_model(method: str) -> CausalLM:
+    """A tiny Llama quantized with `method`, built with the execution plan an engine quantizing so resolves."""
     config = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          rms_norm_eps=1e-5, tie_word_embeddings=False)
     torch.manual_seed(0)
-    model = build_model(config)
+    model = build_model(config, resolve_execution(EngineConfig(device="cpu", quantization=method)))
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.2)
     for layer in model.model.layers:
@@ -174,11 +176,10 @@ def test_the_model_runs_each_decode_layer_as_one_op_with_the_same_logits(method:
 
     monkeypatch.setattr(torch.ops.ringserve_cpu.decode_layer, "default", counted)
     results = {}
+    assert all(layer.fused_decode for layer in model.model.layers)
     for fused in (False, True):
         for layer in model.model.layers:
-            layer.fused_decode = False
-        if fused:
-            use_cpu_decode_layers(model)
+            layer.fused_decode = fused  # the same weights through the layers' modules, then the op
         backend = TorchPagedBackend(pools[0].clone(), pools[1].clone(), num_heads=4)
         results[fused] = (decode_step(model, backend, [5, 17, 1]), backend.k_pool, backend.v_pool)
     assert len(calls) == 2  # one per layer, fused run only
@@ -190,8 +191,8 @@ def test_the_model_runs_each_decode_layer_as_one_op_with_the_same_logits(method:
 @needs_build
 def test_the_op_is_not_taken_where_it_does_not_apply(monkeypatch: pytest.MonkeyPatch) -> None:
     """float32 layers are never marked; a prefill (or a mixed step) runs the layers' modules."""
-    assert not any(layer.fused_decode for layer in _marked(tiny_model("none")).model.layers)
-    model = _marked(tiny_model("int8"))
+    assert not any(layer.fused_decode for layer in tiny_model("none").model.layers)
+    model = tiny_model("int8")
     assert all(layer.fused_decode for layer in model.model.layers)
     monkeypatch.setattr(torch.ops.ringserve_cpu.decode_layer, "default",
                         lambda *args: pytest.fail("the fused op ran for a prefill"))
@@ -201,8 +202,3 @@ def test_the_op_is_not_taken_where_it_does_not_apply(monkeypatch: pytest.MonkeyP
                        out_slots=table[0, :4])
     logits = model(torch.tensor([1, 2, 3, 4]), torch.arange(4), backend, backend.prepare(info), torch.tensor([3]))
     assert logits.shape == (1, 97)
-
-
-def _marked(model: CausalLM) -> CausalLM:
-    use_cpu_decode_layers(model)
-    return model

@@ -20,9 +20,9 @@ pytest.importorskip("triton", reason="triton is not installed (it comes with the
 from tests.engine_helpers import engine_for, greedy, run_to_completion, tiny_hf_llama, tokens_of  # noqa: E402
 from tests.test_kernels_attention import dense_reference  # noqa: E402
 
+from ringserve.actors.engine.execution_plan import ExecutionPlan  # noqa: E402
 from ringserve.actors.engine.models.blocks import RMSNorm  # noqa: E402
 from ringserve.actors.engine.models.rope import Rotary  # noqa: E402
-from ringserve.actors.engine.runner.model_runner import use_triton_kernels  # noqa: E402
 from ringserve.actors.engine.models.weights import model_from_hf  # noqa: E402
 from ringserve.actors.engine.models.rope import apply_rotary as torch_apply_rotary  # noqa: E402
 from ringserve.kernels.attention import ForwardInfo, TorchPagedBackend, backend_names, create_backend  # noqa: E402
@@ -34,6 +34,7 @@ from ringserve.kernels.triton.rotary import apply_rotary  # noqa: E402
 from ringserve.kernels.triton.store_kv import store_kv  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+TRITON_NORMS = ExecutionPlan(norm_rotary_kernels="triton")  # what the triton backend's plan builds on a GPU
 NUM_SLOTS, NUM_LAYERS, HEAD_DIM = 160, 2, 16
 
 
@@ -137,7 +138,7 @@ def test_model_with_triton_norms_gives_the_same_logits() -> None:
     model = model_from_hf(hf.config, hf.state_dict(), DEVICE)
     x = torch.randn(3, hf.config.hidden_size, device=DEVICE)
     expected = [model.model.norm(x), model.model.layers[1].post_attention_layernorm(x)]
-    use_triton_kernels(model)
+    model = model_from_hf(hf.config, hf.state_dict(), DEVICE, TRITON_NORMS)
     assert isinstance(model.model.norm, TritonRMSNorm)
     assert not any(isinstance(m, RMSNorm) for m in model.modules()), "every RMSNorm is swapped"
     got = [model.model.norm(x), model.model.layers[1].post_attention_layernorm(x)]
@@ -153,9 +154,9 @@ def test_engine_with_triton_norms_and_rotary_generates_the_same_tokens() -> None
     prompts = [[5, 9, 2, 7, 11, 3], [4, 8]]
 
     def generate(swap: bool) -> dict[str, list[int]]:
-        engine = engine_for(hf, device=DEVICE.type)
+        engine = engine_for(hf, device=DEVICE.type, build=TRITON_NORMS if swap else None)
         if swap:
-            use_triton_kernels(engine.runner.model)
+            assert engine.stats().execution["norm_rotary_kernels"] == "triton"
             assert all(layer.self_attn.rotary is triton_apply_rotary for layer in engine.runner.model.model.layers)
         rows = run_to_completion(engine, [TokenizedRequest(f"r{i}", p, greedy(6)) for i, p in enumerate(prompts)])
         return {rid: tokens_of(r) for rid, r in rows.items()}
@@ -230,9 +231,8 @@ def test_the_triton_backend_serves_other_families_with_their_tokens(family: str)
     prompts = [list(range(3, 3 + 2 * WINDOW + 1)), [7, 9, 11]]
 
     def generate(backend: str) -> dict[str, list[int]]:
-        engine = engine_for(hf, device=DEVICE.type, attention_backend=backend)
-        if backend == "triton":
-            use_triton_kernels(engine.runner.model)
+        engine = engine_for(hf, device=DEVICE.type, attention_backend=backend,
+                            build=TRITON_NORMS if backend == "triton" else None)
         rows = run_to_completion(engine, [TokenizedRequest(f"r{i}", p, greedy(WINDOW)) for i, p in enumerate(prompts)])
         return {rid: tokens_of(r) for rid, r in rows.items()}
 

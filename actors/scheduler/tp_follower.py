@@ -75,13 +75,14 @@ def _load_rank(model: str, config: Any, args: argparse.Namespace) -> tuple[Any, 
     """Join the replica's group, load the model and keep this rank's shard: (group, model, config, source)."""
     from ringserve.actors.common.model_source import resolve_model
     from ringserve.actors.engine.scheduling.engine_core import DTYPES
+    from ringserve.actors.engine.execution_plan import resolve_execution
     from ringserve.actors.engine.parallel.tensor_parallel import init_group
     from ringserve.actors.engine.scheduling.tp_engine import prepare_rank
     from ringserve.actors.engine.models.weights import load_model
 
     source = resolve_model(model)
     group = init_group(args.rank, args.tp, args.dist_init_addr, config.resolved_device(), args.tp_timeout)
-    loaded = load_model(source, DTYPES[config.resolved_dtype()], config.resolved_device())
+    loaded = load_model(source, DTYPES[config.resolved_dtype()], config.resolved_device(), resolve_execution(config))
     return group, loaded, prepare_rank(loaded, config, group, expert_parallel=args.ep > 1, source=source), source
 
 

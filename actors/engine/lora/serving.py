@@ -9,7 +9,6 @@ from typing import Mapping
 from ringserve.actors.engine.core.request import Req
 from ringserve.actors.engine.lora.adapter import Adapter, AdapterError
 from ringserve.actors.engine.lora.pool import LoraPool, lora_not_found
-from ringserve.actors.engine.models.causal_lm import CausalLM
 from ringserve.bus.errors import ApiError
 
 
@@ -21,13 +20,11 @@ class LoraServing:
         anywhere); `live`: the engine's live requests by rid."""
         self.pool, self.lora_dir, self.live = pool, lora_dir, live
 
-    def start(self, model: CausalLM, graphs: bool, modules: Mapping[str, str]) -> None:
-        """Fix the slots' shapes when decode `graphs` run, keep decode layers off the fused CPU op (it knows no
-        adapters) and register `modules` (`--lora-modules`: name -> path)."""
+    def start(self, graphs: bool, modules: Mapping[str, str]) -> None:
+        """Fix the slots' shapes when decode `graphs` run and register `modules` (`--lora-modules`: name -> path).
+        (No decode layer runs the fused CPU op, which knows no adapters: the execution plan keeps it off.)"""
         assert self.pool is not None
         self.pool.state.fixed = graphs  # graphs keep every slot's shapes
-        for layer in model.decoder_layers():
-            layer.fused_decode = False
         for name, path in modules.items():
             self.pool.register(name, path)
 

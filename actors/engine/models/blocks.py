@@ -10,16 +10,14 @@ float32 frequencies) so greedy decoding matches it token for token. What varies 
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 from torch import nn
 
-from ringserve.actors.engine.models.rope import apply_rotary
+from ringserve.actors.engine.execution_plan import NormRotaryKernels
+from ringserve.actors.engine.models.rope import Rotation, apply_rotary
 from ringserve.actors.engine.models.spec import LayerShape
 from ringserve.kernels.activations import ACTIVATIONS
 from ringserve.kernels.attention import AttentionBackend, AttentionMetadata
-
 
 
 class RMSNorm(nn.Module):
@@ -41,14 +39,26 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
+def make_norm(dim: int, eps: float, unit_offset: bool = False, kernels: NormRotaryKernels = "torch") -> nn.Module:
+    """An RMSNorm as the execution plan's `kernels` say: the fused Triton kernel's module (same `weight` and
+    `eps`; it scales by `weight`, so never a `unit_offset` norm) or ours."""
+    if kernels == "triton" and not unit_offset:
+        from ringserve.kernels.triton.rmsnorm import TritonRMSNorm  # triton is imported only where it runs
+
+        return TritonRMSNorm(nn.Parameter(torch.ones(dim)), eps)
+    return RMSNorm(dim, eps, unit_offset)
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention with optional q/k/v bias, q/k norms (per head, or over the whole projection)
     and partial rotary, or none (a NoPE layer); how the layer attends (scale, window, soft-cap) is its
-    `LayerAttention`, applied by the backend."""
+    `LayerAttention`, applied by the backend. `kernels` builds its q/k norms (`make_norm`); `rotary` rotates its
+    queries and keys (`models/rope.py` `apply_rotary`, or the Triton kernel the execution plan chose)."""
 
     latent_kv = False  # the pool holds keys and values apart (models/mla.py's attention holds one latent)
 
-    def __init__(self, shape: LayerShape, layer: int) -> None:
+    def __init__(self, shape: LayerShape, layer: int, kernels: NormRotaryKernels = "torch",
+                 rotary: Rotation = apply_rotary) -> None:
         super().__init__()
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
@@ -60,11 +70,10 @@ class Attention(nn.Module):
         self.norm_projection = shape.qk_norm and shape.qk_norm_scope == "projection"
         if shape.qk_norm:
             q_dim, k_dim = (self.q_size, self.kv_size) if self.norm_projection else (self.head_dim, self.head_dim)
-            self.q_norm = RMSNorm(q_dim, shape.norm_eps, shape.norm_unit_offset)
-            self.k_norm = RMSNorm(k_dim, shape.norm_eps, shape.norm_unit_offset)
+            self.q_norm = make_norm(q_dim, shape.norm_eps, shape.norm_unit_offset, kernels)
+            self.k_norm = make_norm(k_dim, shape.norm_eps, shape.norm_unit_offset, kernels)
         self.rotates = shape.rotary
-        # swappable for a fused kernel (model_runner.use_triton_kernels), as the norms are
-        self.rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = apply_rotary
+        self.rotary = rotary
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -5,7 +5,8 @@ The runner, graphs, quantization and tensor-parallel code use only: `layer_atten
 window and soft-cap, for the attention backend), `num_heads`/`num_kv_heads`/`head_dim` (this rank's, uniform
 over layers), `latent_kv` (one latent per token instead of K and V), `num_layers`, `dtype`, `vocab_size`, `context_length`, `decoder_layers()` (each with `self_attn`
 (`qkv_proj`, `o_proj`, head counts) and `mlp` (`gate_up_proj`, `down_proj`, `inner`), the pieces tensor
-parallelism shards and quantization swaps), and `forward`. Nothing outside models/ names an architecture.
+parallelism shards and quantization swaps), `execution` (the `ExecutionPlan` it was built with) and `forward`.
+Nothing outside models/ names an architecture.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from torch import nn
 
 from ringserve.actors.common.model_catalog import context_length, family_of
 from ringserve.actors.engine.core.embed_override import EmbedOverride
-from ringserve.actors.engine.models.blocks import RMSNorm
+from ringserve.actors.engine.execution_plan import ExecutionPlan
+from ringserve.actors.engine.models.blocks import make_norm
 from ringserve.actors.engine.models.decoder_layer import DecoderLayer
 from ringserve.actors.engine.models.mrope import mrope_tables
-from ringserve.actors.engine.models.rope import RopeLengthRule, Rotary, rope_parameters
+from ringserve.actors.engine.models.rope import RopeLengthRule, Rotary, rope_parameters, rotation
 from ringserve.actors.engine.models.spec import ArchSpec, LayerShape, layer_shapes, spec_of
 from ringserve.actors.engine.models.vision.span_attention import SpanAttention
 from ringserve.kernels.attention import AttentionBackend, AttentionMetadata
@@ -33,32 +35,39 @@ VISION_MODELS = {"llava": ("vision.llava", "Llava"), "gemma3_vision": ("vision.g
 
 
 class DecoderStack(nn.Module):
-    """Embeddings, decoder layers, final norm and the rotary tables (HF's `model.` prefix)."""
+    """Embeddings, decoder layers, final norm and the rotary tables (HF's `model.` prefix), built as `plan` says."""
 
-    def __init__(self, config: Any, spec: ArchSpec, shapes: list[LayerShape]) -> None:
+    def __init__(self, config: Any, spec: ArchSpec, shapes: list[LayerShape], plan: ExecutionPlan) -> None:
         super().__init__()
         # No random init: every tensor is assigned from the checkpoint. On the meta device (where weights.py
         # builds the model) Embedding's normal_ alone imports ~900 modules: ~1.8 s of every start.
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(shape, i) for i, shape in enumerate(shapes))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, spec.norm_unit_offset)
         max_positions = config.max_position_embeddings
-        self.rotary = nn.ModuleDict({kind: Rotary(rope_parameters(config, None if kind == "default" else kind),
-                                                  shapes[0].rope_dim, max_positions)
-                                     for kind in sorted({s.rope for s in shapes})})
+        rotary = nn.ModuleDict({kind: Rotary(rope_parameters(config, None if kind == "default" else kind),
+                                             shapes[0].rope_dim, max_positions)
+                                for kind in sorted({s.rope for s in shapes})})
+        # the Triton rotary kernel turns whole heads only (CausalLM.rotary_dim, head_dim)
+        rotate = rotation(plan.norm_rotary_kernels, min(r.dim for r in rotary.values()) == shapes[0].head_dim)
+        self.layers = nn.ModuleList(DecoderLayer(shape, i, plan, rotate) for i, shape in enumerate(shapes))
+        self.norm = make_norm(config.hidden_size, config.rms_norm_eps, spec.norm_unit_offset, plan.norm_rotary_kernels)
+        self.rotary = rotary
 
 
 class CausalLM(nn.Module):
-    """A decoder-only model with a language-model head; `forward` returns next-token logits of each request."""
+    """A decoder-only model with a language-model head; `forward` returns next-token logits of each request.
+    `plan`: the execution choices it is built with (default: the torch kernels, no fused decode layer)."""
 
-    def __init__(self, config: Any, spec: ArchSpec) -> None:
+    def __init__(self, config: Any, spec: ArchSpec, plan: ExecutionPlan = ExecutionPlan()) -> None:
         super().__init__()
         self.config = config
         self.spec = spec
+        # private: a stored decode graph is named by the modules' public attributes, and the layers hold what the
+        # plan changes in them (graph_store.py), not the plan's runtime settings
+        self._execution = plan
         shapes = layer_shapes(spec, config)
         self._attention = [s.attention for s in shapes]
-        self.model = DecoderStack(config, spec, shapes)
+        self.model = DecoderStack(config, spec, shapes, plan)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.embed_scale = config.hidden_size ** 0.5 if spec.embed_scale else None
         self.final_softcap = getattr(config, spec.final_softcap, None) if spec.final_softcap else None
@@ -68,6 +77,12 @@ class CausalLM(nn.Module):
         """Share the embedding matrix with the LM head when the config says so."""
         if self.tied_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def execution(self) -> ExecutionPlan:
+        """The execution plan the model was built with (its norm and rotary kernels, fused decode layers, experts'
+        path)."""
+        return self._execution
 
     def decoder_layers(self) -> list[DecoderLayer]:
         """The decoder layers, in order."""
@@ -172,12 +187,12 @@ class CausalLM(nn.Module):
         return logits if hidden is None else (logits, hidden)
 
 
-def build_model(config: Any) -> Any:
+def build_model(config: Any, plan: ExecutionPlan = ExecutionPlan()) -> Any:
     """Our model for `config` (a `CausalLM`; a vision-language checkpoint's a `VisionCausalLM` of its text
-    family), built on the current default device."""
+    family), built on the current default device with `plan`'s execution choices."""
     family = family_of(config)
     if family in VISION_MODELS:
         module, name = VISION_MODELS[family]
         text_spec = spec_of(family_of(config.text_config))
-        return getattr(importlib.import_module(f"{__package__}.{module}"), name)(config, text_spec)
-    return CausalLM(config, spec_of(family))
+        return getattr(importlib.import_module(f"{__package__}.{module}"), name)(config, text_spec, plan)
+    return CausalLM(config, spec_of(family), plan)

@@ -26,7 +26,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ringserve.actors.engine.models.blocks import RMSNorm
+from ringserve.actors.engine.execution_plan import NormRotaryKernels
+from ringserve.actors.engine.models.blocks import make_norm
 from ringserve.actors.engine.models.rope import apply_rotary
 from ringserve.actors.engine.models.spec import LayerShape
 from ringserve.kernels.attention import AttentionBackend, AttentionMetadata
@@ -41,11 +42,12 @@ class LatentProjection(nn.Module):
 
 
 class LatentAttention(nn.Module):
-    """Multi-head latent attention for one layer; `forward` `[T, C]` -> `[T, C]`."""
+    """Multi-head latent attention for one layer; `forward` `[T, C]` -> `[T, C]`; `kernels` builds its norms
+    (`blocks.make_norm`)."""
 
     latent_kv = True  # the pool holds one latent per token (K and V one tensor)
 
-    def __init__(self, shape: LayerShape, layer: int) -> None:
+    def __init__(self, shape: LayerShape, layer: int, kernels: NormRotaryKernels = "torch") -> None:
         super().__init__()
         config = shape.config
         self.layer = layer
@@ -60,10 +62,10 @@ class LatentAttention(nn.Module):
             self.q_proj = nn.Linear(shape.hidden, self.num_heads * qk, bias=False)
         else:
             self.q_a_proj = nn.Linear(shape.hidden, config.q_lora_rank, bias=bias)
-            self.q_a_layernorm = RMSNorm(config.q_lora_rank, shape.norm_eps)
+            self.q_a_layernorm = make_norm(config.q_lora_rank, shape.norm_eps, kernels=kernels)
             self.q_b_proj = nn.Linear(config.q_lora_rank, self.num_heads * qk, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(shape.hidden, self.lora + self.rope, bias=bias)
-        self.kv_a_layernorm = RMSNorm(self.lora, shape.norm_eps)
+        self.kv_a_layernorm = make_norm(self.lora, shape.norm_eps, kernels=kernels)
         self.kv_b_proj = LatentProjection(self.num_heads * (self.nope + self.v_dim), self.lora)
         self.o_proj = nn.Linear(self.num_heads * self.v_dim, shape.hidden, bias=bias)
         self.rotary: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = apply_rotary

@@ -8,12 +8,12 @@ math is transformers' (scores in float32).
 
 Each expert is a `GatedMLP` of its own (HF's per-expert checkpoint layout, gate and up fused), so quantization
 swaps its linears like any other (`--quantization int8/int4`: the experts' shape gets its own kernel plan) and
-tensor parallelism slices every expert like a dense MLP. A step's rows are grouped by expert once (one sort)
-and each selected expert runs once on its rows: a decode step of one row reads only its `top_k` experts'
-weights. Inside a compiled decode graph the routed part is one opaque op (`torch.ops.ringserve.moe_experts`,
-keyed by the layer), so the graph stays whole while the expert choice varies per step. On a GPU the experts
-run as two grouped GEMMs over their weights stacked once (kernels/triton/moe_gemm.py; GPU weights are float),
-with no host sync, so CUDA graphs capture the block.
+tensor parallelism slices every expert like a dense MLP. A step's rows are grouped by expert once (one sort) and
+each selected expert runs once on its rows: a decode step of one row reads only its `top_k` experts' weights
+(`moe_path` "sorted", the execution plan's choice on a CPU). Inside a compiled decode graph the routed part is one
+opaque op (`torch.ops.ringserve.moe_experts`, keyed by the layer), so the graph stays whole while the expert choice
+varies per step. On a GPU (`moe_path` "grouped") the experts run as two grouped GEMMs over their weights stacked
+once (kernels/triton/moe_gemm.py; GPU weights are float), with no host sync, so CUDA graphs capture the block.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ringserve.actors.engine.execution_plan import MoePath
 from ringserve.actors.engine.models.blocks import GatedMLP
 from ringserve.actors.engine.models.spec import LayerShape, MoEShape
 
@@ -80,9 +81,10 @@ def _best_groups(choice: torch.Tensor, moe: MoEShape) -> torch.Tensor:
 
 
 class SparseMoE(nn.Module):
-    """Router, routed experts and shared experts of one layer; `forward` `[T, C]` -> `[T, C]`."""
+    """Router, routed experts and shared experts of one layer; `forward` `[T, C]` -> `[T, C]`; `path`: how the
+    routed experts run (`ExecutionPlan.moe_path`)."""
 
-    def __init__(self, shape: LayerShape) -> None:
+    def __init__(self, shape: LayerShape, path: MoePath = "sorted") -> None:
         super().__init__()
         moe = shape.moe
         assert moe is not None
@@ -99,7 +101,8 @@ class SparseMoE(nn.Module):
         # partial sum, reduced once here (actors/engine/parallel/tensor_parallel.py sets it)
         self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.activation = shape.activation
-        self._stacks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # on a GPU (`_grouped`)
+        self.grouped = path == "grouped"
+        self._stacks: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # the grouped path's
         self.key = id(self)
         _LAYERS[self.key] = weakref.ref(self)
         weakref.finalize(self, _LAYERS.pop, self.key, None)
@@ -119,9 +122,9 @@ class SparseMoE(nn.Module):
 
     def routed(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum per row: rows sorted by expert once, each chosen expert run once on
-        its rows, in expert order (transformers' order of accumulation). On a GPU: one grouped GEMM per
-        projection over the stacked experts (no host sync, so CUDA graphs capture it)."""
-        if x.is_cuda:
+        its rows, in expert order (transformers' order of accumulation). On the grouped path (a GPU's): one grouped
+        GEMM per projection over the stacked experts (no host sync, so CUDA graphs capture it)."""
+        if self.grouped:
             return self._grouped(x, ids, weights)
         out = torch.zeros_like(x)
         if x.shape[0] == 1:  # a one-row decode step: its k experts directly, without the sort and gathers

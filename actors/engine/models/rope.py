@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
+# rotates `x` `[T, heads, D]` by cos/sin `[T, d]` (`apply_rotary`, or the fused Triton kernel)
+Rotation = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 LENGTH_DEPENDENT = ("dynamic", "longrope")
 
@@ -209,3 +211,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         return (x * cos) + (rotate_half(x) * sin)
     rot, rest = x[..., :d], x[..., d:]
     return torch.cat(((rot * cos) + (rotate_half(rot) * sin), rest), dim=-1)
+
+
+def rotation(kernels: str, full_rotary: bool) -> Rotation:
+    """What rotates queries and keys under the execution plan's `kernels`: the fused Triton kernel where the plan
+    chose it and the rotary turns whole heads (all it takes), else `apply_rotary`."""
+    if kernels == "triton" and full_rotary:
+        from ringserve.kernels.triton.rotary import apply_rotary as triton_rotary  # triton: only where it runs
+
+        return triton_rotary
+    return apply_rotary

@@ -34,6 +34,7 @@ from ringserve.actors.common import startup_cache
 from ringserve.actors.common.model_source import (
     ModelSource, cache_root, converting, gguf_cache_key, publish_directory, resolve_model, resolved_config,
 )
+from ringserve.actors.engine.execution_plan import ExecutionPlan, plain_execution
 from ringserve.actors.engine.models.causal_lm import CausalLM, build_model
 from ringserve.actors.engine.models.spec import head_dim_of
 from ringserve.actors.engine.quantization.checkpoint_codes import (
@@ -49,15 +50,18 @@ IGNORED_TENSORS = (".rotary_emb.inv_freq",)  # kept by some older checkpoints; c
 FP8_SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale")  # block-scaled FP8 checkpoints' scales
 
 
-def load_model(source: ModelSource, dtype: torch.dtype, device: str | torch.device) -> CausalLM:
-    """Load `source` in `dtype` onto `device`: a safetensors directory directly, a GGUF from the weight cache
-    (converted by transformers at its first load). Logs a line as it starts and one with the seconds taken."""
+def load_model(source: ModelSource, dtype: torch.dtype, device: str | torch.device,
+               plan: ExecutionPlan | None = None) -> CausalLM:
+    """Load `source` in `dtype` onto `device`, built with the engine's execution `plan` (`model_from_hf`): a
+    safetensors directory directly, a GGUF from the weight cache (converted by transformers at its first load).
+    Logs a line as it starts and one with the seconds taken."""
     started = time.perf_counter()
     cached = weight_cache_dir(source, dtype)
     model: CausalLM | None = None
     if cached is None:
         log_event(log, logging.INFO, "loading weights", model=source.name, source="safetensors", device=str(device))
-        model = model_from_hf(resolved_config(source), read_safetensors(Path(source.directory), dtype), device)
+        model = model_from_hf(resolved_config(source), read_safetensors(Path(source.directory), dtype), device,
+                              plan)
     elif not (cached / WEIGHTS_FILE).is_file():
         with converting(cached) as needed:
             if needed:
@@ -69,14 +73,14 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: str | torch.devi
                 hf_model = AutoModelForCausalLM.from_pretrained(source.directory, dtype=dtype, **source.hf_kwargs())
                 # the config a warm start loads the cached weights with, not transformers' object: a stored
                 # decode graph is named by the module's attributes, so this start's graph serves the next ones
-                model = model_from_hf(resolved_config(source), hf_model.state_dict(), device)
+                model = model_from_hf(resolved_config(source), hf_model.state_dict(), device, plan)
                 save_weights(model, cached)
     if cached is not None:
         startup_cache.note("gguf weights", model is None)  # None: read from the cache, not converted now
     if model is None:
         assert cached is not None
         log_event(log, logging.INFO, "loading weights", model=source.name, source="cache", device=str(device))
-        model = model_from_hf(resolved_config(source), read_safetensors(cached, dtype), device)
+        model = model_from_hf(resolved_config(source), read_safetensors(cached, dtype), device, plan)
     log_event(log, logging.INFO, "weights loaded", model=source.name, seconds=round(time.perf_counter() - started, 1))
     return model
 
@@ -146,12 +150,14 @@ def save_weights(model: CausalLM, directory: Path) -> None:
 
 
 def model_from_hf(
-    config: Any, state_dict: Mapping[str, torch.Tensor], device: str | torch.device = "cpu"
+    config: Any, state_dict: Mapping[str, torch.Tensor], device: str | torch.device = "cpu",
+    plan: ExecutionPlan | None = None,
 ) -> CausalLM:
     """Our model (its family found by the registry) holding the tensors of a HF `state_dict` (shared, not copied,
-    when already on `device`). The state dict may already have fused projections (as our own saved weights do)."""
+    when already on `device`), built with the execution `plan` (default: `plain_execution`, what a model built
+    outside an engine runs). The state dict may already have fused projections (as our own saved weights do)."""
     with torch.device("meta"):
-        model = build_model(config)
+        model = build_model(config, plan or plain_execution(torch.device(device).type))
     scaled = next((name for name in state_dict if name.endswith(FP8_SCALE_SUFFIXES)), None)
     if scaled is not None:
         raise ValueError(f"the checkpoint stores block-scaled FP8 weights ({scaled}), as DeepSeek-V3/R1's official "

@@ -6,7 +6,9 @@ token sampled by a step still in flight is read without the host having seen it.
 (through the backend) and, right after sampling, each sampled token into `ids` for the next step; every
 decision and allocation was made before it is called. Nothing here waits for the device. Decode-only
 batches go through the decode graph runner (`decode_graph.py`: CUDA graphs on a GPU, compiled graphs on a
-CPU) when one is enabled and has their size ready; prefill, mixed and oversized batches run eagerly.
+CPU) when the execution plan runs one and it has their size ready; prefill, mixed and oversized batches run eagerly.
+The attention backend, the graph mode and row-invariant attention are the plan's (actors/engine/execution_plan.py);
+the model was built with it, so the runner changes nothing in it.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ import torch
 from ringserve.actors.engine.runner.graphs.fx_guard import no_fx_tracing
 from ringserve.actors.engine.core.batch import Batch, ForwardOutput, PromptScores, rope_positions
 from ringserve.actors.engine.core.embedding import hidden_positions, pool_chunk
-from ringserve.actors.engine.runner.graphs.decode_graph import DecodeGraphRunner, default_mode
+from ringserve.actors.engine.execution_plan import ExecutionPlan
+from ringserve.actors.engine.runner.graphs.decode_graph import DecodeGraphRunner
 from ringserve.actors.engine.runner.kv_pool import KVPool
-from ringserve.actors.engine.models.blocks import Attention, RMSNorm
 from ringserve.actors.engine.models.causal_lm import CausalLM
 from ringserve.actors.engine.core.embed_override import EmbedOverride
 from ringserve.actors.engine.models.rope import rope_lengths
 from ringserve.actors.engine.runner.graphs.thread_tuner import ThreadTuner
+from ringserve.actors.engine.runner.row_invariant import use_row_invariant_attention
 from ringserve.actors.engine.runner.token_table import TokenTable
 from ringserve.kernels.attention import AttentionBackend, ForwardInfo, create_backend
 from ringserve.kernels.host_copy import to_device
@@ -35,33 +38,31 @@ from ringserve.kernels.sampling import sample, score_tokens
 class ModelRunner:
     """Owns the model and its attention backend over a KV pool."""
 
-    def __init__(
-        self, model: CausalLM, pool: KVPool, table: TokenTable, backend: str, graph_max_bs: int = 0,
-        graph_mode: str | None = None,
-    ) -> None:
-        """`graph_max_bs` > 0 runs decode batches up to that size through a `DecodeGraphRunner` (`graph_mode`:
-        None for the device's default, CUDA graphs or compiled graphs; `eager` for tests on any device); 0 runs
-        everything eagerly."""
+    def __init__(self, model: CausalLM, pool: KVPool, table: TokenTable, plan: ExecutionPlan) -> None:
+        """`plan`: the attention backend, and decode batches up to `plan.graph_max_bs` rows through a
+        `DecodeGraphRunner` in `plan.graph_mode` (CUDA graphs, compiled graphs, or `eager` for tests on any device;
+        `off` runs everything eagerly). `execution` is the plan run: without decode graphs where it asked for
+        compiled ones over a backend that gathers (a model whose dtype is not the one the plan was resolved for)."""
         self.model = model
         self.table = table
         self.rope_rule = model.rope_length_rule  # a length-dependent rotary: each step's rows carry their floors
         self.thread_tuner: ThreadTuner | None = None
         self.device = table.table.device
         # this rank's heads: a tensor-parallel shard keeps 1/tp of them (actors/engine/parallel/tensor_parallel.py)
-        self.backend: AttentionBackend = create_backend(backend, pool.k, pool.v, model.num_heads,
+        self.backend: AttentionBackend = create_backend(plan.attention_backend, pool.k, pool.v, model.num_heads,
                                                         model.layer_attention())
         # tensor parallelism, rank 0: hands each eager forward's layout to the follower ranks first (tp_engine.py)
         self.tp_sender: Callable[..., None] | None = None  # (rows, starts, extend_lens, ids, info, override, rope_*=)
-        if backend == "triton" and self.device.type == "cuda":
-            use_triton_kernels(model)
-        if self.device.type == "cpu" and self.backend.compiles_decode():
-            use_cpu_decode_layers(model)
         self.graphs: DecodeGraphRunner | None = None
         self._graph_changes = 0  # `graphs.changes()` when the thread tuner last started learning
-        mode = graph_mode or default_mode(self.device)
         # a CPU decode graph over a gathering attention path would be slower than eager at any context length
-        if graph_max_bs > 0 and (mode != "compile" or self.backend.compiles_decode()):
-            self.graphs = DecodeGraphRunner(model, self.backend, table, graph_max_bs, mode)
+        if plan.graph_mode == "compile" and not self.backend.compiles_decode():
+            plan = plan.with_graphs("off", 0)
+        self.execution = plan
+        if plan.graph_mode != "off":
+            self.graphs = DecodeGraphRunner(model, self.backend, table, plan.graph_max_bs, plan.graph_mode)
+        if plan.row_invariant:
+            use_row_invariant_attention(self.backend, self.graphs is not None)
 
     def set_thread_policy(self, options: tuple[int, ...], large_from_tokens: int) -> None:
         """Run each step on one of `options` torch threads, learned per step size from measured step times
@@ -214,25 +215,3 @@ class ModelRunner:
         return PromptScores(spans, host(scored.logprobs), host(scored.ranks), host(scored.top_ids),
                             host(scored.top_logprobs))  # type: ignore[arg-type]
 
-
-def use_cpu_decode_layers(model: CausalLM) -> None:
-    """Let `model`'s layers run decode steps as one C++ op each (kernels/cpu/decode_layer.py), where their
-    linears are quantized to group kernels; the op itself checks per step that it applies."""
-    from ringserve.kernels.quantization import QuantLinear
-
-    for layer in model.decoder_layers():
-        layer.fused_decode = layer.fusable and any(isinstance(m, QuantLinear) and m.packed for m in layer.modules())
-
-
-def use_triton_kernels(model: CausalLM) -> None:
-    """Run `model`'s RMSNorms and rotary embeddings with the fused Triton kernels (same weights, same math)."""
-    from ringserve.kernels.triton.rmsnorm import TritonRMSNorm
-    from ringserve.kernels.triton.rotary import apply_rotary
-
-    full_rotary = model.rotary_dim == model.head_dim  # the Triton kernel rotates whole heads
-    for module in list(model.modules()):
-        if isinstance(module, Attention) and full_rotary:
-            module.rotary = apply_rotary
-        for name, child in list(module.named_children()):
-            if isinstance(child, RMSNorm) and not child.unit_offset:  # the kernel scales by weight, not 1 + weight
-                setattr(module, name, TritonRMSNorm(child.weight, child.eps))

@@ -37,6 +37,7 @@ from ringserve.actors.engine.speculative.verify_step import SpeculativeSteps
 from ringserve.actors.engine.core.batch import Batch, ForwardOutput
 from ringserve.actors.engine.scheduling.cache_manager import CacheManager
 from ringserve.actors.engine.config import EngineConfig
+from ringserve.actors.engine.execution_plan import ExecutionPlan, resolve_execution
 from ringserve.actors.engine.scheduling.decode import DecodeManager
 from ringserve.actors.engine.scheduling.engine_control import EngineControl
 from ringserve.actors.engine.scheduling.engine_stats import EngineStats, StartupReport, StepCounters
@@ -50,7 +51,6 @@ from ringserve.actors.engine.scheduling.step_finish import StepFinish
 from ringserve.actors.engine.scheduling.step_pace import StepPace
 from ringserve.actors.engine.scheduling.weight_swap import WeightSwap
 from ringserve.actors.engine.quantization.quantize import apply_quantization, quantization_report
-from ringserve.actors.engine.runner.row_invariant import make_row_invariant
 from ringserve.actors.engine.scheduling.prefix_cache import create_prefix_cache
 from ringserve.actors.engine.scheduling.kv_sharing import KvShare
 from ringserve.actors.engine.kv_tier.tier import make_tier
@@ -80,11 +80,14 @@ class EngineCore:
     (`kv_share`)."""
 
     def __init__(self, model: CausalLM, config: EngineConfig, tokenizer: Any | None = None,
-                 model_name: str = "", draft: EngineCore | None = None) -> None:
+                 model_name: str = "", draft: EngineCore | None = None,
+                 execution: ExecutionPlan | None = None) -> None:
         """`model` already on `config`'s device; `tokenizer` is needed only by requests with stop strings;
         `model_name` is what `stats()` reports; `draft`: the draft model's engine (`--speculative-algorithm
-        draft`)."""
+        draft`); `execution`: the plan `config` was resolved to before the model was built (`resolve_execution`,
+        resolved here when not given), run over the model's own build choices (`ExecutionPlan.running`)."""
         self.config = config
+        self.execution = (execution or resolve_execution(config)).running(model.execution)
         self.device = torch.device(config.resolved_device())
         self.vocab_size: int = model.vocab_size
         self.context_length: int = config.served_context_length(model.context_length)  # --context-length
@@ -115,17 +118,14 @@ class EngineCore:
         self.lora = LoraPool(model, config.max_loras_per_batch, config.max_lora_rank, config.max_loaded_loras,
                              config.max_prefill_tokens + config.max_running_requests
                              * (config.speculative_num_draft_tokens + 1)) if config.lora_enabled() else None
-        self.runner = ModelRunner(model, self.pool, self.table, config.resolved_attention_backend(),
-                                  config.graph_max_bs())
+        self.runner = ModelRunner(model, self.pool, self.table, self.execution)
         self.live: dict[str, Req] = {}
         self.adapters = LoraServing(self.lora, config.lora_dir, self.live)
         if self.lora is not None:
-            self.adapters.start(model, self.runner.graphs is not None, config.lora_module_map())
+            self.adapters.start(self.runner.graphs is not None, config.lora_module_map())
             self.prefill.adapter_limit = config.max_loras_per_batch
             self.prefill.running_adapters = lambda: {r.params.lora_name for r in self.decode.running}
         self.runner.thread_tuner = tuner_for(config)
-        if config.enable_deterministic_inference:
-            make_row_invariant(self.runner)
         self.counters = StepCounters()
         weights = WeightSwap(self.runner, self.pool, self.cache, self.decode, self.prefill,
                              lambda: self._inflight is not None)
@@ -151,8 +151,10 @@ class EngineCore:
         self._last_batch: Batch | None = None
         self.overlap = config.overlap_enabled()
         self._inflight: tuple[Batch, ForwardOutput] | None = None  # overlap loop: launched, not yet finished
+        fused_layers = sum(layer.fused_decode for layer in model.decoder_layers())
         self.startup = StartupReport(num_slots, self.context_length, self.overlap, kv_pool_report,
-                                     quantization_report(model, config.enable_deterministic_inference))
+                                     quantization_report(model, config.enable_deterministic_inference),
+                                     self.runner.execution.report(fused_layers))
         self.report = EngineStats(config, self.startup, self.counters, self.cache, self.decode, self.prefill,
                                   self.control, self.adapters, self.speculation)
 
@@ -162,11 +164,12 @@ class EngineCore:
         from ringserve.actors.common.text_tokenizer import load_text_model
         from ringserve.actors.engine.models.weights import load_model
 
-        model = load_model(source, DTYPES[config.resolved_dtype()], config.resolved_device())
+        execution = resolve_execution(config)  # every execution choice, before the model is built with it
+        model = load_model(source, DTYPES[config.resolved_dtype()], config.resolved_device(), execution)
         apply_quantization(model, config, source)  # each quantized layer keeps its kernel plan (reported by stats())
         tokenizer = tokenizer if tokenizer is not None else load_text_model(source).tokenizer
         draft = load_draft_engine(cls, config, tokenizer) if config.speculative_algorithm == "draft" else None
-        return cls(model, config, tokenizer, source.name, draft=draft)
+        return cls(model, config, tokenizer, source.name, draft=draft, execution=execution)
 
     @property
     def num_slots(self) -> int:

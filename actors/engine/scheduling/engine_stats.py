@@ -3,7 +3,7 @@ counters and settings, read from the parts that hold them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ringserve.actors.engine.config import EngineConfig
@@ -33,13 +33,15 @@ class StepCounters:
 
 @dataclass
 class StartupReport:
-    """What the engine's construction settled: the pool's size, the quantized layers' kernels, the loop."""
+    """What the engine's construction settled: the pool's size, the quantized layers' kernels, the loop, the
+    execution plan."""
 
     num_slots: int
     context_length: int
     overlap: bool
     kv_pool: dict[str, Any]
     quantization: dict[str, Any]
+    execution: dict[str, str] = field(default_factory=dict)
 
 
 class EngineStats:
@@ -68,6 +70,6 @@ class EngineStats:
             chunked_prefill_size=config.chunked_prefill_size if config.chunking else 0,
             overlap_schedule=startup.overlap, torch_threads=dict(control.thread_choices),
             quantization=dict(startup.quantization), kv_pool=dict(startup.kv_pool),
-            decode_graphs=control.decode_graph_report(),
+            decode_graphs=control.decode_graph_report(), execution=dict(startup.execution),
             **(self.speculation.report() if self.speculation is not None else {}),
             **(self.cache.tier.report() if self.cache.tier is not None else {}))

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ringserve.actors.engine.models.blocks import RMSNorm
+from ringserve.actors.engine.execution_plan import ExecutionPlan
 from ringserve.actors.engine.models.spec import ArchSpec
 from ringserve.actors.engine.models.vision.vision_lm import VisionCausalLM, namespace
 from ringserve.actors.engine.models.vision.vit import VisionTower
@@ -41,8 +42,8 @@ class Gemma3Vision(VisionCausalLM):
 
     bidirectional_images = True
 
-    def __init__(self, config: Any, text_spec: ArchSpec) -> None:
-        super().__init__(config, text_spec)
+    def __init__(self, config: Any, text_spec: ArchSpec, plan: ExecutionPlan = ExecutionPlan()) -> None:
+        super().__init__(config, text_spec, plan)
         vision = namespace(config.vision_config)
         self.vision_tower = VisionTower(vision)
         self._tokens = int(config.mm_tokens_per_image)

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ringserve.actors.engine.execution_plan import ExecutionPlan
 from ringserve.actors.engine.models.spec import ArchSpec
 from ringserve.actors.engine.models.vision.vision_lm import VisionCausalLM, namespace
 from ringserve.actors.engine.models.vision.vit import VisionTower, activation
@@ -34,8 +35,8 @@ class LlavaProjector(nn.Module):
 class Llava(VisionCausalLM):
     """LLaVA over the text family of its `text_config`."""
 
-    def __init__(self, config: Any, text_spec: ArchSpec) -> None:
-        super().__init__(config, text_spec)
+    def __init__(self, config: Any, text_spec: ArchSpec, plan: ExecutionPlan = ExecutionPlan()) -> None:
+        super().__init__(config, text_spec, plan)
         vision = namespace(config.vision_config)
         self.vision_tower = VisionTower(vision)
         self.strategy = config.vision_feature_select_strategy

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ringserve.actors.engine.execution_plan import ExecutionPlan
 from ringserve.actors.engine.models.mrope import image_offsets, use_mrope
 from ringserve.actors.engine.models.spec import ArchSpec
 from ringserve.actors.engine.models.vision.qwen2_vl_tower import Qwen2VisionTower
@@ -29,10 +30,10 @@ class Qwen2VL(VisionCausalLM):
 
     gated = False
 
-    def __init__(self, config: Any, text_spec: ArchSpec) -> None:
-        super().__init__(config, text_spec)
+    def __init__(self, config: Any, text_spec: ArchSpec, plan: ExecutionPlan = ExecutionPlan()) -> None:
+        super().__init__(config, text_spec, plan)
         vision = namespace(config.vision_config)
-        self.visual = Qwen2VisionTower(vision, self.gated)
+        self.visual = Qwen2VisionTower(vision, self.gated, plan.norm_rotary_kernels)
         self.merge = int(vision.spatial_merge_size)
         if not use_mrope(self.model, self.config):
             raise ValueError("a Qwen2-VL text config without an mrope_section in its rope parameters")

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ringserve.actors.engine.models.blocks import RMSNorm
+from ringserve.actors.engine.execution_plan import NormRotaryKernels
+from ringserve.actors.engine.models.blocks import make_norm
 from ringserve.actors.engine.models.rope import rotate_half
 from ringserve.actors.engine.models.vision.vit import activation
 
@@ -60,12 +61,14 @@ class VisionAttention(nn.Module):
 
 
 class VisionBlock(nn.Module):
-    """`x + attn(norm1(x))`, then `x + mlp(norm2(x))`; Qwen2.5-VL's (`gated`) with RMSNorms and a gated MLP."""
+    """`x + attn(norm1(x))`, then `x + mlp(norm2(x))`; Qwen2.5-VL's (`gated`) with RMSNorms (built as `kernels`
+    says, `blocks.make_norm`) and a gated MLP."""
 
-    def __init__(self, config: Any, gated: bool) -> None:
+    def __init__(self, config: Any, gated: bool, kernels: NormRotaryKernels = "torch") -> None:
         super().__init__()
         dim = config.hidden_size if gated else config.embed_dim
-        norm = (lambda: RMSNorm(dim, NORM_EPS)) if gated else (lambda: nn.LayerNorm(dim, eps=NORM_EPS))
+        norm = ((lambda: make_norm(dim, NORM_EPS, kernels=kernels)) if gated
+                else (lambda: nn.LayerNorm(dim, eps=NORM_EPS)))
         self.norm1, self.norm2 = norm(), norm()
         self.attn = VisionAttention(dim, config.num_heads)
         self.mlp = nn.Module()
@@ -91,10 +94,10 @@ class VisionBlock(nn.Module):
 class PatchMerger(nn.Module):
     """Norm each patch, concatenate each merge block's `m*m` patches, a 2-layer GELU MLP to the text width."""
 
-    def __init__(self, dim: int, out_dim: int, merge: int, gated: bool) -> None:
+    def __init__(self, dim: int, out_dim: int, merge: int, gated: bool, kernels: NormRotaryKernels = "torch") -> None:
         super().__init__()
         self.width = dim * merge * merge
-        self.ln_q = RMSNorm(dim, NORM_EPS) if gated else nn.LayerNorm(dim, eps=NORM_EPS)
+        self.ln_q = make_norm(dim, NORM_EPS, kernels=kernels) if gated else nn.LayerNorm(dim, eps=NORM_EPS)
         self.mlp = nn.Sequential(nn.Linear(self.width, self.width), nn.GELU(), nn.Linear(self.width, out_dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -104,7 +107,7 @@ class PatchMerger(nn.Module):
 class Qwen2VisionTower(nn.Module):
     """Images' flattened patches and grids -> each image's merged tokens `[t*h*w / merge^2, text width]`."""
 
-    def __init__(self, config: Any, gated: bool) -> None:
+    def __init__(self, config: Any, gated: bool, kernels: NormRotaryKernels = "torch") -> None:
         super().__init__()
         dim = config.hidden_size if gated else config.embed_dim
         self.merge = config.spatial_merge_size
@@ -112,8 +115,9 @@ class Qwen2VisionTower(nn.Module):
         self.in_features = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
         self.patch_embed = nn.Module()
         self.patch_embed.proj = nn.Linear(self.in_features, dim, bias=False)  # the Conv3d, flattened at load
-        self.blocks = nn.ModuleList(VisionBlock(config, gated) for _ in range(config.depth))
-        self.merger = PatchMerger(dim, config.out_hidden_size if gated else config.hidden_size, self.merge, gated)
+        self.blocks = nn.ModuleList(VisionBlock(config, gated, kernels) for _ in range(config.depth))
+        self.merger = PatchMerger(dim, config.out_hidden_size if gated else config.hidden_size, self.merge, gated,
+                                   kernels)
         # Qwen2.5-VL: blocks outside `fullatt_block_indexes` attend within windows of `window_size` pixels
         self.full_blocks = set(config.fullatt_block_indexes) if gated else set(range(config.depth))
         self.window = config.window_size // self.merge // self.patch_size if gated else 0

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from ringserve.actors.engine.execution_plan import ExecutionPlan
 from ringserve.actors.engine.models.causal_lm import CausalLM
 from ringserve.actors.engine.models.spec import ArchSpec
 
@@ -45,8 +46,8 @@ class VisionCausalLM(CausalLM):
 
     bidirectional_images = False
 
-    def __init__(self, config: Any, text_spec: ArchSpec) -> None:
-        super().__init__(namespace(config.text_config), text_spec)
+    def __init__(self, config: Any, text_spec: ArchSpec, plan: ExecutionPlan = ExecutionPlan()) -> None:
+        super().__init__(namespace(config.text_config), text_spec, plan)
         self.vision_config = config
         self.image_token_id = int(getattr(config, "image_token_id", None) or config.image_token_index)
         # our renames first, then the text family's; its last change to the tensors after ours
