@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 from unittest.mock import patch
 
+import httpx
 import pytest
 import torch
 
@@ -24,7 +25,7 @@ from ringserve.kernels.quantization import QuantLinear
 from tests.checkpoint_formats import Quantized, quantization_config, write_quantized_checkpoint
 from tests.engine_helpers import greedy, run_to_completion, tokens_of
 from tests.model_families import CONFIGS, tiny_hf_model
-from tests.server_helpers import save_tiny_model
+from tests.server_helpers import save_tiny_model, server_info, start_server
 from tests.test_docs_claims import ringserve_cmd
 
 VOCAB = 49152  # SmolLM2's tokenizer
@@ -144,6 +145,33 @@ def test_a_quantized_checkpoint_runs_its_own_codes(checkpoints: dict, case: tupl
     requests = [TokenizedRequest(f"r{i}", p, greedy(NEW_TOKENS)) for i, p in enumerate(prompts)]
     got, want = run_to_completion(engine, requests), run_to_completion(expected, requests)
     assert {r: tokens_of(rows) for r, rows in got.items()} == {r: tokens_of(rows) for r, rows in want.items()}
+    shapes = {f"{m.in_features}->{m.out_features} any rows" for m in layers.values()}
+    assert engine.stats().quantization == {"method": method, "isa": engine.stats().quantization["isa"],
+                                           **{shape: "q4_k" for shape in shapes}}
+
+
+@pytest.mark.parametrize("case", [CASES[1], CASES[2]], ids=["gptq", "awq"])
+def test_a_quantized_checkpoint_is_served_through_the_ring(checkpoints: dict, case: tuple) -> None:
+    """`ringserve serve` on the directory: `/generate`'s greedy tokens of batched prompts equal the in-process
+    engine's on the same directory, and `/get_server_info` reports the checkpoint's method and each linear
+    shape's kernel."""
+    directory = checkpoints[case][0]
+    prompts = [[5 + i for i in range(n)] for n in (3, 17, 40)]
+    requests = [TokenizedRequest(f"r{i}", p, greedy(NEW_TOKENS)) for i, p in enumerate(prompts)]
+    want = [tokens_of(rows) for rows in run_to_completion(engine_of(directory), requests).values()]
+    server = start_server(str(directory), extra=["--torch-threads", "1"])
+    try:
+        got = []
+        for ids in prompts:
+            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0}}
+            response = httpx.post(server.base_url + "/generate", json=body, timeout=300)
+            assert response.status_code == 200, response.text
+            got.append(response.json()["output_ids"])
+        report = server_info(server.base_url)["quantization"]
+    finally:
+        server.stop()
+    assert got == want
+    assert report["method"] == case[1] and set(report.values()) - {case[1], report["isa"]} == {"q4_k"}, report
 
 
 def pack_kbits_of(parts: list[Quantized]) -> PackedWeight:

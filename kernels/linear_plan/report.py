@@ -9,7 +9,7 @@ import ringserve.kernels.cpu as cpu_kernels
 from ringserve.kernels.float_linear import FloatLinear
 from ringserve.kernels.linear_plan.invariant import is_row_invariant
 from ringserve.kernels.linear_plan.plan import KernelPlan, Measured, Times, entries, plan_report
-from ringserve.kernels.quantization import FLOAT_WEIGHT_KERNELS, QuantLinear
+from ringserve.kernels.quantization import CHECKPOINT_METHODS, FLOAT_WEIGHT_KERNELS, QuantLinear
 
 
 def float_report(model: nn.Module) -> dict[str, str]:
@@ -23,9 +23,10 @@ def quantization_report(model: nn.Module, deterministic: bool = False) -> dict[s
     linear shape runs per row count, e.g. {"method": "int8", "isa": "avx2", "576->960 1-31 rows": "q8_0",
     "576->960 32+ rows": "float32", …}; unquantized, the shapes that run another float32 kernel than torch's
     ({"method": "none", "isa": ..., "576->1536 1-3 rows": "f32_gemv", "576->1536 4+ rows": "onednn", …}),
-    else {}. With `deterministic` (`--enable-deterministic-inference`), `deterministic_inference` says "on"
-    when every linear follows a plan of row-invariant kernels (kernels/linear_plan/invariant.py), else names
-    the first layer that does not."""
+    else {}; a GPTQ or AWQ checkpoint's method with the kernel each of its shapes runs at every row count
+    ({"method": "gptq", "isa": ..., "576->1728 any rows": "q4_k", …}). With `deterministic`
+    (`--enable-deterministic-inference`), `deterministic_inference` says "on" when every linear follows a plan
+    of row-invariant kernels (kernels/linear_plan/invariant.py), else names the first layer that does not."""
     if deterministic:
         return {**_report(model), "deterministic_inference": _invariance(model)}
     return _report(model)
@@ -50,6 +51,9 @@ def _report(model: nn.Module) -> dict[str, str]:
         return {"method": "none", "isa": cpu_kernels.isa(), **chosen} if chosen else {}
     plan = {(m.out_features, m.in_features): m.plan for m in model.modules() if isinstance(m, QuantLinear)}
     report = {"method": layer.method, "isa": cpu_kernels.isa()}
+    if not any(plan.values()) and layer.method in CHECKPOINT_METHODS:  # a GPTQ/AWQ checkpoint's codes, per shape
+        return {**report, **{f"{m.in_features}->{m.out_features} any rows": m.default
+                             for m in model.modules() if isinstance(m, QuantLinear)}}
     if not any(plan.values()):
         return {**report, "any rows": layer.default}
     return {**report, **plan_report(plan)}
