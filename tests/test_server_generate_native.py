@@ -105,6 +105,18 @@ def test_server_info_under_sglangs_names(smollm_server: ServerHandle) -> None:
     assert isinstance(info["model_path"], str) and info["model_path"]
 
 
+def test_server_info_reports_the_execution_plan_that_runs(smollm_server: ServerHandle) -> None:
+    """`execution` (actors/engine/execution_plan.py): a float32 CPU server's choices, its graph mode the one its
+    decode graphs run in."""
+    info = httpx.get(smollm_server.base_url + "/get_server_info", timeout=10).json()
+    execution = info["execution"]
+    assert {key: execution[key] for key in ("attention_backend", "norm_rotary_kernels", "fused_cpu_decode",
+                                            "moe_path", "row_invariant")} == {
+        "attention_backend": "torch", "norm_rotary_kernels": "torch", "fused_cpu_decode": "false",
+        "moe_path": "sorted", "row_invariant": "false"}
+    assert execution["graph_mode"] == info["decode_graphs"]["mode"]
+
+
 def test_get_model_info(smollm_server: ServerHandle) -> None:
     response = httpx.get(smollm_server.base_url + "/get_model_info", timeout=10)
     assert response.status_code == 200, response.text

@@ -12,6 +12,7 @@ import torch
 
 from ringserve.actors.engine.config import EngineConfig
 from ringserve.actors.engine.scheduling.engine_core import EngineCore
+from ringserve.actors.engine.execution_plan import resolve_execution
 from ringserve.actors.engine.models.weights import model_from_hf
 
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -24,13 +25,16 @@ def hf_on_gpu(hf_model: Any, dtype: torch.dtype) -> Any:
 
 
 def gpu_engine(hf_model: Any, backend: str, dtype: torch.dtype, graphs: bool, **config: Any) -> EngineCore:
-    """An EngineCore on CUDA with `hf_model`'s weights in `dtype`, CUDA graphs on or off."""
+    """An EngineCore on CUDA with `hf_model`'s weights in `dtype`, CUDA graphs on or off, its model built with
+    the execution plan the settings resolve to (as a server builds it)."""
     tensors = {k: v.to(dtype) for k, v in hf_model.state_dict().items()}
-    model = model_from_hf(hf_model.config, tensors, "cuda")
     settings: dict[str, Any] = dict(device="cuda", dtype=DTYPE_NAMES[dtype], attention_backend=backend,
                                     disable_cuda_graph=not graphs, max_total_tokens=8192, cuda_graph_max_bs=16)
     settings.update(config)
-    return EngineCore(model, EngineConfig(**settings))
+    engine_config = EngineConfig(**settings)
+    plan = resolve_execution(engine_config)
+    model = model_from_hf(hf_model.config, tensors, "cuda", plan)
+    return EngineCore(model, engine_config, execution=plan)
 
 
 @torch.no_grad()

@@ -119,6 +119,7 @@ class EngineCore:
                              config.max_prefill_tokens + config.max_running_requests
                              * (config.speculative_num_draft_tokens + 1)) if config.lora_enabled() else None
         self.runner = ModelRunner(model, self.pool, self.table, self.execution)
+        self.execution = self.runner.execution  # what runs (ModelRunner: no compiled graphs over a gathering backend)
         self.live: dict[str, Req] = {}
         self.adapters = LoraServing(self.lora, config.lora_dir, self.live)
         if self.lora is not None:
@@ -154,7 +155,7 @@ class EngineCore:
         fused_layers = sum(layer.fused_decode for layer in model.decoder_layers())
         self.startup = StartupReport(num_slots, self.context_length, self.overlap, kv_pool_report,
                                      quantization_report(model, config.enable_deterministic_inference),
-                                     self.runner.execution.report(fused_layers))
+                                     self.execution.report(fused_layers))
         self.report = EngineStats(config, self.startup, self.counters, self.cache, self.decode, self.prefill,
                                   self.control, self.adapters, self.speculation)
 

@@ -11,12 +11,12 @@ possibly still in flight, wrote its sampled tokens) and copies the positions in;
 its metadata in its own static buffers through the three graph hooks of `AttentionBackend`, so this runner
 knows nothing of a particular backend.
 
-What "capture" means depends on the device (`mode`):
-- `cuda_graph` (the default on a GPU): every size is captured at start, largest first, sharing one memory
+What "capture" means depends on the device (`mode`, the execution plan's `graph_mode`):
+- `cuda_graph` (the plan's on a GPU): every size is captured at start, largest first, sharing one memory
   pool, with a log line as it starts and one as it ends (a bar would interleave with the other actors' log
   lines); the capture's dummy forwards run on the scratch row, so a runner may be built
   while requests hold KV. Every graph writes its logits into one shared `[max_bs, vocab]` buffer.
-- `compile` (the default on a CPU): each size is compiled in the background (actors/engine/runner/graphs/graph_compiler.py)
+- `compile` (the plan's on a CPU): each size is compiled in the background (actors/engine/runner/graphs/graph_compiler.py)
   when a decode batch first needs it, size 1 as soon as `start_compiling` is called; until a size is ready,
   `can_run` says no and the model runner runs the step eagerly. A compiled size that measures slower than
   the eager forward stays eager.
@@ -81,11 +81,6 @@ class GraphInputs:
 GRAPH_MODES = ("cuda_graph", "compile", "eager")
 
 
-def default_mode(device: torch.device) -> str:
-    """CUDA graphs on a GPU, compiled graphs on a CPU."""
-    return "cuda_graph" if device.type == "cuda" else "compile"
-
-
 class DecodeStep(torch.nn.Module):
     """The decode forward over explicit inputs, as a module: what compile mode compiles. A compiled graph reads
     the parameters (and the attention backend) through its module when called, so a graph stored by one
@@ -111,11 +106,11 @@ class DecodeGraphRunner:
         backend: AttentionBackend,
         table: TokenTable,
         max_bs: int,
-        mode: str | None = None,
+        mode: str,
         progress: bool = True,
     ) -> None:
-        """`mode`: `cuda_graph`, `compile`, `eager` (module docstring), or None for the device's default;
-        `progress`: the capture's and the compiles' log lines at INFO (else DEBUG)."""
+        """`mode`: `cuda_graph`, `compile`, `eager` (module docstring; the execution plan's `graph_mode`,
+        actors/engine/execution_plan.py); `progress`: the capture's and the compiles' log lines at INFO (else DEBUG)."""
         if not backend.supports_cuda_graph:
             raise ValueError(f"{type(backend).__name__} does not implement the graph hooks")
         self.model = model
@@ -124,7 +119,7 @@ class DecodeGraphRunner:
         self.device = table.table.device
         self.sizes = batch_size_ladder(max_bs)
         self.max_bs = self.sizes[-1]
-        self.mode = mode or default_mode(self.device)
+        self.mode = mode
         if self.mode not in GRAPH_MODES:
             raise ValueError(f"unknown graph mode {self.mode!r}; choose one of {list(GRAPH_MODES)}")
         if self.mode == "cuda_graph" and self.device.type != "cuda":
