@@ -16,7 +16,7 @@ import torch
 
 from ringserve.actors.common.model_source import resolve_model
 from ringserve.actors.engine.config import EngineConfig
-from ringserve.actors.engine.models.weights import model_from_hf
+from ringserve.actors.engine.models.weights import WeightMismatch, load_checkpoint, model_from_hf, swap_weights
 from ringserve.actors.engine.scheduling.engine_core import EngineCore
 from ringserve.bus.messages import TokenizedRequest
 from ringserve.kernels.cpu.packed_weight import PackedWeight
@@ -206,3 +206,15 @@ def test_an_unserved_gptq_variant_is_refused(checkpoints: dict, tmp_path: Path, 
     assert done.returncode == 2, (done.stdout, done.stderr)
     lines = done.stderr.splitlines()
     assert len(lines) == 2 and "is a gptq checkpoint with" in lines[1] and "served are" in lines[1], done.stderr
+
+
+def test_a_quantized_checkpoint_s_weights_are_not_swapped(checkpoints: dict) -> None:
+    """A running GPTQ model's layers are its file's codes: new float weights are refused before anything
+    changes, saying to restart on them."""
+    directory = checkpoints[CASES[0]][0]
+    engine = engine_of(directory)
+    model = engine.runner.model
+    before = {n: t.clone() for n, t in model.state_dict().items()}
+    with pytest.raises(WeightMismatch, match="runs its gptq checkpoint's own codes, which are not swapped"):
+        swap_weights(model, load_checkpoint(str(directory), torch.float32))
+    assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())

@@ -40,6 +40,7 @@ from ringserve.actors.engine.models.spec import head_dim_of
 from ringserve.actors.engine.quantization.checkpoint_codes import (
     CODE_TENSORS, dequantized_state_dict, is_quantized_checkpoint,
 )
+from ringserve.kernels.quantization import PACKED_METHODS
 from ringserve.observability.logging import log_event
 
 log = logging.getLogger("engine.weights")
@@ -294,7 +295,13 @@ def weight_mismatches(model: CausalLM, checkpoint: Checkpoint) -> list[str]:
 
 def swap_weights(model: CausalLM, checkpoint: Checkpoint, check_only: bool = False) -> None:
     """Copy `checkpoint`'s tensors into `model`'s in place (converted to their dtype and device); quantize the
-    quantized layers again. Raises WeightMismatch, before changing anything, when the checkpoint does not fit."""
+    quantized layers again. Raises WeightMismatch, before changing anything, when the checkpoint does not fit or
+    the running model runs a file's own codes (a GGUF's blocks, a GPTQ/AWQ checkpoint's 4-bit groups), which no
+    float weights replace."""
+    codes = next((m.method for m in _quantized_layers(model).values() if m.method in PACKED_METHODS), None)
+    if codes is not None:
+        raise WeightMismatch(f"the running model runs its {codes} checkpoint's own codes, which are not swapped "
+                             f"for new weights: restart the server on {checkpoint.path}")
     problems = weight_mismatches(model, checkpoint)
     if problems:
         more = len(problems) - MAX_LISTED_MISMATCHES
