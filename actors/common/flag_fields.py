@@ -10,9 +10,11 @@ name with dashes (`max_live_requests` -> `--max-live-requests`), its default the
 - `action="append"` takes one value per flag, repeatable;
 - anything else takes one value, converted by `type` (the default's type unless given) before `choices`.
 
-`add_arguments(cls, parser)` puts the flags in their help groups (`argument_group`), `from_args(cls, args)`
-reads them back into an instance, and `to_argv(instance)` gives the flags that reproduce it on another
-process's command line (the launcher starting an actor). Nothing here imports torch.
+`add_arguments(cls, parser)` puts the flags in their help groups (`argument_group`; `add_exclusive_arguments`
+for flags of which at most one is given), `from_args(cls, args)` reads them back into an instance, and
+`to_argv(instance)` gives the flags that reproduce it on another process's command line (the launcher starting
+an actor), each value written with `str` or the field's `to_text` (json.dumps for a JSON flag). Nothing here
+imports torch.
 """
 
 from __future__ import annotations
@@ -24,14 +26,16 @@ from typing import Any, Iterable, TypeVar
 GROUP = "group"  # metadata keys that are ours, not argparse's
 ALIASES = "aliases"
 REQUIRED_IN_ARGV = "required"  # a required flag is always written, default or not
-OWN_KEYS = (GROUP, ALIASES)
+TO_TEXT = "to_text"  # how to_argv writes a value its `type` reads back (default: str), e.g. json.dumps
+OWN_KEYS = (GROUP, ALIASES, TO_TEXT)
 
 Parser = argparse.ArgumentParser | argparse._ArgumentGroup
 T = TypeVar("T")
 
 
 def flag(help: str, *, group: str = "", aliases: tuple[str, ...] = (), **argparse_kwargs: Any) -> dict[str, Any]:
-    """A field's flag: its help, its `--help` group (empty: the class's), other spellings, argparse keywords."""
+    """A field's flag: its help, its `--help` group (empty: the class's), other spellings, argparse keywords
+    (and `to_text`: how its value is written on a command line, when `str` is not what its `type` reads)."""
     return {"help": help, GROUP: group, ALIASES: tuple(aliases), **argparse_kwargs}
 
 
@@ -73,6 +77,17 @@ def add_arguments(cls: type, parser: argparse.ArgumentParser, group: str = "",
             add_field_argument(argument_group(parser, f.metadata.get(GROUP) or group), f)
 
 
+def add_exclusive_arguments(cls: type, parser: argparse.ArgumentParser, names: Iterable[str], group: str = "",
+                            required: bool = False) -> None:
+    """Add the flags of `names` (fields of dataclass `cls`) as mutually exclusive ones, listed in help group
+    `group` (empty: the parser's own); one of them must be given if `required`."""
+    wanted = set(names)
+    exclusive = argument_group(parser, group).add_mutually_exclusive_group(required=required)
+    for f in flag_fields(cls):
+        if f.name in wanted:
+            add_field_argument(exclusive, f)
+
+
 def add_field_argument(parser: Parser, f: dataclasses.Field[Any]) -> argparse.Action:
     """One field's flag on `parser` (see the module's docstring for how its kind is chosen)."""
     names = [option_name(f), *f.metadata.get(ALIASES, ())]
@@ -106,14 +121,14 @@ def to_argv(settings: Any) -> list[str]:
         value = getattr(settings, f.name)
         if value == field_default(f) and not f.metadata.get(REQUIRED_IN_ARGV):
             continue
-        name = option_name(f)
+        name, text = option_name(f), f.metadata.get(TO_TEXT, str)
         if isinstance(value, bool):
             argv.append(name if value else "--no-" + name[2:])
         elif isinstance(value, (list, tuple)) and f.metadata.get("action") == "append":
             for item in value:
-                argv += [name, str(item)]
-        elif isinstance(value, (list, tuple)):
-            argv += [name, *map(str, value)]
+                argv += [name, text(item)]
+        elif isinstance(value, (list, tuple)) and TO_TEXT not in f.metadata:  # several values after one flag
+            argv += [name, *map(text, value)]
         elif value is not None:
-            argv += [name, str(value)]
+            argv += [name, text(value)]
     return argv

@@ -12,8 +12,7 @@ from ringserve.actors.common.runtime import exit_now
 from ringserve.actors.launcher.serve_flags import add_serve_arguments
 from ringserve.actors.launcher.nats_config_cmd import add_nats_config_command, nats_config
 from ringserve.actors.launcher.submit_cmd import add_submit_command, submit_command
-from ringserve.actors.launcher.trace_buffer import read_hint
-from ringserve.actors.launcher.trace_cmd import add_trace_command, trace_command
+from ringserve.actors.launcher.trace_cmd import add_trace_command, read_hint, trace_command
 from ringserve.actors.launcher.worker_cmd import add_worker_command, worker_command
 from ringserve.observability.logging import log_event, setup_logging
 

@@ -21,9 +21,12 @@ import contextlib
 import json
 import logging
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field, make_dataclass
 from typing import Any
 
+from ringserve.actors.common import flag_fields
+from ringserve.actors.common.flag_fields import flag
+from ringserve.actors.common.help_format import DefaultOnceFormatter
 from ringserve.bus.codec import DecodeError, from_wire, to_wire
 from ringserve.bus.errors import ApiError
 from ringserve.bus.messages import ChatMessage, GenerateRequest
@@ -42,48 +45,106 @@ def _json_arg(text: str) -> Any:
         raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
 
 
+def _json_text(value: Any) -> str:
+    """A JSON flag's value as its flag takes it (what `_json_arg` reads back)."""
+    return json.dumps(value, ensure_ascii=False)
+
+
+RING = "ring"
+PROMPT = "prompt (one of)"
+SAMPLING = "sampling (native names, bus/params.py; unset ones keep their defaults)"
+OUTPUT = "output"
+PROMPT_FIELDS = ("text", "messages", "input_ids")
+
+
+@dataclass
+class SubmitFlags:
+    """The flags of `ringserve submit` but the sampling parameters' (SamplingFlags): where the ring is, the
+    prompt (one of `--text`, `--messages`, `--input-ids`, required), `--sampling` and the output."""
+
+    nats_url: str | None = field(default=None, metadata=flag(
+        "NATS URL (default: the credentials file's, else nats://127.0.0.1:4222)", group=RING))
+    namespace: str | None = field(default=None, metadata=flag(
+        "the ring's namespace (default: the credentials file's, else ringserve)", group=RING))
+    creds: str | None = field(default=None, metadata=flag(
+        "NATS credentials: a client's file (`--nats-client NAME` logs its path) or a NATS .creds", group=RING,
+        metavar="FILE"))
+    client: str | None = field(default=None, metadata=flag(
+        "submit as NATS client NAME (default: the credentials file's client, else unscoped)", group=RING,
+        metavar="NAME"))
+    text: str | None = field(default=None, metadata=flag("the prompt text", group=PROMPT))
+    messages: Any = field(default=None, metadata=flag(
+        'chat turns, e.g. \'[{"role": "user", "content": "Hi"}]\' (the chat template is applied)', group=PROMPT,
+        type=_json_arg, metavar="JSON", to_text=_json_text))
+    input_ids: Any = field(default=None, metadata=flag(
+        "the prompt's token ids, e.g. [1, 2, 3]", group=PROMPT, type=_json_arg, metavar="JSON", to_text=_json_text))
+    sampling: Any = field(default=None, metadata=flag(
+        "more sampling parameters as a JSON object (the flags above win)", group=SAMPLING, type=_json_arg,
+        metavar="JSON", to_text=_json_text))
+    stream: bool = field(default=False, metadata=flag("print the text as it arrives", group=OUTPUT))
+    json: bool = field(default=False, metadata=flag("print every RequestOutput message as a JSON line", group=OUTPUT))
+    rid: str | None = field(default=None, metadata=flag("the request id (default: a fresh one)", group=OUTPUT))
+    timeout: float = field(default=600.0, metadata=flag("seconds to wait for the answer", group=OUTPUT))
+
+
+# A sampling parameter on by default is turned off by `--no-NAME`: its field is `no_NAME` (on: the parameter off).
+TURNED_OFF_BY = {"no_" + name: name for name, spec in SPECS.items() if spec.kind == "boolean" and default_of(name)}
+
+
+def _sampling_field(name: str) -> tuple[str, Any, Any]:
+    """Sampling parameter `name`'s flag, as make_dataclass takes a field: unset (None) unless given."""
+    spec = SPECS[name]
+    if name == "max_new_tokens":
+        return name, int | None, field(default=None, metadata=flag(
+            f"{spec.doc} (default {DEFAULT_MAX_NEW_TOKENS})", group=SAMPLING, type=int))
+    if spec.shape == STOP_STRINGS:
+        return name, list[str] | None, field(default=None, metadata=flag(
+            f"{spec.doc} (repeatable)", group=SAMPLING, action="append", metavar="TEXT"))
+    if spec.shape in (TOKEN_IDS, LOGIT_BIAS):
+        return name, Any, field(default=None, metadata=flag(
+            spec.doc, group=SAMPLING, type=_json_arg, metavar="JSON", to_text=_json_text))
+    if spec.kind == "boolean" and default_of(name):  # on by default: the flag turns it off
+        return "no_" + name, bool, field(default=False, metadata=flag(f"turn off: {spec.doc}", group=SAMPLING))
+    if spec.kind == "boolean":
+        return name, bool | None, field(default=None, metadata=flag(
+            spec.doc, group=SAMPLING, action="store_const", const=True))
+    kind = {"integer": int, "number": float}.get(spec.kind, str)
+    return name, kind | None, field(default=None, metadata=flag(spec.doc, group=SAMPLING, type=kind))
+
+
+SamplingFlags = make_dataclass("SamplingFlags", [_sampling_field(name) for name in SPECS])
+SamplingFlags.__doc__ = """`ringserve submit`'s flag per native sampling parameter (bus/params.py), None unless given
+(`no_NAME` for one on by default: True turns it off)."""
+
+
+def given_sampling(flags: Any) -> dict[str, Any]:
+    """The sampling parameters SamplingFlags `flags` give, by their native names."""
+    given: dict[str, Any] = {}
+    for f in flag_fields.flag_fields(SamplingFlags):
+        value = getattr(flags, f.name)
+        if f.name in TURNED_OFF_BY:
+            if value:
+                given[TURNED_OFF_BY[f.name]] = False
+        elif value is not None:
+            given[f.name] = value
+    return given
+
+
+def add_submit_arguments(cmd: argparse.ArgumentParser) -> None:
+    """The flags of `ringserve submit`, grouped: ring, prompt (one of), sampling, output."""
+    flag_fields.add_arguments(SubmitFlags, cmd, names=[f.name for f in flag_fields.flag_fields(SubmitFlags)
+                                                       if f.metadata["group"] == RING])
+    flag_fields.add_exclusive_arguments(SubmitFlags, cmd, PROMPT_FIELDS, group=PROMPT, required=True)
+    flag_fields.add_arguments(SamplingFlags, cmd)
+    flag_fields.add_arguments(SubmitFlags, cmd, names=[f.name for f in flag_fields.flag_fields(SubmitFlags)
+                                                       if f.metadata["group"] in (SAMPLING, OUTPUT)])
+
+
 def add_submit_command(commands: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     """Register the `submit` subcommand."""
     cmd = commands.add_parser("submit", help="send one request to a running ring over NATS and print the answer",
-                              description=__doc__.split("\n\n")[0])
-    where = cmd.add_argument_group("ring")
-    where.add_argument("--nats-url", default=None, help="NATS URL (default: the credentials file's, else "
-                                                       "nats://127.0.0.1:4222)")
-    where.add_argument("--namespace", default=None, help="the ring's namespace (default: the credentials file's, "
-                                                        "else ringserve)")
-    where.add_argument("--creds", default=None, metavar="FILE",
-                       help="NATS credentials: a client's file (`--nats-client NAME` logs its path) or a NATS .creds")
-    where.add_argument("--client", default=None, metavar="NAME",
-                       help="submit as NATS client NAME (default: the credentials file's client, else unscoped)")
-    prompt = cmd.add_argument_group("prompt (one of)").add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--text", help="the prompt text")
-    prompt.add_argument("--messages", type=_json_arg, metavar="JSON",
-                        help='chat turns, e.g. \'[{"role": "user", "content": "Hi"}]\' (the chat template is applied)')
-    prompt.add_argument("--input-ids", type=_json_arg, metavar="JSON", help="the prompt's token ids, e.g. [1, 2, 3]")
-    sampling = cmd.add_argument_group("sampling (native names, bus/params.py; unset ones keep their defaults)")
-    for name, spec in SPECS.items():
-        flag = "--" + name.replace("_", "-")
-        if name == "max_new_tokens":
-            sampling.add_argument(flag, type=int, default=None, help=f"{spec.doc} (default 128)")
-        elif spec.shape == STOP_STRINGS:
-            sampling.add_argument(flag, action="append", default=None, metavar="TEXT", help=f"{spec.doc} (repeatable)")
-        elif spec.shape in (TOKEN_IDS, LOGIT_BIAS):
-            sampling.add_argument(flag, type=_json_arg, default=None, metavar="JSON", help=spec.doc)
-        elif spec.kind == "boolean" and default_of(name):  # on by default: the flag turns it off
-            sampling.add_argument("--no-" + name.replace("_", "-"), dest=name, action="store_const", const=False,
-                                  default=None, help=f"turn off: {spec.doc}")
-        elif spec.kind == "boolean":
-            sampling.add_argument(flag, action="store_const", const=True, default=None, help=spec.doc)
-        else:
-            kind = {"integer": int, "number": float}.get(spec.kind, str)
-            sampling.add_argument(flag, type=kind, default=None, help=spec.doc)
-    sampling.add_argument("--sampling", type=_json_arg, default=None, metavar="JSON",
-                          help="more sampling parameters as a JSON object (the flags above win)")
-    out = cmd.add_argument_group("output")
-    out.add_argument("--stream", action="store_true", help="print the text as it arrives")
-    out.add_argument("--json", action="store_true", help="print every RequestOutput message as a JSON line")
-    out.add_argument("--rid", default=None, help="the request id (default: a fresh one)")
-    out.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the answer")
+                              description=__doc__.split("\n\n")[0], formatter_class=DefaultOnceFormatter)
+    add_submit_arguments(cmd)
 
 
 def build_request(args: argparse.Namespace) -> GenerateRequest:
@@ -91,7 +152,7 @@ def build_request(args: argparse.Namespace) -> GenerateRequest:
     sampling = dict(args.sampling or {})
     if not isinstance(sampling, dict):
         raise ApiError("--sampling must be a JSON object", param="sampling")
-    sampling.update({name: getattr(args, name) for name in SPECS if getattr(args, name, None) is not None})
+    sampling.update(given_sampling(flag_fields.from_args(SamplingFlags, args)))
     sampling.setdefault("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
     try:
         messages = from_wire(list[ChatMessage], args.messages, "messages") if args.messages is not None else None

@@ -78,9 +78,3 @@ def trace_exporter_specs(buffer: TraceBuffer, common: list[str]) -> list[ActorSp
     if not buffer.on:
         return []
     return [ActorSpec("trace_exporter", 0, "ringserve.actors.trace_exporter", list(common), stage=EXPORTER_STAGE)]
-
-
-def read_hint(url: str, namespace: str, creds_dir: Path | None) -> str:
-    """The command that prints a request's waterfall from this deployment's span buffer."""
-    creds = f" --nats-creds {creds_dir / 'trace_exporter.json'}" if creds_dir is not None else ""
-    return f"ringserve trace RID --nats-url {url} --namespace {namespace}{creds}"

@@ -16,9 +16,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from ringserve.actors.common.actor_flags import add_nats_auth_arguments, credentials_from_args
+from ringserve.actors.common import flag_fields
+from ringserve.actors.common.actor_flags import NatsAuthFlags, add_nats_auth_arguments, credentials_from_args
+from ringserve.actors.common.flag_fields import flag
+from ringserve.actors.common.help_format import DefaultOnceFormatter
 from ringserve.actors.launcher.trace_buffer import jetstream_block
 from ringserve.bus.connection import BusConnection
 from ringserve.bus.credentials import CredentialsError
@@ -30,22 +34,52 @@ from ringserve.observability.otlp_decode import SpanRecord, decode_request
 from ringserve.observability.waterfall import render, select_request
 
 RESPONSE_ID_PREFIXES = ("chatcmpl-", "cmpl-")
+RID_HELP = "the request id (as in `/generate`'s meta_info.id, or an OpenAI response id)"
+WHERE = ("nats_url", "trace_store")  # one of them, the buffer's whereabouts
+
+
+@dataclass
+class TraceFlags:
+    """The flags of `ringserve trace RID` but the NATS credentials (NatsAuthFlags); `--nats-url` and
+    `--trace-store` exclude each other, and one is required."""
+
+    nats_url: str | None = field(default=None, metadata=flag("the running deployment's NATS"))
+    trace_store: str | None = field(default=None, metadata=flag(
+        "a stopped deployment's `serve --trace-store DIR`", metavar="DIR"))
+    namespace: str = field(default="ringserve", metadata=flag("the deployment's subject prefix"))
+    steps: bool = field(default=False, metadata=flag("also list the scheduler steps linked to the request"))
+    no_events: bool = field(default=False, metadata=flag("leave out span events (prefill chunks, ...)"))
+    width: int = field(default=48, metadata=flag("width of the timeline bars"))
+
+
+def add_trace_arguments(cmd: argparse.ArgumentParser) -> None:
+    """The argument and flags of `ringserve trace`: RID, then TraceFlags' (the NATS credentials after
+    --namespace)."""
+    cmd.add_argument("rid", help=RID_HELP)  # the one positional: not a flag
+    flag_fields.add_exclusive_arguments(TraceFlags, cmd, WHERE, required=True)
+    flag_fields.add_arguments(TraceFlags, cmd, names=("namespace",))
+    add_nats_auth_arguments(cmd)
+    flag_fields.add_arguments(TraceFlags, cmd, names=("steps", "no_events", "width"))
 
 
 def add_trace_command(commands: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     """Register the `trace` subcommand."""
     cmd = commands.add_parser("trace", help="print a request's trace as a terminal waterfall (needs "
                                             "`serve --trace-buffer jetstream`)",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    cmd.add_argument("rid", help="the request id (as in `/generate`'s meta_info.id, or an OpenAI response id)")
-    where = cmd.add_mutually_exclusive_group(required=True)
-    where.add_argument("--nats-url", help="the running deployment's NATS")
-    where.add_argument("--trace-store", metavar="DIR", help="a stopped deployment's `serve --trace-store DIR`")
-    cmd.add_argument("--namespace", default="ringserve", help="the deployment's subject prefix")
-    add_nats_auth_arguments(cmd)
-    cmd.add_argument("--steps", action="store_true", help="also list the scheduler steps linked to the request")
-    cmd.add_argument("--no-events", action="store_true", help="leave out span events (prefill chunks, ...)")
-    cmd.add_argument("--width", type=int, default=48, help="width of the timeline bars")
+                              formatter_class=DefaultOnceFormatter)
+    add_trace_arguments(cmd)
+
+
+def trace_argv(rid: str, flags: TraceFlags, auth: NatsAuthFlags | None = None) -> list[str]:
+    """The arguments of `ringserve trace` (after `trace`) that print `rid`'s waterfall from where `flags` say."""
+    return [rid, *flag_fields.to_argv(flags), *flag_fields.to_argv(auth or NatsAuthFlags())]
+
+
+def read_hint(url: str, namespace: str, creds_dir: Path | None) -> str:
+    """The command that prints a request's waterfall from this deployment's span buffer."""
+    creds = str(creds_dir / "trace_exporter.json") if creds_dir is not None else None
+    return " ".join(["ringserve", "trace", *trace_argv("RID", TraceFlags(nats_url=url, namespace=namespace),
+                                                       NatsAuthFlags(nats_creds=creds))])
 
 
 async def load_spans(url: str, namespace: str, args: argparse.Namespace) -> list[SpanRecord]:

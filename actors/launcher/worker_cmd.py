@@ -22,8 +22,12 @@ import argparse
 import importlib
 import sys
 import textwrap
+from dataclasses import dataclass, field
 from types import ModuleType
 
+from ringserve.actors.common import flag_fields
+from ringserve.actors.common.flag_fields import flag
+from ringserve.actors.common.help_format import DefaultOnceFormatter
 from ringserve.actors.common.model_source import DEFAULT_MODEL, resolve_model
 from ringserve.bus.subjects import Subjects
 
@@ -32,14 +36,29 @@ MODEL_ROLES = ("tokenizer", "scheduler", "detokenizer")  # the roles whose own f
 SUMMARY = "run ONE actor (entry, tokenizer, scheduler or detokenizer) against an existing NATS, on any host"
 
 
+@dataclass
+class WorkerFlags:
+    """The worker's own flags, read before the role's parser (which takes every other flag) is known."""
+
+    role: str | None = field(default=None, metadata=flag(
+        "the actor to run; `--role R --help` lists its flags", choices=ROLES))
+    help: bool = field(default=False, metadata=flag("the overview, or with --role the role's flags",
+                                                    aliases=("-h",)))
+
+
+@dataclass
+class EntryModelFlags:
+    """What an entry worker reads of `--model` and `--served-model-name` before the entry's own parser (which
+    takes only `--served-model-name`)."""
+
+    model: str = field(default=DEFAULT_MODEL, metadata=flag("the model the entry names (its served name)"))
+    served_model_name: str | None = field(default=None, metadata=flag("the name itself (then --model is unread)"))
+
+
 def add_worker_command(commands: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     """List `worker` among the subcommands; its flags are parsed by `worker_command` (they depend on --role)."""
-    worker = commands.add_parser("worker", help=SUMMARY, add_help=False)
-    _add_role_argument(worker)
-
-
-def _add_role_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--role", choices=ROLES, help="the actor to run; `--role R --help` lists its flags")
+    worker = commands.add_parser("worker", help=SUMMARY, add_help=False, formatter_class=DefaultOnceFormatter)
+    flag_fields.add_arguments(WorkerFlags, worker, names=("role",))
 
 
 def _module(role: str) -> ModuleType:
@@ -56,9 +75,9 @@ def role_argv(role: str, argv: list[str]) -> list[str]:
     if role != "entry":
         return argv
     picker = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    picker.add_argument("--model", default=DEFAULT_MODEL)
-    picker.add_argument("--served-model-name", default=None)
-    known, rest = picker.parse_known_args(argv)
+    flag_fields.add_arguments(EntryModelFlags, picker)
+    parsed, rest = picker.parse_known_args(argv)
+    known = flag_fields.from_args(EntryModelFlags, parsed)
     if known.served_model_name is not None:
         return [*rest, "--served-model-name", known.served_model_name]
     try:
@@ -94,9 +113,9 @@ def _overview() -> str:
 def worker_command(argv: list[str]) -> int:
     """`ringserve worker ARGV`: check the flags and run the role's actor here (exits with its code)."""
     picker = argparse.ArgumentParser(prog="ringserve worker", add_help=False)
-    _add_role_argument(picker)
-    picker.add_argument("-h", "--help", action="store_true")
-    known, rest = picker.parse_known_args(argv)
+    flag_fields.add_arguments(WorkerFlags, picker)
+    parsed, rest = picker.parse_known_args(argv)
+    known = flag_fields.from_args(WorkerFlags, parsed)
     if known.role is None:
         if known.help:
             print(_overview())
