@@ -196,16 +196,17 @@ def test_quantization_on_a_quantized_checkpoint_is_refused(checkpoints: dict, fl
 
 
 @pytest.mark.parametrize("change", [{"bits": 8}, {"desc_act": True}, {"group_size": 48},
-                                    {"checkpoint_format": "gptq_v2"}])
-def test_an_unserved_gptq_variant_is_refused(checkpoints: dict, tmp_path: Path, change: dict) -> None:
-    """A GPTQ checkpoint of a variant we do not serve: refused in one line naming it and what is served."""
+                                    {"checkpoint_format": "gptq_v2"}, {"zero_point": False}, {"version": "gemv"}])
+def test_an_unserved_variant_is_refused(checkpoints: dict, tmp_path: Path, change: dict) -> None:
+    """A GPTQ or AWQ checkpoint of a variant we do not serve: refused in one line naming it and what is served."""
     source = checkpoints[CASES[0]][0]
-    quantization = {**quantization_config("gptq", 128, True), **change}
+    method = "awq" if "zero_point" in change or "version" in change else "gptq"
+    quantization = {**quantization_config(method, 128, True), **change}
     directory = with_quantization(source, tmp_path / "variant", quantization)
     done = ringserve_cmd("serve", "--model", str(directory), "--port", "1")
     assert done.returncode == 2, (done.stdout, done.stderr)
     lines = done.stderr.splitlines()
-    assert len(lines) == 2 and "is a gptq checkpoint with" in lines[1] and "served are" in lines[1], done.stderr
+    assert len(lines) == 2 and f"is a {method} checkpoint with" in lines[1] and "served are" in lines[1], done.stderr
 
 
 def test_a_quantized_checkpoint_s_weights_are_not_swapped(checkpoints: dict) -> None:
@@ -218,3 +219,12 @@ def test_a_quantized_checkpoint_s_weights_are_not_swapped(checkpoints: dict) -> 
     with pytest.raises(WeightMismatch, match="runs its gptq checkpoint's own codes, which are not swapped"):
         swap_weights(model, load_checkpoint(str(directory), torch.float32))
     assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())
+
+
+def test_codes_in_another_layout_than_named_are_refused(checkpoints: dict, tmp_path: Path) -> None:
+    """AWQ's tensors under a config that says GPTQ: the load stops naming the linear and the mismatch, rather
+    than serving misread codes."""
+    source = checkpoints[CASES[2]][0]
+    directory = with_quantization(source, tmp_path / "mislabelled", quantization_config("gptq", 64, False))
+    with pytest.raises(ValueError, match="not the layout its quant_method names"):
+        engine_of(directory)

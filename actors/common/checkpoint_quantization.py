@@ -60,7 +60,7 @@ def check_checkpoint_quantization(directory: str | Path, requested: str, tp: int
 
 
 SERVED_VARIANTS = ("4-bit GPTQ (v1 layout, sym or asym, a group size a multiple of 32 or -1, no desc_act) and "
-                   "4-bit AWQ (GEMM layout, a group size a multiple of 32)")
+                   "4-bit AWQ (GEMM layout with zero points, a group size a multiple of 32)")
 
 
 def unserved_variant(quantization: dict[str, Any]) -> str | None:
@@ -84,4 +84,6 @@ def unserved_variant(quantization: dict[str, Any]) -> str | None:
         version = str(quantization.get("version") or "gemm").lower()
         if version != "gemm":
             return f"version {version!r}"
+        if quantization.get("zero_point") is False:
+            return "zero_point false"
     return None

@@ -87,6 +87,9 @@ def _linear_codes(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor
                   name: str) -> LinearCodes:
     """Codes `[N, K]` with zeros and scales `[groups, N]` and each input's group `[K]`, one group per 32 inputs."""
     n, k = codes.shape
+    if zeros.shape != scales.shape or scales.shape[1] != n or groups.shape != (k,) or int(groups.max()) >= len(scales):
+        raise ValueError(f"{name}: codes [{n} out, {k} in], zeros {list(zeros.shape)}, scales {list(scales.shape)} "
+                         "and groups do not fit one another: not the layout its quant_method names")
     if k % QK:
         raise ValueError(f"{name}: {k} input features, not a multiple of {QK}: no int4 form of ours holds it")
     blocks = groups.reshape(k // QK, QK)
