@@ -6,6 +6,7 @@ and zero per group and output), and the codes written in the format's tensors:
 - GPTQ v1 (`gptq`): `qweight` int32 `[K / 8, N]`, eight codes along the inputs per word (code j at bits 4j);
   `qzeros` int32 `[groups, N / 8]`, eight zeros along the outputs per word, each stored one less than it is;
   `scales` fp16 `[groups, N]`; `g_idx` int32 `[K]`, the group of each input.
+- GPTQ v2 (`gptq_v2`): the same, the zeros stored as they are.
 - AWQ GEMM: `qweight` int32 `[K, N / 8]` and `qzeros` int32 `[groups, N / 8]`, eight values along the outputs per
   word, nibble j holding output `8c + AWQ_ORDER[j]`; `scales` fp16 `[groups, N]`; zeros as they are.
 
@@ -65,11 +66,11 @@ def _words(values: torch.Tensor) -> torch.Tensor:
     return torch.where(word >= 2 ** 31, word - 2 ** 32, word).to(torch.int32)
 
 
-def gptq_tensors(q: Quantized) -> dict[str, torch.Tensor]:
-    """A linear's GPTQ v1 tensors."""
+def gptq_tensors(q: Quantized, v2: bool = False) -> dict[str, torch.Tensor]:
+    """A linear's GPTQ tensors: v1's layout, or `v2`'s (the zeros stored as they are)."""
     k, n = q.codes.shape[1], q.codes.shape[0]
     qweight = _words(q.codes.t().reshape(k // 8, 8, n).permute(0, 2, 1))  # [K / 8, N]
-    qzeros = _words((q.zeros - 1).reshape(-1, n // 8, 8))  # [groups, N / 8]
+    qzeros = _words((q.zeros - (0 if v2 else 1)).reshape(-1, n // 8, 8))  # [groups, N / 8]
     return {"qweight": qweight, "qzeros": qzeros, "scales": q.scales, "g_idx": q.groups.to(torch.int32)}
 
 
@@ -84,17 +85,17 @@ def awq_tensors(q: Quantized) -> dict[str, torch.Tensor]:
 
 
 def quantization_config(method: str, group_size: int, sym: bool) -> dict[str, Any]:
-    """The `quantization_config` a GPTQ or AWQ checkpoint's config.json carries."""
-    if method == "gptq":
+    """The `quantization_config` a GPTQ (method "gptq" or "gptq_v2") or AWQ checkpoint's config.json carries."""
+    if method.startswith("gptq"):
         return {"quant_method": "gptq", "bits": 4, "group_size": group_size, "sym": sym, "desc_act": False,
-                "checkpoint_format": "gptq"}
+                "checkpoint_format": method}
     return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"}
 
 
 def write_quantized_checkpoint(hf_model: Any, directory: Path, method: str, group_size: int,
                                sym: bool) -> dict[str, Quantized]:
     """Save `hf_model` (a saved directory's model, with its tokenizer already there or not) with every decoder
-    linear quantized as `method` ("gptq" or "awq"), and set each one's float weight in `hf_model` to its exact
+    linear quantized as `method` ("gptq", "gptq_v2" or "awq"), and set each one's float weight in `hf_model` to its exact
     dequantization (the reference). Returns each linear's codes by its HF name."""
     from safetensors.torch import save_file
 
@@ -109,7 +110,7 @@ def write_quantized_checkpoint(hf_model: Any, directory: Path, method: str, grou
         for name, module in hf_model.named_modules():
             if name.rpartition(".")[2] in QUANTIZED:
                 q = quantize(module.weight, group_size, sym)
-                layout = gptq_tensors(q) if method == "gptq" else awq_tensors(q)
+                layout = awq_tensors(q) if method == "awq" else gptq_tensors(q, v2=method == "gptq_v2")
                 tensors.update({f"{name}.{part}": t.contiguous() for part, t in layout.items()})
                 module.weight.copy_(q.dequantize())
                 codes[name] = q

@@ -82,7 +82,7 @@ def tiny_model(family: str) -> Any:
 
 # (family, method, group size, symmetric)
 CASES = [("llama3", "gptq", 128, True), ("qwen3", "gptq", 32, False), ("llama3", "awq", 64, False),
-         ("qwen3", "awq", 128, False)]
+         ("qwen3", "awq", 128, False), ("qwen3", "gptq_v2", 64, False)]
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +124,7 @@ def test_a_quantized_checkpoint_runs_its_own_codes(checkpoints: dict, case: tupl
     q4_k on codes the test packs itself (our kernels quantize activations to int8 per block of 32, so the float
     model's own float32 matmuls are not an exact reference: on these models they part after about 8 tokens)."""
     directory, hf_model, codes = checkpoints[case]
-    method = case[1]
+    method = case[1].removesuffix("_v2")
     engine = engine_of(directory)
     layers = {n: m for n, m in engine.runner.model.named_modules() if isinstance(m, QuantLinear)}
     assert len(layers) == 4 * hf_model.config.num_hidden_layers, sorted(layers)
@@ -196,7 +196,7 @@ def test_quantization_on_a_quantized_checkpoint_is_refused(checkpoints: dict, fl
 
 
 @pytest.mark.parametrize("change", [{"bits": 8}, {"desc_act": True}, {"group_size": 48},
-                                    {"checkpoint_format": "gptq_v2"}, {"zero_point": False}, {"version": "gemv"}])
+                                    {"checkpoint_format": "marlin"}, {"zero_point": False}, {"version": "gemv"}])
 def test_an_unserved_variant_is_refused(checkpoints: dict, tmp_path: Path, change: dict) -> None:
     """A GPTQ or AWQ checkpoint of a variant we do not serve: refused in one line naming it and what is served."""
     source = checkpoints[CASES[0]][0]

@@ -59,7 +59,7 @@ def check_checkpoint_quantization(directory: str | Path, requested: str, tp: int
                                    "by rank; serve it with --tp 1")
 
 
-SERVED_VARIANTS = ("4-bit GPTQ (v1 layout, sym or asym, a group size a multiple of 32 or -1, no desc_act) and "
+SERVED_VARIANTS = ("4-bit GPTQ (gptq or gptq_v2 layout, sym or asym, a group size a multiple of 32 or -1, no desc_act) and "
                    "4-bit AWQ (GEMM layout with zero points, a group size a multiple of 32)")
 
 
@@ -76,7 +76,7 @@ def unserved_variant(quantization: dict[str, Any]) -> str | None:
         return f"group_size {group}"
     if method == "gptq":
         layout = quantization.get("checkpoint_format") or "gptq"
-        if layout != "gptq":
+        if layout not in ("gptq", "gptq_v2"):
             return f"checkpoint_format {layout!r}"
         if quantization.get("desc_act"):
             return "desc_act (inputs reordered across groups)"

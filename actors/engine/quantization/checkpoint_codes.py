@@ -3,7 +3,8 @@ form (kernels/cpu/packing_kbits.py's q4_k: unsigned 4-bit codes with an fp32 sca
 
 GPTQ (v1 `gptq` layout): `qweight` int32 `[K / 8, N]` packs eight 4-bit codes along the input features (code i at
 bits 4i), `qzeros` int32 `[groups, N / 8]` packs the zero points along the output features and stores each one
-less than it is (v1's "+1"), `scales` fp16 `[groups, N]`, `g_idx` `[K]` the group of each input feature.
+less than it is (v1's "+1"), `scales` fp16 `[groups, N]`, `g_idx` `[K]` the group of each input feature. The
+`gptq_v2` layout (`checkpoint_format`) is the same but stores the zero points as they are.
 AWQ (GEMM layout): `qweight` int32 `[K, N / 8]` and `qzeros` int32 `[groups, N / 8]` pack eight codes along the
 output features in the order [0, 2, 4, 6, 1, 3, 5, 7] (nibble i holds column `AWQ_ORDER[i]` of its eight),
 `scales` fp16 `[groups, N]`, group `k // group_size`; no "+1".
@@ -57,12 +58,12 @@ def _nibbles(words: torch.Tensor) -> torch.Tensor:
     return ((words.unsqueeze(-1) >> shifts) & (2 ** BITS - 1)).to(torch.int16)
 
 
-def gptq_codes(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-               g_idx: torch.Tensor | None, group_size: int, name: str) -> LinearCodes:
-    """A GPTQ v1 linear's tensors as `LinearCodes` (without `g_idx`, input k is in group k // `group_size`, -1:
-    one group); ValueError naming `name` when its groups do not fit."""
+def gptq_codes(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
+               group_size: int, name: str, v2: bool = False) -> LinearCodes:
+    """A GPTQ linear's tensors (v1 layout, or `v2`) as `LinearCodes` (without `g_idx`, input k is in group
+    k // `group_size`, -1: one group); ValueError naming `name` when its groups do not fit."""
     codes = _nibbles(qweight).permute(0, 2, 1).reshape(-1, qweight.shape[1]).t()  # [N, K]
-    zeros = _nibbles(qzeros).reshape(qzeros.shape[0], -1) + 1  # [groups, N], v1 stores zero - 1
+    zeros = _nibbles(qzeros).reshape(qzeros.shape[0], -1) + (0 if v2 else 1)  # [groups, N], v1 stores zero - 1
     k = codes.shape[1]
     groups = g_idx.long() if g_idx is not None else torch.arange(k) // (k if group_size == -1 else group_size)
     return _linear_codes(codes, zeros, scales, groups, name)
@@ -113,11 +114,12 @@ def read_linear_codes(tensors: Mapping[str, torch.Tensor],
     GPTQ or AWQ), by its name (the prefix of its tensors)."""
     method = str(quantization.get("quant_method")).lower()
     group_size = int(quantization.get("group_size", quantization.get("q_group_size", -1)))
+    v2 = quantization.get("checkpoint_format") == "gptq_v2"
     out: dict[str, LinearCodes] = {}
     for name in [n.removesuffix(".qweight") for n in tensors if n.endswith(".qweight")]:
         parts = [tensors[f"{name}.{part}"] for part in ("qweight", "qzeros", "scales")]
         if method == "gptq":
-            out[name] = gptq_codes(*parts, tensors.get(f"{name}.g_idx"), group_size, name)
+            out[name] = gptq_codes(*parts, tensors.get(f"{name}.g_idx"), group_size, name, v2)
         elif method == "awq":
             out[name] = awq_codes(*parts, group_size, name)
         else:
