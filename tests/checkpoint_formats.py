@@ -95,8 +95,8 @@ def quantization_config(method: str, group_size: int, sym: bool) -> dict[str, An
 def write_quantized_checkpoint(hf_model: Any, directory: Path, method: str, group_size: int,
                                sym: bool) -> dict[str, Quantized]:
     """Save `hf_model` (a saved directory's model, with its tokenizer already there or not) with every decoder
-    linear quantized as `method` ("gptq", "gptq_v2" or "awq"), and set each one's float weight in `hf_model` to its exact
-    dequantization (the reference). Returns each linear's codes by its HF name."""
+    linear quantized as `method` ("gptq", "gptq_v2" or "awq"), and set each one's float weight in `hf_model` to
+    its exact dequantization (the reference). Returns each linear's codes by its HF name."""
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
