@@ -90,10 +90,13 @@ class QuantLinear(nn.Module):
     """`y = x W^T + b` with W quantized; each call runs the kernel its `plan` names for that many rows."""
 
     def __init__(self, linear: nn.Linear, method: str = "int8", plan: ShapePlan | None = None,
-                 hold: tuple[str, ...] = (), packed: PackedWeight | None = None) -> None:
+                 hold: tuple[str, ...] = (), packed: PackedWeight | None = None,
+                 input_order: torch.Tensor | None = None) -> None:
         """Keeps only the weight formats the plan's kernels (and `hold`'s, for timing them) read: float32 too when
         the plan has it. `packed`: the weight already quantized (a GGUF file's blocks, method "gguf"), used as
-        it is for its format instead of quantizing `linear`'s."""
+        it is for its format instead of quantizing `linear`'s. `input_order`: the packed weight's columns are the
+        inputs in this order (a GPTQ `desc_act` checkpoint's, sorted by group), so each call's rows are reordered
+        the same way first."""
         super().__init__()
         if method not in METHODS and method not in GROUP_KERNELS:
             raise ValueError(f"unknown quantization {method!r}; choose one of {list(METHODS)}")
@@ -106,6 +109,7 @@ class QuantLinear(nn.Module):
         kernels = (set(self.plan.values()) or {self.default}) | set(hold)
         weight = linear.weight.detach().float()
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().float(), persistent=False)
+        self.register_buffer("input_order", input_order, persistent=False)
         # float32 weights are shared, not copied (a tied LM head keeps sharing the embedding's)
         self.register_buffer("weight_f", weight if kernels & set(FLOAT_WEIGHT_KERNELS) else None, persistent=False)
         self.packed: dict[str, PackedWeight] = {k: packed if packed is not None and k == packed.format
@@ -135,8 +139,9 @@ class QuantLinear(nn.Module):
         return kernel_for(self.plan, rows, self.default)
 
     def packed_for(self, rows: int) -> PackedWeight | None:
-        """The packed weight a call with `rows` rows reads, or None when its kernel is not a group kernel."""
-        return self.packed.get(self.kernel_for(rows))
+        """The packed weight a call with `rows` rows reads, or None when its kernel is not a group kernel or its
+        inputs are reordered first (`input_order`: only `forward` does that)."""
+        return None if self.input_order is not None else self.packed.get(self.kernel_for(rows))
 
     def run(self, rows: torch.Tensor, kernel: str) -> torch.Tensor:
         """`rows` `[M, in]` float32 through `kernel` (one the layer holds the weights for)."""
@@ -162,6 +167,8 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1]).float()
+        if self.input_order is not None:
+            rows = rows.index_select(1, self.input_order)
         y = self.run(rows.contiguous(), self.kernel_for(rows.shape[0]))
         return y.reshape(*shape[:-1], self.out_features).to(x.dtype)
 
@@ -175,11 +182,13 @@ def layer_method(name: str, method: str) -> str:
 
 
 def quantize_linears(model: nn.Module, method: str, plan: KernelPlan | None = None,
-                     packed: dict[str, PackedWeight] | None = None) -> nn.Module:
+                     packed: dict[str, PackedWeight] | None = None,
+                     input_orders: dict[str, torch.Tensor] | None = None) -> nn.Module:
     """Replace every `nn.Linear` of `model` (on the CPU) by a `QuantLinear` of `method` (`layer_method`), in
     place, each following its shape's entry of `plan` (without one: the method's default for every row count).
     With a method of PACKED_METHODS, `packed` holds the linears' GGUF blocks or checkpoint codes (module name ->
-    packed); a linear it lacks (the file stores it as floats) stays as it is."""
+    packed); a linear it lacks (the file stores it as floats) stays as it is. `input_orders`: a packed linear's
+    input order (QuantLinear's `input_order`), by module name."""
     if method not in METHODS:
         raise ValueError(f"unknown quantization {method!r}; choose one of {list(METHODS)}")
     packed = packed or {}
@@ -192,5 +201,6 @@ def quantize_linears(model: nn.Module, method: str, plan: KernelPlan | None = No
         shape_plan = (plan or {}).get((module.out_features, module.in_features))
         if method in PACKED_METHODS and name not in packed:
             continue  # stored as floats in the file: it runs its float weights
-        setattr(parent, child, QuantLinear(module, layer_method(name, method), shape_plan, packed=packed.get(name)))
+        setattr(parent, child, QuantLinear(module, layer_method(name, method), shape_plan, packed=packed.get(name),
+                                           input_order=(input_orders or {}).get(name)))
     return model

@@ -42,17 +42,26 @@ class Quantized:
         return scale * (self.codes.float() - zero)
 
 
-def quantize(weight: torch.Tensor, group_size: int, sym: bool) -> Quantized:
-    """`weight` `[N, K]` to 4-bit codes per group of `group_size` inputs: symmetric (zero 8) or asymmetric (a
-    zero between 1 and 15, which GPTQ v1 stores as zero - 1 in 4 bits)."""
-    n, k = weight.shape
-    groups = torch.arange(k) // group_size
-    blocks = weight.float().t().reshape(k // group_size, group_size, n)  # [groups, group, N]
+def desc_act_groups(k: int, group_size: int) -> torch.Tensor:
+    """GPTQ `desc_act`'s `g_idx` for `k` inputs: the inputs in an order drawn from `k` alone (every linear of one
+    input size shares it, as act-order's from their shared input does), the i-th of them in group i // size."""
+    order = torch.randperm(k, generator=torch.Generator().manual_seed(k))
+    return torch.empty(k, dtype=torch.int64).index_copy_(0, order, torch.arange(k) // group_size)
+
+
+def quantize(weight: torch.Tensor, group_size: int, sym: bool, desc_act: bool = False) -> Quantized:
+    """`weight` `[N, K]` to 4-bit codes per group of `group_size` inputs (consecutive ones, or `desc_act`'s):
+    symmetric (zero 8) or asymmetric (a zero between 1 and 15, which GPTQ v1 stores as zero - 1 in 4 bits)."""
+    k = weight.shape[1]
+    groups = desc_act_groups(k, group_size) if desc_act else torch.arange(k) // group_size
+    columns = weight.float().t()  # [K, N]
+    members = [columns[groups == g] for g in range(int(groups.max()) + 1)]  # each [group, N]
     if sym:
-        scales = (blocks.abs().amax(dim=1) / 7.0).half()
+        scales = (torch.stack([m.abs().amax(dim=0) for m in members]) / 7.0).half()
         zeros = torch.full_like(scales, 8, dtype=torch.int32)
     else:
-        low, high = blocks.amin(dim=1), blocks.amax(dim=1)
+        low = torch.stack([m.amin(dim=0) for m in members])
+        high = torch.stack([m.amax(dim=0) for m in members])
         scales = ((high - low) / 14.0).half()
         zeros = (-low / scales.float()).round().clamp(1, 15).to(torch.int32)
     codes = (weight.float().t() / scales.float()[groups]).round() + zeros[groups]
@@ -84,32 +93,33 @@ def awq_tensors(q: Quantized) -> dict[str, torch.Tensor]:
     return {"qweight": along_outputs(q.codes.t()), "qzeros": along_outputs(q.zeros), "scales": q.scales}
 
 
-def quantization_config(method: str, group_size: int, sym: bool) -> dict[str, Any]:
+def quantization_config(method: str, group_size: int, sym: bool, desc_act: bool = False) -> dict[str, Any]:
     """The `quantization_config` a GPTQ (method "gptq" or "gptq_v2") or AWQ checkpoint's config.json carries."""
     if method.startswith("gptq"):
-        return {"quant_method": "gptq", "bits": 4, "group_size": group_size, "sym": sym, "desc_act": False,
+        return {"quant_method": "gptq", "bits": 4, "group_size": group_size, "sym": sym, "desc_act": desc_act,
                 "checkpoint_format": method}
     return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"}
 
 
-def write_quantized_checkpoint(hf_model: Any, directory: Path, method: str, group_size: int,
-                               sym: bool) -> dict[str, Quantized]:
+def write_quantized_checkpoint(hf_model: Any, directory: Path, method: str, group_size: int, sym: bool,
+                               desc_act: bool = False) -> dict[str, Quantized]:
     """Save `hf_model` (a saved directory's model, with its tokenizer already there or not) with every decoder
     linear quantized as `method` ("gptq", "gptq_v2" or "awq"), and set each one's float weight in `hf_model` to
-    its exact dequantization (the reference). Returns each linear's codes by its HF name."""
+    its exact dequantization (the reference); `desc_act`: GPTQ's groups of inputs in act-order. Returns each
+    linear's codes by its HF name."""
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
     hf_model.config.save_pretrained(directory)
     config = json.loads((directory / "config.json").read_text())
-    config["quantization_config"] = quantization_config(method, group_size, sym)
+    config["quantization_config"] = quantization_config(method, group_size, sym, desc_act)
     (directory / "config.json").write_text(json.dumps(config))
     tensors: dict[str, torch.Tensor] = {}
     codes: dict[str, Quantized] = {}
     with torch.no_grad():
         for name, module in hf_model.named_modules():
             if name.rpartition(".")[2] in QUANTIZED:
-                q = quantize(module.weight, group_size, sym)
+                q = quantize(module.weight, group_size, sym, desc_act)
                 layout = awq_tensors(q) if method == "awq" else gptq_tensors(q, v2=method == "gptq_v2")
                 tensors.update({f"{name}.{part}": t.contiguous() for part, t in layout.items()})
                 module.weight.copy_(q.dequantize())

@@ -80,9 +80,10 @@ def tiny_model(family: str) -> Any:
         return tiny_hf_model(family)
 
 
-# (family, method, group size, symmetric)
-CASES = [("llama3", "gptq", 128, True), ("qwen3", "gptq", 32, False), ("llama3", "awq", 64, False),
-         ("qwen3", "awq", 128, False), ("qwen3", "gptq_v2", 64, False)]
+# (family, method, group size, symmetric, desc_act)
+CASES = [("llama3", "gptq", 128, True, False), ("qwen3", "gptq", 32, False, False), ("llama3", "awq", 64, False, False),
+         ("qwen3", "awq", 128, False, False), ("qwen3", "gptq_v2", 64, False, False),
+         ("llama3", "gptq", 64, False, True), ("qwen3", "gptq", 32, True, True)]
 
 
 @pytest.fixture(scope="module")
@@ -94,10 +95,10 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, tuple[P
     tokenizer = load_tokenizer(resolve_model("SmolLM2-135M-Instruct"))
     out = {}
     for case in CASES:
-        family, method, group, sym = case
+        family, method, group, sym, desc_act = case
         hf_model = tiny_model(family)
         directory = tmp_path_factory.mktemp(method) / f"{family}-{method}-{group}"
-        codes = write_quantized_checkpoint(hf_model, directory, method, group, sym)
+        codes = write_quantized_checkpoint(hf_model, directory, method, group, sym, desc_act)
         tokenizer.save_pretrained(directory)
         out[case] = (directory, hf_model, codes)
     return out
@@ -134,12 +135,17 @@ def test_a_quantized_checkpoint_runs_its_own_codes(checkpoints: dict, case: tupl
         assert layer.method == method and set(layer.packed) == {"q4_k"} and layer.weight_f is None, name
         assert layer.kernel_for(1) == layer.kernel_for(512) == "q4_k", name
         exact = torch.cat([q.dequantize() for q in fused_codes(codes, name)])
-        assert torch.equal(dequantize_kbits(layer.packed["q4_k"]), exact), name
+        packed, order = pack_kbits_of(fused_codes(codes, name))
+        assert (layer.input_order is None) == (order is None) == (not case[4]), name
+        columns = order if order is not None else torch.arange(exact.shape[1])
+        if order is not None:
+            assert torch.equal(layer.input_order, order), name
+        assert torch.equal(dequantize_kbits(layer.packed["q4_k"]), exact[:, columns]), name
         parent, _, child = name.rpartition(".")
         ref_parent = reference.get_submodule(parent)
         assert torch.equal(getattr(ref_parent, child).weight, exact), name
-        setattr(ref_parent, child, QuantLinear(getattr(ref_parent, child), method, layer.plan,
-                                               packed=pack_kbits_of(fused_codes(codes, name))))
+        setattr(ref_parent, child, QuantLinear(getattr(ref_parent, child), method, layer.plan, packed=packed,
+                                               input_order=order))
     expected = EngineCore(reference, EngineConfig(device="cpu", max_total_tokens=4096, torch_threads=1))
     prompts = [[5 + i for i in range(n)] for n in (3, 17, 40)]
     requests = [TokenizedRequest(f"r{i}", p, greedy(NEW_TOKENS)) for i, p in enumerate(prompts)]
@@ -150,7 +156,7 @@ def test_a_quantized_checkpoint_runs_its_own_codes(checkpoints: dict, case: tupl
                                            **{shape: "q4_k" for shape in shapes}}
 
 
-@pytest.mark.parametrize("case", [CASES[1], CASES[2]], ids=["gptq", "awq"])
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[5]], ids=["gptq", "awq", "gptq-desc_act"])
 def test_a_quantized_checkpoint_is_served_through_the_ring(checkpoints: dict, case: tuple) -> None:
     """`ringserve serve` on the directory: `/generate`'s greedy tokens of batched prompts equal the in-process
     engine's on the same directory, and `/get_server_info` reports the checkpoint's method and each linear
@@ -174,15 +180,20 @@ def test_a_quantized_checkpoint_is_served_through_the_ring(checkpoints: dict, ca
     assert report["method"] == case[1] and set(report.values()) - {case[1], report["isa"]} == {"q4_k"}, report
 
 
-def pack_kbits_of(parts: list[Quantized]) -> PackedWeight:
-    """The linears `parts` (rows concatenated) as our q4_k form, from the test's own codes."""
-    codes = torch.cat([q.codes for q in parts]).to(torch.int16)
-    scale = torch.cat([q.scales.float()[q.groups].t() for q in parts])  # [N, K] per input
-    zero = torch.cat([q.zeros.float()[q.groups].t() for q in parts])
+def pack_kbits_of(parts: list[Quantized]) -> tuple[PackedWeight, torch.Tensor | None]:
+    """The linears `parts` (rows concatenated) as our q4_k form, from the test's own codes, and the order of the
+    inputs its columns hold: desc_act's groups sorted (None: in order already)."""
+    groups = parts[0].groups
+    assert all(torch.equal(q.groups, groups) for q in parts)
+    order = None if torch.equal(groups, groups.sort().values) else torch.sort(groups, stable=True).indices
+    columns = order if order is not None else torch.arange(len(groups))
+    codes = torch.cat([q.codes for q in parts]).to(torch.int16)[:, columns]
+    scale = torch.cat([q.scales.float()[q.groups].t() for q in parts])[:, columns]  # [N, K] per input
+    zero = torch.cat([q.zeros.float()[q.groups].t() for q in parts])[:, columns]
     scale32, min32 = scale[:, ::32], -(scale * zero)[:, ::32]
     packed = pack_kbits(codes, scale32.repeat_interleave(2, dim=1), min32, 4)
     assert packed is not None
-    return packed
+    return packed, order
 
 
 @pytest.mark.parametrize("flag", ["int8", "int4", "auto"])
@@ -195,7 +206,7 @@ def test_quantization_on_a_quantized_checkpoint_is_refused(checkpoints: dict, fl
     assert len(lines) == 2 and "already quantized by 'gptq'" in lines[1], done.stderr
 
 
-@pytest.mark.parametrize("change", [{"bits": 8}, {"desc_act": True}, {"group_size": 48},
+@pytest.mark.parametrize("change", [{"bits": 8}, {"bits": 3}, {"group_size": 48},
                                     {"checkpoint_format": "marlin"}, {"zero_point": False}, {"version": "gemv"}])
 def test_an_unserved_variant_is_refused(checkpoints: dict, tmp_path: Path, change: dict) -> None:
     """A GPTQ or AWQ checkpoint of a variant we do not serve: refused in one line naming it and what is served."""

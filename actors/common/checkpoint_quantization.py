@@ -59,12 +59,12 @@ def check_checkpoint_quantization(directory: str | Path, requested: str, tp: int
                                    "by rank; serve it with --tp 1")
 
 
-SERVED_VARIANTS = ("4-bit GPTQ (gptq or gptq_v2 layout, sym or asym, a group size a multiple of 32 or -1, no desc_act) and "
-                   "4-bit AWQ (GEMM layout with zero points, a group size a multiple of 32)")
+SERVED_VARIANTS = ("4-bit GPTQ (gptq or gptq_v2 layout, sym or asym, desc_act or not, a group size a multiple of 32 "
+                   "or -1) and 4-bit AWQ (GEMM layout with zero points, a group size a multiple of 32)")
 
 
 def unserved_variant(quantization: dict[str, Any]) -> str | None:
-    """What of a served method's `quantization_config` we do not serve (bits, layout, group size, desc_act), in
+    """What of a served method's `quantization_config` we do not serve (bits, layout, group size, zero points), in
     words; None when all of it is served."""
     method = quant_method(quantization)
     bits = quantization.get("bits", quantization.get("w_bit"))
@@ -78,8 +78,6 @@ def unserved_variant(quantization: dict[str, Any]) -> str | None:
         layout = quantization.get("checkpoint_format") or "gptq"
         if layout not in ("gptq", "gptq_v2"):
             return f"checkpoint_format {layout!r}"
-        if quantization.get("desc_act"):
-            return "desc_act (inputs reordered across groups)"
     if method == "awq":
         version = str(quantization.get("version") or "gemm").lower()
         if version != "gemm":

@@ -11,8 +11,9 @@ output features in the order [0, 2, 4, 6, 1, 3, 5, 7] (nibble i holds column `AW
 
 Both mean `w = scale * (code - zero)`, which is exactly `w = d * code + m` with `d = scale` and
 `m = -scale * zero` in float32 (an fp16 scale times an integer of at most 5 bits is exact), so a group of 128
-is four of our 32-groups with the same scale and min. A 32-block whose inputs fall in several groups (GPTQ's
-`desc_act` reorders them) has no such form and is refused.
+is four of our 32-groups with the same scale and min. GPTQ's `desc_act` puts inputs of one group anywhere
+(`g_idx`): the columns are then sorted by group (stably), and the layer reorders its inputs the same way before
+the kernel (`order`); groups whose sizes are not multiples of 32 even so have no such form and are refused.
 """
 
 from __future__ import annotations
@@ -36,14 +37,19 @@ CODE_TENSORS = ("qweight", "qzeros", "scales", "g_idx")  # a quantized linear's 
 class LinearCodes:
     """One quantized linear `[N, K]` as our int4 form's parts: codes, and a scale and min per 32 inputs."""
 
-    codes: torch.Tensor  # int16 [N, K], 0..15
+    codes: torch.Tensor  # int16 [N, K], 0..15, the inputs in `order`
     scale32: torch.Tensor  # float32 [N, K / 32]
     min32: torch.Tensor  # float32 [N, K / 32]
+    order: torch.Tensor | None = None  # int64 [K]: column j holds input order[j] (None: the inputs' own order)
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 weight `[N, K]` the codes stand for (exactly the format's dequantization)."""
-        return (self.codes.float() * self.scale32.repeat_interleave(QK, dim=1)
-                + self.min32.repeat_interleave(QK, dim=1))
+        """The float32 weight `[N, K]` the codes stand for (exactly the format's dequantization), its columns in
+        the inputs' own order."""
+        weight = (self.codes.float() * self.scale32.repeat_interleave(QK, dim=1)
+                  + self.min32.repeat_interleave(QK, dim=1))
+        if self.order is None:
+            return weight
+        return torch.empty_like(weight).index_copy_(1, self.order, weight)
 
     def pack(self) -> PackedWeight:
         """The codes as our q4_k packed weight (no float copy)."""
@@ -93,14 +99,23 @@ def _linear_codes(codes: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor
                          "and groups do not fit one another: not the layout its quant_method names")
     if k % QK:
         raise ValueError(f"{name}: {k} input features, not a multiple of {QK}: no int4 form of ours holds it")
-    blocks = groups.reshape(k // QK, QK)
-    if not torch.equal(blocks, blocks[:, :1].expand_as(blocks)):
-        raise ValueError(f"{name}: its g_idx puts inputs of several groups in one block of {QK} (desc_act "
-                         "reorders them): not served; use a checkpoint quantized without desc_act")
-    block_group = blocks[:, 0]
+    order = None
+    if not _one_group_per_block(groups):  # desc_act: the inputs sorted by group, reordered so at each call
+        order = torch.sort(groups, stable=True).indices
+        codes, groups = codes[:, order], groups[order]
+        if not _one_group_per_block(groups):
+            raise ValueError(f"{name}: its g_idx groups are not multiples of {QK} inputs: no int4 form of ours "
+                             "holds them")
+    block_group = groups.reshape(k // QK, QK)[:, 0]
     scale32 = scales.float()[block_group].t().contiguous()  # [N, K / 32]
     zero32 = zeros.float()[block_group].t()
-    return LinearCodes(codes.contiguous(), scale32, (-scale32 * zero32).contiguous())
+    return LinearCodes(codes.contiguous(), scale32, (-scale32 * zero32).contiguous(), order)
+
+
+def _one_group_per_block(groups: torch.Tensor) -> bool:
+    """Whether every block of 32 consecutive inputs lies in one group."""
+    blocks = groups.reshape(-1, QK)
+    return torch.equal(blocks, blocks[:, :1].expand_as(blocks))
 
 
 def is_quantized_checkpoint(tensors: Mapping[str, torch.Tensor]) -> bool:

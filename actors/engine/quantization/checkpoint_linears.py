@@ -1,9 +1,11 @@
 """A GPTQ or AWQ checkpoint's linears as our packed int4 weights, by our model's module names: each one's codes
 read once (actors/engine/quantization/checkpoint_codes.py), the sibling linears our model fuses (q/k/v,
-gate/up) concatenated row by row as their float weights are (`fuse_hf_state_dict`), and packed as q4_k."""
+gate/up) concatenated row by row as their float weights are (`fuse_hf_state_dict`), and packed as q4_k; with
+GPTQ's `desc_act`, each linear's input order too (the siblings share their input, so they must share it)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,6 +19,14 @@ from ringserve.actors.engine.quantization.checkpoint_codes import CODE_TENSORS, 
 from ringserve.kernels.cpu.packed_weight import PackedWeight
 
 PARTS = ("codes", "scale32", "min32")
+
+
+@dataclass
+class CheckpointLinears:
+    """A checkpoint's quantized linears by our module name: packed, and the input order of those reordered."""
+
+    packed: dict[str, PackedWeight]
+    input_orders: dict[str, torch.Tensor]
 
 
 def checkpoint_method_of(source: ModelSource | None) -> str:
@@ -39,7 +49,7 @@ def read_code_tensors(directory: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def checkpoint_packed_linears(model: CausalLM, source: ModelSource) -> dict[str, PackedWeight]:
+def checkpoint_packed_linears(model: CausalLM, source: ModelSource) -> CheckpointLinears:
     """Every quantized linear of the GPTQ/AWQ checkpoint `source` packed as q4_k, by `model`'s module name."""
     if model.spec.prepare_weights is not None:
         raise ValueError(f"a {checkpoint_method_of(source)} checkpoint of {model.spec.name} is not served: its "
@@ -48,8 +58,16 @@ def checkpoint_packed_linears(model: CausalLM, source: ModelSource) -> dict[str,
     codes = read_linear_codes(read_code_tensors(Path(source.directory)), quantization)
     fused = {part: fuse_hf_state_dict({f"{name}.weight": getattr(c, part) for name, c in codes.items()},
                                       model.spec.hf_fusions, model.spec.hf_renames) for part in PARTS}
-    packed: dict[str, PackedWeight] = {}
+    # each linear's order as a row, so that fusing stacks its siblings' orders
+    orders = fuse_hf_state_dict({f"{name}.weight": (c.order if c.order is not None else torch.arange(
+        c.codes.shape[1]))[None] for name, c in codes.items()}, model.spec.hf_fusions, model.spec.hf_renames)
+    out = CheckpointLinears({}, {})
     for name in fused["codes"]:
-        linear = LinearCodes(*(fused[part][name] for part in PARTS))
-        packed[name.removesuffix(".weight")] = linear.pack()
-    return packed
+        module = name.removesuffix(".weight")
+        out.packed[module] = LinearCodes(*(fused[part][name] for part in PARTS)).pack()
+        order = orders[name]
+        if not torch.equal(order, order[:1].expand_as(order)):
+            raise ValueError(f"{module}: the linears it fuses order their inputs differently (desc_act): not served")
+        if not torch.equal(order[0], torch.arange(order.shape[1])):
+            out.input_orders[module] = order[0].contiguous()
+    return out

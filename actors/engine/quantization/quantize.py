@@ -103,14 +103,16 @@ def apply_quantization(model: nn.Module, config: EngineConfig, source: ModelSour
         return "none", {}
     start = time.perf_counter()
     packed = load_gguf_blocks(model, source) if method == "gguf" else None
+    input_orders: dict[str, torch.Tensor] = {}
     if checkpoint != "none":
         assert source is not None
-        packed = checkpoint_packed_linears(model, source)
+        linears = checkpoint_packed_linears(model, source)
+        packed, input_orders = linears.packed, linears.input_orders
     chosen = plan_linears(model, plan_rows(model, config), method, packed, bf16_allowed(config, source),
                           deterministic)
     _log(chosen, time.perf_counter() - start, packed)
     if chosen.method != "none":
-        quantize_linears(model, chosen.method, chosen.plan, packed)
+        quantize_linears(model, chosen.method, chosen.plan, packed, input_orders)
     if chosen.method == "none" or deterministic:  # deterministic: a gguf file's float layers follow it too
         use_float_plan(model, {shape: p for shape, p in chosen.plan.items() if set(p.values()) <= set(FLOAT_KERNELS)})
         _log_bf16(model)
