@@ -24,6 +24,7 @@ import torch
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+STACKED = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}  # transformers' stacked experts
 
 
 @dataclass
@@ -116,18 +117,27 @@ def write_quantized_checkpoint(hf_model: Any, directory: Path, method: str, grou
     (directory / "config.json").write_text(json.dumps(config))
     tensors: dict[str, torch.Tensor] = {}
     codes: dict[str, Quantized] = {}
+
+    def quantized(name: str, weight: torch.Tensor) -> None:  # `weight` set to its dequantization in place
+        q = quantize(weight, group_size, sym, desc_act)
+        layout = awq_tensors(q) if method == "awq" else gptq_tensors(q, v2=method == "gptq_v2")
+        tensors.update({f"{name}.{part}": t.contiguous() for part, t in layout.items()})
+        weight.copy_(q.dequantize())
+        codes[name] = q
+
     with torch.no_grad():
-        for name, module in hf_model.named_modules():
-            if name.rpartition(".")[2] in QUANTIZED:
-                q = quantize(module.weight, group_size, sym, desc_act)
-                layout = awq_tensors(q) if method == "awq" else gptq_tensors(q, v2=method == "gptq_v2")
-                tensors.update({f"{name}.{part}": t.contiguous() for part, t in layout.items()})
-                module.weight.copy_(q.dequantize())
-                codes[name] = q
-        quantized = tuple(codes)
-        for name, t in hf_model.state_dict().items():
-            if name.rpartition(".")[0] not in quantized and not (name.endswith("lm_head.weight")
-                                                                    and hf_model.config.tie_word_embeddings):
-                tensors[name] = t.contiguous()
+        for name, t in hf_model.state_dict(keep_vars=True).items():
+            parent, _, leaf = name.rpartition(".")
+            if leaf == "weight" and parent.rpartition(".")[2] in QUANTIZED:
+                quantized(parent, t.data)
+            elif parent.endswith(".experts") and leaf in STACKED and t.dim() == 3:
+                # transformers holds experts stacked; checkpoints store one linear per expert
+                for e, weight in enumerate(t.data):
+                    pieces = STACKED[leaf]
+                    for i, piece in enumerate(pieces):
+                        rows = weight.shape[0] // len(pieces)
+                        quantized(f"{parent}.{e}.{piece}", weight[i * rows:(i + 1) * rows])
+            elif not (name == "lm_head.weight" and hf_model.config.tie_word_embeddings):
+                tensors[name] = t.detach().contiguous()
     save_file(tensors, str(directory / "model.safetensors"))
     return codes

@@ -68,12 +68,15 @@ def test_an_unserved_quantization_is_refused_in_one_line(float_directory: Path, 
 
 def tiny_model(family: str) -> Any:
     """`family`'s tiny transformers model with 128 hidden and 256 intermediate features (so a group of 128 is
-    four of our 32-groups; 4 heads of 32) and SmolLM2's vocabulary (so the real tokenizer serves it)."""
+    four of our 32-groups; 4 heads of 32; experts of 64) and SmolLM2's vocabulary (so the real tokenizer serves
+    it)."""
     base = CONFIGS[family]
 
     def wider() -> Any:
         config = base()
         config.update(dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, head_dim=32))
+        if hasattr(config, "moe_intermediate_size"):
+            config.moe_intermediate_size = 64
         return config
 
     with patch.dict(CONFIGS, {family: wider}):
@@ -83,7 +86,8 @@ def tiny_model(family: str) -> Any:
 # (family, method, group size, symmetric, desc_act)
 CASES = [("llama3", "gptq", 128, True, False), ("qwen3", "gptq", 32, False, False), ("llama3", "awq", 64, False, False),
          ("qwen3", "awq", 128, False, False), ("qwen3", "gptq_v2", 64, False, False),
-         ("llama3", "gptq", 64, False, True), ("qwen3", "gptq", 32, True, True)]
+         ("llama3", "gptq", 64, False, True), ("qwen3", "gptq", 32, True, True),
+         ("qwen3_moe", "gptq", 32, False, False)]
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +106,16 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, tuple[P
         tokenizer.save_pretrained(directory)
         out[case] = (directory, hf_model, codes)
     return out
+
+
+FUSED_INTO = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj",
+              "up_proj": "gate_up_proj"}
+
+
+def our_name(hf_name: str) -> str:
+    """Our linear an HF linear is (part of): q/k/v in qkv_proj, gate/up in gate_up_proj."""
+    parent, _, child = hf_name.rpartition(".")
+    return f"{parent}.{FUSED_INTO.get(child, child)}"
 
 
 def fused_codes(codes: dict[str, Quantized], name: str) -> list[Quantized]:
@@ -128,7 +142,7 @@ def test_a_quantized_checkpoint_runs_its_own_codes(checkpoints: dict, case: tupl
     method = case[1].removesuffix("_v2")
     engine = engine_of(directory)
     layers = {n: m for n, m in engine.runner.model.named_modules() if isinstance(m, QuantLinear)}
-    assert len(layers) == 4 * hf_model.config.num_hidden_layers, sorted(layers)
+    assert set(layers) == {our_name(name) for name in codes}, sorted(layers)
     assert engine.stats().quantization["method"] == method
     reference = model_from_hf(hf_model.config, hf_model.state_dict(), "cpu")
     for name, layer in layers.items():
@@ -156,7 +170,8 @@ def test_a_quantized_checkpoint_runs_its_own_codes(checkpoints: dict, case: tupl
                                            **{shape: "q4_k" for shape in shapes}}
 
 
-@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[5]], ids=["gptq", "awq", "gptq-desc_act"])
+@pytest.mark.parametrize("case", [CASES[1], CASES[2], CASES[5], CASES[7]],
+                         ids=["gptq", "awq", "gptq-desc_act", "gptq-experts"])
 def test_a_quantized_checkpoint_is_served_through_the_ring(checkpoints: dict, case: tuple) -> None:
     """`ringserve serve` on the directory: `/generate`'s greedy tokens of batched prompts equal the in-process
     engine's on the same directory, and `/get_server_info` reports the checkpoint's method and each linear
