@@ -211,14 +211,18 @@ def pack_kbits_of(parts: list[Quantized]) -> tuple[PackedWeight, torch.Tensor | 
     return packed, order
 
 
-@pytest.mark.parametrize("flag", ["int8", "int4", "auto"])
-def test_quantization_on_a_quantized_checkpoint_is_refused(checkpoints: dict, flag: str) -> None:
-    """`--quantization` on top of a GPTQ checkpoint: refused in one line saying it is already quantized."""
+@pytest.mark.parametrize("flags, says", [
+    (["--quantization", "int8"], "already quantized by 'gptq'"), (["--quantization", "int4"], "already quantized"),
+    (["--quantization", "auto"], "already quantized"), (["--tp", "2"], "not split by rank"),
+    (["--dtype", "bfloat16"], "float32 activations only"), (["--device", "cuda"], "float32 activations only")])
+def test_flags_a_quantized_checkpoint_cannot_take_are_refused(checkpoints: dict, flags: list[str], says: str) -> None:
+    """`--quantization` on top of a GPTQ checkpoint, `--tp`, a GPU or another dtype: refused in one line
+    saying why, before any actor starts."""
     directory = checkpoints[CASES[0]][0]
-    done = ringserve_cmd("serve", "--model", str(directory), "--port", "1", "--quantization", flag)
+    done = ringserve_cmd("serve", "--model", str(directory), "--port", "1", *flags)
     assert done.returncode == 2, (done.stdout, done.stderr)
     lines = done.stderr.splitlines()
-    assert len(lines) == 2 and "already quantized by 'gptq'" in lines[1], done.stderr
+    assert len(lines) == 2 and says in lines[1], done.stderr
 
 
 @pytest.mark.parametrize("change", [{"bits": 8}, {"bits": 3}, {"group_size": 48},

@@ -32,10 +32,12 @@ def quant_method(quantization: dict[str, Any]) -> str:
     return str(quantization.get("quant_method") or "unnamed").lower()
 
 
-def check_checkpoint_quantization(directory: str | Path, requested: str, tp: int = 1) -> None:
+def check_checkpoint_quantization(directory: str | Path, requested: str, tp: int = 1, device: str = "auto",
+                                  dtype: str = "auto") -> None:
     """Raise UnservedQuantization when the checkpoint in `directory` is quantized by a method we do not serve (or
     a variant of it: `unserved_variant`), when `requested` (`--quantization`) would quantize a checkpoint that
-    already is, or when `tp` would split its codes across ranks."""
+    already is, when `tp` would split its codes across ranks, or when `device`/`dtype` (`--device`, `--dtype`)
+    name other than a CPU in float32, where its codes run (auto resolves in the engine, which refuses a GPU)."""
     quantization = checkpoint_quantization(directory)
     if quantization is None:
         return
@@ -57,6 +59,10 @@ def check_checkpoint_quantization(directory: str | Path, requested: str, tp: int
     if tp > 1:
         raise UnservedQuantization(f"--tp {tp} on {directory}, a {method} checkpoint: its packed codes are not split "
                                    "by rank; serve it with --tp 1")
+    if device not in ("auto", "cpu") or dtype not in ("auto", "float32"):
+        raise UnservedQuantization(f"--device {device} --dtype {dtype} on {directory}, a {method} checkpoint: its "
+                                   "4-bit codes run in our CPU kernels with float32 activations only (--device cpu, "
+                                   "--dtype float32)")
 
 
 SERVED_VARIANTS = ("4-bit GPTQ (gptq or gptq_v2 layout, sym or asym, desc_act or not, a group size a multiple of 32 "

@@ -92,7 +92,8 @@ class Ring:
             self.source = resolve_model(args.model)
             check_servable(self.source)  # weights and a tokenizer, before any actor starts
             if self.source.gguf_file is None:  # a quantization_config we serve, and no --quantization on top of it
-                check_checkpoint_quantization(self.source.directory, args.quantization, args.tp)
+                check_checkpoint_quantization(self.source.directory, args.quantization, args.tp, args.device,
+                                              args.dtype)
             self.subjects = Subjects(args.namespace)
             engine_config = EngineConfig.from_args(args)
             if engine_config.context_length is not None:  # longer than the model's: refused before any actor starts
