@@ -251,6 +251,20 @@ def test_a_quantized_checkpoint_s_weights_are_not_swapped(checkpoints: dict) -> 
     assert all(torch.equal(before[n], t) for n, t in model.state_dict().items())
 
 
+def test_codes_without_a_quantization_config_are_refused(checkpoints: dict, tmp_path: Path) -> None:
+    """An older AutoGPTQ directory (quantize_config.json, no quantization_config in config.json): refused in one
+    line saying what to do, not loaded as a float checkpoint it is not."""
+    directory = tmp_path / "autogptq"
+    shutil.copytree(checkpoints[CASES[0]][0], directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "quantize_config.json").write_text(json.dumps(config.pop("quantization_config")))
+    (directory / "config.json").write_text(json.dumps(config))
+    done = ringserve_cmd("serve", "--model", str(directory), "--port", "1")
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    lines = done.stderr.splitlines()
+    assert len(lines) == 2 and "quantize_config.json (AutoGPTQ's) but no quantization_config" in lines[1], done.stderr
+
+
 def test_codes_in_another_layout_than_named_are_refused(checkpoints: dict, tmp_path: Path) -> None:
     """AWQ's tensors under a config that says GPTQ: the load stops naming the linear and the mismatch, rather
     than serving misread codes."""

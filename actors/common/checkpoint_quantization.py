@@ -8,8 +8,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-# The methods whose codes the engine reads at load and keeps (actors/engine/models/weights.py).
+# The methods whose codes the engine reads at load and keeps (actors/engine/quantization/checkpoint_codes.py).
 SERVED_METHODS: tuple[str, ...] = ("gptq", "awq")
+OWN_CONFIG_FILE = "quantize_config.json"  # where older AutoGPTQ checkpoints keep their settings instead
 
 
 class UnservedQuantization(ValueError):
@@ -40,6 +41,10 @@ def check_checkpoint_quantization(directory: str | Path, requested: str, tp: int
     name other than a CPU in float32, where its codes run (auto resolves in the engine, which refuses a GPU)."""
     quantization = checkpoint_quantization(directory)
     if quantization is None:
+        if (Path(directory) / OWN_CONFIG_FILE).is_file():
+            raise UnservedQuantization(
+                f"{directory} has {OWN_CONFIG_FILE} (AutoGPTQ's) but no quantization_config in config.json: not "
+                "read; copy its settings into config.json's quantization_config with quant_method gptq")
         return
     method = quant_method(quantization)
     if method not in SERVED_METHODS:
