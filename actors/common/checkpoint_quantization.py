@@ -1,6 +1,7 @@
 """What a checkpoint says of its own quantization (`quantization_config` in config.json), read without torch, so
-the launcher refuses one we do not serve before any actor starts, in one line that names its method and what we
-serve; and `--quantization` on top of a checkpoint that is already quantized, saying why."""
+the launcher refuses one we do not serve before any actor starts, in one line that names its method (or the
+variant of a served one: bits, layout, group size, zero points) and what we serve; and the flags a quantized
+checkpoint cannot take (`--quantization` on top of it, `--tp`, a GPU or another dtype), saying why."""
 
 from __future__ import annotations
 
