@@ -44,7 +44,7 @@ from ringserve.kernels.linear_plan.plan import KernelPlan, ShapePlan, kernel_for
 
 log = logging.getLogger("ringserve.kernels.quantization")
 # the methods whose layers are made from codes already packed (a GGUF file's blocks; a GPTQ or AWQ checkpoint's
-# 4-bit groups, actors/engine/quantization/checkpoint_codes.py), never quantized here
+# 4-bit groups, kernels/cpu/checkpoint_codes.py), never quantized here
 CHECKPOINT_METHODS = ("gptq", "awq")  # their layers run the codes' kernel at every row count: no float copy is kept
 PACKED_METHODS = ("gguf", *CHECKPOINT_METHODS)
 METHODS = ("int8", "int4", *PACKED_METHODS)

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-# The methods whose codes the engine reads at load and keeps (actors/engine/quantization/checkpoint_codes.py).
+# The methods whose codes the engine reads at load and keeps (kernels/cpu/checkpoint_codes.py).
 SERVED_METHODS: tuple[str, ...] = ("gptq", "awq")
 OWN_CONFIG_FILE = "quantize_config.json"  # where older AutoGPTQ checkpoints keep their settings instead
 

@@ -37,7 +37,7 @@ from ringserve.actors.common.model_source import (
 from ringserve.actors.engine.execution_plan import ExecutionPlan, plain_execution
 from ringserve.actors.engine.models.causal_lm import CausalLM, build_model
 from ringserve.actors.engine.models.spec import head_dim_of
-from ringserve.actors.engine.quantization.checkpoint_codes import (
+from ringserve.kernels.cpu.checkpoint_codes import (
     CODE_TENSORS, dequantized_state_dict, is_quantized_checkpoint,
 )
 from ringserve.kernels.quantization import PACKED_METHODS

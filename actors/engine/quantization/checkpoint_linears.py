@@ -1,5 +1,5 @@
 """A GPTQ or AWQ checkpoint's linears as our packed int4 weights, by our model's module names: each one's codes
-read once (actors/engine/quantization/checkpoint_codes.py), the sibling linears our model fuses (q/k/v,
+read once (kernels/cpu/checkpoint_codes.py), the sibling linears our model fuses (q/k/v,
 gate/up) concatenated row by row as their float weights are (`fuse_hf_state_dict`), and packed as q4_k; with
 GPTQ's `desc_act`, each linear's input order too (the siblings share their input, so they must share it)."""
 
@@ -15,7 +15,7 @@ from ringserve.actors.engine.models.causal_lm import CausalLM
 from ringserve.actors.engine.models.weights import (
     checkpoint_method, checkpoint_quantization, fuse_hf_state_dict, safetensors_files,
 )
-from ringserve.actors.engine.quantization.checkpoint_codes import CODE_TENSORS, LinearCodes, read_linear_codes
+from ringserve.kernels.cpu.checkpoint_codes import CODE_TENSORS, LinearCodes, read_linear_codes
 from ringserve.kernels.cpu.packed_weight import PackedWeight
 
 PARTS = ("codes", "scale32", "min32")
