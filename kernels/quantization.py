@@ -182,13 +182,11 @@ def layer_method(name: str, method: str) -> str:
 
 
 def quantize_linears(model: nn.Module, method: str, plan: KernelPlan | None = None,
-                     packed: dict[str, PackedWeight] | None = None,
-                     input_orders: dict[str, torch.Tensor] | None = None) -> nn.Module:
+                     packed: dict[str, PackedWeight] | None = None) -> nn.Module:
     """Replace every `nn.Linear` of `model` (on the CPU) by a `QuantLinear` of `method` (`layer_method`), in
     place, each following its shape's entry of `plan` (without one: the method's default for every row count).
     With a method of PACKED_METHODS, `packed` holds the linears' GGUF blocks or checkpoint codes (module name ->
-    packed); a linear it lacks (the file stores it as floats) stays as it is. `input_orders`: a packed linear's
-    input order (QuantLinear's `input_order`), by module name."""
+    packed); a linear it lacks (the file stores it as floats) stays as it is."""
     if method not in METHODS:
         raise ValueError(f"unknown quantization {method!r}; choose one of {list(METHODS)}")
     packed = packed or {}
@@ -201,6 +199,5 @@ def quantize_linears(model: nn.Module, method: str, plan: KernelPlan | None = No
         shape_plan = (plan or {}).get((module.out_features, module.in_features))
         if method in PACKED_METHODS and name not in packed:
             continue  # stored as floats in the file: it runs its float weights
-        setattr(parent, child, QuantLinear(module, layer_method(name, method), shape_plan, packed=packed.get(name),
-                                           input_order=(input_orders or {}).get(name)))
+        setattr(parent, child, QuantLinear(module, layer_method(name, method), shape_plan, packed=packed.get(name)))
     return model

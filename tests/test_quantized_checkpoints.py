@@ -16,7 +16,9 @@ import torch
 
 from ringserve.actors.common.model_source import resolve_model
 from ringserve.actors.engine.config import EngineConfig
-from ringserve.actors.engine.models.weights import WeightMismatch, load_checkpoint, model_from_hf, swap_weights
+from ringserve.actors.engine.models.weights import (
+    WeightMismatch, load_checkpoint, load_model, model_from_hf, swap_weights,
+)
 from ringserve.actors.engine.scheduling.engine_core import EngineCore
 from ringserve.bus.messages import TokenizedRequest
 from ringserve.kernels.cpu.packed_weight import PackedWeight
@@ -134,7 +136,8 @@ def engine_of(directory: Path) -> EngineCore:
 def test_a_quantized_checkpoint_runs_its_own_codes(checkpoints: dict, case: tuple) -> None:
     """Loaded from the directory, every decoder linear is a layer of the checkpoint's method on our q4_k form
     whose weight is exactly the format's dequantization of its codes (fused q/k/v and gate/up row by row); the
-    rest loads as floats; no float copy of a quantized linear is kept. Greedy tokens equal those of an
+    rest loads as floats; a quantized linear is made from its codes as it loads, and no float copy of it is
+    ever held. Greedy tokens equal those of an
     in-process engine built from the float model holding those exact dequantized weights, its linears running
     q4_k on codes the test packs itself (our kernels quantize activations to int8 per block of 32, so the float
     model's own float32 matmuls are not an exact reference: on these models they part after about 8 tokens)."""
@@ -143,6 +146,8 @@ def test_a_quantized_checkpoint_runs_its_own_codes(checkpoints: dict, case: tupl
     engine = engine_of(directory)
     layers = {n: m for n, m in engine.runner.model.named_modules() if isinstance(m, QuantLinear)}
     assert set(layers) == {our_name(name) for name in codes}, sorted(layers)
+    loaded = load_model(resolve_model(str(directory)), torch.float32, "cpu")  # made from the codes as it loads
+    assert {n for n, m in loaded.named_modules() if isinstance(m, QuantLinear)} == set(layers)
     assert engine.stats().quantization["method"] == method
     reference = model_from_hf(hf_model.config, hf_model.state_dict(), "cpu")
     for name, layer in layers.items():

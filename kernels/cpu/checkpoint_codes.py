@@ -140,15 +140,3 @@ def read_linear_codes(tensors: Mapping[str, torch.Tensor],
         else:
             raise ValueError(f"quantized checkpoint method {method!r} is not read")
     return out
-
-
-def dequantized_state_dict(tensors: Mapping[str, torch.Tensor], quantization: Mapping[str, Any],
-                           dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """`tensors` with each quantized linear's code tensors replaced by its exact dequantized `.weight` in
-    `dtype`: what a float model holding the checkpoint's weights loads."""
-    codes = read_linear_codes(tensors, quantization)
-    out = {n: t for n, t in tensors.items()
-           if not any(n == f"{prefix}.{part}" for prefix in [n.rpartition(".")[0]] if prefix in codes
-                      for part in CODE_TENSORS)}
-    out.update({f"{name}.weight": c.dequantize().to(dtype) for name, c in codes.items()})
-    return out

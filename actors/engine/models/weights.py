@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 import tempfile
 import time
 from collections.abc import Mapping
@@ -36,10 +35,12 @@ from ringserve.actors.common.model_source import (
 )
 from ringserve.actors.engine.execution_plan import ExecutionPlan, plain_execution
 from ringserve.actors.engine.models.causal_lm import CausalLM, build_model
-from ringserve.actors.engine.models.spec import head_dim_of
-from ringserve.kernels.cpu.checkpoint_codes import (
-    CODE_TENSORS, dequantized_state_dict, is_quantized_checkpoint,
+from ringserve.actors.engine.models.checkpoint_linears import (
+    checkpoint_linears, install_checkpoint_linears, without_code_tensors,
 )
+from ringserve.actors.engine.models.hf_fusion import fuse_hf_state_dict
+from ringserve.actors.engine.models.spec import head_dim_of
+from ringserve.kernels.cpu.checkpoint_codes import CODE_TENSORS, is_quantized_checkpoint
 from ringserve.kernels.quantization import PACKED_METHODS
 from ringserve.observability.logging import log_event
 
@@ -86,7 +87,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: str | torch.devi
     return model
 
 
-def safetensors_files(directory: Path) -> list[Path]:
+def _safetensors_files(directory: Path) -> list[Path]:
     """The safetensors files of the checkpoint in `directory` (one file or shards)."""
     index = directory / SHARD_INDEX
     if index.is_file():
@@ -106,7 +107,7 @@ def checkpoint_dtype(source: ModelSource) -> torch.dtype | None:
     if source.gguf_file is not None:
         return None
     dtypes = set()
-    for path in safetensors_files(Path(source.directory)):
+    for path in _safetensors_files(Path(source.directory)):
         with safe_open(str(path), "pt") as f:
             for name in f.keys():
                 tensor = f.get_slice(name)
@@ -122,7 +123,7 @@ def read_safetensors(directory: Path, dtype: torch.dtype) -> dict[str, torch.Ten
     from safetensors.torch import load_file
 
     tensors: dict[str, torch.Tensor] = {}
-    for path in safetensors_files(directory):
+    for path in _safetensors_files(directory):
         for name, tensor in load_file(path).items():
             if not name.endswith(IGNORED_TENSORS):
                 codes = name.rpartition(".")[2] in CODE_TENSORS
@@ -163,9 +164,12 @@ def model_from_hf(
     if scaled is not None:
         raise ValueError(f"the checkpoint stores block-scaled FP8 weights ({scaled}), as DeepSeek-V3/R1's official "
                          "ones do: not served; use a bfloat16 conversion of it")
-    if is_quantized_checkpoint(state_dict):  # GPTQ/AWQ: the float model holds their exact dequantization
-        state_dict = dequantized_state_dict(state_dict, checkpoint_quantization(config), float_dtype(state_dict))
+    linears: dict[str, Any] = {}
+    if is_quantized_checkpoint(state_dict):  # GPTQ/AWQ: their linears run their codes, never held as floats
+        linears = checkpoint_linears(state_dict, checkpoint_quantization(config), model.spec)
+        state_dict = without_code_tensors(state_dict)
     tensors = fuse_hf_state_dict(dict(state_dict), model.spec.hf_fusions, model.spec.hf_renames)
+    install_checkpoint_linears(model, linears, tensors, checkpoint_method(config))
     if model.spec.prepare_weights is not None:
         tensors = model.spec.prepare_weights(tensors, config)
     if getattr(config, "tie_word_embeddings", False):
@@ -187,35 +191,6 @@ def checkpoint_quantization(config: Any) -> dict[str, Any]:
 def checkpoint_method(config: Any) -> str:
     """The method of a quantized checkpoint's `quantization_config` ("gptq", "awq"); "none" without one."""
     return str(checkpoint_quantization(config).get("quant_method") or "none").lower()
-
-
-def float_dtype(state_dict: Mapping[str, torch.Tensor]) -> torch.dtype:
-    """The dtype of a state dict's float tensors (a quantized linear's scales aside)."""
-    return next((t.dtype for name, t in state_dict.items()
-                 if t.is_floating_point() and name.rpartition(".")[2] not in CODE_TENSORS), torch.float32)
-
-
-def fuse_hf_state_dict(tensors: dict[str, torch.Tensor], fusions: Mapping[str, tuple[str, ...]],
-                       renames: tuple[tuple[str, str], ...] = ()) -> dict[str, torch.Tensor]:
-    """A HF state dict in our model's names: `renames` applied, stacked experts (`experts.gate_up_proj`
-    `[E, 2I, C]`, as transformers holds them in memory) split into one linear per expert, and the sibling
-    linears `fusions` names (q/k/v, gate/up; weights and biases) concatenated into our fused linear's."""
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in tensors.items():
-        for pattern, replacement in renames:
-            name = re.sub(pattern, replacement, name)
-        stacked = re.fullmatch(r"(.*\.experts)\.(gate_up_proj|down_proj)", name)
-        if stacked is not None and tensor.dim() == 3:
-            out.update({f"{stacked[1]}.{e}.{stacked[2]}.weight": w for e, w in enumerate(tensor.unbind(0))})
-        else:
-            out[name] = tensor
-    for fused, parts in fusions.items():
-        for match in [m for m in map(re.compile(rf"(|.*\.){parts[0]}\.(weight|bias)").fullmatch, list(out)) if m]:
-            parent, kind = match[1], match[2]
-            names = [f"{parent}{part}.{kind}" for part in parts]
-            if all(n in out for n in names):
-                out[f"{parent}{fused}.{kind}"] = torch.cat([out.pop(n) for n in names])
-    return out
 
 
 # config values a swapped-in checkpoint must share with the running model (beyond its tensors' shapes)

@@ -26,13 +26,12 @@ from ringserve.actors.common import startup_cache
 from ringserve.actors.common.model_source import ModelSource
 from ringserve.actors.engine.config import EngineConfig
 from ringserve.actors.engine.models.weights import checkpoint_dtype
-from ringserve.actors.engine.quantization.checkpoint_linears import checkpoint_method_of, checkpoint_packed_linears
 from ringserve.kernels.cpu.packing import PackedWeight
 from ringserve.kernels.float_linear import BF16, FLOAT_KERNELS, FloatLinear, use_float_plan
 from ringserve.kernels.linear_plan.plan import KernelPlan, plan_report
 from ringserve.kernels.linear_plan.planner import LinearPlan, linear_shapes, plan_linears
 from ringserve.kernels.linear_plan.report import choices, quantization_report
-from ringserve.kernels.quantization import CHECKPOINT_METHODS, quantize_linears
+from ringserve.kernels.quantization import CHECKPOINT_METHODS, QuantLinear, quantize_linears
 from ringserve.observability.logging import log_event
 
 if TYPE_CHECKING:
@@ -74,6 +73,13 @@ def load_gguf_blocks(model: CausalLM, source: ModelSource | None) -> dict[str, P
     return load_packed_linears(source, model.num_layers, model.tied_embeddings)
 
 
+def checkpoint_method_of(model: nn.Module) -> str:
+    """The method of a GPTQ/AWQ checkpoint whose linears `model` runs on their codes (made as it loaded), else
+    "none"."""
+    return next((m.method for m in model.modules() if isinstance(m, QuantLinear) and m.method in CHECKPOINT_METHODS),
+                "none")
+
+
 def bf16_allowed(config: EngineConfig, source: ModelSource | None) -> bool:
     """Whether the unquantized linears may run the bfloat16 kernel: `--float-kernels auto`, `--quantization`
     none or auto, and `source` a checkpoint whose matrices are bfloat16 (the kernel's weight is then exactly
@@ -88,7 +94,7 @@ def apply_quantization(model: nn.Module, config: EngineConfig, source: ModelSour
     "gptq"/"awq", its linears packed once from them); returns the method applied ("none", "int8", "int4", "gguf",
     "gptq" or "awq") and the kernel chosen per shape and row-count bucket. `source`: where `model` was loaded from (the
     gguf method reads its file's blocks; a bfloat16 checkpoint may run the bfloat16 kernel, `bf16_allowed`)."""
-    checkpoint = checkpoint_method_of(source)  # a GPTQ/AWQ checkpoint runs its own codes (no --quantization)
+    checkpoint = checkpoint_method_of(model)  # a GPTQ/AWQ checkpoint runs its own codes (no --quantization)
     method = config.quantization if checkpoint == "none" else checkpoint
     deterministic = config.enable_deterministic_inference
     on_cpu = config.resolved_device() == "cpu" and config.resolved_dtype() == "float32"
@@ -103,16 +109,13 @@ def apply_quantization(model: nn.Module, config: EngineConfig, source: ModelSour
         return "none", {}
     start = time.perf_counter()
     packed = load_gguf_blocks(model, source) if method == "gguf" else None
-    input_orders: dict[str, torch.Tensor] = {}
-    if checkpoint != "none":
-        assert source is not None
-        linears = checkpoint_packed_linears(model, source)
-        packed, input_orders = linears.packed, linears.input_orders
+    if checkpoint != "none":  # its linears were made from their codes as they loaded (models/checkpoint_linears.py)
+        packed = {name: m.packed[m.default] for name, m in model.named_modules() if isinstance(m, QuantLinear)}
     chosen = plan_linears(model, plan_rows(model, config), method, packed, bf16_allowed(config, source),
                           deterministic)
     _log(chosen, time.perf_counter() - start, packed)
     if chosen.method != "none":
-        quantize_linears(model, chosen.method, chosen.plan, packed, input_orders)
+        quantize_linears(model, chosen.method, chosen.plan, packed)
     if chosen.method == "none" or deterministic:  # deterministic: a gguf file's float layers follow it too
         use_float_plan(model, {shape: p for shape, p in chosen.plan.items() if set(p.values()) <= set(FLOAT_KERNELS)})
         _log_bf16(model)
