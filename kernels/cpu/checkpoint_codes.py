@@ -42,15 +42,6 @@ class LinearCodes:
     min32: torch.Tensor  # float32 [N, K / 32]
     order: torch.Tensor | None = None  # int64 [K]: column j holds input order[j] (None: the inputs' own order)
 
-    def dequantize(self) -> torch.Tensor:
-        """The float32 weight `[N, K]` the codes stand for (exactly the format's dequantization), its columns in
-        the inputs' own order."""
-        weight = (self.codes.float() * self.scale32.repeat_interleave(QK, dim=1)
-                  + self.min32.repeat_interleave(QK, dim=1))
-        if self.order is None:
-            return weight
-        return torch.empty_like(weight).index_copy_(1, self.order, weight)
-
     def pack(self) -> PackedWeight:
         """The codes as our q4_k packed weight (no float copy)."""
         packed = pack_kbits(self.codes, self.scale32.repeat_interleave(2, dim=1), self.min32, BITS)

@@ -4,7 +4,8 @@ A safetensors directory is read directly (its config as transformers resolves it
 so that no start but the first imports transformers). A GGUF goes through transformers' `from_pretrained`,
 which de-quantizes it; that takes most of a cold start, so the result is kept as safetensors (fused
 projections, in the load dtype) in the cache, and a warm start reads it directly. Our model is built on the
-meta device and the tensors are assigned into it, so no memory is spent on a random initialization.
+meta device and the tensors are assigned into it, so no memory is spent on a random initialization. A GPTQ or
+AWQ checkpoint's quantized linears are made from their codes instead (models/checkpoint_linears.py).
 
 Weights swapped without a restart (`update_weights_from_disk`): `load_checkpoint` reads a new checkpoint on
 the CPU (while the old weights keep serving), `swap_weights` checks that it has the running model's
