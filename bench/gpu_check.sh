@@ -139,7 +139,7 @@ gpu_pytest "$(left)" "$OUT/gpu_tests.log" -m gpu tests/gpu -k "not flashinfer"
 
 # 3. kernels: the Triton kernels compiled, and the graph runner with real capture.
 phase 3
-gpu_pytest "$(left)" "$OUT/gpu_kernel_tests.log" tests/test_kernels_triton.py tests/test_decode_graph_runner.py
+gpu_pytest "$(left)" "$OUT/gpu_kernel_tests.log" tests/kernels/test_kernels_triton.py tests/engine/test_decode_graph_runner.py
 
 # 4. flashinfer: once its JIT is done (at most until 60 s before this phase ends), its core figures and tests.
 phase 4

@@ -13,7 +13,7 @@ layers into `FloatLinear`s that follow it. oneDNN gets no copy of the weight: a 
 
 The float32 kernels compute the same float32 products and sums, in different orders, so their outputs differ
 in the last bits (~1e-5 of the values); greedy output is tested against transformers' with whatever this host
-chose (tests/test_float_linear.py, and every float32 equality test). `bf16` rounds the rows and its output to
+chose (tests/kernels/test_float_linear.py, and every float32 equality test). `bf16` rounds the rows and its output to
 bfloat16 (the weight is exactly the checkpoint's), so it computes what transformers does in bfloat16: half the
 weight bytes and, on CPUs with AVX512-BF16 or AMX, twice the multiply rate (1.3-2x faster than float32 at 1-1024
 rows on a 2-core AMD EPYC Zen 4, one thread). A layer whose plan runs `bf16` at every row count keeps only the

@@ -212,7 +212,8 @@ def _fmix32_(h: torch.Tensor) -> torch.Tensor:
     """`_fmix32` on an int32 tensor holding 32-bit values, in place: int32 products wrap to the same low 32 bits,
     and each shift is masked to be a logical one. In place and in int32, since the noise of a step is [S, V]: the
     int64 form with new temporaries took 72 ms for 32 rows of SmolLM2's vocabulary, this one 14
-    (bench/sampling_cost.py); tests/test_kernels_sampling.py checks it against the hash in Python's exact ints."""
+    (bench/sampling_cost.py); tests/kernels/test_kernels_sampling.py checks it against the hash in Python's exact
+    ints."""
     h ^= (h >> 16) & 0xFFFF
     h *= _MIX1
     h ^= (h >> 13) & 0x7FFFF

@@ -1,5 +1,5 @@
 """`python -m tests.busy_actor --nats-url URL --rank N`: an actor whose event loop is busy on purpose, for the
-heartbeat tests (tests/test_liveness_heartbeat.py).
+heartbeat tests (tests/ring/test_liveness_heartbeat.py).
 
 Once ready it blocks its own event loop, first with `time.sleep(BLOCK_SECONDS)` (a loop doing long synchronous
 work), then with our C++ float32 linear run repeatedly on the loop's thread for about as long (a long torch op),

@@ -25,7 +25,7 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 # A hog ends itself after 5 minutes should this process die before it kills the hog.
 CPU_HOG = "import time\nend = time.monotonic() + 300\nwhile time.monotonic() < end:\n    pass\n"
 # Servers the tests start serve eagerly on a CPU: compiling decode graphs in the background would cost each of
-# them a minute of CPU (tests/test_decode_graph_compile.py compiles in-process instead).
+# them a minute of CPU (tests/engine/test_decode_graph_compile.py compiles in-process instead).
 os.environ.setdefault("RINGSERVE_CPU_GRAPHS", "0")
 # Where a test does compile, a size whose graph fails is an error, never a silent eager fallback.
 os.environ.setdefault("RINGSERVE_GRAPH_FALLBACK", "error")

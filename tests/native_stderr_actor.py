@@ -1,7 +1,7 @@
 """`python -m tests.native_stderr_actor --nats-url URL [--crash]`: an actor that writes to file descriptor 2 as
 native code does (a forged log line with control characters, then a 1 MB flood in one write made while holding
 the GIL, as a C++ library's warning would be), then reports ready; with `--crash`, its main raises an exception
-whose message forges a line instead. For tests/test_log_safety.py."""
+whose message forges a line instead. For tests/observability/test_log_safety.py."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ CLIENT_CAP = 8
 TOTAL_CAP = 12
 
 # The small ring: a bounded entry queue, a short body-read timeout, small prefill chunks, tracing on, and the
-# grammar warm-up on (test_grammar_warm_up_ring.py; the other rings of the suite start without it).
+# grammar warm-up on (reasoning_tools/test_grammar_warm_up_ring.py; the other rings of the suite start without it).
 QUEUE_CAPACITY = 3
 BODY_READ_TIMEOUT = 1.5
 PREFILL_CHUNK = 32

@@ -1,5 +1,5 @@
 """`python -m tests.stuck_actor --nats-url URL`: an actor whose stop hangs (its `on_stop` hook blocks the event
-loop for two minutes), for the runtime's orphan test (tests/test_actor_runtime.py)."""
+loop for two minutes), for the runtime's orphan test (tests/ring/test_actor_runtime.py)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ glibc's malloc keeps most of what a process frees for its next allocations: tens
 (which rises to 32 MiB as large blocks are freed) come from heaps that a free only shrinks from the top, one
 per thread that allocates. The scheduler frees a step's activations every step, from its engine thread and the
 threads the compiler and weight reads run on, so after mixed traffic its resident memory stays at the largest
-steps' high-water mark and creeps up as the heaps fragment: measured with tests/test_soak.py's traffic on a
+steps' high-water mark and creeps up as the heaps fragment: measured with tests/api/test_soak.py's traffic on a
 2-core EPYC (Zen 3), +100-140 MiB per 5-second round of traffic, all of it returned by one `malloc_trim(0)`
 (after which the scheduler was within 8-38 MiB of where it started). To an operator that reads as a leak.
 

@@ -166,7 +166,7 @@ class VisionPrompts:
 
         This is transformers' `ProcessorMixin.__call__` taken apart (its merged kwargs, `_process_images`, then
         `get_text_with_replacements` in `_tokenize`), so that an image is processed once for any prompt it is
-        in; tests/test_image_cache.py checks the ids and tensors equal the whole call's."""
+        in; tests/vision/test_image_cache.py checks the ids and tensors equal the whole call's."""
         from PIL import Image
 
         processor = self._processor

@@ -17,7 +17,7 @@
 // (vpmaddubsw u8 x s8 -> saturating i16 pairs, then vpmaddwd to i32), for hosts without VNNI (AMD Zen 2/3).
 // At one activation row (a decode step at batch 1) AVX2 runs the whole 16-row tile in one pass over K
 // (tile1_avx2; kquant.cpp and kbits.cpp likewise), with the multi-row kernel's per-row arithmetic: every path,
-// row count and register block gives a row the same bits (tests/test_kernels_one_row.py).
+// row count and register block gives a row the same bits (tests/kernels/test_kernels_one_row.py).
 
 // Only the headers the kernels need (not torch/extension.h, which takes 4x longer to compile): the ops are
 // registered with the dispatcher, and Python calls them through torch.ops, no pybind module.

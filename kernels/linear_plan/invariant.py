@@ -7,7 +7,7 @@ row count, and only a kernel whose own per-row arithmetic is the same at every r
 
 - our group kernels (`q8_0`, `q4_0`, `q4_1`, the K-quants): each row's activations are quantized by
   themselves and its sums run in one order whatever the register block (integer sums are exact); measured
-  bit-identical at 1-512 rows, 1 and 2 threads, on both ISA paths (tests/test_deterministic_inference.py).
+  bit-identical at 1-512 rows, 1 and 2 threads, on both ISA paths (tests/engine/test_deterministic_inference.py).
 - `onednn_pad` for float32 weights: oneDNN's matmul gives each row the same bits from two rows up (measured
   at 2-512 rows, 1 and 2 threads; at one row it takes another path), so a one-row call runs as two.
   torch's `F.linear` (MKL) differs between most row counts and is never chosen; our `f32_gemv` is

@@ -3,5 +3,5 @@ forward returns (`batch.py`), the embeddings written over a step's image tokens 
 embedding request keeps between chunks (`embedding.py`) and a request's reasoning gate (`reasoning_gate.py`).
 
 It imports no other engine sub-package; `models/`, `runner/`, `speculative/` and the rest build on it, and
-`scheduling/` sits on top (tests/test_engine_import_layers.py).
+`scheduling/` sits on top (tests/engine/test_engine_import_layers.py).
 """

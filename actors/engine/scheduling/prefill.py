@@ -21,7 +21,7 @@ is admitted (whole or as a first chunk) or passed over, unless the KV slots, the
 are exhausted (then the queue waits for memory, in order). A prompt with k prompts ahead of it in the queue
 samples its first token within k + 1 steps (k + 2 in the overlap loop); with nothing ahead, in the next step.
 A step's prefill is at most B tokens, of which the chunked prompts take at most C, so with B = C the wait is
-at most k + 1 chunk-sized steps (tests/test_engine_hol.py, tests/faults/test_busy_host_ttft.py). With a
+at most k + 1 chunk-sized steps (tests/engine/test_engine_hol.py, tests/faults/test_busy_host_ttft.py). With a
 `pace` (step_pace.py), C is cut to what a step of about a second prefills at the recent steps' cost while other
 requests share the steps, so those steps stay short on a busy host too (issue 53); a prompt alone is cut only
 past a few seconds a step (its time to first token).

@@ -1,0 +1,1 @@
+"""Tracing, metrics, log safety and the startup report."""
